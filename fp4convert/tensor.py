@@ -1,0 +1,185 @@
+"""The public tensor API: quantize / dequantize one weight, on whichever backend fits its device.
+
+Backends: ``"reference"`` (pure PyTorch, any device, the source of truth) and ``"cuda"`` (our own
+kernels, built on first use). ``"auto"`` takes the kernels for CUDA tensors and the reference
+elsewhere; both give the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from . import reference as ref
+from .errors import NonFiniteError, QuantizationError, ShapeError
+from .swizzle import swizzle_scales, unswizzle_scales
+
+Format = Literal["nvfp4", "mxfp4"]
+Rotation = Literal["had16"]
+ScaleLayout = Literal["linear", "swizzled"]
+Backend = Literal["auto", "reference", "cuda"]
+
+FORMATS = ("nvfp4", "mxfp4")
+ROTATIONS = (None, "had16")
+BLOCK_SIZE = {"nvfp4": ref.NVFP4_BLOCK, "mxfp4": ref.MXFP4_BLOCK}
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """An FP4 weight: packed E2M1 nibbles, block scales and (NVFP4) the per-matrix global scale."""
+
+    packed: torch.Tensor  # uint8 [..., M, K/2]
+    scale: torch.Tensor  # float8_e4m3fn (nvfp4) / uint8 E8M0 (mxfp4); [..., M, K/bs] or swizzled [..., Mp, nbp]
+    global_scale: torch.Tensor | None  # fp32, shape = leading dims (0-dim for a matrix); None for mxfp4
+    fmt: Format
+    rotate: Rotation | None = None
+    scale_layout: ScaleLayout = "linear"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Shape of the original weight."""
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
+
+    @property
+    def block_size(self) -> int:
+        return BLOCK_SIZE[self.fmt]
+
+    def linear_scale(self) -> torch.Tensor:
+        """The block scales in the linear [..., M, K/bs] layout, whatever layout they are stored in."""
+        if self.scale_layout == "linear":
+            return self.scale
+        m, k = self.shape[-2:]
+        return unswizzle_scales(self.scale, m, k // self.block_size)
+
+
+def _check_options(fmt: str, rotate: str | None, scale_layout: str, backend: str) -> None:
+    if fmt not in FORMATS:
+        raise QuantizationError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if rotate not in ROTATIONS:
+        raise QuantizationError(f"unknown rotation {rotate!r}; expected None or 'had16'")
+    if scale_layout not in ("linear", "swizzled"):
+        raise QuantizationError(f"unknown scale layout {scale_layout!r}; expected 'linear' or 'swizzled'")
+    if backend not in ("auto", "reference", "cuda"):
+        raise QuantizationError(f"unknown backend {backend!r}; expected 'auto', 'reference' or 'cuda'")
+
+
+def _use_cuda(x: torch.Tensor, backend: str) -> bool:
+    if backend == "cuda":
+        if not x.is_cuda:
+            raise QuantizationError("backend='cuda' needs a CUDA tensor; move it with .cuda() or use 'auto'")
+        return True
+    return backend == "auto" and x.is_cuda
+
+
+def _cuda_ops():
+    """The kernels' module, imported only when a CUDA tensor needs it (never at package import)."""
+    from .cuda import ops
+
+    return ops
+
+
+def _as_batch(x: torch.Tensor) -> torch.Tensor:
+    """[..., M, K] -> contiguous [B, M, K] for the kernels."""
+    return x.reshape(-1, *x.shape[-2:]).contiguous()
+
+
+def amax(x: torch.Tensor, *, rotate: Rotation | None = None, backend: Backend = "auto") -> torch.Tensor:
+    """max|x| per matrix in fp32 (of the rotated values with ``rotate``): pass 1 of the pipeline.
+
+    Fused groups take the max of their members' amax and hand it to :func:`quantize` as
+    ``global_amax``. NaN/Inf propagate, so callers can refuse the tensor.
+    """
+    _check_options("nvfp4", rotate, "linear", backend)
+    if x.dim() < 2:
+        raise ShapeError(f"expected a weight of shape [..., M, K], got shape {tuple(x.shape)}")
+    if _use_cuda(x, backend):
+        if rotate and x.shape[-1] % ref.HAD16_SIZE:
+            raise ShapeError(f"Had16 needs K divisible by 16, got K={x.shape[-1]}")
+        return _cuda_ops().amax(_as_batch(x), rotate).reshape(x.shape[:-2])
+    return ref.tensor_amax(x, rotate)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: Format = "nvfp4",
+    *,
+    rotate: Rotation | None = None,
+    global_amax: torch.Tensor | float | None = None,
+    scale_layout: ScaleLayout = "linear",
+    backend: Backend = "auto",
+) -> QuantizedTensor:
+    """Quantize a bf16/fp16/fp32 weight ``[..., M, K]`` (blocks along K) to NVFP4 or MXFP4.
+
+    Leading dims are independent matrices, each with its own global scale unless ``global_amax``
+    (the max |x| of a fused group, after rotation) is given. Raises NonFiniteError for NaN/Inf
+    and ShapeError when K is not a multiple of the block size.
+    """
+    _check_options(fmt, rotate, scale_layout, backend)
+    if fmt == "mxfp4" and global_amax is not None:
+        raise QuantizationError("MXFP4 has no global scale; global_amax applies to NVFP4 only")
+    ref.check_shape(x, BLOCK_SIZE[fmt])
+    if _use_cuda(x, backend):
+        return _quantize_cuda(x, fmt, rotate, global_amax, scale_layout)
+    if fmt == "nvfp4":
+        packed, scale, gs = ref.nvfp4_quantize(x, global_amax, rotate)
+    else:
+        (packed, scale), gs = ref.mxfp4_quantize(x, rotate), None
+    if scale_layout == "swizzled":
+        scale = swizzle_scales(scale)
+    return QuantizedTensor(packed, scale, gs, fmt, rotate, scale_layout)
+
+
+def _quantize_cuda(
+    x: torch.Tensor, fmt: Format, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout
+) -> QuantizedTensor:
+    ops = _cuda_ops()
+    xb = _as_batch(x)
+    lead = x.shape[:-2]
+    gs = None
+    if fmt == "nvfp4":
+        if global_amax is None:
+            group_amax = ops.amax(xb, rotate)
+        else:
+            group_amax = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device)
+            group_amax = group_amax.expand(lead).reshape(-1).contiguous()
+        if not bool(torch.isfinite(group_amax).all()):
+            raise NonFiniteError(
+                "the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)"
+            )
+        gs = ref.global_scale(group_amax)
+    packed, scale, nonfinite = ops.quantize(xb, fmt, gs, rotate, scale_layout == "swizzled")
+    if bool(nonfinite):
+        raise NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")
+    packed = packed.reshape(*lead, *packed.shape[-2:])
+    scale = scale.reshape(*lead, *scale.shape[-2:])
+    if gs is not None:
+        gs = gs.reshape(lead)
+    return QuantizedTensor(packed, scale, gs, fmt, rotate, scale_layout)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16, *, backend: Backend = "auto") -> torch.Tensor:
+    """Back to a dense weight: fp32 arithmetic, the rotation undone, then cast to ``dtype``."""
+    _check_options(q.fmt, q.rotate, q.scale_layout, backend)
+    if _use_cuda(q.packed, backend):
+        lead = q.packed.shape[:-2]
+        gs = None if q.global_scale is None else q.global_scale.reshape(-1).to(torch.float32).contiguous()
+        out = _cuda_ops().dequantize(
+            _as_batch(q.packed),
+            _as_batch(q.scale),
+            gs,
+            q.fmt,
+            q.rotate,
+            q.scale_layout == "swizzled",
+            dtype,
+        )
+        return out.reshape(*lead, *out.shape[-2:])
+    scale = q.linear_scale()
+    if q.fmt == "nvfp4":
+        if q.global_scale is None:
+            raise QuantizationError("an NVFP4 tensor needs its global scale to be dequantized")
+        w = ref.nvfp4_dequantize(q.packed, scale, q.global_scale, q.rotate)
+    else:
+        w = ref.mxfp4_dequantize(q.packed, scale, q.rotate)
+    return w.to(dtype)
