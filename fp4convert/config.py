@@ -1,0 +1,74 @@
+"""The converter's settings, frozen: the CLI builds one, the library only reads it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from .errors import FP4ConvertError
+
+SCHEMES = ("nvfp4", "mxfp4")
+OUTPUT_FORMATS = ("fp4convert", "compressed-tensors", "modelopt")
+DEFAULT_MAX_SHARD = 5 * 10**9
+
+
+class ConfigError(FP4ConvertError):
+    """The requested settings are contradictory or malformed."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """Everything that decides the output bytes (and a few things that do not, marked)."""
+
+    scheme: str = "nvfp4"
+    rotate: str | None = None
+    format: str = "fp4convert"
+    ignore: tuple[str, ...] = ()
+    only: tuple[str, ...] = ()
+    max_shard_size: int = DEFAULT_MAX_SHARD
+    # Not part of the output's identity:
+    device: str = "auto"
+    overwrite: bool = False
+    resume: bool = False
+    revision: str | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ConfigError(f"unknown scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
+        if self.rotate not in (None, "had16"):
+            raise ConfigError(f"unknown rotation {self.rotate!r}; the only one is 'had16'")
+        if self.format not in OUTPUT_FORMATS:
+            raise ConfigError(f"unknown format {self.format!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
+        if self.max_shard_size <= 0:
+            raise ConfigError("--max-shard-size must be positive")
+        if self.overwrite and self.resume:
+            raise ConfigError("--overwrite and --resume contradict each other; pick one")
+        for p in (*self.ignore, *self.only):
+            if p.startswith("re:"):
+                try:
+                    re.compile(p[3:])
+                except re.error as exc:
+                    raise ConfigError(f"bad regex in pattern {p!r}: {exc}") from exc
+
+    def identity(self) -> dict:
+        """The settings that determine the output bytes; resume refuses when these change."""
+        d = asdict(self)
+        for k in ("device", "overwrite", "resume", "extra"):
+            d.pop(k)
+        d["ignore"], d["only"] = list(self.ignore), list(self.only)
+        return d
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1000' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*", text.upper())
+    if not m:
+        raise ConfigError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or 2GiB")
+    num, unit = float(m.group(1)), (m.group(2) or "B")
+    unit = unit if unit.endswith("B") else unit + "B"
+    base = 1024 if "I" in unit else 1000
+    power = {"B": 0, "KB": 1, "MB": 2, "GB": 3, "TB": 4}[unit.replace("I", "")]
+    return int(num * base**power)

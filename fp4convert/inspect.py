@@ -1,0 +1,278 @@
+"""Reading quantized checkpoints back: recognise the format, check it, and compare with a source.
+
+Default checks read headers and the tiny global-scale tensors only, so they are fast on a 100 GB
+checkpoint; ``check_files`` also reads the data (checksums, every block scale); ``verify``
+dequantizes every weight and compares it with the source model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import FP4ConvertError
+from .manifest import MANIFEST_NAME, file_digest, load_manifest
+from .plan import fused_group
+from .safetensors_io import TensorInfo, read_tensor
+from .source import Source, open_source
+from .swizzle import padded_shape
+from .tensor import QuantizedTensor, dequantize
+
+
+class InspectError(FP4ConvertError):
+    """The checkpoint cannot be read as a quantized checkpoint."""
+
+    exit_code = 4
+
+
+@dataclass
+class QuantizedModule:
+    """The tensors of one quantized weight, as found on disk."""
+
+    module: str
+    packed: TensorInfo
+    scale: TensorInfo
+    global_: TensorInfo | None  # weight_global_scale (encode) or weight_scale_2 (decode)
+    scheme: str
+    swizzled: bool
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
+
+
+@dataclass
+class CheckpointLayout:
+    """What a checkpoint is: its format, and its quantized modules and kept tensors."""
+
+    format: str  # fp4convert | compressed-tensors | modelopt | unquantized
+    scheme: str | None
+    rotate: str | None
+    modules: dict[str, QuantizedModule]
+    kept: list[TensorInfo]
+    tensors: dict[str, TensorInfo]
+    problems: list[str] = field(default_factory=list)
+
+
+# Per format: (packed suffix, scale suffix, global suffix, global is a decode scale).
+_NAMES = {
+    "fp4convert": (".weight_packed", ".weight_scale", ".weight_global_scale", False),
+    "compressed-tensors": (".weight_packed", ".weight_scale", ".weight_global_scale", False),
+    "modelopt": (".weight", ".weight_scale", ".weight_scale_2", True),
+}
+
+
+def detect_format(root: Path, manifest: dict | None) -> tuple[str, str | None]:
+    """(format, rotate) from the manifest, config.json or hf_quant_config.json."""
+    if manifest:
+        return manifest.get("format", "fp4convert"), manifest.get("rotate")
+    cfg_path = root / "config.json"
+    qc = json.loads(cfg_path.read_text()).get("quantization_config", {}) if cfg_path.exists() else {}
+    method = (qc or {}).get("quant_method")
+    if method == "compressed-tensors":
+        return "compressed-tensors", None
+    if method == "modelopt" or (root / "hf_quant_config.json").exists():
+        return "modelopt", None
+    return "unquantized", None
+
+
+def read_layout(source: Source) -> CheckpointLayout:
+    manifest = load_manifest(source.root)
+    fmt, rotate = detect_format(source.root, manifest)
+    tensors = {t.name: t for t in source.tensors()}
+    modules: dict[str, QuantizedModule] = {}
+    problems: list[str] = []
+    if fmt != "unquantized":
+        p_suf, s_suf, g_suf, _ = _NAMES[fmt]
+        for name, info in tensors.items():
+            if not name.endswith(p_suf) or info.dtype != "U8":
+                continue
+            module = name[: -len(p_suf)]
+            scale = tensors.get(module + s_suf)
+            if scale is None:
+                problems.append(f"{name}: packed weight without {module + s_suf}")
+                continue
+            scheme = "nvfp4" if scale.dtype == "F8_E4M3" else "mxfp4"
+            swizzled = fmt == "fp4convert" and (manifest or {}).get("scale_layout", "128x4") == "128x4"
+            modules[module] = QuantizedModule(module, info, scale, tensors.get(module + g_suf), scheme, swizzled)
+    used = {t.name for m in modules.values() for t in (m.packed, m.scale, m.global_) if t is not None}
+    kept = [t for n, t in tensors.items() if n not in used]
+    schemes = {m.scheme for m in modules.values()}
+    if len(schemes) > 1:
+        problems.append(f"mixed schemes in one checkpoint: {sorted(schemes)}")
+    scheme = schemes.pop() if len(schemes) == 1 else None
+    return CheckpointLayout(fmt, scheme, rotate, modules, kept, tensors, problems)
+
+
+def _read_global(source: Source, m: QuantizedModule, decode: bool) -> torch.Tensor | None:
+    """The module's ENCODE scale gs, whatever the format stores."""
+    if m.global_ is None:
+        return None
+    g = read_tensor(source.local_path(m.global_.file), m.global_).to(torch.float32)
+    return (1.0 / g if decode else g).reshape(m.packed.shape[:-2])
+
+
+def load_quantized(source: Source, layout: CheckpointLayout, m: QuantizedModule) -> QuantizedTensor:
+    """A quantized module's data as a QuantizedTensor (scales in the layout they are stored in)."""
+    packed = read_tensor(source.local_path(m.packed.file), m.packed)
+    scale = read_tensor(source.local_path(m.scale.file), m.scale)
+    gs = _read_global(source, m, _NAMES[layout.format][3]) if m.scheme == "nvfp4" else None
+    return QuantizedTensor(packed, scale, gs, m.scheme, layout.rotate, "swizzled" if m.swizzled else "linear")
+
+
+def _check_shapes(m: QuantizedModule) -> list[str]:
+    out = []
+    *lead, rows, half = m.packed.shape
+    bs = 16 if m.scheme == "nvfp4" else 32
+    k = half * 2
+    if k % bs:
+        return [f"{m.module}: K={k} is not a multiple of the {m.scheme} block size {bs}"]
+    nb = k // bs
+    want = (*lead, *padded_shape(rows, nb)) if m.swizzled else (*lead, rows, nb)
+    if m.scale.shape != want:
+        out.append(f"{m.module}: scale shape {list(m.scale.shape)}, expected {list(want)} for {m.scheme}")
+    if m.scheme == "nvfp4":
+        if m.global_ is None:
+            out.append(f"{m.module}: NVFP4 weight without a global scale")
+        elif m.global_.dtype != "F32":
+            out.append(f"{m.module}: global scale is {m.global_.dtype}, engines expect F32")
+    return out
+
+
+def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: str | None = None,
+                       revision: str | None = None) -> dict:
+    """Everything ``fp4convert inspect`` reports, as a dict (``ok`` is False when a check failed)."""
+    source = open_source(path_or_repo, revision)
+    layout = read_layout(source)
+    problems = list(layout.problems)
+    decode = _NAMES.get(layout.format, (0, 0, 0, False))[3]
+    globals_: dict[str, float] = {}
+    for m in layout.modules.values():
+        problems += _check_shapes(m)
+        if m.scheme == "nvfp4" and m.global_ is not None and m.global_.dtype == "F32":
+            g = _read_global(source, m, decode)
+            bad = ~torch.isfinite(g) | (g <= 0)
+            if bool(bad.any()):
+                problems.append(f"{m.module}: global scale {g.flatten()[:4].tolist()} is not finite and positive")
+            globals_[m.module] = g.flatten()[0].item() if g.numel() == 1 else float("nan")
+
+    # Fused groups must share one global scale (SPEC.md section 5).
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in list(layout.modules) + [t.name[: -len(".weight")] for t in layout.kept if t.name.endswith(".weight")]:
+        g = fused_group(name + ".weight")
+        if g:
+            groups[g].append(name)
+    for g, members in sorted(groups.items()):
+        q = [m for m in members if m in layout.modules]
+        if q and len(q) != len(members):
+            problems.append(f"fused group {g} is partly quantized: {sorted(set(members) - set(q))} kept")
+        vals = {globals_.get(m) for m in q if m in globals_}
+        if len(vals) > 1:
+            problems.append(f"fused group {g} has {len(vals)} different global scales (engines need one)")
+
+    manifest = load_manifest(source.root)
+    checksums = _check_files(source, manifest, layout, problems, full=check_files)
+    report = _summary(source, layout, globals_, groups)
+    report["checks"] = {
+        "problems": problems,
+        "block_scales_checked": check_files,
+        "checksums": checksums,
+    }
+    if verify:
+        report["verify"] = verify_against(source, layout, verify)
+    report["ok"] = not problems
+    return report
+
+
+def _check_files(source: Source, manifest: dict | None, layout: CheckpointLayout, problems: list[str],
+                 full: bool) -> str:
+    if full:
+        for m in layout.modules.values():
+            s = read_tensor(source.local_path(m.scale.file), m.scale)
+            if m.scheme == "nvfp4":
+                b = s.view(torch.uint8)
+                if bool(((b & 0x7F) == 0x7F).any()):
+                    problems.append(f"{m.module}: block scale is NaN (0x7F)")
+                if bool((b & 0x80).any()):
+                    problems.append(f"{m.module}: negative block scale")
+            elif bool((s == 0xFF).any()):
+                problems.append(f"{m.module}: E8M0 block scale 0xFF is NaN")
+    if manifest is None or source.is_hub:
+        return "no manifest" if manifest is None else "not checked (Hub source)"
+    for rel, rec in sorted(manifest.get("files", {}).items()):
+        p = source.root / rel
+        if not p.exists():
+            problems.append(f"{rel}: listed in {MANIFEST_NAME} but missing")
+        elif p.stat().st_size != rec["size"]:
+            problems.append(f"{rel}: size {p.stat().st_size}, manifest says {rec['size']}")
+        elif full and file_digest(p) != rec["sha256"]:
+            problems.append(f"{rel}: sha256 differs from {MANIFEST_NAME}")
+    return "sha256 verified" if full else "sizes verified (sha256 with --check-files)"
+
+
+_LAYER = re.compile(r"^(.*?layers\.\d+)\.")
+
+
+def _summary(source: Source, layout: CheckpointLayout, globals_: dict[str, float], groups: dict) -> dict:
+    q_params = sum(math.prod(m.shape) for m in layout.modules.values())
+    kept_params = sum(t.numel for t in layout.kept)
+    q_bytes = sum(t.nbytes for m in layout.modules.values() for t in (m.packed, m.scale, m.global_) if t)
+    kept_bytes = sum(t.nbytes for t in layout.kept)
+    layers: dict[str, dict] = defaultdict(lambda: {"quantized": 0, "kept": 0, "bytes": 0})
+    for m in layout.modules.values():
+        key = (_LAYER.match(m.module + ".") or [None, "(other)"])[1]
+        layers[key]["quantized"] += 1
+        layers[key]["bytes"] += sum(t.nbytes for t in (m.packed, m.scale, m.global_) if t)
+    for t in layout.kept:
+        key = (_LAYER.match(t.name) or [None, "(other)"])[1]
+        layers[key]["kept"] += 1
+        layers[key]["bytes"] += t.nbytes
+    return {
+        "path": source.label,
+        "format": layout.format,
+        "scheme": layout.scheme,
+        "rotate": layout.rotate,
+        "quantized": len(layout.modules),
+        "kept": len(layout.kept),
+        "fused_groups": len(groups),
+        "bytes": q_bytes + kept_bytes,
+        "params": q_params + kept_params,
+        "bits_per_param_quantized": round(8 * q_bytes / q_params, 4) if q_params else None,
+        "bits_per_param": round(8 * (q_bytes + kept_bytes) / (q_params + kept_params), 4) if q_params + kept_params else None,
+        "layers": dict(sorted(layers.items(), key=lambda kv: _natural(kv[0]))),
+        "global_scales": globals_,
+    }
+
+
+def _natural(s: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+def verify_against(source: Source, layout: CheckpointLayout, src: str) -> dict:
+    """Dequantize every quantized weight and compare it with the original (relative error, SNR)."""
+    original = open_source(src)
+    orig = {t.name: t for t in original.tensors()}
+    out = {}
+    for m in layout.modules.values():
+        info = orig.get(m.module + ".weight")
+        if info is None:
+            out[m.module] = {"error": "not in the source checkpoint"}
+            continue
+        x = read_tensor(original.local_path(info.file), info).to(torch.float32)
+        w = dequantize(load_quantized(source, layout, m), torch.float32)
+        if w.shape != x.shape:
+            out[m.module] = {"error": f"shape {list(w.shape)} vs source {list(x.shape)}"}
+            continue
+        err = (w - x).norm().item()
+        ref = x.norm().item()
+        out[m.module] = {
+            "rel_error": err / ref if ref else 0.0,
+            "snr_db": 20 * math.log10(ref / err) if err and ref else math.inf,
+        }
+    return out

@@ -1,0 +1,81 @@
+"""The manifest ``fp4convert.json``: every decision with its reason, the settings, and checksums.
+
+It is written last, so its presence means the conversion finished. It holds no timestamps: the
+same input and settings give a byte-identical manifest, like every other output file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import __version__
+from .tensor import BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from .formats import OutputFormat
+    from .plan import Plan
+    from .source import Source
+
+MANIFEST_NAME = "fp4convert.json"
+PROGRESS_NAME = ".fp4convert-progress.json"
+MANIFEST_VERSION = 1
+
+
+def file_digest(path: Path, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict, state: dict, dst: Path) -> dict:
+    """The manifest of a finished conversion (``state`` holds the shards' checksums and scales)."""
+    cfg = plan.config
+    shard_of = plan.shard_of()
+    tensors = {}
+    for d in plan.decisions:
+        rec = {
+            "action": d.action,
+            "reason": d.reason,
+            "group": d.group,
+            "dtype": d.info.dtype,
+            "shape": list(d.info.shape),
+            "source_file": d.info.file,
+            "outputs": {e.name: {"dtype": e.dtype, "shape": list(e.shape), "file": shard_of[e.name]} for e in d.outputs},
+        }
+        rec.update(state["tensors"].get(d.name, {}))
+        tensors[d.name] = rec
+    files = dict(state["files"])
+    for p in sorted(dst.rglob("*")):
+        rel = p.relative_to(dst).as_posix()
+        if p.is_file() and rel not in files and rel not in (MANIFEST_NAME, PROGRESS_NAME) and not rel.endswith(".partial"):
+            files[rel] = {"sha256": file_digest(p), "size": p.stat().st_size}
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        "producer": {"name": "fp4convert", "version": __version__},
+        "format": fmt.name,
+        "scheme": cfg.scheme,
+        "rotate": cfg.rotate,
+        "block_size": BLOCK_SIZE[cfg.scheme],
+        "scale_layout": "128x4" if fmt.swizzled else "linear",
+        "scale_dtype": "float8_e4m3fn" if cfg.scheme == "nvfp4" else "e8m0",
+        "global_scale": "encode scale gs = 2688 / amax; w = e2m1 * scale / gs" if cfg.scheme == "nvfp4" else None,
+        "settings": cfg.identity(),
+        "source": {**source.describe(), "weight_files": list(source.weight_files)},
+        "identity": identity,
+        "summary": plan.summary(),
+        "groups": {g: m for g, m in plan.groups.items()},
+        "tensors": tensors,
+        "files": files,
+    }
+
+
+def load_manifest(root: Path) -> dict | None:
+    path = root / MANIFEST_NAME
+    if not path.exists():
+        return None
+    return json.loads(path.read_text())

@@ -1,0 +1,277 @@
+"""Planning: decide, from names, shapes and dtypes alone, what happens to every tensor, and why.
+
+Pure: nothing here reads tensor data, so ``--dry-run`` and validation cost only the headers.
+SPEC.md section 8 says what is quantized by default and section 5 which layers share a global
+scale; a fused group is quantized whole or not at all.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .config import ConvertConfig
+from .errors import FP4ConvertError
+from .formats import OutputFormat
+from .safetensors_io import FLOAT_DTYPES, OutEntry, TensorInfo
+from .tensor import BLOCK_SIZE
+
+QUANTIZE, KEEP = "quantize", "keep"
+
+
+class PlanError(FP4ConvertError):
+    """The checkpoint cannot be converted as asked (validation failed before any work)."""
+
+    exit_code = 2
+
+
+# Layers that engines fuse into one GEMM: their members must share one global scale.
+FUSED = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("q_a_proj", "kv_a_proj_with_mqa")]
+_FUSED_OF = {m: members for members in FUSED for m in members}
+
+# Never quantized by default: (regex on the tensor name, reason).
+EXCLUDE: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"(^|\.)(embed_tokens|embeddings?|wte|wpe|word_embeddings|embed_positions|tok_embeddings)(\.|$)"),
+     "embedding"),
+    (re.compile(r"(^|\.)(lm_head|embed_out)(\.|$)|^output\.weight$"), "lm_head (output projection)"),
+    (re.compile(r"norm|(^|\.)ln_"), "normalization layer"),
+    (re.compile(r"(^|\.)gate\.|router|shared_expert_gate"), "MoE router / gate"),
+    (re.compile(r"(^|\.)mtp(\.|_)|(^|\.)nextn"), "MTP (multi-token prediction) layer"),
+    (re.compile(r"vision_tower|vision_model|(^|\.)visual\.|multi_modal_projector|mm_projector|vision_proj|"
+                r"image_newline|audio_tower"), "vision/audio tower or projector"),
+]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens to one source tensor, and why."""
+
+    name: str
+    action: str  # QUANTIZE or KEEP
+    reason: str
+    info: TensorInfo
+    group: str | None = None  # fused group id
+    outputs: tuple[OutEntry, ...] = ()
+
+    @property
+    def module(self) -> str:
+        return self.name[: -len(".weight")] if self.name.endswith(".weight") else self.name
+
+
+@dataclass
+class Plan:
+    """Every decision in processing order (fused groups adjacent) and the output shards."""
+
+    decisions: list[Decision]
+    groups: dict[str, list[str]]  # group id -> member tensor names
+    shards: list[tuple[str, list[OutEntry]]]  # output file -> its tensors, in write order
+    config: ConvertConfig
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def by_name(self) -> dict[str, Decision]:
+        return {d.name: d for d in self.decisions}
+
+    def units(self) -> list[list[Decision]]:
+        """Work units: a fused group, or a single tensor."""
+        out: list[list[Decision]] = []
+        seen: set[str] = set()
+        by_name = self.by_name
+        for d in self.decisions:
+            if d.name in seen:
+                continue
+            members = [by_name[n] for n in self.groups[d.group]] if d.group and d.action == QUANTIZE else [d]
+            seen.update(m.name for m in members)
+            out.append(members)
+        return out
+
+    def shard_of(self) -> dict[str, str]:
+        return {e.name: f for f, entries in self.shards for e in entries}
+
+    def summary(self) -> dict:
+        q = [d for d in self.decisions if d.action == QUANTIZE]
+        params_in = sum(d.info.numel for d in self.decisions)
+        bytes_in = sum(d.info.nbytes for d in self.decisions)
+        bytes_out = sum(e.nbytes for _, entries in self.shards for e in entries)
+        q_params = sum(d.info.numel for d in q)
+        q_bytes = sum(e.nbytes for d in q for e in d.outputs)
+        return {
+            "tensors": len(self.decisions),
+            "quantized": len(q),
+            "kept": len(self.decisions) - len(q),
+            "fused_groups": len({d.group for d in q if d.group}),
+            "params": params_in,
+            "quantized_params": q_params,
+            "bytes_in": bytes_in,
+            "bytes_out": bytes_out,
+            "shards_out": len(self.shards),
+            "bits_per_param_quantized": round(8 * q_bytes / q_params, 4) if q_params else None,
+            "bits_per_param": round(8 * bytes_out / params_in, 4) if params_in else None,
+        }
+
+    def to_json(self) -> dict:
+        return {
+            "settings": self.config.identity(),
+            "summary": self.summary(),
+            "warnings": self.warnings,
+            "tensors": [
+                {
+                    "name": d.name,
+                    "action": d.action,
+                    "reason": d.reason,
+                    "group": d.group,
+                    "dtype": d.info.dtype,
+                    "shape": list(d.info.shape),
+                    "outputs": [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape)} for e in d.outputs],
+                }
+                for d in self.decisions
+            ],
+        }
+
+
+def matches(pattern: str, name: str) -> bool:
+    """A user pattern: ``re:REGEX`` (searched) or a glob, against the tensor or its module name."""
+    module = name[: -len(".weight")] if name.endswith(".weight") else name
+    if pattern.startswith("re:"):
+        rx = re.compile(pattern[3:])
+        return bool(rx.search(name) or rx.search(module))
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(module, pattern)
+
+
+def fused_group(name: str) -> str | None:
+    """The group id of a fused-GEMM member (per expert: the expert index is part of the prefix)."""
+    if not name.endswith(".weight"):
+        return None
+    module = name[: -len(".weight")]
+    prefix, _, leaf = module.rpartition(".")
+    members = _FUSED_OF.get(leaf)
+    return f"{prefix}.{{{','.join(members)}}}" if members else None
+
+
+def _mtp_layers(model_config: dict) -> set[int]:
+    """DeepSeek-style MTP layers sit after the last decoder layer: layers.N .. N+k-1."""
+    n = model_config.get("num_hidden_layers")
+    k = model_config.get("num_nextn_predict_layers") or 0
+    return set(range(n, n + k)) if isinstance(n, int) and k else set()
+
+
+def _default_reason(info: TensorInfo, scheme: str, mtp: set[int]) -> str | None:
+    """Why a tensor is not quantized by default; None when it is."""
+    name = info.name
+    if info.dtype not in FLOAT_DTYPES:
+        if info.dtype.startswith("F"):
+            return f"dtype {info.dtype} is not a bf16/fp16/fp32 source weight"
+        return f"not floating point ({info.dtype})"
+    if not name.endswith(".weight"):
+        return "not a weight (bias, buffer or scale)"
+    for rx, reason in EXCLUDE:
+        if rx.search(name):
+            return reason
+    m = re.search(r"(^|\.)layers\.(\d+)\.", name)
+    if m and int(m.group(2)) in mtp:
+        return "MTP (multi-token prediction) layer"
+    if len(info.shape) != 2:
+        return f"{len(info.shape)}-D tensor, not a linear layer's [out, in] weight"
+    if 0 in info.shape:
+        return "empty tensor"
+    k, bs = info.shape[-1], BLOCK_SIZE[scheme]
+    if k % bs:
+        return f"in-features K={k} is not a multiple of the {scheme} block size {bs}"
+    return None
+
+
+def make_plan(
+    tensors: list[TensorInfo], config: ConvertConfig, fmt: OutputFormat, model_config: dict | None = None
+) -> Plan:
+    """Decide every tensor, group the fused layers, and lay out the output shards."""
+    model_config = model_config or {}
+    fmt.check(config.scheme, config.rotate)
+    qc = model_config.get("quantization_config")
+    if qc:
+        raise PlanError(
+            f"the source is already quantized (quantization_config: {qc.get('quant_method', '?')}); "
+            "fp4convert needs a bf16/fp16/fp32 checkpoint"
+        )
+    mtp = _mtp_layers(model_config)
+
+    # 1. Per-tensor decision.
+    reasons: dict[str, str | None] = {}
+    for info in tensors:
+        reason = _default_reason(info, config.scheme, mtp)
+        hit = next((p for p in config.ignore if matches(p, info.name)), None)
+        if hit is not None:
+            reason = f"matched --ignore {hit}"
+        elif config.only and reason is None and not any(matches(p, info.name) for p in config.only):
+            reason = "not matched by --only"
+        reasons[info.name] = reason
+
+    # 2. Fused groups: whole or not at all.
+    groups: dict[str, list[str]] = OrderedDict()
+    for info in tensors:
+        g = fused_group(info.name)
+        if g:
+            groups.setdefault(g, []).append(info.name)
+    for g, members in groups.items():
+        blocked = [m for m in members if reasons[m] is not None]
+        if blocked and len(blocked) < len(members):
+            why = f"fused group {g} stays whole: {blocked[0]} is kept ({reasons[blocked[0]]})"
+            for m in members:
+                if reasons[m] is None:
+                    reasons[m] = why
+        if len({tuple(i.shape[1:]) for i in tensors if i.name in members}) > 1:
+            raise PlanError(f"fused group {g} has members with different in-features; cannot share a scale")
+
+    # 3. Decisions in processing order: a group is processed at its first member.
+    by_name = {i.name: i for i in tensors}
+    decisions: list[Decision] = []
+    done: set[str] = set()
+    for info in tensors:
+        if info.name in done:
+            continue
+        g = fused_group(info.name)
+        unit = groups[g] if g and reasons[info.name] is None else [info.name]
+        for name in unit:
+            i = by_name[name]
+            done.add(name)
+            if reasons[name] is None:
+                module = name[: -len(".weight")]
+                reason = "linear weight" + (f", fused group of {len(groups[g])} sharing one global scale" if g else "")
+                decisions.append(Decision(name, QUANTIZE, reason, i, g, tuple(fmt.entries(module, i.shape, config.scheme))))
+            else:
+                decisions.append(Decision(name, KEEP, reasons[name], i, g, (OutEntry(name, i.dtype, i.shape),)))
+
+    _check_collisions(decisions)
+    plan = Plan(decisions, {g: m for g, m in groups.items()}, _layout(decisions, config.max_shard_size), config)
+    if not any(d.action == QUANTIZE for d in decisions):
+        plan.warnings.append("no tensor is quantized: check --only / --ignore and the checkpoint's layer names")
+    return plan
+
+
+def _check_collisions(decisions: list[Decision]) -> None:
+    owner: dict[str, str] = {}
+    for d in decisions:
+        for e in d.outputs:
+            if e.name in owner:
+                raise PlanError(
+                    f"output tensor {e.name!r} would be written for both {owner[e.name]} and {d.name}; "
+                    "is the source already quantized? Exclude one with --ignore"
+                )
+            owner[e.name] = d.name
+
+
+def _layout(decisions: list[Decision], max_shard: int) -> list[tuple[str, list[OutEntry]]]:
+    """Cut the outputs, in processing order, into shards of at most ``max_shard`` bytes."""
+    shards: list[list[OutEntry]] = [[]]
+    size = 0
+    for d in decisions:
+        unit_bytes = sum(e.nbytes for e in d.outputs)
+        if shards[-1] and size + unit_bytes > max_shard:
+            shards.append([])
+            size = 0
+        shards[-1].extend(d.outputs)
+        size += unit_bytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    return list(zip(names, shards))
