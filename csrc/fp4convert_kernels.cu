@@ -1,0 +1,775 @@
+// fp4convert CUDA kernels: amax, NVFP4 / MXFP4 quantize (optionally fused with Had16), dequantize.
+//
+// Numerics: SPEC.md, bit for bit with fp4convert/reference.py. Every fp32 step is one IEEE operation
+// with round-to-nearest-even (__fmul_rn / __fadd_rn / __fdiv_rn / __fmaf_rn where an FMA is exact by
+// construction); the library is built with -fmad=false and without fast math.
+//
+// Plain CUDA C++, no torch headers: extern "C" launchers take raw device pointers and a cudaStream_t,
+// so nvcc alone compile-checks this file for sm_90 / sm_100a / sm_120a and Python calls it via ctypes.
+//
+// Work split (all kernels): one thread owns GROUP = 32 consecutive elements of one matrix (two NVFP4
+// blocks or one MXFP4 block, two Had16 groups). It reads them with 16-byte loads and writes its 16
+// bytes of codes with one 16-byte store. Blocks never straddle rows because K % 16 == 0 (NVFP4) or
+// K % 32 == 0 (MXFP4), so a matrix is a flat array of blocks and the linear scale of block i is byte i.
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include <float.h>
+
+#define FP4C_API extern "C" __attribute__((visibility("default")))
+
+// E2M1 conversion in hardware where the target has cvt.rn.satfinite.e2m1x2.f32 (sm_100a family,
+// sm_120a family); elsewhere (sm_90 and older) the exact software path below.
+#if defined(__CUDA_ARCH__) &&                                                                      \
+    (defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM101_ALL) ||                 \
+     defined(__CUDA_ARCH_FEAT_SM103_ALL) || defined(__CUDA_ARCH_FEAT_SM110_ALL) ||                 \
+     defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL))
+#define FP4C_HW_E2M1 1
+#else
+#define FP4C_HW_E2M1 0
+#endif
+
+namespace {
+
+enum : int { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+enum : int { FMT_NVFP4 = 0, FMT_MXFP4 = 1 };
+
+constexpr int GROUP = 32;     // elements per thread
+constexpr int THREADS = 256;  // threads per CTA
+
+template <int DT>
+struct Elem {
+  static constexpr int size = DT == DT_F32 ? 4 : 2;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Small helpers
+// ------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint4 ldg16(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint2 ldg8(const void* p) {
+  uint2 r;
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void stg16(void* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ void stg8(void* p, uint2 v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+
+// Per-halfword unsigned max: abs-bit patterns of bf16/fp16 order like their magnitudes, and NaN/Inf
+// patterns sort above every finite one, so a max over them propagates non-finite values.
+__device__ __forceinline__ uint32_t vmax_u16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t d;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#else
+  return __vmaxu2(a, b);
+#endif
+}
+
+#if !FP4C_HW_E2M1
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+#endif
+
+// fp32 -> E4M3 byte (RNE, saturating at 448, subnormals kept): the hardware conversion (sm_89+).
+__device__ __forceinline__ uint32_t e4m3_from_f32(float s) {
+  unsigned short d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(0.0f), "f"(s));
+  return d & 0xFFu;
+}
+
+// E4M3 byte -> fp32 (exact; every E4M3 value is an fp16 value).
+__device__ __forceinline__ float f32_from_e4m3(uint32_t b) {
+  uint32_t h2;
+  unsigned short in = (unsigned short)b;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+  return __half2float(__ushort_as_half((unsigned short)(h2 & 0xFFFFu)));
+}
+
+// Exact 2^k from exponent bits, for the k this file needs (k in [-127, 127]).
+__device__ __forceinline__ float pow2i(int k) {
+  return k >= -126 ? __uint_as_float((uint32_t)(k + 127) << 23) : __uint_as_float(0x00400000u);
+}
+
+// 32-bit n / d for n < 2^31 by multiply-high (Granlund-Montgomery); the host fills mult/shift.
+struct FastDiv {
+  uint32_t d, mult, shift;
+};
+__device__ __forceinline__ uint32_t fdiv(uint32_t n, const FastDiv& f) {
+  return (__umulhi(n, f.mult) + n) >> f.shift;
+}
+
+// Offset of scale (m, kb) in the 128x4 layout of SPEC.md section 6.
+__device__ __forceinline__ uint64_t swz_offset(uint32_t m, uint32_t kb, uint32_t nbp) {
+  return (uint64_t)(m >> 7) * ((uint64_t)(nbp >> 2) * 512u) + (uint64_t)(kb >> 2) * 512u +
+         (m & 31u) * 16u + ((m & 127u) >> 5) * 4u + (kb & 3u);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Loads: 16 elements as fp32, plus the bit pattern of max|x| (NaN/Inf propagate as large patterns)
+// ------------------------------------------------------------------------------------------------
+
+template <int DT>
+__device__ __forceinline__ void load16(const uint8_t* p, float v[16], uint32_t& amax_bits) {
+  if constexpr (DT == DT_F32) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint4 u = ldg16(p + 16 * j);
+      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[4 * j + k] = __uint_as_float(w[k]);
+        m = max(m, w[k] & 0x7FFFFFFFu);
+      }
+    }
+    amax_bits = m;
+  } else {
+    const uint4 u0 = ldg16(p), u1 = ldg16(p + 16);
+    const uint32_t w[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+    uint32_t m = w[0] & 0x7FFF7FFFu;
+#pragma unroll
+    for (int i = 1; i < 8; ++i) m = vmax_u16x2(m, w[i] & 0x7FFF7FFFu);
+    const uint32_t h = max(m & 0xFFFFu, m >> 16);
+    if constexpr (DT == DT_BF16) {
+      amax_bits = h << 16;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+      }
+    } else {
+      amax_bits = __float_as_uint(__half2float(__ushort_as_half((unsigned short)h)));
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+      }
+    }
+  }
+}
+
+// SPEC.md section 4: butterflies h = 1, 2, 4, 8 in this order, then * 0.25. Its own inverse.
+__device__ __forceinline__ void had16(float v[16]) {
+#pragma unroll
+  for (int h = 1; h < 16; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if ((i & h) == 0) {
+        const float a = v[i], b = v[i + h];
+        v[i] = __fadd_rn(a, b);
+        v[i + h] = __fsub_rn(a, b);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(v[i], 0.25f);
+}
+
+// max|v| of 16 fp32 values as a bit pattern. fmaxf drops NaN, but a NaN or Inf input to Had16
+// makes all 16 outputs non-finite, so the result is still NaN or Inf exactly when it must be.
+__device__ __forceinline__ uint32_t amax16_rotated(const float v[16]) {
+  float m = fabsf(v[0]);
+#pragma unroll
+  for (int i = 1; i < 16; ++i) m = fmaxf(m, fabsf(v[i]));
+  return __float_as_uint(m);
+}
+
+// ------------------------------------------------------------------------------------------------
+// E2M1
+// ------------------------------------------------------------------------------------------------
+
+#if !FP4C_HW_E2M1
+// Software E2M1 magnitude (sm_90 and older), as fp32 bits 0x4B000000 + idx, from y2 = |y| / 2.
+// idx = R1 + R2 + R3 with R1 = rne(min(2a, 4)), R2 = rne(clamp(a - 2, 0, 2)), R3 = rne(clamp(a/2 - 2,
+// 0, 1)), a = |y|. Each clamp is a .SAT (to [0, 1]) of an exact fp32 value; each rne is the magic
+// add of 2^23 (ulp 1) and is exact with ties to even because the running sum it lands on is even
+// whenever the new term is non-zero (R1 = 4 once a > 2, R1 + R2 = 6 once a > 4). This equals
+// SPEC.md's predicate sum on every fp32 input (checked exhaustively by fp4c_e2m1_selftest).
+// Seven FP32-pipe operations, no compares: the predicate sum costs ~14 ALU-pipe ones.
+__device__ __forceinline__ uint32_t e2m1_mag_sw(float y2) {
+  const float u1 = __saturatef(y2);
+  float t = __fmaf_rn(u1, 4.0f, 8388608.0f);
+  const float u2 = __saturatef(__fadd_rn(y2, -1.0f));
+  t = __fmaf_rn(u2, 2.0f, t);
+  const float u3 = __saturatef(__fadd_rn(y2, -2.0f));
+  t = __fadd_rn(t, u3);
+  return __float_as_uint(t);
+}
+#endif
+
+// SPEC.md's predicate sum, as written there (the self test compares the fast paths with it).
+__device__ __forceinline__ uint32_t e2m1_spec(float y) {
+  const float a = fabsf(y);
+  const uint32_t idx = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                       (a >= 3.5f) + (a > 5.0f);
+  return idx | ((__float_as_uint(y) >> 28) & 8u);
+}
+
+#if FP4C_HW_E2M1
+// Four fp32 pairs -> one u32 of eight codes (element 2j in the low nibble of byte j).
+__device__ __forceinline__ uint32_t e2m1x8_hw(const float y[8]) {
+  uint32_t r;
+  asm("{\n"
+      ".reg .b8 b0, b1, b2, b3;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b0, %2, %1;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b1, %4, %3;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b2, %6, %5;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b3, %8, %7;\n"
+      "mov.b32 %0, {b0, b1, b2, b3};\n"
+      "}"
+      : "=r"(r)
+      : "f"(y[0]), "f"(y[1]), "f"(y[2]), "f"(y[3]), "f"(y[4]), "f"(y[5]), "f"(y[6]), "f"(y[7]));
+  return r;
+}
+#endif
+
+// Eight values v (pre-scale) and the block multiplier r -> eight packed codes. The code's sign is
+// the sign bit of y = v * r, which is v's because r >= 0.
+__device__ __forceinline__ uint32_t encode8(const float* v, float r) {
+#if FP4C_HW_E2M1
+  float y[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(v[i], r);
+  return e2m1x8_hw(y);
+#else
+  // y2 = |v| * (r/2) = |y| / 2 exactly (r/2 is exact; an underflowed y2 only occurs where every
+  // term is 0 anyway).
+  const float h = __fmul_rn(r, 0.5f);
+  uint32_t acc = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc += e2m1_mag_sw(__fmul_rn(fabsf(v[i]), h)) << (4 * i);
+  acc -= 0xFB000000u;  // the 0x4B000000 of elements 0 and 1 that survived the shifts
+  // Sign bits: replicate each value's sign into a byte (prmt sign mode), odd elements in H, even in
+  // L, then interleave nibbles and keep bit 3 of each.
+  const uint32_t* b = reinterpret_cast<const uint32_t*>(v);
+  const uint32_t l = prmt(prmt(b[0], b[2], 0xFBu), prmt(b[4], b[6], 0xFBu), 0x5410u);
+  const uint32_t hh = prmt(prmt(b[1], b[3], 0xFBu), prmt(b[5], b[7], 0xFBu), 0x5410u);
+  const uint32_t s = (hh & 0xF0F0F0F0u) | (l & 0x0F0F0F0Fu);
+  return acc | (s & 0x88888888u);
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// Scales
+// ------------------------------------------------------------------------------------------------
+
+// NVFP4: s = (gs * bmax) / 6 -> E4M3 byte; r = gs / sf (0 for sf == 0), clamped to FLT_MAX.
+__device__ __forceinline__ float nvfp4_scale(float gs, uint32_t bmax_bits, uint32_t& byte) {
+  const float s = __fdiv_rn(__fmul_rn(gs, __uint_as_float(bmax_bits)), 6.0f);
+  byte = e4m3_from_f32(s);
+  const float sf = f32_from_e4m3(byte);
+  return sf > 0.0f ? fminf(__fdiv_rn(gs, sf), FLT_MAX) : 0.0f;
+}
+
+// MXFP4: e = clamp(exponent_field(bmax) - 2, 0, 254); multiplier 2^(127 - e) from bits.
+__device__ __forceinline__ float mxfp4_scale(uint32_t bmax_bits, uint32_t& byte) {
+  const int field = (int)((bmax_bits >> 23) & 0xFFu);
+  const int e = min(max(field - 2, 0), 254);
+  byte = (uint32_t)e;
+  return pow2i(127 - e);
+}
+
+struct ScaleOut {
+  uint8_t* base;      // scale bytes of matrix 0
+  uint64_t mstride;   // bytes per matrix
+  int swizzle;
+  FastDiv nb;         // blocks per row
+  uint32_t nbp;       // padded blocks per row
+};
+
+// Store block bi's scale byte (and, in the swizzled layout, the zero column padding of its row).
+__device__ __forceinline__ void store_scale(const ScaleOut& so, uint64_t b, uint32_t bi,
+                                            uint32_t byte) {
+  uint8_t* base = so.base + b * so.mstride;
+  if (!so.swizzle) {
+    base[bi] = (uint8_t)byte;
+    return;
+  }
+  const uint32_t m = fdiv(bi, so.nb);
+  const uint32_t kb = bi - m * so.nb.d;
+  base[swz_offset(m, kb, so.nbp)] = (uint8_t)byte;
+  if (kb == so.nb.d - 1) {
+    for (uint32_t k = kb + 1; k < so.nbp; ++k) base[swz_offset(m, k, so.nbp)] = 0;
+  }
+}
+
+__device__ __forceinline__ uint32_t load_scale(const uint8_t* base, const ScaleOut& so, uint64_t b,
+                                               uint32_t bi) {
+  const uint8_t* p = base + b * so.mstride;
+  if (!so.swizzle) return p[bi];
+  const uint32_t m = fdiv(bi, so.nb);
+  const uint32_t kb = bi - m * so.nb.d;
+  return p[swz_offset(m, kb, so.nbp)];
+}
+
+// ------------------------------------------------------------------------------------------------
+// Kernels
+// ------------------------------------------------------------------------------------------------
+
+struct QuantArgs {
+  const uint8_t* x;
+  uint8_t* packed;
+  const float* gs;  // [B] (NVFP4) or null
+  int* flag;        // set to 1 when a block holds NaN/Inf
+  int64_t B;
+  int64_t n;        // elements per matrix (M * K)
+  int64_t groups;   // ceil(n / GROUP)
+  ScaleOut so;
+};
+
+template <int DT, int FMT, bool ROT>
+__global__ void __launch_bounds__(THREADS) quantize_kernel(const QuantArgs a) {
+  const int64_t g = (int64_t)blockIdx.x * THREADS + threadIdx.x;
+  if (g >= a.groups) return;
+  constexpr int ES = Elem<DT>::size;
+  const int64_t e0 = g * GROUP;
+  const bool full = e0 + GROUP <= a.n;  // else only the first 16 (NVFP4 with n % 32 == 16)
+  for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
+    const int64_t eg = b * a.n + e0;
+    const uint8_t* xp = a.x + eg * ES;
+    uint32_t codes[4];
+    bool bad = false;
+    if constexpr (FMT == FMT_NVFP4) {
+      const float gs = a.gs[b];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        if (c == 1 && !full) break;
+        float v[16];
+        uint32_t mb;
+        load16<DT>(xp + c * 16 * ES, v, mb);
+        if constexpr (ROT) {
+          had16(v);
+          mb = amax16_rotated(v);
+        }
+        bad |= mb >= 0x7F800000u;
+        uint32_t byte;
+        const float r = nvfp4_scale(gs, mb, byte);
+        codes[2 * c] = encode8(v, r);
+        codes[2 * c + 1] = encode8(v + 8, r);
+        store_scale(a.so, b, (uint32_t)(2 * g + c), byte);
+      }
+    } else {
+      float v[32];
+      uint32_t m0, m1;
+      load16<DT>(xp, v, m0);
+      load16<DT>(xp + 16 * ES, v + 16, m1);
+      if constexpr (ROT) {
+        had16(v);
+        had16(v + 16);
+        m0 = amax16_rotated(v);
+        m1 = amax16_rotated(v + 16);
+      }
+      const uint32_t mb = max(m0, m1);
+      bad = mb >= 0x7F800000u;
+      uint32_t byte;
+      const float r = mxfp4_scale(mb, byte);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) codes[w] = encode8(v + 8 * w, r);
+      store_scale(a.so, b, (uint32_t)g, byte);
+    }
+    if (bad) *(volatile int*)a.flag = 1;
+    uint8_t* op = a.packed + eg / 2;
+    if (full && ((reinterpret_cast<uintptr_t>(op) & 15) == 0)) {
+      stg16(op, make_uint4(codes[0], codes[1], codes[2], codes[3]));
+    } else {
+      stg8(op, make_uint2(codes[0], codes[1]));
+      if (full) stg8(op + 8, make_uint2(codes[2], codes[3]));
+    }
+  }
+}
+
+struct DequantArgs {
+  const uint8_t* packed;
+  const uint8_t* scale;
+  const float* gs;
+  uint8_t* out;
+  int64_t B;
+  int64_t n;
+  int64_t groups;
+  ScaleOut so;  // layout of the scales being read (base unused)
+};
+
+// Eight codes -> fp32 values * d. A code's magnitude bits placed at fp32 bits 22..24 form the
+// subnormal-or-tiny float value(code) * 2^-126 for all eight magnitudes, so value = that * 2^126
+// (exact); the sign goes to bit 31.
+__device__ __forceinline__ void decode8(uint32_t w, float d, float* o) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t q = (w >> (4 * i)) & 0xFu;
+    const uint32_t bits = ((q & 7u) << 22) | ((q & 8u) << 28);
+    o[i] = __fmul_rn(__fmul_rn(__uint_as_float(bits), 0x1p126f), d);
+  }
+}
+
+template <int DT>
+__device__ __forceinline__ void store16(uint8_t* p, const float v[16]) {
+  if constexpr (DT == DT_F32) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      stg16(p + 16 * j, make_uint4(__float_as_uint(v[4 * j]), __float_as_uint(v[4 * j + 1]),
+                                   __float_as_uint(v[4 * j + 2]), __float_as_uint(v[4 * j + 3])));
+  } else {
+    uint32_t w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if constexpr (DT == DT_BF16) {
+        const __nv_bfloat162 t = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+        w[i] = *reinterpret_cast<const uint32_t*>(&t);
+      } else {
+        const __half2 t = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+        w[i] = *reinterpret_cast<const uint32_t*>(&t);
+      }
+    }
+    stg16(p, make_uint4(w[0], w[1], w[2], w[3]));
+    stg16(p + 16, make_uint4(w[4], w[5], w[6], w[7]));
+  }
+}
+
+template <int DT, int FMT, bool ROT>
+__global__ void __launch_bounds__(THREADS) dequantize_kernel(const DequantArgs a) {
+  const int64_t g = (int64_t)blockIdx.x * THREADS + threadIdx.x;
+  if (g >= a.groups) return;
+  constexpr int ES = Elem<DT>::size;
+  const int64_t e0 = g * GROUP;
+  const bool full = e0 + GROUP <= a.n;
+  for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
+    const int64_t eg = b * a.n + e0;
+    const uint8_t* pp = a.packed + eg / 2;
+    uint32_t w[4];
+    if (full && ((reinterpret_cast<uintptr_t>(pp) & 15) == 0)) {
+      const uint4 u = ldg16(pp);
+      w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w;
+    } else {
+      const uint2 u = ldg8(pp);
+      w[0] = u.x; w[1] = u.y;
+      if (full) {
+        const uint2 t = ldg8(pp + 8);
+        w[2] = t.x; w[3] = t.y;
+      } else {
+        w[2] = w[3] = 0;
+      }
+    }
+    float d[2];
+    if constexpr (FMT == FMT_NVFP4) {
+      const float gs = a.gs[b];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        if (c == 1 && !full) break;
+        const uint32_t sb = load_scale(a.scale, a.so, b, (uint32_t)(2 * g + c));
+        d[c] = __fdiv_rn(f32_from_e4m3(sb), gs);
+      }
+    } else {
+      const uint32_t e = load_scale(a.scale, a.so, b, (uint32_t)g);
+      d[0] = d[1] = pow2i((int)e - 127);
+    }
+    uint8_t* op = a.out + eg * ES;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      if (c == 1 && !full) break;
+      float v[16];
+      decode8(w[2 * c], d[c], v);
+      decode8(w[2 * c + 1], d[c], v + 8);
+      if constexpr (ROT) had16(v);
+      store16<DT>(op + c * 16 * ES, v);
+    }
+  }
+}
+
+// amax: grid (X, min(B, 65535)); each CTA reduces its slice of one matrix and does one atomicMax
+// on the fp32 bit pattern (non-negative floats order like their bits; NaN sorts above Inf).
+template <int DT, bool ROT>
+__global__ void __launch_bounds__(THREADS) amax_kernel(const uint8_t* x, int64_t B, int64_t n,
+                                                       uint32_t* out) {
+  constexpr int ES = Elem<DT>::size;
+  __shared__ uint32_t red[THREADS / 32];
+  for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
+    const uint8_t* xb = x + b * n * ES;
+    uint32_t m = 0;
+    if constexpr (!ROT) {
+      // Coalesced: 16-byte vectors, four in flight per thread.
+      const int64_t nvec = n * ES / 16;
+      const int64_t stride = (int64_t)gridDim.x * THREADS;
+      int64_t i = (int64_t)blockIdx.x * THREADS + threadIdx.x;
+      for (; i + 3 * stride < nvec; i += 4 * stride) {
+        uint4 u[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) u[j] = ldg16(xb + 16 * (i + j * stride));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t w[4] = {u[j].x, u[j].y, u[j].z, u[j].w};
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            if constexpr (DT == DT_F32) m = max(m, w[k] & 0x7FFFFFFFu);
+            else m = vmax_u16x2(m, w[k] & 0x7FFF7FFFu);
+          }
+        }
+      }
+      for (; i < nvec; i += stride) {
+        const uint4 u = ldg16(xb + 16 * i);
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          if constexpr (DT == DT_F32) m = max(m, w[k] & 0x7FFFFFFFu);
+          else m = vmax_u16x2(m, w[k] & 0x7FFF7FFFu);
+        }
+      }
+      if constexpr (DT == DT_BF16) {
+        m = max(m & 0xFFFFu, m >> 16) << 16;
+      } else if constexpr (DT == DT_F16) {
+        m = __float_as_uint(__half2float(__ushort_as_half((unsigned short)max(m & 0xFFFFu, m >> 16))));
+      }
+    } else {
+      // Had16 needs 16 consecutive elements per thread: two groups of 16 per iteration.
+      const int64_t nchunk = n / 16;
+      const int64_t stride = (int64_t)gridDim.x * THREADS;
+      for (int64_t c = ((int64_t)blockIdx.x * THREADS + threadIdx.x) * 2; c < nchunk; c += 2 * stride) {
+        float v[16], u[16];
+        uint32_t dummy;
+        load16<DT>(xb + c * 16 * ES, v, dummy);
+        const bool two = c + 1 < nchunk;
+        if (two) load16<DT>(xb + (c + 1) * 16 * ES, u, dummy);
+        had16(v);
+        m = max(m, amax16_rotated(v));
+        if (two) {
+          had16(u);
+          m = max(m, amax16_rotated(u));
+        }
+      }
+    }
+    m = __reduce_max_sync(0xFFFFFFFFu, m);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t t = red[0];
+#pragma unroll
+      for (int i = 1; i < THREADS / 32; ++i) t = max(t, red[i]);
+      atomicMax(out + b, t);
+    }
+    __syncthreads();
+  }
+}
+
+// Exhaustive check of the E2M1 path this target compiles (software or hardware) against SPEC.md's
+// predicate sum, over fp32 bit patterns [start, start + count) (NaN patterns skipped).
+__global__ void e2m1_selftest_kernel(uint64_t start, uint64_t count,
+                                     unsigned long long* mismatches) {
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  unsigned long long bad = 0;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride * 8) {
+    float v[8];
+    uint32_t want = 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint64_t j = i + k * stride;
+      uint32_t bits = (uint32_t)(start + (j < count ? j : 0));
+      if ((bits & 0x7FFFFFFFu) > 0x7F800000u) bits = 0;  // NaN: not an input
+      v[k] = __uint_as_float(bits);
+      want |= e2m1_spec(v[k]) << (4 * k);
+    }
+    const uint32_t got = encode8(v, 1.0f);
+    bad += got != want;
+  }
+  if (bad) atomicAdd(mismatches, bad);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------------
+
+FastDiv make_fastdiv(uint32_t d) {
+  FastDiv f;
+  f.d = d;
+  uint32_t s = 0;
+  while ((1ull << s) < d) ++s;
+  f.shift = s;
+  f.mult = (uint32_t)(((1ull << 32) * ((1ull << s) - d)) / d + 1);
+  return f;
+}
+
+int sm_count() {
+  static int count = 0;
+  if (!count) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev);
+    if (count <= 0) count = 132;
+  }
+  return count;
+}
+
+dim3 group_grid(int64_t groups, int64_t B) {
+  return dim3((unsigned)((groups + THREADS - 1) / THREADS), (unsigned)(B < 65535 ? B : 65535));
+}
+
+ScaleOut make_scale_layout(uint8_t* base, int64_t M, int64_t nb, int swizzle) {
+  ScaleOut so;
+  so.base = base;
+  so.swizzle = swizzle;
+  so.nb = make_fastdiv((uint32_t)nb);
+  so.nbp = (uint32_t)((nb + 3) / 4 * 4);
+  const int64_t mp = (M + 127) / 128 * 128;
+  so.mstride = swizzle ? (uint64_t)(mp * so.nbp) : (uint64_t)(M * nb);
+  return so;
+}
+
+template <int DT, int FMT>
+cudaError_t launch_quantize_dt(const QuantArgs& a, int rotate, cudaStream_t st) {
+  const dim3 grid = group_grid(a.groups, a.B);
+  if (rotate) quantize_kernel<DT, FMT, true><<<grid, THREADS, 0, st>>>(a);
+  else quantize_kernel<DT, FMT, false><<<grid, THREADS, 0, st>>>(a);
+  return cudaGetLastError();
+}
+
+template <int DT, int FMT>
+cudaError_t launch_dequantize_dt(const DequantArgs& a, int rotate, cudaStream_t st) {
+  const dim3 grid = group_grid(a.groups, a.B);
+  if (rotate) dequantize_kernel<DT, FMT, true><<<grid, THREADS, 0, st>>>(a);
+  else dequantize_kernel<DT, FMT, false><<<grid, THREADS, 0, st>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+// Error codes beyond cudaError_t: bad arguments.
+#define FP4C_EINVAL 100000
+
+FP4C_API int fp4c_abi_version() { return 1; }
+
+// The launchers run on the calling thread's current device of this library's own CUDA runtime;
+// the caller makes it the tensors' device first.
+FP4C_API int fp4c_set_device(int device) { return cudaSetDevice(device); }
+
+FP4C_API const char* fp4c_error_string(int code) {
+  if (code == FP4C_EINVAL) return "fp4convert kernel launcher: invalid argument";
+  return cudaGetErrorString((cudaError_t)code);
+}
+
+// x: [B, n] contiguous; out: uint32 [B] (fp32 bit patterns), zeroed here.
+FP4C_API int fp4c_amax(const void* x, int dtype, int rotate, int64_t B, int64_t n, uint32_t* out,
+                       void* stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  if (B <= 0 || n < 0 || n % 16) return FP4C_EINVAL;
+  cudaError_t err = cudaMemsetAsync(out, 0, B * sizeof(uint32_t), st);
+  if (err != cudaSuccess || n == 0) return err;
+  const int64_t work = rotate ? (n / 32 + 1) : (n * (dtype == DT_F32 ? 4 : 2) / 16 / 4 + 1);
+  int64_t bx = (work + THREADS - 1) / THREADS;
+  const int64_t by = B < 65535 ? B : 65535;
+  int64_t cap = (int64_t)sm_count() * 8 / by;
+  if (cap < 1) cap = 1;
+  if (bx > cap) bx = cap;
+  const dim3 grid((unsigned)bx, (unsigned)by);
+  const uint8_t* xp = (const uint8_t*)x;
+#define FP4C_AMAX(DT)                                                                   \
+  if (rotate) amax_kernel<DT, true><<<grid, THREADS, 0, st>>>(xp, B, n, out);           \
+  else amax_kernel<DT, false><<<grid, THREADS, 0, st>>>(xp, B, n, out);
+  switch (dtype) {
+    case DT_F32: FP4C_AMAX(DT_F32); break;
+    case DT_F16: FP4C_AMAX(DT_F16); break;
+    case DT_BF16: FP4C_AMAX(DT_BF16); break;
+    default: return FP4C_EINVAL;
+  }
+#undef FP4C_AMAX
+  return cudaGetLastError();
+}
+
+// x: [B, M, K]; packed: [B, M, K/2]; scale: [B, M, K/bs] or [B, Mp, nbp]; gs: fp32 [B] (NVFP4);
+// flag: int32, set to 1 if any block holds NaN/Inf (the caller zeroes it).
+FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int swizzle, int64_t B,
+                           int64_t M, int64_t K, const float* gs, uint8_t* packed, uint8_t* scale,
+                           int* flag, void* stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  const int bs = fmt == FMT_NVFP4 ? 16 : 32;
+  if (B <= 0 || M < 0 || K < 0 || K % bs || (fmt == FMT_NVFP4 && !gs)) return FP4C_EINVAL;
+  const int64_t n = M * K;
+  const int64_t nb = K / bs;
+  if (n == 0) return cudaSuccess;
+  if (swizzle && M * nb >= (1ll << 31)) return FP4C_EINVAL;
+  QuantArgs a;
+  a.x = (const uint8_t*)x;
+  a.packed = packed;
+  a.gs = gs;
+  a.flag = flag;
+  a.B = B;
+  a.n = n;
+  a.groups = (n + GROUP - 1) / GROUP;
+  a.so = make_scale_layout(scale, M, nb, swizzle);
+  if (swizzle && M % 128) {
+    // Zero the last 128-row tile of every matrix (its padding rows); the kernel writes the rest.
+    const int64_t tile = 128 * (int64_t)a.so.nbp;
+    cudaError_t err = cudaMemset2DAsync(scale + a.so.mstride - tile, a.so.mstride, 0, tile, B, st);
+    if (err != cudaSuccess) return err;
+  }
+#define FP4C_Q(DT)                                                                       \
+  return fmt == FMT_NVFP4 ? launch_quantize_dt<DT, FMT_NVFP4>(a, rotate, st)            \
+                          : launch_quantize_dt<DT, FMT_MXFP4>(a, rotate, st);
+  switch (dtype) {
+    case DT_F32: FP4C_Q(DT_F32);
+    case DT_F16: FP4C_Q(DT_F16);
+    case DT_BF16: FP4C_Q(DT_BF16);
+    default: return FP4C_EINVAL;
+  }
+#undef FP4C_Q
+}
+
+// packed: [B, M, K/2]; scale as written by fp4c_quantize; out: [B, M, K] of out_dtype.
+FP4C_API int fp4c_dequantize(const uint8_t* packed, const uint8_t* scale, const float* gs, int fmt,
+                             int rotate, int swizzle, int64_t B, int64_t M, int64_t K, void* out,
+                             int out_dtype, void* stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  const int bs = fmt == FMT_NVFP4 ? 16 : 32;
+  if (B <= 0 || M < 0 || K < 0 || K % bs || (fmt == FMT_NVFP4 && !gs)) return FP4C_EINVAL;
+  const int64_t n = M * K;
+  const int64_t nb = K / bs;
+  if (n == 0) return cudaSuccess;
+  if (swizzle && M * nb >= (1ll << 31)) return FP4C_EINVAL;
+  DequantArgs a;
+  a.packed = packed;
+  a.scale = scale;
+  a.gs = gs;
+  a.out = (uint8_t*)out;
+  a.B = B;
+  a.n = n;
+  a.groups = (n + GROUP - 1) / GROUP;
+  a.so = make_scale_layout(nullptr, M, nb, swizzle);
+#define FP4C_D(DT)                                                                       \
+  return fmt == FMT_NVFP4 ? launch_dequantize_dt<DT, FMT_NVFP4>(a, rotate, st)          \
+                          : launch_dequantize_dt<DT, FMT_MXFP4>(a, rotate, st);
+  switch (out_dtype) {
+    case DT_F32: FP4C_D(DT_F32);
+    case DT_F16: FP4C_D(DT_F16);
+    case DT_BF16: FP4C_D(DT_BF16);
+    default: return FP4C_EINVAL;
+  }
+#undef FP4C_D
+}
+
+// Mismatch count of this target's E2M1 path against SPEC.md's predicate sum over all 2^32 fp32 bit
+// patterns (NaNs skipped); `mismatches` is a device counter the caller zeroes.
+FP4C_API int fp4c_e2m1_selftest(unsigned long long* mismatches, void* stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  e2m1_selftest_kernel<<<sm_count() * 8, THREADS, 0, st>>>(0, 1ull << 32, mismatches);
+  return cudaGetLastError();
+}
