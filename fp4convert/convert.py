@@ -99,9 +99,17 @@ def convert(
     source, plan, fmt = plan_conversion(src, config)
     device = resolve_device(config.device)
     identity = {"settings": config.identity(), "source": source_fingerprint(source), "version": __version__}
-    done = _prepare_destination(dst, plan, config, identity, source)
-    _run(source, plan, fmt, dst, device, identity, done, progress or (lambda n: None))
-    _finish(source, plan, fmt, dst, identity)
+    done = prepare_destination(dst, plan, config, identity, source)
+
+    def process(unit: list[Decision], writers: _Writers) -> dict[str, dict]:
+        if unit[0].action == QUANTIZE:
+            return _quantize_unit(source, unit, config, fmt, device, writers)
+        d = unit[0]
+        writers.raw(d.name, source.local_path(d.info.file), d.info)
+        return {d.name: {}}
+
+    write_outputs(plan, dst, identity, done, progress or (lambda n: None), process)
+    finish(source, plan, fmt, dst, identity)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan.shards))
     return ConvertResult(dst, plan, time.perf_counter() - t0, peak, reused)
@@ -126,7 +134,7 @@ def source_fingerprint(source: Source) -> dict:
     return {**desc, "files": files}
 
 
-def _prepare_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: dict, source: Source) -> dict:
+def prepare_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: dict, source: Source) -> dict:
     """Refuse or clean DST as the flags say; return the finished files a resume may reuse."""
     if dst.resolve() == source.root.resolve():
         raise OutputError("the destination is the source folder; choose another one")
@@ -238,8 +246,11 @@ class _Writers:
         self.open.clear()
 
 
-def _run(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, device: torch.device, identity: dict,
-         done: dict, progress: Progress) -> None:
+UnitFn = Callable[[list[Decision], "_Writers"], dict[str, dict]]
+
+
+def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: Progress, process: UnitFn) -> None:
+    """Stream every work unit's outputs into the planned shards; ``process`` makes a unit's tensors."""
     tensors_state: dict = dict(done.get("__tensors__", {}))
     files_state = {f: rec for f, rec in done.items() if not f.startswith("__")}
 
@@ -254,13 +265,7 @@ def _run(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, device: torch
             if all(writers.skip(n) for n in outputs) and all(d.name in tensors_state for d in unit):
                 progress(sum(d.info.nbytes for d in unit))
                 continue
-            if unit[0].action == QUANTIZE:
-                records = _quantize_unit(source, unit, plan.config, fmt, device, writers)
-            else:
-                d = unit[0]
-                writers.raw(d.name, source.local_path(d.info.file), d.info)
-                records = {d.name: {}}
-            tensors_state.update(records)
+            tensors_state.update(process(unit, writers))
             progress(sum(d.info.nbytes for d in unit))
     except BaseException:
         writers.abort()
@@ -313,7 +318,7 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict) -> None:
+def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict) -> None:
     """Other files, the index, then the manifest (last: its presence means 'finished')."""
     state = json.loads((dst / PROGRESS_NAME).read_text())
     for p in source.other_files():
@@ -322,7 +327,7 @@ def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: 
         tmp = target.with_name(target.name + ".partial")
         shutil.copyfile(p, tmp)
         os.replace(tmp, target)
-    fmt.finalize(dst, plan, source)
+    fmt.finalize(dst, plan)
     shard_of = plan.shard_of()
     total = sum(e.nbytes for _, entries in plan.shards for e in entries)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(shard_of.items()))}
@@ -332,4 +337,3 @@ def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: 
     (dst / PROGRESS_NAME).unlink()
 
 
-__all__ = ["ConvertResult", "OutputError", "convert", "plan_conversion", "resolve_device", "OutEntry"]

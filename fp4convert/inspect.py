@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .errors import FP4ConvertError
+from .formats import FORMATS
 from .manifest import MANIFEST_NAME, file_digest, load_manifest
 from .plan import fused_group
 from .safetensors_io import TensorInfo, read_tensor
@@ -60,14 +61,6 @@ class CheckpointLayout:
     problems: list[str] = field(default_factory=list)
 
 
-# Per format: (packed suffix, scale suffix, global suffix, global is a decode scale).
-_NAMES = {
-    "fp4convert": (".weight_packed", ".weight_scale", ".weight_global_scale", False),
-    "compressed-tensors": (".weight_packed", ".weight_scale", ".weight_global_scale", False),
-    "modelopt": (".weight", ".weight_scale", ".weight_scale_2", True),
-}
-
-
 def detect_format(root: Path, manifest: dict | None) -> tuple[str, str | None]:
     """(format, rotate) from the manifest, config.json or hf_quant_config.json."""
     if manifest:
@@ -76,7 +69,9 @@ def detect_format(root: Path, manifest: dict | None) -> tuple[str, str | None]:
     qc = json.loads(cfg_path.read_text()).get("quantization_config", {}) if cfg_path.exists() else {}
     method = (qc or {}).get("quant_method")
     if method == "compressed-tensors":
-        return "compressed-tensors", None
+        groups = (qc.get("transform_config") or {}).get("config_groups", {})
+        had16 = any(g.get("type") == "hadamard" and g.get("head_dim") == 16 for g in groups.values())
+        return "compressed-tensors", "had16" if had16 else None
     if method == "modelopt" or (root / "hf_quant_config.json").exists():
         return "modelopt", None
     return "unquantized", None
@@ -89,7 +84,8 @@ def read_layout(source: Source) -> CheckpointLayout:
     modules: dict[str, QuantizedModule] = {}
     problems: list[str] = []
     if fmt != "unquantized":
-        p_suf, s_suf, g_suf, _ = _NAMES[fmt]
+        f = FORMATS[fmt]
+        p_suf, s_suf, g_suf = f.packed_suffix, f.scale_suffix, f.global_suffix
         for name, info in tensors.items():
             if not name.endswith(p_suf) or info.dtype != "U8":
                 continue
@@ -110,19 +106,19 @@ def read_layout(source: Source) -> CheckpointLayout:
     return CheckpointLayout(fmt, scheme, rotate, modules, kept, tensors, problems)
 
 
-def _read_global(source: Source, m: QuantizedModule, decode: bool) -> torch.Tensor | None:
+def _read_global(source: Source, m: QuantizedModule, fmt: str) -> torch.Tensor | None:
     """The module's ENCODE scale gs, whatever the format stores."""
     if m.global_ is None:
         return None
-    g = read_tensor(source.local_path(m.global_.file), m.global_).to(torch.float32)
-    return (1.0 / g if decode else g).reshape(m.packed.shape[:-2])
+    g = read_tensor(source.local_path(m.global_.file), m.global_)
+    return FORMATS[fmt].encode_scale(g).reshape(m.packed.shape[:-2])
 
 
 def load_quantized(source: Source, layout: CheckpointLayout, m: QuantizedModule) -> QuantizedTensor:
     """A quantized module's data as a QuantizedTensor (scales in the layout they are stored in)."""
     packed = read_tensor(source.local_path(m.packed.file), m.packed)
     scale = read_tensor(source.local_path(m.scale.file), m.scale)
-    gs = _read_global(source, m, _NAMES[layout.format][3]) if m.scheme == "nvfp4" else None
+    gs = _read_global(source, m, layout.format) if m.scheme == "nvfp4" else None
     return QuantizedTensor(packed, scale, gs, m.scheme, layout.rotate, "swizzled" if m.swizzled else "linear")
 
 
@@ -151,12 +147,11 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
     source = open_source(path_or_repo, revision)
     layout = read_layout(source)
     problems = list(layout.problems)
-    decode = _NAMES.get(layout.format, (0, 0, 0, False))[3]
     globals_: dict[str, float] = {}
     for m in layout.modules.values():
         problems += _check_shapes(m)
         if m.scheme == "nvfp4" and m.global_ is not None and m.global_.dtype == "F32":
-            g = _read_global(source, m, decode)
+            g = _read_global(source, m, layout.format)
             bad = ~torch.isfinite(g) | (g <= 0)
             if bool(bad.any()):
                 problems.append(f"{m.module}: global scale {g.flatten()[:4].tolist()} is not finite and positive")

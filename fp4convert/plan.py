@@ -238,7 +238,7 @@ def make_plan(
             if reasons[name] is None:
                 module = name[: -len(".weight")]
                 reason = "linear weight" + (f", fused group of {len(groups[g])} sharing one global scale" if g else "")
-                decisions.append(Decision(name, QUANTIZE, reason, i, g, tuple(fmt.entries(module, i.shape, config.scheme))))
+                decisions.append(Decision(name, QUANTIZE, reason, i, g, tuple(fmt.entries(module, i.shape, config.scheme, config.rotate))))
             else:
                 decisions.append(Decision(name, KEEP, reasons[name], i, g, (OutEntry(name, i.dtype, i.shape),)))
 
