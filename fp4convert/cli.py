@@ -69,6 +69,7 @@ def main() -> None:
       fp4convert quantize MODEL_DIR_OR_REPO OUT_DIR     convert a checkpoint
       fp4convert quantize MODEL OUT --dry-run           show the plan, write nothing
       fp4convert inspect CHECKPOINT                     summarize and check a converted checkpoint
+      fp4convert export NATIVE_DIR OUT --format compressed-tensors   re-layout for an engine
     """
 
 
@@ -124,6 +125,32 @@ def quantize(src, dst, scheme, rotate, fmt, device, max_shard_size, ignore, only
         f"{s['wall_s']:.1f} s, peak memory {_human_bytes(s['peak_rss_bytes'])}"
         + (f"; reused {len(s['reused_files'])} finished shard(s)" if s["reused_files"] else "")
     )
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("dst", type=click.Path(file_okay=False))
+@click.option("--format", "fmt", type=click.Choice(OUTPUT_FORMATS), required=True,
+              help="Target convention: compressed-tensors or modelopt (fp4convert re-shards).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
+@click.option("--overwrite", is_flag=True, help="Replace the outputs of an earlier run in DST.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted export.")
+@click.option("--quiet", "-q", is_flag=True, help="No status lines.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@_library_errors
+def export(src, dst, fmt, max_shard_size, overwrite, resume, quiet, as_json) -> None:
+    """Re-layout a native fp4convert checkpoint SRC into an engine format in DST (lossless, no source weights)."""
+    from .export import export as run_export
+
+    config = ConvertConfig(format=fmt, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, resume=resume)
+    _setup_logging(quiet or as_json)
+    result = run_export(src, dst, config)
+    s = result.to_json()
+    if as_json:
+        click.echo(json.dumps(s, indent=2))
+    else:
+        click.echo(f"{dst}: {s['quantized']} quantized weights and {s['kept']} other tensors as {fmt}, "
+                   f"{_human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s); {s['wall_s']:.1f} s")
 
 
 def _print_plan(plan) -> None:

@@ -230,7 +230,19 @@ class ModelOptFormat(OutputFormat):
         producer = {"name": "fp4convert", "version": __version__}
         quant = self.quant_section(plan)
         _write_json(dst / "hf_quant_config.json", {"producer": producer, "quantization": quant})
-        _update_config(dst, "quantization_config", {"quant_method": "modelopt", **quant, "producer": producer})
+        # ModelOpt's own config.json shape. vLLM reads exclusions from "ignore" in this flat form (and
+        # "exclude_modules" only inside hf_quant_config.json), so both keys are written.
+        weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+        _update_config(dst, "quantization_config", {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+            "group_size": 16,
+            "kv_cache_quant_algo": None,
+            "ignore": quant["exclude_modules"],
+            "exclude_modules": quant["exclude_modules"],
+            "producer": producer,
+        })
 
 
 NATIVE = OutputFormat()

@@ -105,13 +105,20 @@ def amax(x: torch.Tensor, rotate: str | None) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, fmt: str, gs: torch.Tensor | None, rotate: str | None, swizzle: bool
+    x: torch.Tensor,
+    fmt: str,
+    gs: torch.Tensor | None,
+    rotate: str | None,
+    swizzle: bool,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed uint8 [B, M, K/2], scale, nonfinite int32 scalar) for x [B, M, K].
 
     scale is float8_e4m3fn (NVFP4) or uint8 E8M0 (MXFP4), linear ``[B, M, K/bs]`` or, with
     swizzle, the 128x4 layout ``[B, Mp, nbp]`` with zero padding. ``nonfinite`` is non-zero when a
     block held NaN/Inf (the caller refuses the tensor). ``gs``: fp32 [B] on x's device (NVFP4).
+    ``out``: optional preallocated (packed, scale uint8) buffers, e.g. poisoned ones in tests.
     """
     _check_input(x, rotate)
     if fmt not in _FMTS:
@@ -129,8 +136,15 @@ def quantize(
         gs = None
     nb = k // bs
     rows, cols = padded(m, nb) if swizzle else (m, nb)
-    packed = torch.empty(b, m, k // 2, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(b, rows, cols, dtype=torch.uint8, device=x.device)
+    if out is None:
+        packed = torch.empty(b, m, k // 2, dtype=torch.uint8, device=x.device)
+        scale = torch.empty(b, rows, cols, dtype=torch.uint8, device=x.device)
+    else:
+        packed, scale = out
+        if packed.shape != (b, m, k // 2) or scale.shape != (b, rows, cols) or not (
+            packed.dtype == scale.dtype == torch.uint8 and packed.is_contiguous() and scale.is_contiguous()
+        ):
+            raise CUDAKernelError("out buffers do not match the expected shapes / uint8 / contiguous")
     flag = torch.zeros((), dtype=torch.int32, device=x.device)
     if x.numel():
         lib = _lib(x.device)
@@ -151,9 +165,11 @@ def dequantize(
     rotate: str | None,
     swizzled: bool,
     out_dtype: torch.dtype,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B, M, K] of out_dtype: value(code) * (sf / gs) (NVFP4) or * 2^(e-127) (MXFP4) in fp32, the
-    inverse Had16 if rotate, then the cast."""
+    inverse Had16 if rotate, then the cast. ``out``: optional preallocated result buffer."""
     if fmt not in _FMTS:
         raise CUDAKernelError(f"unknown format {fmt!r}")
     if out_dtype not in _DTYPES:
@@ -179,7 +195,10 @@ def dequantize(
         gs = gs.to(device=packed.device, dtype=torch.float32).reshape(b).contiguous()
     else:
         gs = None
-    out = torch.empty(b, m, k, dtype=out_dtype, device=packed.device)
+    if out is None:
+        out = torch.empty(b, m, k, dtype=out_dtype, device=packed.device)
+    elif out.shape != (b, m, k) or out.dtype != out_dtype or not out.is_contiguous():
+        raise CUDAKernelError("out buffer does not match the expected shape / dtype / contiguity")
     if out.numel():
         lib = _lib(packed.device)
         _check(lib, lib.fp4c_dequantize(_ptr(packed), _ptr(scale), _ptr(gs), _FMTS[fmt], int(rotate == "had16"),

@@ -1,0 +1,91 @@
+"""Re-layout a native checkpoint into an engine format, with no source weights and no requantization.
+
+Quantize once, ship several formats: the packed nibbles are copied, swizzled scales are unswizzled
+(exact), and tensors are renamed; the global scale becomes whatever the target stores (the encode
+scale, or ModelOpt's 1/gs). The bytes equal a direct ``quantize --format TARGET`` of the same source.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from . import __version__
+from .config import ConfigError, ConvertConfig
+from .convert import ConvertResult, Progress, finish, prepare_destination, source_fingerprint, write_outputs
+from .formats import get_format
+from .inspect import load_quantized, read_layout
+from .manifest import load_manifest
+from .plan import QUANTIZE, Decision, Plan, _check_collisions, _layout
+from .safetensors_io import ITEMSIZE, OutEntry, TensorInfo
+from .source import open_source
+
+
+def plan_export(src: str, config: ConvertConfig):
+    """The export's plan, from the native manifest alone (no tensor data read)."""
+    source = open_source(src)
+    manifest = load_manifest(source.root)
+    if manifest is None or manifest.get("format") != "fp4convert":
+        raise ConfigError(f"{src}: export reads fp4convert's native format (a folder with fp4convert.json)")
+    config = replace(config, scheme=manifest["scheme"], rotate=manifest.get("rotate"))
+    fmt = get_format(config.format)
+    fmt.check(config.scheme, config.rotate)
+    layout = read_layout(source)
+    # Replay the original processing order (the order of the native outputs), so the bytes equal a
+    # direct conversion to the target format.
+    position = {name: i for i, name in enumerate(layout.tensors)}
+
+    def first_output(item: tuple[str, dict]) -> int:
+        return min(position[o] for o in item[1]["outputs"])
+
+    decisions = []
+    for name, rec in sorted(manifest["tensors"].items(), key=first_output):
+        shape = tuple(rec["shape"])
+        nbytes = ITEMSIZE[rec["dtype"]] * math.prod(shape)  # the original tensor's size, for the summary
+        info = TensorInfo(name, rec["dtype"], shape, rec["source_file"], 0, nbytes)
+        if rec["action"] == QUANTIZE:
+            module = name[: -len(".weight")]
+            outputs = tuple(fmt.entries(module, info.shape, config.scheme, config.rotate))
+        else:
+            outputs = (OutEntry(name, rec["dtype"], tuple(rec["shape"])),)
+        decisions.append(Decision(name, rec["action"], rec["reason"], info, rec.get("group"), outputs))
+    _check_collisions(decisions)
+    plan = Plan(decisions, manifest.get("groups", {}), _layout(decisions, config.max_shard_size), config)
+    return source, layout, manifest, plan, fmt
+
+
+def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress | None = None) -> ConvertResult:
+    """Write native checkpoint ``src`` as ``config.format`` into ``dst``."""
+    t0 = time.perf_counter()
+    dst = Path(dst)
+    source, layout, manifest, plan, fmt = plan_export(src, config)
+    identity = {
+        "settings": plan.config.identity(),
+        "source": source_fingerprint(source),
+        "exported_from": manifest.get("identity"),
+        "version": __version__,
+    }
+    done = prepare_destination(dst, plan, plan.config, identity, source)
+
+    def process(unit: list[Decision], writers) -> dict[str, dict]:
+        records = {}
+        for d in unit:
+            if d.action == QUANTIZE:
+                m = layout.modules[d.module]
+                for name, t in fmt.tensors(d.module, load_quantized(source, layout, m)):
+                    writers.tensor(name, t)
+                rec = manifest["tensors"][d.name]
+                records[d.name] = {k: rec[k] for k in ("global_scale", "amax") if k in rec}
+            else:
+                info = layout.tensors[d.name]
+                writers.raw(d.name, source.local_path(info.file), info)
+                records[d.name] = {}
+        return records
+
+    write_outputs(plan, dst, identity, done, progress or (lambda n: None), process)
+    finish(source, plan, fmt, dst, identity)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return ConvertResult(dst, plan, time.perf_counter() - t0, peak, sorted(f for f in done if f in dict(plan.shards)))
