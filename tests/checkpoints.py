@@ -1,0 +1,267 @@
+"""Generators of small test checkpoints (deterministic, seeded, tiny dims so the suite stays fast).
+
+Every generator writes a Hugging Face style folder: safetensors shards (with an index when there is
+more than one), ``config.json``, ``generation_config.json`` and a few other non-weight files, and
+returns the tensors it wrote (name -> tensor) so tests can compare against them.
+
+Shards are laid out explicitly (``list[list[name]]``), so a test knows which group is split across a
+source shard boundary. ``infos()`` builds ``TensorInfo`` lists for pure planning tests (no files).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fp4convert.safetensors_io import ITEMSIZE, TensorInfo
+
+BF16 = torch.bfloat16
+
+# Non-weight files every generator writes; the converter must copy them all.
+OTHER_FILES = {
+    "tokenizer.json": '{"version": "1.0", "model": {"type": "BPE"}}\n',
+    "tokenizer_config.json": '{"model_max_length": 256}\n',
+    "README.md": "# a tiny test model\n",
+    "special/chat_template.jinja": "{{ messages }}\n",
+}
+
+
+def rand(shape, seed: int, dtype: torch.dtype = BF16, std: float = 0.02) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+
+def write(path: Path, tensors: dict[str, torch.Tensor], config: dict, shards: list[list[str]] | None = None,
+          other_files: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Write ``tensors`` into the given shard layout (default: one file) with index and config."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    shards = shards or [list(tensors)]
+    assert sorted(n for s in shards for n in s) == sorted(tensors), "every tensor in exactly one shard"
+    n = len(shards)
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards):
+        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        part = {k: tensors[k].contiguous() for k in names}
+        save_file(part, str(path / fname), metadata={"format": "pt"})
+        for k, t in part.items():
+            weight_map[k] = fname
+            total += t.numel() * t.element_size()
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (path / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}\n')
+    for rel, text in (OTHER_FILES if other_files is None else other_files).items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_text(text)
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama
+# ---------------------------------------------------------------------------------------------
+
+def llama_config(hidden: int = 64, layers: int = 2, tie: bool = False, **extra) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": hidden,
+        "intermediate_size": 2 * hidden, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": hidden // 4, "tie_word_embeddings": tie, "torch_dtype": "bfloat16",
+        **extra,
+    }
+
+
+def llama_tensors(cfg: dict, seed: int = 0, dtype: torch.dtype = BF16) -> dict[str, torch.Tensor]:
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd = cfg["head_dim"]
+    q_out, kv_out = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    s = iter(range(seed * 1000, seed * 1000 + 1000))
+    out = {"model.embed_tokens.weight": rand((vocab, h), next(s), dtype)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = torch.ones(h, dtype=dtype)
+        out[p + "self_attn.q_proj.weight"] = rand((q_out, h), next(s), dtype)
+        out[p + "self_attn.k_proj.weight"] = rand((kv_out, h), next(s), dtype)
+        out[p + "self_attn.v_proj.weight"] = rand((kv_out, h), next(s), dtype)
+        out[p + "self_attn.o_proj.weight"] = rand((h, q_out), next(s), dtype)
+        out[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=dtype)
+        out[p + "mlp.gate_proj.weight"] = rand((inter, h), next(s), dtype, std=0.05)
+        out[p + "mlp.up_proj.weight"] = rand((inter, h), next(s), dtype)
+        out[p + "mlp.down_proj.weight"] = rand((h, inter), next(s), dtype)
+    out["model.norm.weight"] = torch.ones(h, dtype=dtype)
+    if not cfg.get("tie_word_embeddings"):
+        out["lm_head.weight"] = rand((vocab, h), next(s), dtype)
+    return out
+
+
+# Odd tensors that the default rules must keep, with the reason's key words.
+ZOO_REASONS = {
+    "model.layers.0.self_attn.q_proj.bias": "not a weight",
+    "model.layers.1.mlp.codebook.weight": "not floating point",
+    "model.layers.1.mlp.stacked.weight": "3-D",
+    "model.layers.1.mlp.odd_proj.weight": "K=40",
+}
+
+
+def zoo_tensors(h: int, seed: int = 7) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.layers.0.self_attn.q_proj.bias": rand((h,), seed),
+        "model.layers.1.mlp.codebook.weight": torch.randint(-100, 100, (16, h), generator=g, dtype=torch.int32),
+        "model.layers.1.mlp.stacked.weight": rand((2, 32, h), seed + 1),
+        "model.layers.1.mlp.odd_proj.weight": rand((h, 40), seed + 2),
+    }
+
+
+def llama(path: Path, *, hidden: int = 64, layers: int = 2, tie: bool = False, zoo: bool = False, seed: int = 0,
+          dtype: torch.dtype = BF16, single: bool = False) -> dict[str, torch.Tensor]:
+    """A Llama in 3 shards; layer 0's fused q/k/v group is split across the shard 1/2 boundary.
+
+    ``zoo`` adds a bias, an int tensor, a 3-D tensor and a K=40 linear (all kept by default).
+    ``tie`` writes tie_word_embeddings and no lm_head tensor.
+    """
+    cfg = llama_config(hidden, layers, tie)
+    t = llama_tensors(cfg, seed, dtype)
+    if zoo:
+        t.update(zoo_tensors(hidden))
+    names = list(t)
+    cut1 = names.index("model.layers.0.self_attn.v_proj.weight")  # q, k | v
+    cut2 = names.index(f"model.layers.{layers - 1}.mlp.up_proj.weight")  # gate | up
+    shards = [names] if single else [names[:cut1], names[cut1:cut2], names[cut2:]]
+    return write(path, t, cfg, shards)
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE (Qwen2-MoE style: router, experts, shared expert with its gate)
+# ---------------------------------------------------------------------------------------------
+
+def moe(path: Path, *, hidden: int = 64, experts: int = 3, layers: int = 2, seed: int = 1,
+        shards: int = 2) -> dict[str, torch.Tensor]:
+    inter = 32
+    cfg = {
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 96,
+        "hidden_size": hidden, "num_hidden_layers": layers, "num_experts": experts, "moe_intermediate_size": inter,
+        "shared_expert_intermediate_size": 2 * inter, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "tie_word_embeddings": False,
+    }
+    s = iter(range(seed * 1000, seed * 1000 + 1000))
+    t = {"model.embed_tokens.weight": rand((96, hidden), next(s))}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            t[p + f"self_attn.{proj}.weight"] = rand((hidden, hidden), next(s))
+        t[p + "input_layernorm.weight"] = torch.ones(hidden, dtype=BF16)
+        t[p + "mlp.gate.weight"] = rand((experts, hidden), next(s))
+        for e in range(experts):
+            q = p + f"mlp.experts.{e}."
+            # Experts get very different magnitudes, so a per-expert (not per-layer) scale is visible.
+            t[q + "gate_proj.weight"] = rand((inter, hidden), next(s), std=0.01 * (e + 1))
+            t[q + "up_proj.weight"] = rand((inter, hidden), next(s), std=0.02 * (e + 1))
+            t[q + "down_proj.weight"] = rand((hidden, inter), next(s))
+        t[p + "mlp.shared_expert.gate_proj.weight"] = rand((2 * inter, hidden), next(s), std=0.03)
+        t[p + "mlp.shared_expert.up_proj.weight"] = rand((2 * inter, hidden), next(s))
+        t[p + "mlp.shared_expert.down_proj.weight"] = rand((hidden, 2 * inter), next(s))
+        t[p + "mlp.shared_expert_gate.weight"] = rand((1, hidden), next(s))
+    t["model.norm.weight"] = torch.ones(hidden, dtype=BF16)
+    t["lm_head.weight"] = rand((96, hidden), next(s))
+    names = list(t)
+    per = -(-len(names) // shards)
+    return write(path, t, cfg, [names[i * per:(i + 1) * per] for i in range(shards)])
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-style (MLA q_a/kv_a group, Mixtral-style w1/w3 experts, an MTP layer), vision tower
+# ---------------------------------------------------------------------------------------------
+
+def deepseek(path: Path, *, hidden: int = 64, seed: int = 2) -> dict[str, torch.Tensor]:
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": hidden,
+           "num_hidden_layers": 2, "num_nextn_predict_layers": 1, "vocab_size": 96}
+    s = iter(range(seed * 1000, seed * 1000 + 1000))
+    t = {"model.embed_tokens.weight": rand((96, hidden), next(s))}
+    for i in range(3):  # layers 0, 1 and the MTP layer 2
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_a_proj.weight"] = rand((32, hidden), next(s))
+        t[p + "self_attn.q_a_layernorm.weight"] = torch.ones(32, dtype=BF16)
+        t[p + "self_attn.kv_a_proj_with_mqa.weight"] = rand((48, hidden), next(s))
+        t[p + "self_attn.q_b_proj.weight"] = rand((hidden, 32), next(s))
+        t[p + "self_attn.o_proj.weight"] = rand((hidden, hidden), next(s))
+        t[p + "block_sparse_moe.gate.weight"] = rand((2, hidden), next(s))
+        for e in range(2):
+            q = p + f"block_sparse_moe.experts.{e}."
+            t[q + "w1.weight"] = rand((32, hidden), next(s))
+            t[q + "w3.weight"] = rand((32, hidden), next(s))
+            t[q + "w2.weight"] = rand((hidden, 32), next(s))
+    t["model.layers.2.eh_proj.weight"] = rand((hidden, 2 * hidden), next(s))
+    t["model.layers.2.enorm.weight"] = torch.ones(hidden, dtype=BF16)
+    t["model.layers.2.shared_head.head.weight"] = rand((96, hidden), next(s))
+    t["model.vision_tower.blocks.0.attn.qkv.weight"] = rand((3 * hidden, hidden), next(s))
+    t["model.multi_modal_projector.linear_1.weight"] = rand((hidden, hidden), next(s))
+    t["lm_head.weight"] = rand((96, hidden), next(s))
+    return write(path, t, cfg)
+
+
+def pickle_only(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save({"w": torch.zeros(2, 2)}, path / "pytorch_model.bin")
+    (path / "config.json").write_text(json.dumps(llama_config()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure planning inputs and byte-level helpers
+# ---------------------------------------------------------------------------------------------
+
+def infos(spec: dict[str, tuple[tuple[int, ...], str] | tuple[int, ...]], file: str = "model.safetensors"
+          ) -> list[TensorInfo]:
+    """TensorInfos laid out back to back from ``{name: shape}`` or ``{name: (shape, dtype)}`` (BF16 default)."""
+    out, off = [], 0
+    for name, v in spec.items():
+        shape, dtype = (v if len(v) == 2 and isinstance(v[0], tuple) else (v, "BF16"))
+        n = ITEMSIZE[dtype]
+        for d in shape:
+            n *= d
+        out.append(TensorInfo(name, dtype, tuple(shape), file, off, off + n))
+        off += n
+    return out
+
+
+def header(path: Path) -> tuple[int, dict]:
+    """(data start, header dict) of a safetensors file, read independently of fp4convert."""
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return 8 + n, json.loads(raw[8:8 + n])
+
+
+def tensor_bytes(path: Path, name: str) -> bytes:
+    start, h = header(path)
+    b, e = h[name]["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(start + b)
+        return f.read(e - b)
+
+
+def patch_tensor(path: Path, name: str, data: bytes, at: int = 0) -> None:
+    """Overwrite bytes of tensor ``name`` in place (file size unchanged)."""
+    start, h = header(path)
+    b, e = h[name]["data_offsets"]
+    assert b + at + len(data) <= e
+    with open(path, "r+b") as f:
+        f.seek(start + b + at)
+        f.write(data)
+
+
+def shard_with(root: Path, name: str) -> Path:
+    """The output file that holds tensor ``name`` (from the index, or the single file)."""
+    idx = Path(root) / "model.safetensors.index.json"
+    if idx.exists():
+        return Path(root) / json.loads(idx.read_text())["weight_map"][name]
+    return Path(root) / "model.safetensors"
+
+
+def all_files(root: Path) -> dict[str, bytes]:
+    """Every file under root (relative posix name -> bytes)."""
+    root = Path(root)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
