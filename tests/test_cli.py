@@ -1,0 +1,184 @@
+"""The command line (click's CliRunner, in process): options, output, --dry-run, --json, exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import fp4convert
+from fp4convert.cli import main
+from fp4convert.config import ConvertConfig
+from fp4convert.convert import convert
+
+from . import checkpoints as ck
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("llama")
+    ck.llama(p, zoo=True)
+    return p
+
+
+def test_quantize_matches_the_library(src, tmp_path) -> None:
+    r = run("quantize", src, tmp_path / "cli", "--device", "cpu", "--max-shard-size", "6KB", "-q")
+    assert r.exit_code == 0, r.output
+    line = r.stdout.strip().splitlines()[-1]
+    assert "14 tensors quantized (nvfp4)" in line and "bits/param" in line and "peak memory" in line
+    assert "shard(s)" in line and " s, " in line
+    convert(src, tmp_path / "lib", ConvertConfig(device="cpu", max_shard_size=6000))
+    assert ck.all_files(tmp_path / "cli") == ck.all_files(tmp_path / "lib")
+
+
+def test_options_reach_the_settings(src, tmp_path) -> None:
+    dst = tmp_path / "q"
+    r = run("quantize", src, dst, "--scheme", "mxfp4", "--rotate", "had16", "--ignore", "lm_head",
+            "--ignore", "re:layers\\.1\\.mlp", "--only", "*.layers.*", "--max-shard-size", "1MiB", "--device", "cpu",
+            "--json")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert s["dst"] == str(dst) and s["shards_out"] == 1 and s["reused_files"] == []
+    m = json.loads((dst / "fp4convert.json").read_text())
+    assert m["settings"] | {"revision": None} == {"revision": None, "scheme": "mxfp4", "rotate": "had16", "format": "fp4convert",
+                             "ignore": ["lm_head", "re:layers\\.1\\.mlp"], "only": ["*.layers.*"],
+                             "max_shard_size": 1024**2}
+    t = m["tensors"]
+    assert t["model.layers.1.mlp.down_proj.weight"]["reason"] == "matched --ignore re:layers\\.1\\.mlp"
+    assert t["model.layers.0.mlp.down_proj.weight"]["action"] == "quantize"
+    assert s["quantized"] == sum(r["action"] == "quantize" for r in t.values()) == 11
+    assert s["bits_per_param"] == m["summary"]["bits_per_param"]
+
+
+def test_dry_run_writes_nothing(src, tmp_path) -> None:
+    dst = tmp_path / "q"
+    r = run("quantize", src, dst, "--dry-run", "--ignore", "*.o_proj")
+    assert r.exit_code == 0, r.output
+    assert not dst.exists()
+    lines = r.stdout.splitlines()
+    row = next(ln for ln in lines if "model.layers.0.self_attn.o_proj.weight" in ln)
+    assert row.startswith("keep") and "matched --ignore *.o_proj" in row
+    row = next(ln for ln in lines if "model.layers.0.mlp.down_proj.weight" in ln)
+    assert row.startswith("quantize") and "linear weight" in row
+    row = next(ln for ln in lines if "model.embed_tokens.weight" in ln)
+    assert row.startswith("keep") and "embedding" in row
+    assert "12 to quantize (4 fused groups)" in r.stdout and "projected" in r.stdout and "bits/param" in r.stdout
+
+
+def test_dry_run_json(src, tmp_path) -> None:
+    r = run("quantize", src, tmp_path / "q", "--dry-run", "--json", "--scheme", "mxfp4")
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    assert not (tmp_path / "q").exists()
+    names = {n for f in src.glob("*.safetensors") for n in ck.header(f)[1] if n != "__metadata__"}
+    assert {t["name"] for t in j["tensors"]} == names
+    assert j["settings"]["scheme"] == "mxfp4" and j["summary"]["quantized"] == 14
+    q = next(t for t in j["tensors"] if t["name"] == "model.layers.0.self_attn.k_proj.weight")
+    assert q["action"] == "quantize" and q["group"] and q["outputs"][1]["dtype"] == "U8"
+
+
+def test_dry_run_matches_the_real_run(src, tmp_path) -> None:
+    dry = json.loads(run("quantize", src, tmp_path / "q", "--dry-run", "--json").stdout)
+    r = run("quantize", src, tmp_path / "q", "--json", "--device", "cpu")
+    real = json.loads(r.stdout)
+    for k in ("tensors", "quantized", "kept", "bytes_in", "bytes_out", "bits_per_param"):
+        assert dry["summary"][k] == real[k], k
+    size = sum(p.stat().st_size for p in (tmp_path / "q").glob("*.safetensors"))
+    n_out = sum(len(t["outputs"]) for t in dry["tensors"])
+    assert real["bytes_out"] <= size < real["bytes_out"] + 200 * n_out  # + the headers
+
+
+# --- exit codes (fp4convert/cli.py docstring: 2 settings/plan, 3 tensor, 4 source, 5 output) -------
+
+def assert_error(r, code: int, *words: str) -> None:
+    assert r.exit_code == code, (r.exit_code, r.output)
+    assert "Traceback" not in r.output
+    err = r.stderr.strip()
+    for w in words:
+        assert w in err, err
+
+
+def test_exit_2_bad_settings(src, tmp_path) -> None:
+    assert_error(run("quantize", src, tmp_path / "q", "--overwrite", "--resume"), 2, "--overwrite", "--resume")
+    assert_error(run("quantize", src, tmp_path / "q", "--ignore", "re:("), 2, "bad regex")
+    assert_error(run("quantize", src, tmp_path / "q", "--max-shard-size", "lots"), 2, "lots")
+    assert_error(run("quantize", src, tmp_path / "q", "--max-shard-size", "0"), 2, "positive")
+    assert run("quantize", src, tmp_path / "q", "--scheme", "int4").exit_code == 2  # click usage error
+    if not torch.cuda.is_available():
+        assert_error(run("quantize", src, tmp_path / "q", "--device", "cuda"), 2, "CUDA")
+    assert_error(run("quantize", src, tmp_path / "q", "--device", "tpu"), 2, "tpu")
+    assert not (tmp_path / "q").exists()
+
+
+def test_exit_2_plan_refused(tmp_path) -> None:
+    s = tmp_path / "s"
+    ck.llama(s, layers=1, single=True)
+    c = json.loads((s / "config.json").read_text())
+    c["quantization_config"] = {"quant_method": "compressed-tensors"}
+    (s / "config.json").write_text(json.dumps(c))
+    assert_error(run("quantize", s, tmp_path / "q"), 2, "already quantized")
+    assert_error(run("quantize", s, tmp_path / "q", "--dry-run"), 2, "already quantized")
+
+
+def test_exit_3_nan(tmp_path) -> None:
+    from .test_convert import nan_checkpoint
+
+    s = tmp_path / "s"
+    bad = nan_checkpoint(s)
+    assert_error(run("quantize", s, tmp_path / "q", "--device", "cpu"), 3, bad, "NaN")
+
+
+def test_exit_4_source(tmp_path) -> None:
+    assert_error(run("quantize", tmp_path / "nope", tmp_path / "q"), 4, "nope")
+    assert_error(run("quantize", "not a repo id!", tmp_path / "q"), 4, "Hub repo id")
+    p = tmp_path / "pkl"
+    ck.pickle_only(p)
+    assert_error(run("quantize", p, tmp_path / "q"), 4, "pickle", "safetensors")
+    e = tmp_path / "empty"
+    e.mkdir()
+    assert_error(run("quantize", e, tmp_path / "q"), 4, "no *.safetensors")
+    t = tmp_path / "trunc"
+    ck.llama(t, layers=1, single=True)
+    data = (t / "model.safetensors").read_bytes()
+    (t / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert_error(run("quantize", t, tmp_path / "q"), 4, "truncated")
+    f = tmp_path / "afile"
+    f.write_text("x")
+    assert_error(run("quantize", f, tmp_path / "q"), 4, "is a file")
+    assert not (tmp_path / "q").exists()
+
+
+def test_exit_5_output(src, tmp_path) -> None:
+    dst = tmp_path / "q"
+    dst.mkdir()
+    (dst / "x").write_text("x")
+    assert_error(run("quantize", src, dst), 5, "not empty", "--overwrite", "--resume")
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert_error(run("quantize", src, f), 2)  # click: DST must be a folder path
+    r = run("quantize", src, dst, "--overwrite", "-q", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+
+
+def test_resume_via_cli(src, tmp_path) -> None:
+    dst = tmp_path / "q"
+    assert run("quantize", src, dst, "-q", "--device", "cpu", "--max-shard-size", "6KB").exit_code == 0
+    r = run("quantize", src, dst, "--resume", "--device", "cpu", "--max-shard-size", "6KB")
+    assert r.exit_code == 0 and "reused" in r.stdout, r.output
+    assert_error(run("quantize", src, dst, "--resume", "--max-shard-size", "7KB"), 5, "other settings")
+
+
+def test_version_and_help() -> None:
+    r = run("--version")
+    assert r.exit_code == 0 and fp4convert.__version__ in r.stdout
+    r = run("quantize", "--help")
+    for opt in ("--scheme", "--rotate", "--device", "--max-shard-size", "--format", "--overwrite", "--resume",
+                "--quiet", "--json", "--dry-run", "--ignore", "--only", "--revision"):
+        assert opt in r.stdout, opt
