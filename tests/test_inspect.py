@@ -152,7 +152,7 @@ def rename_tensor(f: Path, old: str, new: str) -> None:
     (n,) = struct.unpack("<Q", raw[:8])
     head = raw[8:8 + n].decode()
     assert f'"{old}"' in head and len(new) <= len(old)
-    head = head.replace(f'"{old}"', f'"{new}"').rstrip() 
+    head = head.replace(f'"{old}"', f'"{new}"').rstrip()
     raw[8:8 + n] = (head + " " * (n - len(head))).encode()
     f.write_bytes(bytes(raw))
 
