@@ -152,7 +152,7 @@ def _weight_files_in(root: Path, label: str) -> list[str]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise SourceError(f"{index}: not a valid safetensors index ({exc})") from exc
-        return list(dict.fromkeys(weight_map.values()))
+        return sorted(set(weight_map.values()))  # shard order, not the (name-sorted) map's order
     files = sorted(p.relative_to(root).as_posix() for p in root.glob("*.safetensors"))
     if files:
         return files
