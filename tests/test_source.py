@@ -168,7 +168,7 @@ def test_pickle_only_repo_refused_with_reason(offline, tmp_path) -> None:
     add_to_cache(Path(offline["cache"]), "tiny-org/pickled", files, "ab" * 20)
     from fp4convert.convert import plan_conversion
 
-    with pytest.raises(SourceError, match="pickle"):
+    with pytest.raises(SourceError, match="only pickle weights.*safetensors"):
         plan_conversion("tiny-org/pickled", ConvertConfig(device="cpu"))
 
 
