@@ -1,0 +1,154 @@
+"""Kernel throughput on the GPU: each pass beside the device-to-device copy and the peers.
+
+For 8192x8192 and 16384x16384 bf16 it prints, per pass: median time (triton.testing.do_bench,
+which flushes L2 between repetitions), GB/s counting SPEC.md's bytes, and % of the copy bandwidth
+measured in the same run. Peers: torch.compile of the reference (NVFP4 with the global amax given,
+MXFP4), and fouroversix's Triton NVFP4 quantizer when its wheel is installed. Each peer's bytes are
+compared with ours (exact-match share) so a fast-but-different peer is visible as such.
+
+    python benchmarks/kernels.py [--sizes 8192 16384] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fp4convert  # noqa: E402
+from fp4convert import reference as ref  # noqa: E402
+from fp4convert.cuda import ops  # noqa: E402
+
+log = logging.getLogger("bench")
+
+
+def bench(fn: Callable[[], object], reps: int = 100) -> float:
+    """Median milliseconds (do_bench when Triton is there, else CUDA events with an L2 flush)."""
+    try:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=50, rep=reps * 2, return_mode="median"))
+    except ImportError:
+        flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        for _ in range(5):
+            fn()
+        times = []
+        for _ in range(reps):
+            flush.zero_()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+
+
+def match(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Share of identical bytes (1.0 = bit-exact)."""
+    a, b = a.contiguous().view(torch.uint8).reshape(-1), b.contiguous().view(torch.uint8).reshape(-1)
+    if a.numel() != b.numel():
+        return float("nan")
+    return float((a == b).float().mean())
+
+
+def run(size: int, rows: list[dict], peers: bool) -> None:
+    n = size * size
+    x = (torch.randn(1, size, size, device="cuda") * torch.exp(torch.empty(1, size, 1, device="cuda").uniform_(-3, 3)))
+    x = x.to(torch.bfloat16)
+    copy_dst = torch.empty_like(x)
+    copy_ms = bench(lambda: copy_dst.copy_(x))
+    copy_bw = 4 * n / copy_ms / 1e6  # GB/s, read + write
+    amax = ops.amax(x, None)
+    gs = ref.global_scale(amax)
+    amax_r = ops.amax(x, "had16")
+    gs_r = ref.global_scale(amax_r)
+
+    def add(name: str, ms: float, nbytes: float, note: str = "") -> None:
+        bw = nbytes / ms / 1e6
+        rows.append({"size": size, "pass": name, "ms": ms, "GB/s": bw, "%copy": 100 * bw / copy_bw, "note": note})
+        log.info("%5d  %-44s %8.3f ms %8.0f GB/s %6.1f %%  %s", size, name, ms, bw, 100 * bw / copy_bw, note)
+
+    add("device-to-device copy (read+write)", copy_ms, 4 * n)
+    rd, nv_out, mx_out = 2 * n, n / 2 + n / 16, n / 2 + n / 32
+    add("amax", bench(lambda: ops.amax(x, None)), rd)
+    add("amax had16", bench(lambda: ops.amax(x, "had16")), rd)
+    add("nvfp4 quantize (gs given)", bench(lambda: ops.quantize(x, "nvfp4", gs, None, False)), rd + nv_out)
+    add("nvfp4 quantize swizzled", bench(lambda: ops.quantize(x, "nvfp4", gs, None, True)), rd + nv_out)
+    add("nvfp4 quantize had16 (gs given)", bench(lambda: ops.quantize(x, "nvfp4", gs_r, "had16", False)), rd + nv_out)
+    add("mxfp4 quantize", bench(lambda: ops.quantize(x, "mxfp4", None, None, False)), rd + mx_out)
+    add("mxfp4 quantize had16", bench(lambda: ops.quantize(x, "mxfp4", None, "had16", False)), rd + mx_out)
+    add("nvfp4 two-pass public API (amax+quantize)",
+        bench(lambda: fp4convert.quantize(x[0], "nvfp4", backend="cuda")), 2 * rd + nv_out,
+        "includes a host sync for the NaN check")
+    p, s, _ = ops.quantize(x, "nvfp4", gs, None, False)
+    pm, sm, _ = ops.quantize(x, "mxfp4", None, None, False)
+    prr, srr, _ = ops.quantize(x, "nvfp4", gs_r, "had16", False)
+    add("nvfp4 dequantize -> bf16", bench(lambda: ops.dequantize(p, s, gs, "nvfp4", None, False, torch.bfloat16)),
+        nv_out + 2 * n)
+    add("nvfp4 dequantize had16 -> bf16",
+        bench(lambda: ops.dequantize(prr, srr, gs_r, "nvfp4", "had16", False, torch.bfloat16)), nv_out + 2 * n)
+    add("mxfp4 dequantize -> bf16", bench(lambda: ops.dequantize(pm, sm, None, "mxfp4", None, False, torch.bfloat16)),
+        mx_out + 2 * n)
+    if not peers:
+        return
+    # Peers ---------------------------------------------------------------------------------------
+    x2 = x[0]
+    try:
+        comp = torch.compile(lambda t, a: ref.nvfp4_quantize(t, a))
+        cp, cs, _ = comp(x2, amax[0])
+        note = f"bytes = ours: packed {match(cp, p[0]):.5f}, scales {match(cs, s[0]):.5f}"
+        add("peer: torch.compile(reference) nvfp4", bench(lambda: comp(x2, amax[0])), rd + nv_out, note)
+    except Exception as exc:  # noqa: BLE001 - a peer that fails is reported, not fatal
+        log.warning("torch.compile nvfp4 peer failed: %s", exc)
+    try:
+        compm = torch.compile(lambda t: ref.mxfp4_quantize(t))
+        cp, cs = compm(x2)
+        note = f"bytes = ours: packed {match(cp, pm[0]):.5f}, scales {match(cs, sm[0]):.5f}"
+        add("peer: torch.compile(reference) mxfp4", bench(lambda: compm(x2)), rd + mx_out, note)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("torch.compile mxfp4 peer failed: %s", exc)
+    try:
+        from fouroversix.quantize import triton_kernel as fos
+        from fouroversix.utils import AdaptiveBlockScalingRule
+
+        # Its norm constant plays our gs's role; always_6 is plain NVFP4 scaling.
+        fe, fsf, _ = fos.quantize_to_fp4(x2, gs.reshape(1), scale_rule=AdaptiveBlockScalingRule.always_6)
+        note = f"packed bytes = ours {match(fe[:size, : size // 2], p[0]):.5f} (its rounding/layout rules differ)"
+        add("peer: fouroversix Triton nvfp4 (gs given)",
+            bench(lambda: fos.quantize_to_fp4(x2, gs.reshape(1), scale_rule=AdaptiveBlockScalingRule.always_6)),
+            rd + nv_out, note)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("fouroversix peer unavailable: %s: %s", type(exc).__name__, exc)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    props = torch.cuda.get_device_properties(0)
+    log.info("device: %s, %d SMs, torch %s", props.name, props.multi_processor_count, torch.__version__)
+    rows: list[dict] = []
+    for size in args.sizes:
+        run(size, rows, not args.no_peers)
+        torch.cuda.empty_cache()
+    log.info("\n| size | pass | ms | GB/s | % of copy | note |\n|---|---|---|---|---|---|")
+    for r in rows:
+        log.info("| %d | %s | %.3f | %.0f | %.1f | %s |", r["size"], r["pass"], r["ms"], r["GB/s"], r["%copy"], r["note"])
+    if args.json:
+        args.json.write_text(json.dumps({"device": props.name, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
