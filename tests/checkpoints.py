@@ -265,3 +265,30 @@ def all_files(root: Path) -> dict[str, bytes]:
     """Every file under root (relative posix name -> bytes)."""
     root = Path(root)
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def big(path: Path, *, layers: int = 16, dim: int = 1024, shards: int = 4, seed: int = 5) -> int:
+    """A Llama-like MLP stack whose total size is many times its largest tensor: 3 x ``layers`` square
+    bf16 weights of ``dim`` x ``dim`` (plus norms), in ``shards`` files. Returns the largest tensor's bytes.
+
+    Written shard by shard, so the test process never holds the whole model either.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    names = [f"model.layers.{i}.{n}" for i in range(layers)
+             for n in ("post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                       "mlp.down_proj.weight")]
+    per = -(-len(names) // shards)
+    weight_map = {}
+    g = torch.Generator().manual_seed(seed)
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {}
+        for n in names[s * per:(s + 1) * per]:
+            part[n] = (torch.ones(dim) if "norm" in n else torch.randn(dim, dim, generator=g) * 0.02).to(BF16)
+            weight_map[n] = fname
+        save_file(part, str(path / fname), metadata={"format": "pt"})
+        del part
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(llama_config(dim, layers)))
+    return dim * dim * 2
