@@ -27,7 +27,7 @@ from .config import ConfigError, ConvertConfig
 from .errors import FP4ConvertError, NonFiniteError, QuantizationError
 from .formats import OutputFormat, get_format
 from .manifest import MANIFEST_NAME, PROGRESS_NAME, build_manifest, file_digest
-from .plan import QUANTIZE, Decision, Plan, make_plan
+from .plan import QUANTIZE, Decision, Plan, PlanError, make_plan
 from .safetensors_io import OutEntry, StreamWriter, read_tensor
 from .source import INDEX_NAME, Source, open_source
 from .tensor import amax as tensor_amax
@@ -82,6 +82,9 @@ def resolve_device(device: str) -> torch.device:
 def plan_conversion(src: str | Source, config: ConvertConfig) -> tuple[Source, Plan, OutputFormat]:
     """Open the source and plan it from headers alone (what ``--dry-run`` shows)."""
     source = src if isinstance(src, Source) else open_source(src, config.revision)
+    for marker in (MANIFEST_NAME, "hf_quant_config.json"):
+        if (source.root / marker).exists():
+            raise PlanError(f"the source is already quantized (it has {marker}); fp4convert needs a bf16/fp16/fp32 checkpoint")
     fmt = get_format(config.format)
     plan = make_plan(source.tensors(), config, fmt, source.config())
     return source, plan, fmt
@@ -321,18 +324,20 @@ def _atomic_write(path: Path, text: str) -> None:
 def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict) -> None:
     """Other files, the index, then the manifest (last: its presence means 'finished')."""
     state = json.loads((dst / PROGRESS_NAME).read_text())
+    written = [INDEX_NAME]
     for p in source.other_files():
+        written.append(p.relative_to(source.root).as_posix())
         target = dst / p.relative_to(source.root)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".partial")
         shutil.copyfile(p, tmp)
         os.replace(tmp, target)
-    fmt.finalize(dst, plan)
+    written += fmt.finalize(dst, plan)
     shard_of = plan.shard_of()
     total = sum(e.nbytes for _, entries in plan.shards for e in entries)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(shard_of.items()))}
     _atomic_write(dst / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-    manifest = build_manifest(plan, fmt, source, identity, state, dst)
+    manifest = build_manifest(plan, fmt, source, identity, state, dst, written)
     _atomic_write(dst / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     (dst / PROGRESS_NAME).unlink()
 

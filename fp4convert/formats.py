@@ -85,8 +85,9 @@ class OutputFormat:
 
     # -- beside the shards -----------------------------------------------------------------
 
-    def finalize(self, dst: Path, plan: Plan) -> None:
-        """Write what the format needs beside the shards; the native format needs nothing."""
+    def finalize(self, dst: Path, plan: Plan) -> list[str]:
+        """Write what the format needs beside the shards; returns the names written (native: none)."""
+        return []
 
 
 def unquantized_modules(plan: Plan) -> list[str]:
@@ -187,13 +188,14 @@ class CompressedTensorsFormat(OutputFormat):
             }
         return qc
 
-    def finalize(self, dst: Path, plan: Plan) -> None:
+    def finalize(self, dst: Path, plan: Plan) -> list[str]:
         _update_config(dst, "quantization_config", self.quantization_config(plan))
         if plan.config.rotate:
             log.warning(
                 "Had16-rotated compressed-tensors checkpoint: vLLM rotates activations from transform_config "
                 "(tensor parallel 1 only); transformers ignores transform_config and would compute wrong outputs"
             )
+        return ["config.json"]
 
 
 class ModelOptFormat(OutputFormat):
@@ -226,7 +228,7 @@ class ModelOptFormat(OutputFormat):
         exclude = unquantized_modules(plan) or ["lm_head"]  # SGLang refuses an empty list
         return {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": exclude}
 
-    def finalize(self, dst: Path, plan: Plan) -> None:
+    def finalize(self, dst: Path, plan: Plan) -> list[str]:
         producer = {"name": "fp4convert", "version": __version__}
         quant = self.quant_section(plan)
         _write_json(dst / "hf_quant_config.json", {"producer": producer, "quantization": quant})
@@ -243,6 +245,7 @@ class ModelOptFormat(OutputFormat):
             "exclude_modules": quant["exclude_modules"],
             "producer": producer,
         })
+        return ["hf_quant_config.json", "config.json"]
 
 
 NATIVE = OutputFormat()

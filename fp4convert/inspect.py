@@ -99,6 +99,12 @@ def read_layout(source: Source) -> CheckpointLayout:
             modules[module] = QuantizedModule(module, info, scale, tensors.get(module + g_suf), scheme, swizzled)
     used = {t.name for m in modules.values() for t in (m.packed, m.scale, m.global_) if t is not None}
     kept = [t for n, t in tensors.items() if n not in used]
+    if fmt != "unquantized":
+        f = FORMATS[fmt]
+        for t in kept:
+            for suffix in (f.scale_suffix, f.global_suffix):
+                if t.name.endswith(suffix) and t.name[: -len(suffix)] not in modules:
+                    problems.append(f"{t.name}: a scale without its packed weight {t.name[: -len(suffix)] + f.packed_suffix}")
     schemes = {m.scheme for m in modules.values()}
     if len(schemes) > 1:
         problems.append(f"mixed schemes in one checkpoint: {sorted(schemes)}")
@@ -172,6 +178,8 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
             problems.append(f"fused group {g} has {len(vals)} different global scales (engines need one)")
 
     manifest = load_manifest(source.root)
+    if manifest:
+        problems += _check_against_manifest(manifest, layout)
     checksums = _check_files(source, manifest, layout, problems, full=check_files)
     report = _summary(source, layout, globals_, groups)
     report["checks"] = {
@@ -183,6 +191,24 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
         report["verify"] = verify_against(source, layout, verify)
     report["ok"] = not problems
     return report
+
+
+def _check_against_manifest(manifest: dict, layout: CheckpointLayout) -> list[str]:
+    """Every tensor the manifest promises is on disk with its dtype and shape, and nothing else is."""
+    out = []
+    promised = {}
+    for rec in manifest.get("tensors", {}).values():
+        promised.update(rec.get("outputs", {}))
+    for name, want in sorted(promised.items()):
+        got = layout.tensors.get(name)
+        if got is None:
+            out.append(f"{name}: listed in {MANIFEST_NAME} but not in any shard")
+        elif got.dtype != want["dtype"] or list(got.shape) != want["shape"]:
+            out.append(f"{name}: {got.dtype} {list(got.shape)} on disk, manifest says {want['dtype']} {want['shape']}")
+    extra = sorted(set(layout.tensors) - set(promised))
+    if extra:
+        out.append(f"{len(extra)} tensor(s) not in {MANIFEST_NAME}, e.g. {extra[0]}")
+    return out
 
 
 def _check_files(source: Source, manifest: dict | None, layout: CheckpointLayout, problems: list[str],

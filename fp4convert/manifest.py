@@ -32,8 +32,13 @@ def file_digest(path: Path, chunk: int = 16 << 20) -> str:
     return h.hexdigest()
 
 
-def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict, state: dict, dst: Path) -> dict:
-    """The manifest of a finished conversion (``state`` holds the shards' checksums and scales)."""
+def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict, state: dict, dst: Path,
+                   written: list[str]) -> dict:
+    """The manifest of a finished conversion.
+
+    ``state`` holds the shards' checksums and scales; ``written`` names the other files this run wrote
+    (only those are listed, so files a user keeps in DST are never claimed, nor removed by --overwrite).
+    """
     cfg = plan.config
     shard_of = plan.shard_of()
     tensors = {}
@@ -49,11 +54,11 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
         }
         rec.update(state["tensors"].get(d.name, {}))
         tensors[d.name] = rec
-    files = dict(state["files"])
-    for p in sorted(dst.rglob("*")):
-        rel = p.relative_to(dst).as_posix()
-        if p.is_file() and rel not in files and rel not in (MANIFEST_NAME, PROGRESS_NAME) and not rel.endswith(".partial"):
-            files[rel] = {"sha256": file_digest(p), "size": p.stat().st_size}
+    shards = {f for f, _ in plan.shards}
+    files = {f: rec for f, rec in state["files"].items() if f in shards}
+    for rel in sorted(set(written) - set(files)):
+        p = dst / rel
+        files[rel] = {"sha256": file_digest(p), "size": p.stat().st_size}
     return {
         "manifest_version": MANIFEST_VERSION,
         "producer": {"name": "fp4convert", "version": __version__},

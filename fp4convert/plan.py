@@ -31,6 +31,9 @@ class PlanError(FP4ConvertError):
 FUSED = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("q_a_proj", "kv_a_proj_with_mqa")]
 _FUSED_OF = {m: members for members in FUSED for m in members}
 
+# Tensor names only a quantized checkpoint has (ours, compressed-tensors, ModelOpt, FP8 block scales).
+QUANTIZED_SUFFIXES = (".weight_packed", ".weight_global_scale", ".weight_scale_2", ".weight_scale_inv")
+
 # Never quantized by default: (regex on the tensor name, reason).
 EXCLUDE: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"(^|\.)(embed_tokens|embeddings?|wte|wpe|word_embeddings|embed_positions|tok_embeddings)(\.|$)"),
@@ -194,6 +197,14 @@ def make_plan(
             f"the source is already quantized (quantization_config: {qc.get('quant_method', '?')}); "
             "fp4convert needs a bf16/fp16/fp32 checkpoint"
         )
+    low_precision = {i.name for i in tensors if i.dtype in ("U8", "F8_E4M3", "F8_E5M2")}
+    quantized = [i.name for i in tensors if i.name.endswith(QUANTIZED_SUFFIXES)
+                 or (i.name.endswith(".weight_scale") and i.name[: -len("_scale")] in low_precision)]
+    if quantized:
+        raise PlanError(
+            f"the source is already quantized ({quantized[0]} and {len(quantized) - 1} more); "
+            "fp4convert needs a bf16/fp16/fp32 checkpoint"
+        )
     mtp = _mtp_layers(model_config)
 
     # 1. Per-tensor decision.
@@ -208,6 +219,7 @@ def make_plan(
         reasons[info.name] = reason
 
     # 2. Fused groups: whole or not at all.
+    by_name = {i.name: i for i in tensors}
     groups: dict[str, list[str]] = OrderedDict()
     for info in tensors:
         g = fused_group(info.name)
@@ -220,11 +232,13 @@ def make_plan(
             for m in members:
                 if reasons[m] is None:
                     reasons[m] = why
-        if len({tuple(i.shape[1:]) for i in tensors if i.name in members}) > 1:
-            raise PlanError(f"fused group {g} has members with different in-features; cannot share a scale")
+        elif not blocked and len({by_name[m].shape[1:] for m in members}) > 1:
+            raise PlanError(
+                f"fused group {g} has members with different in-features, so engines cannot fuse them and "
+                f"one global scale makes no sense; --ignore the group's members to keep them unquantized"
+            )
 
     # 3. Decisions in processing order: a group is processed at its first member.
-    by_name = {i.name: i for i in tensors}
     decisions: list[Decision] = []
     done: set[str] = set()
     for info in tensors:

@@ -19,7 +19,6 @@ from .safetensors_io import TensorInfo, parse_header, read_header
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.h5", "*.msgpack", "*.gguf",
                    "*.onnx", "*.tflite", "*.ot"]
@@ -193,12 +192,12 @@ def _open_hub(repo_id: str, revision: str | None) -> Source:
     if (root / INDEX_NAME).exists():
         files = _weight_files_in(root, repo_id)
     else:
-        files = _hub_listing(repo_id, commit)
+        files = _hub_listing(repo_id, commit, root)
     return Source(repo_id, root, files, repo_id=repo_id, revision=revision, commit=commit)
 
 
-def _hub_listing(repo_id: str, commit: str) -> list[str]:
-    """Weight files of a repo with no index: ask the Hub, or (offline) look for model.safetensors."""
+def _hub_listing(repo_id: str, commit: str, snapshot: Path) -> list[str]:
+    """Weight files of a repo with no index: ask the Hub, or (offline) list the cached snapshot."""
     names: list[str] = []
     if not _offline():
         from huggingface_hub import HfApi
@@ -208,7 +207,7 @@ def _hub_listing(repo_id: str, commit: str) -> list[str]:
         except Exception as exc:
             log.debug("listing %s failed: %s", repo_id, exc)
     if not names:
-        names = [SINGLE_NAME]
+        names = sorted(p.name for p in snapshot.iterdir())
     st = [n for n in names if n.endswith(".safetensors") and "/" not in n]
     if st:
         return sorted(st)
