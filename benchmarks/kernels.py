@@ -117,6 +117,8 @@ def run(size: int, rows: list[dict], peers: bool) -> None:
     except Exception as exc:  # noqa: BLE001
         log.warning("torch.compile mxfp4 peer failed: %s", exc)
     try:
+        if torch.cuda.get_device_capability()[0] < 10:
+            raise RuntimeError("fouroversix 0.1.0's Triton kernel emits cvt.e2m1x2 (ptxas rejects it below sm_100)")
         from fouroversix.quantize import triton_kernel as fos
         from fouroversix.utils import AdaptiveBlockScalingRule
 
@@ -127,7 +129,7 @@ def run(size: int, rows: list[dict], peers: bool) -> None:
             bench(lambda: fos.quantize_to_fp4(x2, gs.reshape(1), scale_rule=AdaptiveBlockScalingRule.always_6)),
             rd + nv_out, note)
     except Exception as exc:  # noqa: BLE001
-        log.warning("fouroversix peer unavailable: %s: %s", type(exc).__name__, exc)
+        log.warning("fouroversix peer unavailable: %s: %s", type(exc).__name__, str(exc)[:300])
 
 
 def main() -> None:

@@ -130,13 +130,34 @@ __device__ __forceinline__ uint64_t swz_offset(uint32_t m, uint32_t kb, uint32_t
 // Loads: 16 elements as fp32, plus the bit pattern of max|x| (NaN/Inf propagate as large patterns)
 // ------------------------------------------------------------------------------------------------
 
+// Raw 16-byte vectors of one group (GROUP elements) and the loads that fill them.
 template <int DT>
-__device__ __forceinline__ void load16(const uint8_t* p, float v[16], uint32_t& amax_bits) {
+struct Raw {
+  static constexpr int NV = GROUP * Elem<DT>::size / 16;  // 4 (bf16/fp16) or 8 (fp32)
+  uint4 q[NV];
+};
+
+// Load group g of a matrix (only its first 16 elements when the matrix ends there).
+template <int DT>
+__device__ __forceinline__ void load_group(const uint8_t* xb, int64_t g, int64_t n, Raw<DT>& r) {
+  constexpr int NV = Raw<DT>::NV;
+  const uint8_t* p = xb + g * GROUP * Elem<DT>::size;
+  const bool full = g * GROUP + GROUP <= n;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    if (j < NV / 2 || full) r.q[j] = ldg16(p + 16 * j);
+  }
+}
+
+// 16 elements (chunk c of a group) as fp32, plus the bit pattern of max|x| (NaN/Inf propagate as
+// large patterns).
+template <int DT>
+__device__ __forceinline__ void decode16(const Raw<DT>& r, int c, float v[16], uint32_t& amax_bits) {
   if constexpr (DT == DT_F32) {
     uint32_t m = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const uint4 u = ldg16(p + 16 * j);
+      const uint4 u = r.q[4 * c + j];
       const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -146,7 +167,7 @@ __device__ __forceinline__ void load16(const uint8_t* p, float v[16], uint32_t& 
     }
     amax_bits = m;
   } else {
-    const uint4 u0 = ldg16(p), u1 = ldg16(p + 16);
+    const uint4 u0 = r.q[2 * c], u1 = r.q[2 * c + 1];
     const uint32_t w[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
     uint32_t m = w[0] & 0x7FFF7FFFu;
 #pragma unroll
@@ -171,8 +192,8 @@ __device__ __forceinline__ void load16(const uint8_t* p, float v[16], uint32_t& 
   }
 }
 
-// SPEC.md section 4: butterflies h = 1, 2, 4, 8 in this order, then * 0.25. Its own inverse.
-__device__ __forceinline__ void had16(float v[16]) {
+// SPEC.md section 4: butterflies h = 1, 2, 4, 8 in this order (the * 0.25 is separate, below).
+__device__ __forceinline__ void butterflies16(float v[16]) {
 #pragma unroll
   for (int h = 1; h < 16; h <<= 1) {
 #pragma unroll
@@ -184,17 +205,34 @@ __device__ __forceinline__ void had16(float v[16]) {
       }
     }
   }
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(v[i], 0.25f);
 }
 
-// max|v| of 16 fp32 values as a bit pattern. fmaxf drops NaN, but a NaN or Inf input to Had16
-// makes all 16 outputs non-finite, so the result is still NaN or Inf exactly when it must be.
-__device__ __forceinline__ uint32_t amax16_rotated(const float v[16]) {
-  float m = fabsf(v[0]);
+__device__ __forceinline__ void scale16(float v[16], float f) {
 #pragma unroll
-  for (int i = 1; i < 16; ++i) m = fmaxf(m, fabsf(v[i]));
-  return __float_as_uint(m);
+  for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(v[i], f);
+}
+
+// Had16 = butterflies, then * 0.25. Its own inverse.
+__device__ __forceinline__ void had16(float v[16]) {
+  butterflies16(v);
+  scale16(v, 0.25f);
+}
+
+// max|x * 0.25| of 16 butterfly outputs u, as a bit pattern: RN is monotone, so it is
+// RN(0.25 * max|u|) and one multiply does. fmaxf drops NaN, but a NaN or Inf input to the
+// butterflies makes all 16 outputs non-finite, so the result is NaN or Inf exactly when it must be.
+__device__ __forceinline__ uint32_t amax16_rotated(const float u[16]) {
+  float m = fabsf(u[0]);
+#pragma unroll
+  for (int i = 1; i < 16; ++i) m = fmaxf(m, fabsf(u[i]));
+  return __float_as_uint(__fmul_rn(m, 0.25f));
+}
+
+// The rotated values are v = RN(0.25 u). Where 0.125 r is normal and r < 2^121, E2M1(v * r) uses
+// only y/2 = RN(|v| * r/2), which equals RN(|u| * (0.125 r)) for |u| >= 2^-124 (0.25 u exact), and
+// for smaller |u| both are < 2^-6 (code 0, same sign): so the 16 multiplies by 0.25 fold into r.
+__device__ __forceinline__ bool fold_quarter(float r) {
+  return r == 0.0f || (r >= 0x1p-122f && r < 0x1p121f);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -340,63 +378,92 @@ struct QuantArgs {
   ScaleOut so;
 };
 
+// One group: its two 16-element chunks, rotated if ROT, scaled and encoded; codes -> 16 bytes.
+template <int DT, int FMT, bool ROT>
+__device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, int64_t g, const Raw<DT>& raw,
+                                               float gs) {
+  const bool full = g * GROUP + GROUP <= a.n;  // else only the first 16 (NVFP4, n % 32 == 16)
+  uint32_t codes[4];
+  bool bad = false;
+  if constexpr (FMT == FMT_NVFP4) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      if (c == 1 && !full) break;
+      float v[16];
+      uint32_t mb;
+      decode16<DT>(raw, c, v, mb);
+      if constexpr (ROT) {
+        butterflies16(v);
+        mb = amax16_rotated(v);
+      }
+      bad |= mb >= 0x7F800000u;
+      uint32_t byte;
+      float r = nvfp4_scale(gs, mb, byte);
+      if constexpr (ROT) {
+        if (fold_quarter(r)) r = __fmul_rn(r, 0.25f);
+        else scale16(v, 0.25f);
+      }
+      codes[2 * c] = encode8(v, r);
+      codes[2 * c + 1] = encode8(v + 8, r);
+      store_scale(a.so, b, (uint32_t)(2 * g + c), byte);
+    }
+  } else {
+    float v[32];
+    uint32_t m0, m1;
+    decode16<DT>(raw, 0, v, m0);
+    decode16<DT>(raw, 1, v + 16, m1);
+    if constexpr (ROT) {
+      butterflies16(v);
+      butterflies16(v + 16);
+      m0 = amax16_rotated(v);
+      m1 = amax16_rotated(v + 16);
+    }
+    const uint32_t mb = max(m0, m1);
+    bad = mb >= 0x7F800000u;
+    uint32_t byte;
+    float r = mxfp4_scale(mb, byte);
+    if constexpr (ROT) {
+      if (fold_quarter(r)) {
+        r = __fmul_rn(r, 0.25f);
+      } else {
+        scale16(v, 0.25f);
+        scale16(v + 16, 0.25f);
+      }
+    }
+#pragma unroll
+    for (int w = 0; w < 4; ++w) codes[w] = encode8(v + 8 * w, r);
+    store_scale(a.so, b, (uint32_t)g, byte);
+  }
+  if (bad) *(volatile int*)a.flag = 1;
+  uint8_t* op = a.packed + (b * a.n + g * GROUP) / 2;
+  if (full && ((reinterpret_cast<uintptr_t>(op) & 15) == 0)) {
+    stg16(op, make_uint4(codes[0], codes[1], codes[2], codes[3]));
+  } else {
+    stg8(op, make_uint2(codes[0], codes[1]));
+    if (full) stg8(op + 8, make_uint2(codes[2], codes[3]));
+  }
+}
+
+// Persistent grid-stride loop over groups; the next group's loads are issued before the current
+// group is computed, so every thread keeps 64 bytes (bf16) in flight through its arithmetic.
 template <int DT, int FMT, bool ROT>
 __global__ void __launch_bounds__(THREADS) quantize_kernel(const QuantArgs a) {
-  const int64_t g = (int64_t)blockIdx.x * THREADS + threadIdx.x;
-  if (g >= a.groups) return;
-  constexpr int ES = Elem<DT>::size;
-  const int64_t e0 = g * GROUP;
-  const bool full = e0 + GROUP <= a.n;  // else only the first 16 (NVFP4 with n % 32 == 16)
+  constexpr int NV = Raw<DT>::NV;
+  const int64_t stride = (int64_t)gridDim.x * THREADS;
   for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
-    const int64_t eg = b * a.n + e0;
-    const uint8_t* xp = a.x + eg * ES;
-    uint32_t codes[4];
-    bool bad = false;
-    if constexpr (FMT == FMT_NVFP4) {
-      const float gs = a.gs[b];
+    const uint8_t* xb = a.x + b * a.n * Elem<DT>::size;
+    const float gs = FMT == FMT_NVFP4 ? a.gs[b] : 0.0f;
+    int64_t g = (int64_t)blockIdx.x * THREADS + threadIdx.x;
+    Raw<DT> cur;
+    if (g < a.groups) load_group<DT>(xb, g, a.n, cur);
+    while (g < a.groups) {
+      const int64_t gn = g + stride;
+      Raw<DT> nxt;
+      if (gn < a.groups) load_group<DT>(xb, gn, a.n, nxt);
+      quantize_group<DT, FMT, ROT>(a, b, g, cur, gs);
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        if (c == 1 && !full) break;
-        float v[16];
-        uint32_t mb;
-        load16<DT>(xp + c * 16 * ES, v, mb);
-        if constexpr (ROT) {
-          had16(v);
-          mb = amax16_rotated(v);
-        }
-        bad |= mb >= 0x7F800000u;
-        uint32_t byte;
-        const float r = nvfp4_scale(gs, mb, byte);
-        codes[2 * c] = encode8(v, r);
-        codes[2 * c + 1] = encode8(v + 8, r);
-        store_scale(a.so, b, (uint32_t)(2 * g + c), byte);
-      }
-    } else {
-      float v[32];
-      uint32_t m0, m1;
-      load16<DT>(xp, v, m0);
-      load16<DT>(xp + 16 * ES, v + 16, m1);
-      if constexpr (ROT) {
-        had16(v);
-        had16(v + 16);
-        m0 = amax16_rotated(v);
-        m1 = amax16_rotated(v + 16);
-      }
-      const uint32_t mb = max(m0, m1);
-      bad = mb >= 0x7F800000u;
-      uint32_t byte;
-      const float r = mxfp4_scale(mb, byte);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) codes[w] = encode8(v + 8 * w, r);
-      store_scale(a.so, b, (uint32_t)g, byte);
-    }
-    if (bad) *(volatile int*)a.flag = 1;
-    uint8_t* op = a.packed + eg / 2;
-    if (full && ((reinterpret_cast<uintptr_t>(op) & 15) == 0)) {
-      stg16(op, make_uint4(codes[0], codes[1], codes[2], codes[3]));
-    } else {
-      stg8(op, make_uint2(codes[0], codes[1]));
-      if (full) stg8(op + 8, make_uint2(codes[2], codes[3]));
+      for (int j = 0; j < NV; ++j) cur.q[j] = nxt.q[j];
+      g = gn;
     }
   }
 }
@@ -424,13 +491,14 @@ __device__ __forceinline__ void decode8(uint32_t w, float d, float* o) {
   }
 }
 
+// 16 fp32 values -> 16 elements of the output dtype, as 16-byte vectors q[0..16*ES/16).
 template <int DT>
-__device__ __forceinline__ void store16(uint8_t* p, const float v[16]) {
+__device__ __forceinline__ void pack16(const float v[16], uint4* q) {
   if constexpr (DT == DT_F32) {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      stg16(p + 16 * j, make_uint4(__float_as_uint(v[4 * j]), __float_as_uint(v[4 * j + 1]),
-                                   __float_as_uint(v[4 * j + 2]), __float_as_uint(v[4 * j + 3])));
+      q[j] = make_uint4(__float_as_uint(v[4 * j]), __float_as_uint(v[4 * j + 1]), __float_as_uint(v[4 * j + 2]),
+                        __float_as_uint(v[4 * j + 3]));
   } else {
     uint32_t w[8];
 #pragma unroll
@@ -443,57 +511,78 @@ __device__ __forceinline__ void store16(uint8_t* p, const float v[16]) {
         w[i] = *reinterpret_cast<const uint32_t*>(&t);
       }
     }
-    stg16(p, make_uint4(w[0], w[1], w[2], w[3]));
-    stg16(p + 16, make_uint4(w[4], w[5], w[6], w[7]));
+    q[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    q[1] = make_uint4(w[4], w[5], w[6], w[7]);
   }
 }
 
+// Dequantize: each thread decodes one group (32 elements, 16 bytes of codes, coalesced loads); the
+// warp then stores its 32 groups through shared memory so that every store instruction writes 512
+// contiguous bytes (a thread's own 64-byte run would be 16-byte pieces 64 bytes apart, which halves
+// the write rate). The staging index is XOR-swizzled so both sides are free of bank conflicts.
 template <int DT, int FMT, bool ROT>
 __global__ void __launch_bounds__(THREADS) dequantize_kernel(const DequantArgs a) {
-  const int64_t g = (int64_t)blockIdx.x * THREADS + threadIdx.x;
-  if (g >= a.groups) return;
   constexpr int ES = Elem<DT>::size;
-  const int64_t e0 = g * GROUP;
-  const bool full = e0 + GROUP <= a.n;
+  constexpr int NV = GROUP * ES / 16;  // 16-byte output vectors per group: 4 or 8
+  constexpr int EPV = 16 / ES;         // elements per vector
+  __shared__ uint4 stage[THREADS / 32][32 * NV];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint4* st = stage[warp];
+  const int64_t stride = (int64_t)gridDim.x * THREADS;
+  auto phys = [](int t, int c) { return t * NV + (c ^ (NV == 4 ? ((t >> 1) & 3) : (t & 7))); };
   for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
-    const int64_t eg = b * a.n + e0;
-    const uint8_t* pp = a.packed + eg / 2;
-    uint32_t w[4];
-    if (full && ((reinterpret_cast<uintptr_t>(pp) & 15) == 0)) {
-      const uint4 u = ldg16(pp);
-      w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w;
-    } else {
-      const uint2 u = ldg8(pp);
-      w[0] = u.x; w[1] = u.y;
-      if (full) {
-        const uint2 t = ldg8(pp + 8);
-        w[2] = t.x; w[3] = t.y;
-      } else {
-        w[2] = w[3] = 0;
-      }
-    }
-    float d[2];
-    if constexpr (FMT == FMT_NVFP4) {
-      const float gs = a.gs[b];
+    const float gs = FMT == FMT_NVFP4 ? a.gs[b] : 0.0f;
+    uint8_t* ob = a.out + b * a.n * ES;
+    for (int64_t gw = (int64_t)blockIdx.x * THREADS + warp * 32; gw < a.groups; gw += stride) {
+      const int64_t g = gw + lane;
+      if (g < a.groups) {
+        const bool full = g * GROUP + GROUP <= a.n;
+        const uint8_t* pp = a.packed + (b * a.n + g * GROUP) / 2;
+        uint32_t w[4];
+        if (full && ((reinterpret_cast<uintptr_t>(pp) & 15) == 0)) {
+          const uint4 u = ldg16(pp);
+          w[0] = u.x; w[1] = u.y; w[2] = u.z; w[3] = u.w;
+        } else {
+          const uint2 u = ldg8(pp);
+          w[0] = u.x; w[1] = u.y;
+          w[2] = w[3] = 0;
+          if (full) {
+            const uint2 t = ldg8(pp + 8);
+            w[2] = t.x; w[3] = t.y;
+          }
+        }
+        float d[2];
+        if constexpr (FMT == FMT_NVFP4) {
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        if (c == 1 && !full) break;
-        const uint32_t sb = load_scale(a.scale, a.so, b, (uint32_t)(2 * g + c));
-        d[c] = __fdiv_rn(f32_from_e4m3(sb), gs);
-      }
-    } else {
-      const uint32_t e = load_scale(a.scale, a.so, b, (uint32_t)g);
-      d[0] = d[1] = pow2i((int)e - 127);
-    }
-    uint8_t* op = a.out + eg * ES;
+          for (int c = 0; c < 2; ++c) {
+            const uint32_t sb = (c == 1 && !full) ? 0u : load_scale(a.scale, a.so, b, (uint32_t)(2 * g + c));
+            d[c] = __fdiv_rn(f32_from_e4m3(sb), gs);
+          }
+        } else {
+          const uint32_t e = load_scale(a.scale, a.so, b, (uint32_t)g);
+          d[0] = d[1] = pow2i((int)e - 127);
+        }
 #pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      if (c == 1 && !full) break;
-      float v[16];
-      decode8(w[2 * c], d[c], v);
-      decode8(w[2 * c + 1], d[c], v + 8);
-      if constexpr (ROT) had16(v);
-      store16<DT>(op + c * 16 * ES, v);
+        for (int c = 0; c < 2; ++c) {
+          float v[16];
+          decode8(w[2 * c], d[c], v);
+          decode8(w[2 * c + 1], d[c], v + 8);
+          if constexpr (ROT) had16(v);
+          uint4 q[NV / 2];
+          pack16<DT>(v, q);
+#pragma unroll
+          for (int j = 0; j < NV / 2; ++j) st[phys(lane, c * NV / 2 + j)] = q[j];
+        }
+      }
+      __syncwarp();
+      const int64_t e0 = gw * GROUP;  // first element of this warp's tile
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int u = lane + 32 * j;
+        const int64_t e = e0 + (int64_t)u * EPV;
+        if (e < a.n) stg16(ob + e * ES, st[phys(u / NV, u % NV)]);
+      }
+      __syncwarp();
     }
   }
 }
@@ -546,16 +635,17 @@ __global__ void __launch_bounds__(THREADS) amax_kernel(const uint8_t* x, int64_t
       const int64_t nchunk = n / 16;
       const int64_t stride = (int64_t)gridDim.x * THREADS;
       for (int64_t c = ((int64_t)blockIdx.x * THREADS + threadIdx.x) * 2; c < nchunk; c += 2 * stride) {
-        float v[16], u[16];
+        Raw<DT> raw;
+        load_group<DT>(xb, c / 2, n, raw);
+        float v[16];
         uint32_t dummy;
-        load16<DT>(xb + c * 16 * ES, v, dummy);
-        const bool two = c + 1 < nchunk;
-        if (two) load16<DT>(xb + (c + 1) * 16 * ES, u, dummy);
-        had16(v);
+        decode16<DT>(raw, 0, v, dummy);
+        butterflies16(v);
         m = max(m, amax16_rotated(v));
-        if (two) {
-          had16(u);
-          m = max(m, amax16_rotated(u));
+        if (c + 1 < nchunk) {
+          decode16<DT>(raw, 1, v, dummy);
+          butterflies16(v);
+          m = max(m, amax16_rotated(v));
         }
       }
     }
@@ -620,8 +710,20 @@ int sm_count() {
   return count;
 }
 
-dim3 group_grid(int64_t groups, int64_t B) {
-  return dim3((unsigned)((groups + THREADS - 1) / THREADS), (unsigned)(B < 65535 ? B : 65535));
+// A persistent grid: at most one full wave of resident CTAs (from the occupancy calculator), spread
+// over min(B, 65535) matrices, never more CTAs than a matrix has work for.
+template <typename Kernel>
+dim3 persistent_grid(Kernel kernel, int64_t work_per_matrix, int64_t B) {
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, 0) != cudaSuccess || per_sm < 1)
+    per_sm = 1;
+  const int64_t by = B < 65535 ? B : 65535;
+  const int64_t wave = (int64_t)sm_count() * per_sm;
+  int64_t bx = (work_per_matrix + THREADS - 1) / THREADS;
+  const int64_t cap = (wave + by - 1) / by;
+  if (bx > cap) bx = cap;
+  if (bx < 1) bx = 1;
+  return dim3((unsigned)bx, (unsigned)by);
 }
 
 ScaleOut make_scale_layout(uint8_t* base, int64_t M, int64_t nb, int swizzle) {
@@ -637,17 +739,25 @@ ScaleOut make_scale_layout(uint8_t* base, int64_t M, int64_t nb, int swizzle) {
 
 template <int DT, int FMT>
 cudaError_t launch_quantize_dt(const QuantArgs& a, int rotate, cudaStream_t st) {
-  const dim3 grid = group_grid(a.groups, a.B);
-  if (rotate) quantize_kernel<DT, FMT, true><<<grid, THREADS, 0, st>>>(a);
-  else quantize_kernel<DT, FMT, false><<<grid, THREADS, 0, st>>>(a);
+  if (rotate) {
+    const auto k = quantize_kernel<DT, FMT, true>;
+    k<<<persistent_grid(k, a.groups, a.B), THREADS, 0, st>>>(a);
+  } else {
+    const auto k = quantize_kernel<DT, FMT, false>;
+    k<<<persistent_grid(k, a.groups, a.B), THREADS, 0, st>>>(a);
+  }
   return cudaGetLastError();
 }
 
 template <int DT, int FMT>
 cudaError_t launch_dequantize_dt(const DequantArgs& a, int rotate, cudaStream_t st) {
-  const dim3 grid = group_grid(a.groups, a.B);
-  if (rotate) dequantize_kernel<DT, FMT, true><<<grid, THREADS, 0, st>>>(a);
-  else dequantize_kernel<DT, FMT, false><<<grid, THREADS, 0, st>>>(a);
+  if (rotate) {
+    const auto k = dequantize_kernel<DT, FMT, true>;
+    k<<<persistent_grid(k, a.groups, a.B), THREADS, 0, st>>>(a);
+  } else {
+    const auto k = dequantize_kernel<DT, FMT, false>;
+    k<<<persistent_grid(k, a.groups, a.B), THREADS, 0, st>>>(a);
+  }
   return cudaGetLastError();
 }
 
@@ -675,16 +785,15 @@ FP4C_API int fp4c_amax(const void* x, int dtype, int rotate, int64_t B, int64_t 
   cudaError_t err = cudaMemsetAsync(out, 0, B * sizeof(uint32_t), st);
   if (err != cudaSuccess || n == 0) return err;
   const int64_t work = rotate ? (n / 32 + 1) : (n * (dtype == DT_F32 ? 4 : 2) / 16 / 4 + 1);
-  int64_t bx = (work + THREADS - 1) / THREADS;
-  const int64_t by = B < 65535 ? B : 65535;
-  int64_t cap = (int64_t)sm_count() * 8 / by;
-  if (cap < 1) cap = 1;
-  if (bx > cap) bx = cap;
-  const dim3 grid((unsigned)bx, (unsigned)by);
   const uint8_t* xp = (const uint8_t*)x;
 #define FP4C_AMAX(DT)                                                                   \
-  if (rotate) amax_kernel<DT, true><<<grid, THREADS, 0, st>>>(xp, B, n, out);           \
-  else amax_kernel<DT, false><<<grid, THREADS, 0, st>>>(xp, B, n, out);
+  if (rotate) {                                                                         \
+    const auto k = amax_kernel<DT, true>;                                               \
+    k<<<persistent_grid(k, work, B), THREADS, 0, st>>>(xp, B, n, out);                  \
+  } else {                                                                              \
+    const auto k = amax_kernel<DT, false>;                                              \
+    k<<<persistent_grid(k, work, B), THREADS, 0, st>>>(xp, B, n, out);                  \
+  }
   switch (dtype) {
     case DT_F32: FP4C_AMAX(DT_F32); break;
     case DT_F16: FP4C_AMAX(DT_F16); break;

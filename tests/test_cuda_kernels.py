@@ -96,7 +96,7 @@ def _poisoned(shape, dtype, device) -> torch.Tensor:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """Raw bytes, so -0 vs +0 and NaN payloads count."""
-    return t.contiguous().view(torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _ref_quantize(x: torch.Tensor, fmt: str, rotate, layout: str, global_amax=None):
@@ -152,7 +152,7 @@ def test_quantize_dequantize_bit_exact(dtype, fmt, rotate, layout, shape, dev) -
         p, s, flag = ops.quantize(xg, fmt, gs, rotate, swz, out=(packed, scale))
         assert int(flag) == 0, ctx
         assert torch.equal(p.cpu(), want.packed.reshape(b, m, k // 2)), ctx
-        assert torch.equal(_bits(s.cpu()), _bits(want.scale).reshape(b, rows, cols)), ctx
+        assert torch.equal(_bits(s.cpu()), _bits(want.scale)), ctx
         # 2. The public API on the CUDA backend (amax, gs, dispatch, shapes).
         got = fp4convert.quantize(xg.reshape(shape if b > 1 else shape[1:]), fmt, rotate=rotate,
                                   scale_layout=layout, backend="cuda")
@@ -166,7 +166,9 @@ def test_quantize_dequantize_bit_exact(dtype, fmt, rotate, layout, shape, dev) -
             out = _poisoned((b, m, k), odt, dev)
             w = ops.dequantize(want.packed.reshape(b, m, k // 2).to(dev),
                                want.scale.reshape(b, rows, cols).to(dev), gs, fmt, rotate, swz, odt, out=out)
-            assert torch.equal(_bits(w.cpu()), _bits(w_ref.reshape(b, m, k))), f"{ctx} out={odt}"
+            assert torch.equal(_bits(w.cpu()), _bits(w_ref)), f"{ctx} out={odt}"
+            w2 = fp4convert.dequantize(got, odt, backend="cuda")
+            assert torch.equal(_bits(w2.cpu()), _bits(w_ref)), f"{ctx} out={odt} (public API)"
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -232,5 +234,5 @@ def test_large_tensor(dtype, fmt, rotate, layout, dev) -> None:
         chunk_amax = torch.maximum(chunk_amax, ref.tensor_amax(xc, rotate))
         want = _ref_quantize(xc, fmt, rotate, "linear", global_amax=amax[0] if fmt == "nvfp4" else None)
         assert torch.equal(packed[r0:r1], want.packed), f"rows {r0}:{r1} seed={seed}"
-        assert torch.equal(scale[r0:r1], _bits(want.scale)), f"rows {r0}:{r1} seed={seed}"
+        assert torch.equal(scale[r0:r1].reshape(-1), _bits(want.scale)), f"rows {r0}:{r1} seed={seed}"
     assert torch.equal(_bits(chunk_amax), _bits(amax[0])), seed

@@ -143,6 +143,7 @@ def quantize(
         packed, scale = out
         if packed.shape != (b, m, k // 2) or scale.shape != (b, rows, cols) or not (
             packed.dtype == scale.dtype == torch.uint8 and packed.is_contiguous() and scale.is_contiguous()
+            and packed.data_ptr() % 16 == 0
         ):
             raise CUDAKernelError("out buffers do not match the expected shapes / uint8 / contiguous")
     flag = torch.zeros((), dtype=torch.int32, device=x.device)
@@ -197,7 +198,7 @@ def dequantize(
         gs = None
     if out is None:
         out = torch.empty(b, m, k, dtype=out_dtype, device=packed.device)
-    elif out.shape != (b, m, k) or out.dtype != out_dtype or not out.is_contiguous():
+    elif out.shape != (b, m, k) or out.dtype != out_dtype or not out.is_contiguous() or out.data_ptr() % 16:
         raise CUDAKernelError("out buffer does not match the expected shape / dtype / contiguity")
     if out.numel():
         lib = _lib(packed.device)
