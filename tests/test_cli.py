@@ -152,7 +152,35 @@ def test_exit_4_source(tmp_path) -> None:
     f = tmp_path / "afile"
     f.write_text("x")
     assert_error(run("quantize", f, tmp_path / "q"), 4, "is a file")
+    m = tmp_path / "missing_shard"
+    ck.llama(m)
+    (m / "model-00002-of-00003.safetensors").unlink()
+    assert_error(run("quantize", m, tmp_path / "q"), 4, "model-00002-of-00003.safetensors")
+    d = tmp_path / "dup"
+    t = ck.llama(d, layers=1, single=True)
+    from safetensors.torch import save_file
+
+    save_file({"model.norm.weight": t["model.norm.weight"]}, str(d / "model-extra.safetensors"))
+    assert_error(run("quantize", d, tmp_path / "q"), 4, "model.norm.weight")
     assert not (tmp_path / "q").exists()
+
+
+def test_status_lines_without_quiet(src, tmp_path) -> None:
+    r = run("quantize", src, tmp_path / "q", "--device", "cpu", "--max-shard-size", "6KB")
+    assert r.exit_code == 0, r.output
+    assert "wrote model-00001-of-" in r.stderr  # per-shard status on stderr, summary on stdout
+    assert "tensors quantized" in r.stdout
+
+
+def test_free_disk_checked_before_writing(src, tmp_path, monkeypatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    dst = tmp_path / "q"
+    assert_error(run("quantize", src, dst, "--device", "cpu"), 5, "GB free")
+    assert not list(dst.glob("*")) if dst.exists() else True
 
 
 def test_exit_5_output(src, tmp_path) -> None:
