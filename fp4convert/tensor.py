@@ -1,8 +1,9 @@
 """The public tensor API: quantize / dequantize one weight, on whichever backend fits its device.
 
-Backends: ``"reference"`` (pure PyTorch, any device, the source of truth) and ``"cuda"`` (our own
-kernels, built on first use). ``"auto"`` takes the kernels for CUDA tensors and the reference
-elsewhere; both give the same bytes.
+Backends: ``"reference"`` (pure PyTorch, any device, the source of truth), ``"cpu"`` (the reference's
+arithmetic in row chunks with a one-pass E2M1 encoder: faster, and bounded memory) and ``"cuda"``
+(our own kernels, built on first use). ``"auto"`` takes the kernels for CUDA tensors and the CPU
+fast path for CPU tensors; every backend gives the same bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .swizzle import swizzle_scales, unswizzle_scales
 Format = Literal["nvfp4", "mxfp4"]
 Rotation = Literal["had16"]
 ScaleLayout = Literal["linear", "swizzled"]
-Backend = Literal["auto", "reference", "cuda"]
+Backend = Literal["auto", "reference", "cpu", "cuda"]
 
 FORMATS = ("nvfp4", "mxfp4")
 ROTATIONS = (None, "had16")
@@ -61,8 +62,8 @@ def _check_options(fmt: str, rotate: str | None, scale_layout: str, backend: str
         raise QuantizationError(f"unknown rotation {rotate!r}; expected None or 'had16'")
     if scale_layout not in ("linear", "swizzled"):
         raise QuantizationError(f"unknown scale layout {scale_layout!r}; expected 'linear' or 'swizzled'")
-    if backend not in ("auto", "reference", "cuda"):
-        raise QuantizationError(f"unknown backend {backend!r}; expected 'auto', 'reference' or 'cuda'")
+    if backend not in ("auto", "reference", "cpu", "cuda"):
+        raise QuantizationError(f"unknown backend {backend!r}; expected 'auto', 'reference', 'cpu' or 'cuda'")
 
 
 def _use_cuda(x: torch.Tensor, backend: str) -> bool:
@@ -80,6 +81,19 @@ def _cuda_ops():
     return ops
 
 
+def _batch_ops(x: torch.Tensor, backend: str):
+    """The batched backend for x ([B, M, K] interface), or None for the reference."""
+    if _use_cuda(x, backend):
+        return _cuda_ops()
+    if backend == "cpu" or (backend == "auto" and x.device.type == "cpu"):
+        if x.device.type != "cpu":
+            raise QuantizationError(f"backend='cpu' needs a CPU tensor, got one on {x.device}")
+        from . import cpu
+
+        return cpu
+    return None
+
+
 def _as_batch(x: torch.Tensor) -> torch.Tensor:
     """[..., M, K] -> contiguous [B, M, K] for the kernels."""
     return x.reshape(-1, *x.shape[-2:]).contiguous()
@@ -94,11 +108,12 @@ def amax(x: torch.Tensor, *, rotate: Rotation | None = None, backend: Backend = 
     _check_options("nvfp4", rotate, "linear", backend)
     if x.dim() < 2:
         raise ShapeError(f"expected a weight of shape [..., M, K], got shape {tuple(x.shape)}")
-    if _use_cuda(x, backend):
-        if rotate and x.shape[-1] % ref.HAD16_SIZE:
-            raise ShapeError(f"Had16 needs K divisible by 16, got K={x.shape[-1]}")
-        return _cuda_ops().amax(_as_batch(x), rotate).reshape(x.shape[:-2])
-    return ref.tensor_amax(x, rotate)
+    ops = _batch_ops(x, backend)
+    if ops is None:
+        return ref.tensor_amax(x, rotate)
+    if rotate and x.shape[-1] % ref.HAD16_SIZE:
+        raise ShapeError(f"Had16 needs K divisible by 16, got K={x.shape[-1]}")
+    return ops.amax(_as_batch(x), rotate).reshape(x.shape[:-2])
 
 
 def quantize(
@@ -120,8 +135,9 @@ def quantize(
     if fmt == "mxfp4" and global_amax is not None:
         raise QuantizationError("MXFP4 has no global scale; global_amax applies to NVFP4 only")
     ref.check_shape(x, BLOCK_SIZE[fmt])
-    if _use_cuda(x, backend):
-        return _quantize_cuda(x, fmt, rotate, global_amax, scale_layout)
+    ops = _batch_ops(x, backend)
+    if ops is not None:
+        return _quantize_batched(ops, x, fmt, rotate, global_amax, scale_layout)
     if fmt == "nvfp4":
         packed, scale, gs = ref.nvfp4_quantize(x, global_amax, rotate)
     else:
@@ -131,10 +147,10 @@ def quantize(
     return QuantizedTensor(packed, scale, gs, fmt, rotate, scale_layout)
 
 
-def _quantize_cuda(
-    x: torch.Tensor, fmt: Format, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout
+def _quantize_batched(
+    ops, x: torch.Tensor, fmt: Format, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout
 ) -> QuantizedTensor:
-    ops = _cuda_ops()
+    """Pass 1 (amax, unless the group's is given) and pass 2 on a batched backend."""
     xb = _as_batch(x)
     lead = x.shape[:-2]
     gs = None
