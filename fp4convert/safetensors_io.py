@@ -132,6 +132,15 @@ def read_bytes(path: Path, info: TensorInfo) -> bytearray:
     return buf
 
 
+def read_into(path: Path, info: TensorInfo, out: torch.Tensor) -> None:
+    """Read the tensor's bytes into ``out`` (a contiguous uint8 CPU tensor, e.g. pinned memory)."""
+    view = tensor_memoryview(out)
+    with open(path, "rb") as f:
+        f.seek(info.begin)
+        if f.readinto(view) != info.nbytes:
+            raise CheckpointFormatError(f"{info.file}: tensor {info.name!r} is truncated")
+
+
 def read_tensor(path: Path, info: TensorInfo) -> torch.Tensor:
     dtype = DTYPES.get(info.dtype)
     if dtype is None:
