@@ -98,6 +98,18 @@ def run(size: int, rows: list[dict], peers: bool) -> None:
         bench(lambda: ops.dequantize(prr, srr, gs_r, "nvfp4", "had16", False, torch.bfloat16)), nv_out + 2 * n)
     add("mxfp4 dequantize -> bf16", bench(lambda: ops.dequantize(pm, sm, None, "mxfp4", None, False, torch.bfloat16)),
         mx_out + 2 * n)
+    # A/B of the alternatives the defaults were chosen against (benchmarks/NOTES.md).
+    ops.set_tuning("quant_persistent", 1)
+    add("[alt] nvfp4 quantize, persistent+prefetch", bench(lambda: ops.quantize(x, "nvfp4", gs, None, False)),
+        rd + nv_out)
+    add("[alt] nvfp4 quantize had16, persistent+prefetch",
+        bench(lambda: ops.quantize(x, "nvfp4", gs_r, "had16", False)), rd + nv_out)
+    ops.set_tuning("quant_persistent", 0)
+    ops.set_tuning("unbalanced_grid", 1)
+    add("[alt] amax, unbalanced one-wave grid", bench(lambda: ops.amax(x, None)), rd)
+    add("[alt] nvfp4 dequantize, unbalanced one-wave grid",
+        bench(lambda: ops.dequantize(p, s, gs, "nvfp4", None, False, torch.bfloat16)), nv_out + 2 * n)
+    ops.set_tuning("unbalanced_grid", 0)
     if not peers:
         return
     # Peers ---------------------------------------------------------------------------------------

@@ -338,22 +338,6 @@ struct ScaleOut {
   uint32_t nbp;       // padded blocks per row
 };
 
-// Store block bi's scale byte (and, in the swizzled layout, the zero column padding of its row).
-__device__ __forceinline__ void store_scale(const ScaleOut& so, uint64_t b, uint32_t bi,
-                                            uint32_t byte) {
-  uint8_t* base = so.base + b * so.mstride;
-  if (!so.swizzle) {
-    base[bi] = (uint8_t)byte;
-    return;
-  }
-  const uint32_t m = fdiv(bi, so.nb);
-  const uint32_t kb = bi - m * so.nb.d;
-  base[swz_offset(m, kb, so.nbp)] = (uint8_t)byte;
-  if (kb == so.nb.d - 1) {
-    for (uint32_t k = kb + 1; k < so.nbp; ++k) base[swz_offset(m, k, so.nbp)] = 0;
-  }
-}
-
 __device__ __forceinline__ uint32_t load_scale(const uint8_t* base, const ScaleOut& so, uint64_t b,
                                                uint32_t bi) {
   const uint8_t* p = base + b * so.mstride;
@@ -378,12 +362,12 @@ struct QuantArgs {
   ScaleOut so;
 };
 
-// One group: its two 16-element chunks, rotated if ROT, scaled and encoded; codes -> 16 bytes.
+// One group (raw data loaded): its two 16-element chunks (one if !full), rotated if ROT, scaled and
+// encoded. Out: codes[4] (16 bytes), the scale byte(s) (NVFP4: one per chunk; MXFP4: sb[0]).
+// Returns true when a block held NaN/Inf.
 template <int DT, int FMT, bool ROT>
-__device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, int64_t g, const Raw<DT>& raw,
-                                               float gs) {
-  const bool full = g * GROUP + GROUP <= a.n;  // else only the first 16 (NVFP4, n % 32 == 16)
-  uint32_t codes[4];
+__device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, float gs, uint32_t codes[4],
+                                             uint32_t sb[2]) {
   bool bad = false;
   if constexpr (FMT == FMT_NVFP4) {
 #pragma unroll
@@ -397,15 +381,13 @@ __device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, in
         mb = amax16_rotated(v);
       }
       bad |= mb >= 0x7F800000u;
-      uint32_t byte;
-      float r = nvfp4_scale(gs, mb, byte);
+      float r = nvfp4_scale(gs, mb, sb[c]);
       if constexpr (ROT) {
         if (fold_quarter(r)) r = __fmul_rn(r, 0.25f);
         else scale16(v, 0.25f);
       }
       codes[2 * c] = encode8(v, r);
       codes[2 * c + 1] = encode8(v + 8, r);
-      store_scale(a.so, b, (uint32_t)(2 * g + c), byte);
     }
   } else {
     float v[32];
@@ -420,8 +402,7 @@ __device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, in
     }
     const uint32_t mb = max(m0, m1);
     bad = mb >= 0x7F800000u;
-    uint32_t byte;
-    float r = mxfp4_scale(mb, byte);
+    float r = mxfp4_scale(mb, sb[0]);
     if constexpr (ROT) {
       if (fold_quarter(r)) {
         r = __fmul_rn(r, 0.25f);
@@ -432,10 +413,11 @@ __device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, in
     }
 #pragma unroll
     for (int w = 0; w < 4; ++w) codes[w] = encode8(v + 8 * w, r);
-    store_scale(a.so, b, (uint32_t)g, byte);
   }
-  if (bad) *(volatile int*)a.flag = 1;
-  uint8_t* op = a.packed + (b * a.n + g * GROUP) / 2;
+  return bad;
+}
+
+__device__ __forceinline__ void store_codes(uint8_t* op, bool full, const uint32_t codes[4]) {
   if (full && ((reinterpret_cast<uintptr_t>(op) & 15) == 0)) {
     stg16(op, make_uint4(codes[0], codes[1], codes[2], codes[3]));
   } else {
@@ -444,10 +426,41 @@ __device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, in
   }
 }
 
-// Persistent grid-stride loop over groups; the next group's loads are issued before the current
-// group is computed, so every thread keeps 64 bytes (bf16) in flight through its arithmetic.
+// Linear scale layout: a matrix is a flat run of groups; group g's scales are bytes 2g, 2g+1
+// (NVFP4) or g (MXFP4) of the matrix's scale row-major array.
+template <int DT, int FMT, bool ROT>
+__device__ __forceinline__ void quantize_linear_group(const QuantArgs& a, int64_t b, int64_t g, const Raw<DT>& raw,
+                                                      float gs) {
+  const bool full = g * GROUP + GROUP <= a.n;  // else only the first 16 (NVFP4, n % 32 == 16)
+  uint32_t codes[4], sb[2];
+  if (encode_group<DT, FMT, ROT>(raw, full, gs, codes, sb)) *(volatile int*)a.flag = 1;
+  uint8_t* sp = a.so.base + b * a.so.mstride;
+  if constexpr (FMT == FMT_NVFP4) {
+    sp[2 * g] = (uint8_t)sb[0];
+    if (full) sp[2 * g + 1] = (uint8_t)sb[1];
+  } else {
+    sp[g] = (uint8_t)sb[0];
+  }
+  store_codes(a.packed + (b * a.n + g * GROUP) / 2, full, codes);
+}
+
+// Mode 0 (default): one group per thread, a CTA per 256 groups; the hardware block scheduler
+// balances the tail. Mode 1: a persistent grid-stride loop that loads the next group before
+// computing the current one (measured slower on the H100: see benchmarks/NOTES.md).
 template <int DT, int FMT, bool ROT>
 __global__ void __launch_bounds__(THREADS) quantize_kernel(const QuantArgs a) {
+  const int64_t g = (int64_t)blockIdx.x * THREADS + threadIdx.x;
+  if (g >= a.groups) return;
+  for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
+    const float gs = FMT == FMT_NVFP4 ? a.gs[b] : 0.0f;
+    Raw<DT> raw;
+    load_group<DT>(a.x + b * a.n * Elem<DT>::size, g, a.n, raw);
+    quantize_linear_group<DT, FMT, ROT>(a, b, g, raw, gs);
+  }
+}
+
+template <int DT, int FMT, bool ROT>
+__global__ void __launch_bounds__(THREADS) quantize_persistent_kernel(const QuantArgs a) {
   constexpr int NV = Raw<DT>::NV;
   const int64_t stride = (int64_t)gridDim.x * THREADS;
   for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
@@ -460,11 +473,69 @@ __global__ void __launch_bounds__(THREADS) quantize_kernel(const QuantArgs a) {
       const int64_t gn = g + stride;
       Raw<DT> nxt;
       if (gn < a.groups) load_group<DT>(xb, gn, a.n, nxt);
-      quantize_group<DT, FMT, ROT>(a, b, g, cur, gs);
+      quantize_linear_group<DT, FMT, ROT>(a, b, g, cur, gs);
 #pragma unroll
       for (int j = 0; j < NV; ++j) cur.q[j] = nxt.q[j];
       g = gn;
     }
+  }
+}
+
+// Swizzled scale layout: one CTA per 512-byte tile of the 128x4 layout (128 rows x 4 blocks), so
+// each tile is written whole by one CTA (full sectors, no read-modify-write in L2) and the padding
+// (rows >= M, blocks >= nb) is written as zeros by the threads that own it: no memset, no tail
+// logic. Thread t owns row t/2 of the tile and blocks 2(t%2), 2(t%2)+1 (NVFP4: one 32-element
+// group; MXFP4: two groups), i.e. 2 scale bytes at one 2-byte-aligned offset.
+struct TileArgs {
+  const uint8_t* x;
+  uint8_t* packed;
+  uint8_t* scale;
+  const float* gs;
+  int* flag;
+  int64_t B, M, K, nb, nbp, mstride;
+};
+
+template <int DT, int FMT, bool ROT>
+__global__ void __launch_bounds__(THREADS) quantize_swizzled_kernel(const TileArgs a) {
+  constexpr int BS = FMT == FMT_NVFP4 ? 16 : 32;
+  const int64_t tiles_k = a.nbp / 4;
+  const int64_t mt = blockIdx.x / tiles_k, kt = blockIdx.x - mt * tiles_k;
+  const int r = threadIdx.x >> 1;
+  const int64_t m = mt * 128 + r;
+  const int64_t kb0 = kt * 4 + 2 * (threadIdx.x & 1);
+  const int off = (r & 31) * 16 + (r >> 5) * 4 + 2 * (threadIdx.x & 1);
+  const int64_t n = a.M * a.K;
+  for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
+    const uint8_t* xb = a.x + b * n * Elem<DT>::size;
+    const float gs = FMT == FMT_NVFP4 ? a.gs[b] : 0.0f;
+    uint32_t s2[2] = {0, 0};
+    bool bad = false;
+    constexpr int NG = FMT == FMT_NVFP4 ? 1 : 2;  // groups per thread
+#pragma unroll
+    for (int u = 0; u < NG; ++u) {
+      const int64_t kb = kb0 + u;
+      if (m < a.M && kb < a.nb) {
+        const int64_t e = m * a.K + kb * BS;  // first element of the group
+        const bool full = FMT == FMT_MXFP4 || kb + 1 < a.nb;
+        Raw<DT> raw;
+        const uint8_t* p = xb + e * Elem<DT>::size;
+#pragma unroll
+        for (int j = 0; j < Raw<DT>::NV; ++j)
+          if (j < Raw<DT>::NV / 2 || full) raw.q[j] = ldg16(p + 16 * j);
+        uint32_t codes[4], sb[2] = {0, 0};
+        bad |= encode_group<DT, FMT, ROT>(raw, full, gs, codes, sb);
+        if constexpr (FMT == FMT_NVFP4) {
+          s2[0] = sb[0];
+          s2[1] = full ? sb[1] : 0u;
+        } else {
+          s2[u] = sb[0];
+        }
+        store_codes(a.packed + (b * n + e) / 2, full, codes);
+      }
+    }
+    if (bad) *(volatile int*)a.flag = 1;
+    *reinterpret_cast<uint16_t*>(a.scale + b * a.mstride + (int64_t)blockIdx.x * 512 + off) =
+        (uint16_t)(s2[0] | (s2[1] << 8));
   }
 }
 
@@ -710,8 +781,14 @@ int sm_count() {
   return count;
 }
 
+// Tuning switches, for A/B runs of the benchmark (fp4c_set_tuning); the defaults are the winners.
+int g_tune[4] = {0, 0, 0, 0};
+enum : int { TUNE_QUANT_PERSISTENT = 0, TUNE_UNBALANCED_GRID = 1 };
+
 // A persistent grid: at most one full wave of resident CTAs (from the occupancy calculator), spread
-// over min(B, 65535) matrices, never more CTAs than a matrix has work for.
+// over min(B, 65535) matrices, never more CTAs than a matrix has work for. Balanced: the threads
+// are then trimmed so that every thread runs the same number of grid-stride iterations (a last,
+// partly filled iteration would leave most of the GPU idle for its duration).
 template <typename Kernel>
 dim3 persistent_grid(Kernel kernel, int64_t work_per_matrix, int64_t B) {
   int per_sm = 0;
@@ -721,7 +798,14 @@ dim3 persistent_grid(Kernel kernel, int64_t work_per_matrix, int64_t B) {
   const int64_t wave = (int64_t)sm_count() * per_sm;
   int64_t bx = (work_per_matrix + THREADS - 1) / THREADS;
   const int64_t cap = (wave + by - 1) / by;
-  if (bx > cap) bx = cap;
+  if (bx > cap) {
+    bx = cap;
+    if (!g_tune[TUNE_UNBALANCED_GRID]) {
+      const int64_t iters = (work_per_matrix + bx * THREADS - 1) / (bx * THREADS);
+      const int64_t threads = (work_per_matrix + iters - 1) / iters;
+      bx = (threads + THREADS - 1) / THREADS;
+    }
+  }
   if (bx < 1) bx = 1;
   return dim3((unsigned)bx, (unsigned)by);
 }
@@ -737,14 +821,26 @@ ScaleOut make_scale_layout(uint8_t* base, int64_t M, int64_t nb, int swizzle) {
   return so;
 }
 
-template <int DT, int FMT>
-cudaError_t launch_quantize_dt(const QuantArgs& a, int rotate, cudaStream_t st) {
-  if (rotate) {
-    const auto k = quantize_kernel<DT, FMT, true>;
+template <int DT, int FMT, bool ROT>
+void launch_quantize_linear(const QuantArgs& a, cudaStream_t st) {
+  if (g_tune[TUNE_QUANT_PERSISTENT]) {
+    const auto k = quantize_persistent_kernel<DT, FMT, ROT>;
     k<<<persistent_grid(k, a.groups, a.B), THREADS, 0, st>>>(a);
   } else {
-    const auto k = quantize_kernel<DT, FMT, false>;
-    k<<<persistent_grid(k, a.groups, a.B), THREADS, 0, st>>>(a);
+    const dim3 grid((unsigned)((a.groups + THREADS - 1) / THREADS), (unsigned)(a.B < 65535 ? a.B : 65535));
+    quantize_kernel<DT, FMT, ROT><<<grid, THREADS, 0, st>>>(a);
+  }
+}
+
+template <int DT, int FMT>
+cudaError_t launch_quantize_dt(const QuantArgs& a, const TileArgs& t, int rotate, int swizzle, cudaStream_t st) {
+  if (swizzle) {
+    const dim3 grid((unsigned)((t.mstride) / 512), (unsigned)(t.B < 65535 ? t.B : 65535));
+    if (rotate) quantize_swizzled_kernel<DT, FMT, true><<<grid, THREADS, 0, st>>>(t);
+    else quantize_swizzled_kernel<DT, FMT, false><<<grid, THREADS, 0, st>>>(t);
+  } else {
+    if (rotate) launch_quantize_linear<DT, FMT, true>(a, st);
+    else launch_quantize_linear<DT, FMT, false>(a, st);
   }
   return cudaGetLastError();
 }
@@ -771,6 +867,13 @@ FP4C_API int fp4c_abi_version() { return 1; }
 // The launchers run on the calling thread's current device of this library's own CUDA runtime;
 // the caller makes it the tensors' device first.
 FP4C_API int fp4c_set_device(int device) { return cudaSetDevice(device); }
+
+// A/B switches for benchmarks (key: 0 persistent linear quantize, 1 unbalanced persistent grids).
+FP4C_API int fp4c_set_tuning(int key, int value) {
+  if (key < 0 || key >= 4) return FP4C_EINVAL;
+  g_tune[key] = value;
+  return 0;
+}
 
 FP4C_API const char* fp4c_error_string(int code) {
   if (code == FP4C_EINVAL) return "fp4convert kernel launcher: invalid argument";
@@ -825,15 +928,22 @@ FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int sw
   a.n = n;
   a.groups = (n + GROUP - 1) / GROUP;
   a.so = make_scale_layout(scale, M, nb, swizzle);
-  if (swizzle && M % 128) {
-    // Zero the last 128-row tile of every matrix (its padding rows); the kernel writes the rest.
-    const int64_t tile = 128 * (int64_t)a.so.nbp;
-    cudaError_t err = cudaMemset2DAsync(scale + a.so.mstride - tile, a.so.mstride, 0, tile, B, st);
-    if (err != cudaSuccess) return err;
-  }
+  TileArgs t;
+  t.x = a.x;
+  t.packed = packed;
+  t.scale = scale;
+  t.gs = gs;
+  t.flag = flag;
+  t.B = B;
+  t.M = M;
+  t.K = K;
+  t.nb = nb;
+  t.nbp = a.so.nbp;
+  t.mstride = (int64_t)a.so.mstride;
+  if (swizzle && t.mstride / 512 >= (1ll << 31)) return FP4C_EINVAL;
 #define FP4C_Q(DT)                                                                       \
-  return fmt == FMT_NVFP4 ? launch_quantize_dt<DT, FMT_NVFP4>(a, rotate, st)            \
-                          : launch_quantize_dt<DT, FMT_MXFP4>(a, rotate, st);
+  return fmt == FMT_NVFP4 ? launch_quantize_dt<DT, FMT_NVFP4>(a, t, rotate, swizzle, st) \
+                          : launch_quantize_dt<DT, FMT_MXFP4>(a, t, rotate, swizzle, st);
   switch (dtype) {
     case DT_F32: FP4C_Q(DT_F32);
     case DT_F16: FP4C_Q(DT_F16);

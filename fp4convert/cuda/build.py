@@ -132,6 +132,8 @@ def load_library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib.fp4c_abi_version.restype = c_int
     lib.fp4c_error_string.restype = ctypes.c_char_p
     lib.fp4c_error_string.argtypes = [c_int]
+    lib.fp4c_set_tuning.restype = c_int
+    lib.fp4c_set_tuning.argtypes = [c_int, c_int]
     lib.fp4c_set_device.restype = c_int
     lib.fp4c_set_device.argtypes = [c_int]
     lib.fp4c_amax.restype = c_int

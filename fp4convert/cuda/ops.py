@@ -208,6 +208,15 @@ def dequantize(
     return out
 
 
+TUNING_KEYS = {"quant_persistent": 0, "unbalanced_grid": 1}
+
+
+def set_tuning(key: str, value: int, device: torch.device | str = "cuda") -> None:
+    """Benchmark A/B switch (see csrc); the defaults are the measured winners. Not for production."""
+    lib = _lib(torch.device(device))
+    _check(lib, lib.fp4c_set_tuning(TUNING_KEYS[key], int(value)))
+
+
 def e2m1_selftest(device: torch.device | str = "cuda") -> int:
     """Mismatches of this GPU's E2M1 path against SPEC.md's predicate sum over every fp32 input."""
     device = torch.device(device)
