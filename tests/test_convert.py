@@ -65,7 +65,7 @@ def check_against_reference(src: Path, dst: Path, scheme: str, rotate: str | Non
         m = n[: -len(".weight")]
         ga = group_amax[expected_group(n) or n]
         q = fp4convert.quantize(source[n], scheme, rotate=rotate, global_amax=ga if scheme == "nvfp4" else None,
-                                scale_layout="swizzled")
+                                scale_layout="swizzled", backend="reference")  # the source of truth
         assert n not in out
         assert out[m + ".weight_packed"].dtype == torch.uint8
         assert torch.equal(out[m + ".weight_packed"], q.packed), n
@@ -435,3 +435,14 @@ def test_os_environ_untouched(llama_src, tmp_path) -> None:
     before = dict(os.environ)
     convert(llama_src, tmp_path / "q", cfg())
     assert dict(os.environ) == before
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme,rotate", [("nvfp4", None), ("nvfp4", "had16"), ("mxfp4", None)])
+def test_cuda_device_gives_the_same_bytes(llama_src, tmp_path, scheme, rotate) -> None:
+    cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
+    convert(llama_src, cpu, cfg(scheme=scheme, rotate=rotate, max_shard_size=6000))
+    convert(llama_src, gpu, ConvertConfig(device="cuda", scheme=scheme, rotate=rotate, max_shard_size=6000))
+    assert ck.all_files(gpu) == ck.all_files(cpu)
+    check_against_reference(llama_src, gpu, scheme, rotate)
