@@ -220,7 +220,6 @@ def test_other_files_copied(llama_src, llama_out) -> None:
 
 
 def test_manifest(llama_src, llama_out) -> None:
-    from fp4convert.manifest import file_digest  # noqa: F401  (only for the reader's orientation)
     import hashlib
 
     dst, res = llama_out
@@ -230,7 +229,6 @@ def test_manifest(llama_src, llama_out) -> None:
     assert m["block_size"] == 16 and m["scale_layout"] == "128x4"
     assert m["settings"]["scheme"] == "nvfp4" and m["settings"]["max_shard_size"] == 6000
     assert m["source"]["type"] == "local" and Path(m["source"]["path"]) == llama_src.resolve()
-    src_tensors = ck.all_files(llama_src)  # noqa: F841
     names = set()
     for f in llama_src.glob("*.safetensors"):
         start, h = ck.header(f)

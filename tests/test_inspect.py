@@ -56,7 +56,10 @@ def test_summary_of_a_converted_checkpoint(converted, scheme) -> None:
     assert r["bits_per_param_quantized"] == s["bits_per_param_quantized"]
     assert r["checks"]["checksums"] == "sha256 verified"
     layers = r["layers"]
-    assert list(layers)[:2] == ["(other)", "model.layers.0"] or "model.layers.0" in layers
+    assert list(layers) == ["(other)", "model.layers.0", "model.layers.1"]  # natural order
+    assert sum(v["quantized"] for v in layers.values()) == s["quantized"]
+    assert sum(v["kept"] for v in layers.values()) == s["kept"]
+    assert sum(v["bytes"] for v in layers.values()) == s["bytes_out"]
     n_q0 = sum(1 for n, d in res.plan.by_name.items() if n.startswith("model.layers.0.") and d.action == "quantize")
     assert layers["model.layers.0"]["quantized"] == n_q0
     if scheme == "nvfp4":
