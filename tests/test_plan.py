@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import fnmatch
+import re
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fp4convert.config import ConfigError, ConvertConfig
 from fp4convert.formats import get_format
@@ -274,3 +279,70 @@ def test_plan_json_lists_every_tensor() -> None:
     assert j["settings"]["ignore"] == ["lm_head"] and j["summary"] == p.summary()
     t = next(t for t in j["tensors"] if t["name"] == "model.layers.0.self_attn.q_proj.weight")
     assert t["action"] == "quantize" and t["group"] and t["shape"] == [H, H] and len(t["outputs"]) == 3
+
+
+# --- invariants over random checkpoints (hypothesis) ---------------------------------------------
+
+LEAVES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",
+          "q_a_proj", "kv_a_proj_with_mqa", "gate", "input_layernorm", "embed_tokens", "lm_head", "dense"]
+GROUPS = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("q_a_proj", "kv_a_proj_with_mqa")]
+
+
+@st.composite
+def random_checkpoint(draw):
+    spec = {}
+    for i in range(draw(st.integers(1, 3))):
+        prefix = draw(st.sampled_from([f"model.layers.{i}.", f"model.layers.{i}.mlp.experts.{i}.",
+                                       f"model.vision_tower.layers.{i}."]))
+        k = draw(st.sampled_from([16, 32, 40, 48, 64]))
+        for leaf in draw(st.lists(st.sampled_from(LEAVES), min_size=1, max_size=8, unique=True)):
+            shape = draw(st.sampled_from([(32, k), (16, k), (k,), (2, 16, k)]))
+            dtype = draw(st.sampled_from(["BF16", "BF16", "F16", "F32", "I32"]))
+            spec[f"{prefix}{leaf}.weight"] = (shape, dtype)
+    ignore = tuple(draw(st.lists(st.sampled_from(["*.k_proj", "re:up_proj", "model.layers.0.*", "*.w3"]), max_size=2)))
+    only = tuple(draw(st.lists(st.sampled_from(["*.mlp.*", "re:proj"]), max_size=1)))
+    return spec, ignore, only, draw(st.sampled_from(["nvfp4", "mxfp4"])), draw(st.sampled_from([2000, 10**9]))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_checkpoint())
+def test_plan_invariants(case) -> None:
+    spec, ignore, only, scheme, max_shard = case
+    try:
+        p = plan(spec, ignore=ignore, only=only, scheme=scheme, max_shard_size=max_shard)
+    except PlanError as exc:  # only refusal possible here: a quantized group with mixed in-features
+        assert "different in-features" in str(exc)
+        return
+    names = list(spec)
+    assert sorted(d.name for d in p.decisions) == sorted(names)  # every tensor decided exactly once
+    bs = 16 if scheme == "nvfp4" else 32
+    for d in p.decisions:
+        shape, dtype = spec[d.name]
+        assert d.reason
+        if d.action == QUANTIZE:
+            assert len(shape) == 2 and shape[-1] % bs == 0 and dtype in ("BF16", "F16", "F32")
+            assert not any(w in d.name for w in ("vision", "norm", "embed", "lm_head", ".gate."))
+            assert not any(matches_any(pat, d.name) for pat in ignore)
+        else:
+            assert [(e.name, e.dtype, e.shape) for e in d.outputs] == [(d.name, dtype, tuple(shape))]
+    # Whole or nothing, per module prefix.
+    by_name = p.by_name
+    for fam in GROUPS:
+        prefixes = {n.rsplit(".", 2)[0] for n in names if n.rsplit(".", 2)[1] in fam}
+        for pre in prefixes:
+            members = [f"{pre}.{leaf}.weight" for leaf in fam if f"{pre}.{leaf}.weight" in spec]
+            actions = {by_name[m].action for m in members}
+            assert len(actions) == 1, members
+            if actions == {QUANTIZE}:
+                assert len({spec[m][0][-1] for m in members}) == 1
+                assert len({by_name[m].group for m in members}) == 1
+    outs = [e.name for d in p.decisions for e in d.outputs]
+    assert len(outs) == len(set(outs))
+    assert [e.name for _, entries in p.shards for e in entries] == outs
+
+
+def matches_any(pattern: str, name: str) -> bool:
+    module = name[: -len(".weight")]
+    if pattern.startswith("re:"):
+        return bool(re.search(pattern[3:], name))
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(module, pattern)
