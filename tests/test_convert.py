@@ -444,3 +444,24 @@ def test_cuda_device_gives_the_same_bytes(llama_src, tmp_path, scheme, rotate) -
     convert(llama_src, gpu, ConvertConfig(device="cuda", scheme=scheme, rotate=rotate, max_shard_size=6000))
     assert ck.all_files(gpu) == ck.all_files(cpu)
     check_against_reference(llama_src, gpu, scheme, rotate)
+
+
+def test_hard_crash_before_any_shard_then_resume(llama_src, llama_out, tmp_path, monkeypatch) -> None:
+    ref_dst, _ = llama_out
+    dst = tmp_path / "q"
+    with monkeypatch.context() as mp:
+        mp.setattr(convert_mod, "_quantize_unit", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+        mp.setattr(StreamWriter, "abort", lambda self: None)
+        with pytest.raises(RuntimeError, match="boom"):
+            convert(llama_src, dst, cfg(max_shard_size=6000))
+    assert list(dst.glob("*.partial"))
+    finished = sorted(p.name for p in dst.glob("*.safetensors"))  # only the shard of the embedding, kept
+    res = convert(llama_src, dst, cfg(max_shard_size=6000, resume=True))
+    assert res.reused_files == finished
+    assert ck.all_files(dst) == ck.all_files(ref_dst)  # no .partial left behind either
+
+
+def test_resume_into_a_missing_destination_just_converts(llama_src, llama_out, tmp_path) -> None:
+    dst = tmp_path / "new"
+    res = convert(llama_src, dst, cfg(max_shard_size=6000, resume=True))
+    assert res.reused_files == [] and ck.all_files(dst) == ck.all_files(llama_out[0])
