@@ -210,3 +210,11 @@ def test_version_and_help() -> None:
     for opt in ("--scheme", "--rotate", "--device", "--max-shard-size", "--format", "--overwrite", "--resume",
                 "--quiet", "--json", "--dry-run", "--ignore", "--only", "--revision"):
         assert opt in r.stdout, opt
+
+
+@pytest.mark.parametrize("text,n", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30), ("1000", 1000),
+                                    ("6KB", 6000), ("1.5GB", 1_500_000_000), ("10mb", 10**7), ("3K", 3000)])
+def test_parse_size(text, n) -> None:
+    from fp4convert.config import parse_size
+
+    assert parse_size(text) == n
