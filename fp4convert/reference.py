@@ -207,7 +207,9 @@ def tensor_amax(x: torch.Tensor, rotate: str | None = None) -> torch.Tensor:
 def global_scale(amax: torch.Tensor) -> torch.Tensor:
     """NVFP4 encode scale: gs = 2688 / amax (1 for amax == 0), clamped to FLT_MAX."""
     amax = amax.to(_F32)
-    gs = torch.clamp(torch.tensor(NVFP4_AMAX_TO_GS, dtype=_F32, device=amax.device) / amax, max=FLT_MAX)
+    # A true division on the device. (`2688.0 / amax` is reciprocal-then-multiply in torch, which
+    # rounds differently; torch.tensor(2688.0, device=...) would be a blocking host-to-device copy.)
+    gs = torch.clamp(torch.full_like(amax, NVFP4_AMAX_TO_GS) / amax, max=FLT_MAX)
     return torch.where(amax == 0, torch.ones_like(gs), gs)
 
 

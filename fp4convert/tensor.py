@@ -153,20 +153,17 @@ def _quantize_batched(
     """Pass 1 (amax, unless the group's is given) and pass 2 on a batched backend."""
     xb = _as_batch(x)
     lead = x.shape[:-2]
-    gs = None
+    gs = bad_amax = None
     if fmt == "nvfp4":
         if global_amax is None:
             group_amax = ops.amax(xb, rotate)
         else:
-            group_amax = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device)
+            group_amax = torch.as_tensor(global_amax, dtype=torch.float32).to(x.device, non_blocking=True)
             group_amax = group_amax.expand(lead).reshape(-1).contiguous()
-        if not bool(torch.isfinite(group_amax).all()):
-            raise NonFiniteError(
-                "the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)"
-            )
+        bad_amax = ~torch.isfinite(group_amax).all()  # checked with the kernel's flag: one sync, not two
         gs = ref.global_scale(group_amax)
     packed, scale, nonfinite = ops.quantize(xb, fmt, gs, rotate, scale_layout == "swizzled")
-    if bool(nonfinite):
+    if bool(nonfinite if bad_amax is None else nonfinite | bad_amax):
         raise NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")
     packed = packed.reshape(*lead, *packed.shape[-2:])
     scale = scale.reshape(*lead, *scale.shape[-2:])

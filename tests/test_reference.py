@@ -371,3 +371,11 @@ def test_nvfp4_saturation() -> None:
     # A group amax below this tensor's own: block scales saturate at 448 and codes at 6.
     packed, scale, gs = ref.nvfp4_quantize(torch.tensor([row]), global_amax=100.0)
     assert scale.view(torch.uint8).tolist()[0][0] == 0x7E and unpack(packed)[0][0] == 0x7
+
+
+def test_global_scale_is_a_true_division() -> None:
+    # torch's `2688.0 / t` is reciprocal-then-multiply and differs in ~26% of cases: pin the real one.
+    amax = torch.exp2(torch.rand(20_000) * 60 - 30)
+    expected = [oracle.f32(2688.0 / a) for a in amax.tolist()]
+    assert ref.global_scale(amax).tolist() == expected
+    assert ref.global_scale(torch.tensor([0.0, 1e-37])).tolist() == [1.0, FLT_MAX()]
