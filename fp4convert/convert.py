@@ -101,7 +101,8 @@ def convert(
     dst = Path(dst)
     source, plan, fmt = plan_conversion(src, config)
     device = resolve_device(config.device)
-    identity = {"settings": config.identity(), "source": source_fingerprint(source), "version": __version__}
+    identity = {"settings": config.identity(), "source": source_fingerprint(source), "version": __version__,
+                MTIMES: source_mtimes(source)}
     done = prepare_destination(dst, plan, config, identity, source)
 
     def process(unit: list[Decision], writers: _Writers) -> dict[str, dict]:
@@ -121,6 +122,14 @@ def convert(
 # ---------------------------------------------------------------------------------------------
 # Destination
 # ---------------------------------------------------------------------------------------------
+
+MTIMES = "source_mtimes"  # in the progress record only: the manifest stays the same for a copied source
+
+
+def source_mtimes(source: Source) -> dict[str, int]:
+    """Modification times of local weight files: resume refuses if values changed but shapes did not."""
+    return {} if source.is_hub else {f: (source.root / f).stat().st_mtime_ns for f in source.weight_files}
+
 
 def source_fingerprint(source: Source) -> dict:
     """What identifies the input: the Hub commit, or each local file's size and header hash."""
@@ -183,10 +192,16 @@ def _resumable(dst: Path, identity: dict) -> dict:
             raise OutputError(f"{dst}: has safetensors files but no fp4convert progress record; use --overwrite")
         return {}
     state = json.loads(path.read_text())
-    if state.get("identity") != identity:
+    stable = {k: v for k, v in identity.items() if k != MTIMES}
+    if {k: v for k, v in state.get("identity", {}).items() if k != MTIMES} != stable:
         raise OutputError(
             f"{dst} was started with other settings or another source; --resume needs the same ones "
             "(or use --overwrite to start again)"
+        )
+    if MTIMES in state.get("identity", {}) and state["identity"][MTIMES] != identity.get(MTIMES):
+        raise OutputError(
+            f"{dst}: the source's weight files were modified since the interrupted run; "
+            "use --overwrite to start again"
         )
     done = {}
     for f, rec in state.get("files", {}).items():

@@ -15,7 +15,16 @@ from pathlib import Path
 
 from . import __version__
 from .config import ConfigError, ConvertConfig
-from .convert import ConvertResult, Progress, finish, prepare_destination, source_fingerprint, write_outputs
+from .convert import (
+    MTIMES,
+    ConvertResult,
+    Progress,
+    finish,
+    prepare_destination,
+    source_fingerprint,
+    source_mtimes,
+    write_outputs,
+)
 from .formats import get_format
 from .inspect import load_quantized, read_layout
 from .manifest import load_manifest
@@ -67,6 +76,7 @@ def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress 
         "source": source_fingerprint(source),
         "exported_from": manifest.get("identity"),
         "version": __version__,
+        MTIMES: source_mtimes(source),
     }
     done = prepare_destination(dst, plan, plan.config, identity, source)
 

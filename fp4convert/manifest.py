@@ -71,7 +71,7 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
         "global_scale": "encode scale gs = 2688 / amax; w = e2m1 * scale / gs" if cfg.scheme == "nvfp4" else None,
         "settings": cfg.identity(),
         "source": {**source.describe(), "weight_files": list(source.weight_files)},
-        "identity": identity,
+        "identity": {k: v for k, v in identity.items() if k != "source_mtimes"},
         "summary": plan.summary(),
         "groups": {g: m for g, m in plan.groups.items()},
         "tensors": tensors,

@@ -1,0 +1,162 @@
+"""End-to-end converter benchmark: fp4convert beside llm-compressor's model_free_ptq, one run, one table.
+
+Generates a Llama-shaped bf16 checkpoint (default ~317M params in 4 shards, the size NOTES.md quotes
+for the peer), warms the page cache, then runs each converter in a fresh subprocess ``--repeats``
+times: median wall time, and the child's peak RSS read with ``os.wait4``. It also reports which
+fraction of the peer's packed bytes and scales ours equal (both write compressed-tensors NVFP4).
+
+    python benchmarks/converter.py --device cpu --peer-python /tmp/peer/bin/python
+    python benchmarks/converter.py --device cuda --layers 32 --hidden 4096 --inter 14336 --vocab 128256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+PEER_SNIPPET = """
+import sys
+from llmcompressor import model_free_ptq
+model_free_ptq(model_stub=sys.argv[1], save_directory=sys.argv[2], scheme="NVFP4A16",
+               ignore=["lm_head", "model.embed_tokens"], max_workers=int(sys.argv[3]), device=sys.argv[4])
+"""
+
+
+def make_checkpoint(path: Path, layers: int, hidden: int, inter: int, vocab: int, shards: int) -> int:
+    import torch
+    from make_tiny_llama import CONFIG, llama_tensors, write_checkpoint
+
+    cfg = dict(CONFIG, num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter, vocab_size=vocab,
+               num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128), head_dim=64)
+    marker = path / "bench.json"
+    if marker.exists() and json.loads(marker.read_text()) == cfg:
+        return json.loads((path / "params.json").read_text())["params"]
+    shutil.rmtree(path, ignore_errors=True)
+    tensors = llama_tensors(cfg)
+    params = sum(t.numel() for t in tensors.values())
+    write_checkpoint(path, tensors, cfg, shards=shards)
+    del tensors
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    (path / "params.json").write_text(json.dumps({"params": params}))
+    marker.write_text(json.dumps(cfg))
+    return params
+
+
+def warm(path: Path) -> None:
+    for p in path.glob("*.safetensors"):
+        with open(p, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of one child process."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{cmd[:4]} failed:\n{err[-2000:]}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def same_fraction(ours: Path, theirs: Path) -> dict:
+    """Fraction of identical bytes in weight_packed and weight_scale, and of identical global scales."""
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = {}, {}
+    for p in ours.glob("*.safetensors"):
+        a.update(load_file(p))
+    for p in theirs.glob("*.safetensors"):
+        b.update(load_file(p))
+    out = {}
+    for suffix in ("weight_packed", "weight_scale", "weight_global_scale"):
+        names = [n for n in a if n.endswith(suffix) and n in b]
+        eq = tot = 0
+        for n in names:
+            x, y = a[n].reshape(-1).view(torch.uint8), b[n].reshape(-1).view(torch.uint8)
+            if x.shape != y.shape:
+                continue
+            eq += int((x == y).sum())
+            tot += x.numel()
+        out[suffix] = eq / tot if tot else None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/fp4convert-bench"))
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--inter", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--device", action="append", help="fp4convert --device values (repeatable); default cpu")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--peer-python", help="a python with llmcompressor installed (omit to skip the peer)")
+    ap.add_argument("--peer-device", default="cpu")
+    ap.add_argument("--peer-workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    devices = args.device or ["cpu"]
+
+    src = args.workdir / "src"
+    params = make_checkpoint(src, args.layers, args.hidden, args.inter, args.vocab, args.shards)
+    size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    warm(src)
+    rows = []
+
+    def bench(label: str, cmd_for, out: Path) -> None:
+        walls, rss = [], []
+        for _ in range(args.repeats):
+            shutil.rmtree(out, ignore_errors=True)
+            w, r = run(cmd_for(out))
+            walls.append(w)
+            rss.append(r)
+        med = statistics.median(walls)
+        rows.append({"tool": label, "wall_s": med, "min_s": min(walls), "mparams_per_s": params / med / 1e6,
+                     "peak_rss_mb": max(rss) / 1e6, "runs": len(walls)})
+
+    for dev in devices:
+        bench(f"fp4convert --device {dev} (native)",
+              lambda o, d=dev: [sys.executable, "-m", "fp4convert", "quantize", str(src), str(o), "--device", d, "-q"],
+              args.workdir / f"ours-{dev}")
+        bench(f"fp4convert --device {dev} --format compressed-tensors",
+              lambda o, d=dev: [sys.executable, "-m", "fp4convert", "quantize", str(src), str(o), "--device", d, "-q",
+                                "--format", "compressed-tensors"],
+              args.workdir / f"ours-ct-{dev}")
+    agreement = None
+    if args.peer_python:
+        peer = args.workdir / "peer"
+        bench(f"llm-compressor model_free_ptq ({args.peer_device}, {args.peer_workers} workers)",
+              lambda o: [args.peer_python, "-c", PEER_SNIPPET, str(src), str(o), str(args.peer_workers), args.peer_device],
+              peer)
+        agreement = same_fraction(args.workdir / f"ours-ct-{devices[0]}", peer)
+
+    print(f"\ncheckpoint: {params / 1e6:.1f}M params, {size / 1e9:.2f} GB bf16 in {args.shards} shards; "
+          f"median of {args.repeats} runs, warm page cache\n")
+    print("| converter | wall s (median) | min s | M params/s | peak RSS MB |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['tool']} | {r['wall_s']:.2f} | {r['min_s']:.2f} | {r['mparams_per_s']:.1f} | {r['peak_rss_mb']:.0f} |")
+    if agreement:
+        print("\nidentical bytes, ours vs peer (compressed-tensors NVFP4): "
+              + ", ".join(f"{k} {v:.6f}" for k, v in agreement.items() if v is not None))
+    if args.json:
+        args.json.write_text(json.dumps({"params": params, "bytes": size, "rows": rows, "agreement": agreement}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
