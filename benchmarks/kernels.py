@@ -152,13 +152,6 @@ def run(size: int, rows: list[dict], peers: bool) -> None:
     add("[alt] nvfp4 dequantize, unbalanced one-wave grid",
         bench(lambda: ops.dequantize(p, s, gs, "nvfp4", None, False, torch.bfloat16)), nv_out + 2 * n)
     ops.set_tuning("unbalanced_grid", 0)
-    ops.set_tuning("evict_first", 0)
-    timed("[alt] amax, loads without L2::evict_first", lambda: ops.amax(x, None), rd)
-    timed("[alt] nvfp4 quantize, loads without L2::evict_first", lambda: ops.quantize(x, "nvfp4", gs, None, False),
-          rd + nv_out)
-    timed("[alt] nvfp4 dequantize, loads without L2::evict_first",
-          lambda: ops.dequantize(p, s, gs, "nvfp4", None, False, torch.bfloat16), nv_out + 2 * n)
-    ops.set_tuning("evict_first", 1)
     if not peers:
         return
     # Peers ---------------------------------------------------------------------------------------

@@ -48,24 +48,11 @@ struct Elem {
 // Small helpers
 // ------------------------------------------------------------------------------------------------
 
-// Streamed inputs are read once: with L2::evict_first they leave L2 first and do not push out
-// lines other work still needs (or dirty lines whose write-back would then compete with our
-// reads). c_evict_first is a benchmark A/B switch (fp4c_set_tuning key 2), on by default.
-__constant__ int c_evict_first = 1;
-
 __device__ __forceinline__ uint4 ldg16(const void* p) {
   uint4 r;
-  if (c_evict_first) {
-    uint64_t policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p), "l"(policy));
-  } else {
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-  }
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
   return r;
 }
 
@@ -881,12 +868,10 @@ FP4C_API int fp4c_abi_version() { return 1; }
 // the caller makes it the tensors' device first.
 FP4C_API int fp4c_set_device(int device) { return cudaSetDevice(device); }
 
-// A/B switches for benchmarks (key: 0 persistent linear quantize, 1 unbalanced persistent grids,
-// 2 L2::evict_first on streamed loads).
+// A/B switches for benchmarks (key: 0 persistent linear quantize, 1 unbalanced persistent grids).
 FP4C_API int fp4c_set_tuning(int key, int value) {
   if (key < 0 || key >= 4) return FP4C_EINVAL;
   g_tune[key] = value;
-  if (key == 2) return cudaMemcpyToSymbol(c_evict_first, &value, sizeof(int));
   return 0;
 }
 

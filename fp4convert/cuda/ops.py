@@ -208,7 +208,7 @@ def dequantize(
     return out
 
 
-TUNING_KEYS = {"quant_persistent": 0, "unbalanced_grid": 1, "evict_first": 2}
+TUNING_KEYS = {"quant_persistent": 0, "unbalanced_grid": 1}
 
 
 def set_tuning(key: str, value: int, device: torch.device | str = "cuda") -> None:
