@@ -908,7 +908,7 @@ FP4C_API int fp4c_amax(const void* x, int dtype, int rotate, int64_t B, int64_t 
 }
 
 // x: [B, M, K]; packed: [B, M, K/2]; scale: [B, M, K/bs] or [B, Mp, nbp]; gs: fp32 [B] (NVFP4);
-// flag: int32, set to 1 if any block holds NaN/Inf (the caller zeroes it).
+// flag: int32, zeroed here, set to 1 if any block holds NaN/Inf.
 FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int swizzle, int64_t B,
                            int64_t M, int64_t K, const float* gs, uint8_t* packed, uint8_t* scale,
                            int* flag, void* stream) {
@@ -917,7 +917,8 @@ FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int sw
   if (B <= 0 || M < 0 || K < 0 || K % bs || (fmt == FMT_NVFP4 && !gs)) return FP4C_EINVAL;
   const int64_t n = M * K;
   const int64_t nb = K / bs;
-  if (n == 0) return cudaSuccess;
+  cudaError_t err = cudaMemsetAsync(flag, 0, sizeof(int), st);  // cheaper than a fill kernel
+  if (err != cudaSuccess || n == 0) return err;
   if (swizzle && M * nb >= (1ll << 31)) return FP4C_EINVAL;
   QuantArgs a;
   a.x = (const uint8_t*)x;

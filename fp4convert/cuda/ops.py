@@ -146,7 +146,8 @@ def quantize(
             and packed.data_ptr() % 16 == 0
         ):
             raise CUDAKernelError("out buffers do not match the expected shapes / uint8 / contiguous")
-    flag = torch.zeros((), dtype=torch.int32, device=x.device)
+    flag = torch.zeros((), dtype=torch.int32, device=x.device) if x.numel() == 0 else torch.empty(
+        (), dtype=torch.int32, device=x.device)  # the launcher zeroes it
     if x.numel():
         lib = _lib(x.device)
         _check(lib, lib.fp4c_quantize(_ptr(x), _DTYPES[x.dtype], _FMTS[fmt], int(rotate == "had16"), int(swizzle),
