@@ -44,12 +44,38 @@ def make_checkpoint(path: Path, layers: int, hidden: int, inter: int, vocab: int
     shutil.rmtree(path, ignore_errors=True)
     tensors = llama_tensors(cfg)
     params = sum(t.numel() for t in tensors.values())
-    write_checkpoint(path, tensors, cfg, shards=shards)
+    write_checkpoint(path, tensors, cfg, shards=1)
+    _split_at_layers(path, tensors, shards)  # the peer refuses a fused group split across shards
     del tensors
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     (path / "params.json").write_text(json.dumps({"params": params}))
     marker.write_text(json.dumps(cfg))
     return params
+
+
+def _split_at_layers(path: Path, tensors: dict, shards: int) -> None:
+    """Rewrite as ``shards`` files cut between decoder layers, with an index."""
+    import re
+
+    from safetensors.torch import save_file
+
+    def layer(name: str) -> int:
+        m = re.search(r"layers\.(\d+)\.", name)
+        return int(m.group(1)) if m else -1
+
+    layers = sorted({layer(n) for n in tensors})
+    per = -(-len(layers) // shards)
+    weight_map = {}
+    for s in range(shards):
+        chunk = set(layers[s * per : (s + 1) * per])
+        part = {n: t.contiguous() for n, t in tensors.items() if layer(n) in chunk}
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(part, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    (path / "model.safetensors").unlink()
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 def warm(path: Path) -> None:

@@ -31,6 +31,13 @@ class SourceError(FP4ConvertError):
     exit_code = 4
 
 
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """huggingface_hub's multi-line messages (and signed URLs) folded into one short line."""
+    text = " ".join(str(exc).split())
+    text = re.sub(r"(https?://[^\s?]+)\?\S+", r"\1?...", text)  # drop signed query strings
+    return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
 @dataclass
 class Source:
     """A checkpoint's weight files and other files, resolved to local paths on demand."""
@@ -84,7 +91,7 @@ class Source:
         try:
             return Path(hf_hub_download(self.repo_id, file, revision=self.commit or self.revision))
         except Exception as exc:  # huggingface_hub raises many types; all mean "cannot fetch"
-            raise SourceError(f"{self.repo_id}: cannot fetch {file} ({type(exc).__name__}: {exc})") from exc
+            raise SourceError(f"{self.repo_id}: cannot fetch {file} ({_one_line(exc)})") from exc
 
     def header(self, file: str) -> tuple[list[TensorInfo], dict[str, str]]:
         """A weight file's header; from the Hub by HTTP range requests when online (no shard download)."""
@@ -125,23 +132,40 @@ def _offline() -> bool:
 def _remote_header(repo_id: str, file: str, revision: str | None) -> tuple[list[TensorInfo], dict[str, str]] | None:
     """Header bytes by range request; None when that fails (the caller downloads instead)."""
     import struct
+    from urllib.parse import urlsplit
 
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers, get_session
+    from huggingface_hub.utils import build_hf_headers
 
     try:
         url = hf_hub_url(repo_id, file, revision=revision)
         meta = get_hf_file_metadata(url)
         headers = build_hf_headers()
-        first = get_session().get(meta.location, headers={**headers, "Range": "bytes=0-7"}, timeout=30)
-        (n,) = struct.unpack("<Q", first.content[:8])
-        body = get_session().get(meta.location, headers={**headers, "Range": f"bytes=8-{7 + n}"}, timeout=30)
-        if len(body.content) != n:
+        if urlsplit(meta.location).netloc != urlsplit(url).netloc:
+            headers.pop("authorization", None)  # a signed CDN URL: the token stays on the Hub (as in hf_hub_download)
+        first = _range(meta.location, headers, 0, 7)
+        if first is None:
             return None
-        return parse_header(body.content, file, n)
+        (n,) = struct.unpack("<Q", first)
+        body = _range(meta.location, headers, 8, 7 + n)
+        if body is None:
+            return None
+        return parse_header(body, file, n)
     except Exception as exc:  # any failure falls back to the plain download path
         log.debug("range read of %s failed (%s); downloading instead", file, exc)
         return None
+
+
+def _range(url: str, headers: dict, start: int, end: int) -> bytes | None:
+    """Bytes start..end of ``url``; None unless the server answers 206 with exactly those (a server that
+    ignores Range would send the whole shard: stop before reading it)."""
+    from huggingface_hub.utils import get_session
+
+    with get_session().stream("GET", url, headers={**headers, "Range": f"bytes={start}-{end}"}, timeout=30) as r:
+        if r.status_code != 206:
+            return None
+        data = r.read()
+    return data if len(data) == end - start + 1 else None
 
 
 def _weight_files_in(root: Path, label: str) -> list[str]:
@@ -187,7 +211,7 @@ def _open_hub(repo_id: str, revision: str | None) -> Source:
         root = Path(snapshot_download(repo_id, revision=revision, ignore_patterns=WEIGHT_PATTERNS))
     except Exception as exc:
         hint = " (HF_HUB_OFFLINE is set and the repo is not in the cache)" if _offline() else ""
-        raise SourceError(f"{repo_id}: cannot open on the Hub{hint}: {type(exc).__name__}: {exc}") from exc
+        raise SourceError(f"{repo_id}: cannot open on the Hub{hint}: {_one_line(exc)}") from exc
     commit = root.name  # snapshots/<commit>
     if (root / INDEX_NAME).exists():
         files = _weight_files_in(root, repo_id)

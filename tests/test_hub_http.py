@@ -250,8 +250,6 @@ def test_shard_failure_stops_at_that_shard(runs) -> None:
 
 # --- the token ----------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="source._remote_header sends build_hf_headers() (the token) with its range "
-                   "GETs to meta.location, the CDN; fix: drop 'authorization' when that host is not the Hub's")
 @pytest.mark.parametrize("name", ["quantize", "dry_run", "tag"])
 def test_token_goes_to_the_hub_only(runs, name) -> None:
     """The user's token authenticates Hub calls but never reaches the CDN origin of a signed URL
