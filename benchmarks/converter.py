@@ -18,6 +18,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,15 +87,30 @@ def warm(path: Path) -> None:
 
 
 def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of one child process."""
+    """(wall seconds, peak RSS bytes) of one child process.
+
+    The peak is the child's own VmHWM, polled until it exits (VmHWM only grows, so the last reading
+    is the peak). wait4's ru_maxrss would also count the parent's RSS inherited at fork.
+    """
+    log = tempfile.TemporaryFile()  # not a pipe: a chatty child must never block on it
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    peak = 0
+    status_file = Path(f"/proc/{proc.pid}/status")
+    while proc.poll() is None:
+        try:
+            for line in status_file.read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peak = max(peak, int(line.split()[1]) * 1024)
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.01)
     wall = time.perf_counter() - t0
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
+    log.seek(0)
+    err = log.read().decode(errors="replace")
+    if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:4]} failed:\n{err[-2000:]}")
-    return wall, usage.ru_maxrss * 1024
+    return wall, peak
 
 
 def same_fraction(ours: Path, theirs: Path) -> dict:
