@@ -550,10 +550,29 @@ struct DequantArgs {
   ScaleOut so;  // layout of the scales being read (base unused)
 };
 
-// Eight codes -> fp32 values * d. A code's magnitude bits placed at fp32 bits 22..24 form the
-// subnormal-or-tiny float value(code) * 2^-126 for all eight magnitudes, so value = that * 2^126
-// (exact); the sign goes to bit 31.
+// Eight codes -> fp32 values * d, exact (w = RN(value(code) * d)).
+// Fast path (d < 2^120): an E2M1 code (s, e, m) placed in an E4M3 byte as s<<7 | e<<3 | m<<2 has
+// exactly value(code) / 64 for all 16 codes (the subnormal e = 0 case included), so the hardware
+// E4M3 -> f16x2 conversion decodes two codes per instruction and RN(e4m3 * (64 d)) = RN(value * d)
+// (64 d exact below 2^120). Slow path (per block, only for amax > ~8e36): the codes' magnitude bits
+// at fp32 bits 22..24 form value(code) * 2^-126 (subnormal or tiny), then * 2^126 (exact), then * d.
 __device__ __forceinline__ void decode8(uint32_t w, float d, float* o) {
+  if (d < 0x1p120f) {
+    const float d64 = __fmul_rn(d, 64.0f);
+    const uint32_t lo = ((w & 0x07070707u) << 2) | ((w << 4) & 0x80808080u);  // elements 0, 2, 4, 6
+    const uint32_t hi = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);         // elements 1, 3, 5, 7
+    const uint32_t p[2] = {__byte_perm(lo, hi, 0x5140), __byte_perm(lo, hi, 0x7362)};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      uint32_t h2;
+      const unsigned short in = (unsigned short)(p[k >> 1] >> (16 * (k & 1)));
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+      o[2 * k] = __fmul_rn(f.x, d64);
+      o[2 * k + 1] = __fmul_rn(f.y, d64);
+    }
+    return;
+  }
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t q = (w >> (4 * i)) & 0xFu;

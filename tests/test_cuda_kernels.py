@@ -27,7 +27,7 @@ BLOCK = {"nvfp4": 16, "mxfp4": 32}
 # (B, M, K): a single row; M not a multiple of 128 with K % 64 != 0; a batch whose matrices start
 # mid-16-byte (M * K % 32 == 16: tail groups); a regular batch; odd M with K % 64 == 32.
 SHAPES = [(1, 1, 64), (1, 200, 96), (3, 129, 48), (2, 256, 512), (4, 33, 160)]
-KINDS = ["randn", "scaled", "heavy", "golden", "zeros", "tiny"]
+KINDS = ["randn", "scaled", "heavy", "golden", "zeros", "tiny", "huge"]
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 EXACT = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -83,6 +83,9 @@ def make_input(kind: str, fmt: str, shape, dtype: torch.dtype, rotate: str | Non
         scale = 1e-36 if dtype != torch.float16 else 1e-6
         x = torch.randn(shape, generator=gen) * scale
         x.view(-1)[:: 7] *= 1e-3
+    elif kind == "huge":  # amax near the top of the range: sf / gs >= 2^120 (dequantize's slow path)
+        scale = 1e37 if dtype != torch.float16 else 1e4
+        x = torch.randn(shape, generator=gen).clamp(-30, 30) * scale
     else:
         raise AssertionError(kind)
     return x.to(dtype)
