@@ -7,10 +7,13 @@
 // Plain CUDA C++, no torch headers: extern "C" launchers take raw device pointers and a cudaStream_t,
 // so nvcc alone compile-checks this file for sm_90 / sm_100a / sm_120a and Python calls it via ctypes.
 //
-// Work split (all kernels): one thread owns GROUP = 32 consecutive elements of one matrix (two NVFP4
-// blocks or one MXFP4 block, two Had16 groups). It reads them with 16-byte loads and writes its 16
-// bytes of codes with one 16-byte store. Blocks never straddle rows because K % 16 == 0 (NVFP4) or
-// K % 32 == 0 (MXFP4), so a matrix is a flat array of blocks and the linear scale of block i is byte i.
+// Work split: one thread owns GROUP = 32 consecutive elements of one matrix (two NVFP4 blocks or one
+// MXFP4 block, two Had16 groups), read with 16-byte loads, its 16 bytes of codes written with one
+// 16-byte store. Blocks never straddle rows (K % 16 == 0 for NVFP4, K % 32 == 0 for MXFP4), so with
+// linear scales a matrix is a flat array of blocks and block i's scale is byte i. With swizzled
+// scales one CTA owns one 512-byte 128x4 tile (128 rows x 4 blocks, padding included). Dequantize
+// stages each warp's output through shared memory so its stores are 512 contiguous bytes.
+// Measurements and the alternatives tried: benchmarks/NOTES.md, BENCHMARKS.md.
 
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
