@@ -178,7 +178,8 @@ def run(size: int, rows: list[dict], peers: bool) -> None:
           lambda i: ops.dequantize(*qr[i], gs_r, "nvfp4", "had16", False, torch.bfloat16), nv_out + 2 * n)
     timed("mxfp4 dequantize -> bf16", lambda i: ops.dequantize(*qm[i], None, "mxfp4", None, False, torch.bfloat16),
           mx_out + 2 * n)
-    del qn, qr, qm
+    qn2 = qn
+    del qr, qm
     # A/B of the alternatives the defaults were chosen against (benchmarks/NOTES.md).
     ops.set_tuning("quant_persistent", 1)
     add("[alt] nvfp4 quantize, persistent+prefetch", bench(lambda: ops.quantize(x, "nvfp4", gs, None, False)),
@@ -191,6 +192,12 @@ def run(size: int, rows: list[dict], peers: bool) -> None:
     add("[alt] nvfp4 dequantize, unbalanced one-wave grid",
         bench(lambda: ops.dequantize(p, s, gs, "nvfp4", None, False, torch.bfloat16)), nv_out + 2 * n)
     ops.set_tuning("unbalanced_grid", 0)
+    ops.set_tuning("full_grid", 1)
+    timed("[alt] amax, full (non-persistent) grid", lambda i: ops.amax(xs[i], None), rd)
+    timed("[alt] nvfp4 dequantize, full (non-persistent) grid",
+          lambda i: ops.dequantize(*qn2[i], gs, "nvfp4", None, False, torch.bfloat16), nv_out + 2 * n)
+    ops.set_tuning("full_grid", 0)
+    del qn2
     if not peers:
         return
     # Peers ---------------------------------------------------------------------------------------

@@ -805,7 +805,7 @@ int sm_count() {
 
 // Tuning switches, for A/B runs of the benchmark (fp4c_set_tuning); the defaults are the winners.
 int g_tune[4] = {0, 0, 0, 0};
-enum : int { TUNE_QUANT_PERSISTENT = 0, TUNE_UNBALANCED_GRID = 1 };
+enum : int { TUNE_QUANT_PERSISTENT = 0, TUNE_UNBALANCED_GRID = 1, TUNE_FULL_GRID = 3 };
 
 // A persistent grid: at most one full wave of resident CTAs (from the occupancy calculator), spread
 // over min(B, 65535) matrices, never more CTAs than a matrix has work for. Balanced: the threads
@@ -820,6 +820,7 @@ dim3 persistent_grid(Kernel kernel, int64_t work_per_matrix, int64_t B) {
   const int64_t wave = (int64_t)sm_count() * per_sm;
   int64_t bx = (work_per_matrix + THREADS - 1) / THREADS;
   const int64_t cap = (wave + by - 1) / by;
+  if (g_tune[TUNE_FULL_GRID]) return dim3((unsigned)(bx < 1 ? 1 : bx), (unsigned)by);
   if (bx > cap) {
     bx = cap;
     if (!g_tune[TUNE_UNBALANCED_GRID]) {
@@ -890,7 +891,8 @@ FP4C_API int fp4c_abi_version() { return 1; }
 // the caller makes it the tensors' device first.
 FP4C_API int fp4c_set_device(int device) { return cudaSetDevice(device); }
 
-// A/B switches for benchmarks (key: 0 persistent linear quantize, 1 unbalanced persistent grids).
+// A/B switches for benchmarks (key: 0 persistent linear quantize, 1 unbalanced persistent grids,
+// 3 one work unit per thread instead of persistent grids for amax / dequantize).
 FP4C_API int fp4c_set_tuning(int key, int value) {
   if (key < 0 || key >= 4) return FP4C_EINVAL;
   g_tune[key] = value;
