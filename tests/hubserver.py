@@ -90,6 +90,9 @@ class Request:
         return self.method == "GET" and self.status == 200 and self.file is not None
 
 
+HUB_HOST, CDN_HOST = "127.0.0.1", "127.0.0.2"  # both loopback
+
+
 class FakeHub:
     """Hub + CDN on two free loopback ports; ``with FakeHub() as hub: ... hub.endpoint``."""
 
@@ -132,9 +135,11 @@ class FakeHub:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> FakeHub:
-        self._servers = [self._serve("hub"), self._serve("cdn")]
-        self.hub_url = "http://127.0.0.1:%d" % self._servers[0].server_address[1]
-        self.cdn_url = "http://127.0.0.1:%d" % self._servers[1].server_address[1]
+        # The CDN gets a host of its own (127.0.0.2 is loopback too): huggingface_hub 1.x follows a
+        # redirect to the same hostname whatever the port, as it would never happen on the real Hub.
+        self._servers = [self._serve("hub", HUB_HOST), self._serve("cdn", CDN_HOST)]
+        self.hub_url = "http://%s:%d" % (HUB_HOST, self._servers[0].server_address[1])
+        self.cdn_url = "http://%s:%d" % (CDN_HOST, self._servers[1].server_address[1])
         self._timer = threading.Timer(self.lifetime, self.stop)  # bounded lifetime, whatever the test does
         self._timer.daemon = True
         self._timer.start()
@@ -163,14 +168,14 @@ class FakeHub:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _serve(self, name: str) -> _Server:
+    def _serve(self, name: str, host: str) -> _Server:
         hub = self
 
         class Handler(_Handler):
             server_name = name
             fake = hub
 
-        server = _Server(("127.0.0.1", 0), Handler)
+        server = _Server((host, 0), Handler)
         server.fake = hub
         t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
                              name=f"fakehub-{name}")
