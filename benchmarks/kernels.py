@@ -187,16 +187,11 @@ def run(size: int, rows: list[dict], peers: bool) -> None:
     add("[alt] nvfp4 quantize had16, persistent+prefetch",
         bench(lambda: ops.quantize(x, "nvfp4", gs_r, "had16", False)), rd + nv_out)
     ops.set_tuning("quant_persistent", 0)
-    ops.set_tuning("unbalanced_grid", 1)
-    add("[alt] amax, unbalanced one-wave grid", bench(lambda: ops.amax(x, None)), rd)
-    add("[alt] nvfp4 dequantize, unbalanced one-wave grid",
-        bench(lambda: ops.dequantize(p, s, gs, "nvfp4", None, False, torch.bfloat16)), nv_out + 2 * n)
-    ops.set_tuning("unbalanced_grid", 0)
-    ops.set_tuning("full_grid", 1)
-    timed("[alt] amax, full (non-persistent) grid", lambda i: ops.amax(xs[i], None), rd)
-    timed("[alt] nvfp4 dequantize, full (non-persistent) grid",
+    ops.set_tuning("persistent_grid", 1)
+    timed("[alt] amax, persistent (one-wave) grid", lambda i: ops.amax(xs[i], None), rd)
+    timed("[alt] nvfp4 dequantize, persistent (one-wave) grid",
           lambda i: ops.dequantize(*qn2[i], gs, "nvfp4", None, False, torch.bfloat16), nv_out + 2 * n)
-    ops.set_tuning("full_grid", 0)
+    ops.set_tuning("persistent_grid", 0)
     del qn2
     if not peers:
         return

@@ -805,22 +805,24 @@ int sm_count() {
 
 // Tuning switches, for A/B runs of the benchmark (fp4c_set_tuning); the defaults are the winners.
 int g_tune[4] = {0, 0, 0, 0};
-enum : int { TUNE_QUANT_PERSISTENT = 0, TUNE_UNBALANCED_GRID = 1, TUNE_FULL_GRID = 3 };
+enum : int { TUNE_QUANT_PERSISTENT = 0, TUNE_UNBALANCED_GRID = 1, TUNE_PERSISTENT_GRID = 3 };
 
-// A persistent grid: at most one full wave of resident CTAs (from the occupancy calculator), spread
-// over min(B, 65535) matrices, never more CTAs than a matrix has work for. Balanced: the threads
-// are then trimmed so that every thread runs the same number of grid-stride iterations (a last,
-// partly filled iteration would leave most of the GPU idle for its duration).
+// Grid for the grid-stride kernels (amax, dequantize, the A/B persistent quantize). Default: one work
+// unit per thread, as many CTAs as the work needs, the hardware block scheduler balancing the tail
+// (measured best: see benchmarks/NOTES.md). Persistent: at most one full wave of resident CTAs (from the
+// occupancy calculator) spread over min(B, 65535) matrices; balanced, i.e. the threads trimmed so that
+// every thread runs the same number of grid-stride iterations.
 template <typename Kernel>
-dim3 persistent_grid(Kernel kernel, int64_t work_per_matrix, int64_t B) {
+dim3 work_grid(Kernel kernel, int64_t work_per_matrix, int64_t B, bool persistent) {
+  const int64_t by = B < 65535 ? B : 65535;
+  int64_t bx = (work_per_matrix + THREADS - 1) / THREADS;
+  if (bx < 1) bx = 1;
+  if (!persistent) return dim3((unsigned)bx, (unsigned)by);
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, THREADS, 0) != cudaSuccess || per_sm < 1)
     per_sm = 1;
-  const int64_t by = B < 65535 ? B : 65535;
   const int64_t wave = (int64_t)sm_count() * per_sm;
-  int64_t bx = (work_per_matrix + THREADS - 1) / THREADS;
   const int64_t cap = (wave + by - 1) / by;
-  if (g_tune[TUNE_FULL_GRID]) return dim3((unsigned)(bx < 1 ? 1 : bx), (unsigned)by);
   if (bx > cap) {
     bx = cap;
     if (!g_tune[TUNE_UNBALANCED_GRID]) {
@@ -848,7 +850,7 @@ template <int DT, int FMT, bool ROT>
 void launch_quantize_linear(const QuantArgs& a, cudaStream_t st) {
   if (g_tune[TUNE_QUANT_PERSISTENT]) {
     const auto k = quantize_persistent_kernel<DT, FMT, ROT>;
-    k<<<persistent_grid(k, a.groups, a.B), THREADS, 0, st>>>(a);
+    k<<<work_grid(k, a.groups, a.B, true), THREADS, 0, st>>>(a);
   } else {
     const dim3 grid((unsigned)((a.groups + THREADS - 1) / THREADS), (unsigned)(a.B < 65535 ? a.B : 65535));
     quantize_kernel<DT, FMT, ROT><<<grid, THREADS, 0, st>>>(a);
@@ -872,10 +874,10 @@ template <int DT, int FMT>
 cudaError_t launch_dequantize_dt(const DequantArgs& a, int rotate, cudaStream_t st) {
   if (rotate) {
     const auto k = dequantize_kernel<DT, FMT, true>;
-    k<<<persistent_grid(k, a.groups, a.B), THREADS, 0, st>>>(a);
+    k<<<work_grid(k, a.groups, a.B, g_tune[TUNE_PERSISTENT_GRID]), THREADS, 0, st>>>(a);
   } else {
     const auto k = dequantize_kernel<DT, FMT, false>;
-    k<<<persistent_grid(k, a.groups, a.B), THREADS, 0, st>>>(a);
+    k<<<work_grid(k, a.groups, a.B, g_tune[TUNE_PERSISTENT_GRID]), THREADS, 0, st>>>(a);
   }
   return cudaGetLastError();
 }
@@ -892,7 +894,7 @@ FP4C_API int fp4c_abi_version() { return 1; }
 FP4C_API int fp4c_set_device(int device) { return cudaSetDevice(device); }
 
 // A/B switches for benchmarks (key: 0 persistent linear quantize, 1 unbalanced persistent grids,
-// 3 one work unit per thread instead of persistent grids for amax / dequantize).
+// 3 persistent (one-wave) grids for amax / dequantize instead of one work unit per thread).
 FP4C_API int fp4c_set_tuning(int key, int value) {
   if (key < 0 || key >= 4) return FP4C_EINVAL;
   g_tune[key] = value;
@@ -916,10 +918,10 @@ FP4C_API int fp4c_amax(const void* x, int dtype, int rotate, int64_t B, int64_t 
 #define FP4C_AMAX(DT)                                                                   \
   if (rotate) {                                                                         \
     const auto k = amax_kernel<DT, true>;                                               \
-    k<<<persistent_grid(k, work, B), THREADS, 0, st>>>(xp, B, n, out);                  \
+    k<<<work_grid(k, work, B, g_tune[TUNE_PERSISTENT_GRID]), THREADS, 0, st>>>(xp, B, n, out);                  \
   } else {                                                                              \
     const auto k = amax_kernel<DT, false>;                                              \
-    k<<<persistent_grid(k, work, B), THREADS, 0, st>>>(xp, B, n, out);                  \
+    k<<<work_grid(k, work, B, g_tune[TUNE_PERSISTENT_GRID]), THREADS, 0, st>>>(xp, B, n, out);                  \
   }
   switch (dtype) {
     case DT_F32: FP4C_AMAX(DT_F32); break;

@@ -209,7 +209,7 @@ def dequantize(
     return out
 
 
-TUNING_KEYS = {"quant_persistent": 0, "unbalanced_grid": 1, "full_grid": 3}
+TUNING_KEYS = {"quant_persistent": 0, "unbalanced_grid": 1, "persistent_grid": 3}
 
 
 def set_tuning(key: str, value: int, device: torch.device | str = "cuda") -> None:
