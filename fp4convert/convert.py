@@ -28,7 +28,8 @@ from .errors import FP4ConvertError, NonFiniteError, QuantizationError
 from .formats import OutputFormat, get_format
 from .manifest import MANIFEST_NAME, PROGRESS_NAME, build_manifest, file_digest
 from .plan import QUANTIZE, Decision, Plan, PlanError, make_plan
-from .safetensors_io import DTYPES, StreamWriter, read_into, read_tensor
+from .readahead import ReadAhead
+from .safetensors_io import StreamWriter
 from .source import INDEX_NAME, Source, open_source
 from .tensor import amax as tensor_amax
 from .tensor import quantize
@@ -53,6 +54,7 @@ class ConvertResult:
     wall_s: float
     peak_rss_bytes: int
     reused_files: list[str] = field(default_factory=list)
+    read_wait_s: float = 0.0  # time the work loop waited for source reads (0: reading fully hidden)
 
     def to_json(self) -> dict:
         return {
@@ -60,6 +62,7 @@ class ConvertResult:
             **self.plan.summary(),
             "reused_files": self.reused_files,
             "wall_s": round(self.wall_s, 3),
+            "read_wait_s": round(self.read_wait_s, 3),
             "peak_rss_bytes": self.peak_rss_bytes,
         }
 
@@ -105,18 +108,35 @@ def convert(
                 MTIMES: source_mtimes(source)}
     done = prepare_destination(dst, plan, config, identity, source)
 
+    reader: ReadAhead | None = None
+
+    def start(pending: list[list[Decision]]) -> None:
+        nonlocal reader
+        units = [[d.info for d in u] for u in pending if u[0].action == QUANTIZE]
+        reader = ReadAhead(units, source.local_path, pinned=device.type == "cuda")
+
     def process(unit: list[Decision], writers: _Writers) -> dict[str, dict]:
         if unit[0].action == QUANTIZE:
-            return _quantize_unit(source, unit, config, fmt, device, writers)
+            hosts = reader.next()
+            try:
+                xs = [h.to(device, non_blocking=True) for h in hosts]
+                return _quantize_unit(unit, xs, config, fmt, writers)
+            finally:
+                reader.release()  # outputs are on the host now: every copy from these buffers is done
         d = unit[0]
         writers.raw(d.name, source.local_path(d.info.file), d.info)
         return {d.name: {}}
 
-    write_outputs(plan, dst, identity, done, progress or (lambda n: None), process)
+    try:
+        write_outputs(plan, dst, identity, done, progress or (lambda n: None), process, start)
+    finally:
+        if reader is not None:
+            reader.close()
     finish(source, plan, fmt, dst, identity)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan.shards))
-    return ConvertResult(dst, plan, time.perf_counter() - t0, peak, reused)
+    wait = reader.wait_s if reader is not None else 0.0
+    return ConvertResult(dst, plan, time.perf_counter() - t0, peak, reused, wait)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,8 +287,13 @@ class _Writers:
 UnitFn = Callable[[list[Decision], "_Writers"], dict[str, dict]]
 
 
-def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: Progress, process: UnitFn) -> None:
-    """Stream every work unit's outputs into the planned shards; ``process`` makes a unit's tensors."""
+def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: Progress, process: UnitFn,
+                  start: Callable[[list[list[Decision]]], None] | None = None) -> None:
+    """Stream every work unit's outputs into the planned shards; ``process`` makes a unit's tensors.
+
+    ``start`` is told up front which units will be processed (those a resume does not skip), so
+    their reading can begin ahead of time.
+    """
     tensors_state: dict = dict(done.get("__tensors__", {}))
     files_state = {f: rec for f, rec in done.items() if not f.startswith("__")}
 
@@ -277,10 +302,19 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
         _save_progress(dst, identity, files_state, tensors_state)
 
     writers = _Writers(dst, plan, files_state, on_close)
+
+    def finished(unit: list[Decision]) -> bool:
+        outputs = [e.name for d in unit for e in d.outputs]
+        return all(writers.skip(n) for n in outputs) and all(d.name in tensors_state for d in unit)
+
+    units = plan.units()
+    pending = [u for u in units if not finished(u)]
+    if start is not None:
+        start(pending)
+    pending_ids = {id(u) for u in pending}
     try:
-        for unit in plan.units():
-            outputs = [e.name for d in unit for e in d.outputs]
-            if all(writers.skip(n) for n in outputs) and all(d.name in tensors_state for d in unit):
+        for unit in units:
+            if id(unit) not in pending_ids:
                 progress(sum(d.info.nbytes for d in unit))
                 continue
             tensors_state.update(process(unit, writers))
@@ -294,10 +328,9 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
     _save_progress(dst, identity, files_state, tensors_state)
 
 
-def _quantize_unit(source: Source, unit: list[Decision], config: ConvertConfig, fmt: OutputFormat,
-                   device: torch.device, writers: _Writers) -> dict[str, dict]:
+def _quantize_unit(unit: list[Decision], xs: list[torch.Tensor], config: ConvertConfig, fmt: OutputFormat,
+                   writers: _Writers) -> dict[str, dict]:
     """Pass 1 (amax of every member), then pass 2 (quantize each with the group's global scale)."""
-    xs = [_load(source, d.info, device, slot) for slot, d in enumerate(unit)]
     group_amax = None
     records: dict[str, dict] = {}
     if config.scheme == "nvfp4":
@@ -320,26 +353,6 @@ def _quantize_unit(source: Source, unit: list[Decision], config: ConvertConfig, 
             rec["amax"] = float(group_amax)
         records[d.name] = rec
     return records
-
-
-_PINNED: dict[int, torch.Tensor] = {}
-
-
-def _load(source: Source, info, device: torch.device, slot: int) -> torch.Tensor:
-    """A source tensor on ``device``. For CUDA the file is read straight into a reusable pinned buffer
-    (one per group slot) and copied asynchronously: pageable copies run at a fraction of the speed.
-    Reusing a slot is safe: the previous unit's outputs were copied back to the host, which waited
-    for every kernel and copy queued before them."""
-    path = source.local_path(info.file)
-    if device.type != "cuda":
-        return read_tensor(path, info)
-    dtype = DTYPES[info.dtype]
-    buf = _PINNED.get(slot)
-    if buf is None or buf.numel() < info.nbytes:
-        buf = _PINNED[slot] = torch.empty(max(info.nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
-    host = buf[: info.nbytes]
-    read_into(path, info, host)
-    return host.to(device, non_blocking=True).view(dtype).reshape(info.shape)
 
 
 def _save_progress(dst: Path, identity: dict, files: dict, tensors: dict) -> None:
