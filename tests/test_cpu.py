@@ -7,7 +7,6 @@ import torch
 
 import fp4convert
 from fp4convert import cpu
-from fp4convert import reference as ref
 
 from .test_reference import random_weight
 
