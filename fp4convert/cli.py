@@ -2,7 +2,8 @@
 
 Library errors (``FP4ConvertError`` subclasses) become one-line messages with their class's exit
 code: 2 bad settings or plan, 3 a tensor that cannot be quantized, 4 unreadable source, 5 output
-problems, 6 ``inspect`` found problems.
+problems, 6 ``inspect`` found problems, 7 the CUDA kernels cannot be built or run (``--device cpu``
+always works).
 """
 
 from __future__ import annotations

@@ -156,11 +156,12 @@ def _quantize_batched(
     gs = bad_amax = None
     if fmt == "nvfp4":
         if global_amax is None:
+            # A non-finite amax comes from a non-finite element, which the quantize pass flags itself.
             group_amax = ops.amax(xb, rotate)
         else:
             group_amax = torch.as_tensor(global_amax, dtype=torch.float32).to(x.device, non_blocking=True)
             group_amax = group_amax.expand(lead).reshape(-1).contiguous()
-        bad_amax = ~torch.isfinite(group_amax).all()  # checked with the kernel's flag: one sync, not two
+            bad_amax = ~torch.isfinite(group_amax).all()  # checked with the kernel's flag: one sync, not two
         gs = ref.global_scale(group_amax)
     packed, scale, nonfinite = ops.quantize(xb, fmt, gs, rotate, scale_layout == "swizzled")
     if bool(nonfinite if bad_amax is None else nonfinite | bad_amax):
