@@ -89,7 +89,8 @@ class Source:
         from huggingface_hub import hf_hub_download
 
         try:
-            return Path(hf_hub_download(self.repo_id, file, revision=self.commit or self.revision))
+            return Path(hf_hub_download(self.repo_id, file, revision=self.commit or self.revision,
+                                        local_files_only=_offline()))
         except Exception as exc:  # huggingface_hub raises many types; all mean "cannot fetch"
             raise SourceError(f"{self.repo_id}: cannot fetch {file} ({_one_line(exc)})") from exc
 
@@ -208,7 +209,9 @@ def _open_hub(repo_id: str, revision: str | None) -> Source:
 
     try:
         # Everything but the weights now (small files); weights shard by shard later.
-        root = Path(snapshot_download(repo_id, revision=revision, ignore_patterns=WEIGHT_PATTERNS))
+        # local_files_only when offline: huggingface_hub 1.x would otherwise try to list a commit's tree.
+        root = Path(snapshot_download(repo_id, revision=revision, ignore_patterns=WEIGHT_PATTERNS,
+                                      local_files_only=_offline()))
     except Exception as exc:
         hint = " (HF_HUB_OFFLINE is set and the repo is not in the cache)" if _offline() else ""
         raise SourceError(f"{repo_id}: cannot open on the Hub{hint}: {_one_line(exc)}") from exc
