@@ -1,9 +1,10 @@
 """The converter: source -> plan -> quantize -> write -> manifest, one work unit at a time.
 
-A work unit is one tensor or one fused group. Its tensors are read with plain file reads, quantized
-(pass 1: amax of every member, pass 2: block quantization with the group's global scale) and
-streamed into output shards whose headers the plan fixed in advance, so host memory holds one unit
-at a time whatever the model or shard size. Files are written under ``.partial`` names and renamed
+A work unit is one tensor or one fused group. Its tensors are read with plain file reads (the next
+unit's in a background thread, see :mod:`fp4convert.readahead`), quantized (pass 1: amax of every
+member, pass 2: block quantization with the group's global scale) and streamed into output shards
+whose headers the plan fixed in advance, so host memory holds at most two units whatever the model
+or shard size. Files are written under ``.partial`` names and renamed
 when complete; the manifest is written last and marks a finished conversion.
 """
 
