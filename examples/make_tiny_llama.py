@@ -66,20 +66,27 @@ def llama_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict, shards: int = 2) -> None:
-    """Split ``tensors`` into ``shards`` safetensors files with an index, as the Hub does."""
+def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict,
+                     shards: int | list[list[str]] = 2) -> None:
+    """Split ``tensors`` into safetensors files with an index, as the Hub does.
+
+    ``shards`` is a count (names cut evenly, in order) or the tensor names of each file.
+    """
     path.mkdir(parents=True, exist_ok=True)
-    names = list(tensors)
-    per = -(-len(names) // shards)
+    if isinstance(shards, int):
+        names = list(tensors)
+        per = -(-len(names) // shards)
+        shards = [names[s * per : (s + 1) * per] for s in range(shards)]
+    n = len(shards)
     weight_map, total = {}, 0
-    for s in range(shards):
-        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else "model.safetensors"
-        part = {n: tensors[n].contiguous() for n in names[s * per : (s + 1) * per]}
+    for s, names in enumerate(shards):
+        fname = f"model-{s + 1:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
+        part = {k: tensors[k].contiguous() for k in names}
         save_file(part, str(path / fname), metadata={"format": "pt"})
-        for n, t in part.items():
-            weight_map[n] = fname
+        for k, t in part.items():
+            weight_map[k] = fname
             total += t.numel() * t.element_size()
-    if shards > 1:
+    if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -74,6 +74,15 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _per_matrix_gs(gs: torch.Tensor | None, fmt: str, b: int, device: torch.device) -> torch.Tensor | None:
+    """NVFP4: one fp32 global scale per matrix, contiguous on the device; MXFP4: none."""
+    if fmt != "nvfp4":
+        return None
+    if gs is None or gs.numel() != b:
+        raise CUDAKernelError(f"nvfp4 needs a global scale per matrix ([{b}] fp32)")
+    return gs.to(device=device, dtype=torch.float32).reshape(b).contiguous()
+
+
 def _check_input(x: torch.Tensor, rotate: str | None) -> None:
     if x.dim() != 3:
         raise CUDAKernelError(f"expected [B, M, K], got shape {tuple(x.shape)}")
@@ -128,12 +137,7 @@ def quantize(
     if k % bs:
         raise CUDAKernelError(f"K={k} is not a multiple of the {fmt} block size {bs}")
     x = _aligned(x)
-    if fmt == "nvfp4":
-        if gs is None or gs.numel() != b:
-            raise CUDAKernelError(f"nvfp4 needs a global scale per matrix ([{b}] fp32)")
-        gs = gs.to(device=x.device, dtype=torch.float32).reshape(b).contiguous()
-    else:
-        gs = None
+    gs = _per_matrix_gs(gs, fmt, b, x.device)
     nb = k // bs
     rows, cols = padded(m, nb) if swizzle else (m, nb)
     if out is None:
@@ -191,12 +195,7 @@ def dequantize(
     scale = scale.contiguous()
     if scale.dtype != torch.uint8:
         scale = scale.view(torch.uint8)
-    if fmt == "nvfp4":
-        if gs is None or gs.numel() != b:
-            raise CUDAKernelError(f"nvfp4 needs a global scale per matrix ([{b}] fp32)")
-        gs = gs.to(device=packed.device, dtype=torch.float32).reshape(b).contiguous()
-    else:
-        gs = None
+    gs = _per_matrix_gs(gs, fmt, b, packed.device)
     if out is None:
         out = torch.empty(b, m, k, dtype=out_dtype, device=packed.device)
     elif out.shape != (b, m, k) or out.dtype != out_dtype or not out.is_contiguous() or out.data_ptr() % 16:
