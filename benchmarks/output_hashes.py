@@ -1,0 +1,79 @@
+"""sha256 of every file the converter writes, for a fixed matrix of checkpoints and settings.
+
+Run it before and after a change that must not move a byte, and diff the two JSON files:
+
+    python benchmarks/output_hashes.py --work /tmp/h > before.json
+    ... change ...
+    python benchmarks/output_hashes.py --work /tmp/h > after.json && diff before.json after.json
+
+The matrix: the shipped example and a multi-shard MoE (3 source shards, outputs cut at 40 kB), each
+in every output format and scheme the format accepts, with and without Had16 where it applies,
+plus ``export`` of the native output into each engine format. Same work folder both times: the
+manifest records the source path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from click.testing import CliRunner  # noqa: E402
+
+from fp4convert.cli import main  # noqa: E402
+from tests import checkpoints  # noqa: E402
+
+MATRIX = [
+    ("fp4convert", "nvfp4", None), ("fp4convert", "mxfp4", None), ("fp4convert", "nvfp4", "had16"),
+    ("compressed-tensors", "nvfp4", None), ("compressed-tensors", "mxfp4", None),
+    ("compressed-tensors", "nvfp4", "had16"), ("modelopt", "nvfp4", None),
+]
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def run(args: list[str]) -> None:
+    r = CliRunner().invoke(main, args, catch_exceptions=False)
+    if r.exit_code:
+        raise SystemExit(f"fp4convert {' '.join(args)} failed ({r.exit_code}): {r.output}")
+
+
+def main_() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/fp4convert-hashes"))
+    a = ap.parse_args()
+    work: Path = a.work
+    shutil.rmtree(work, ignore_errors=True)
+    sources = {"tiny-llama": work / "tiny-llama", "moe": work / "moe"}
+    shutil.copytree(ROOT / "examples" / "tiny-llama", sources["tiny-llama"])
+    checkpoints.moe(sources["moe"], experts=4, shards=3)
+    out: dict[str, dict[str, str]] = {}
+    for label, src in sources.items():
+        for fmt, scheme, rot in MATRIX:
+            name = f"{label}-{fmt}-{scheme}{'-' + rot if rot else ''}"
+            dst = work / "out" / name
+            run(["quantize", str(src), str(dst), "--format", fmt, "--scheme", scheme, "--device", "cpu",
+                 "--max-shard-size", "40kB", "--quiet", *(["--rotate", rot] if rot else [])])
+            out[name] = digest(dst)
+            if fmt == "fp4convert":
+                for target in ("compressed-tensors", "modelopt"):
+                    if target == "modelopt" and (scheme != "nvfp4" or rot):
+                        continue
+                    edst = work / "out" / f"{name}-export-{target}"
+                    run(["export", str(dst), str(edst), "--format", target, "--max-shard-size", "40kB", "--quiet"])
+                    out[edst.name] = digest(edst)
+    json.dump(out, sys.stdout, indent=1, sort_keys=True)
+    print()
+
+
+if __name__ == "__main__":
+    main_()
