@@ -1,9 +1,7 @@
 """The ``fp4convert`` command line: parses options into a frozen config and calls the library.
 
 Library errors (``FP4ConvertError`` subclasses) become one-line messages with their class's exit
-code: 2 bad settings or plan, 3 a tensor that cannot be quantized, 4 unreadable source, 5 output
-problems, 6 ``inspect`` found problems, 7 the CUDA kernels cannot be built or run (``--device cpu``
-always works).
+code (the table is ``fp4convert.errors.EXIT_CODES``, printed at the end of ``--help``).
 """
 
 from __future__ import annotations
@@ -17,9 +15,11 @@ from functools import wraps
 import click
 from tqdm import tqdm
 
-from . import __version__
-from .config import OUTPUT_FORMATS, SCHEMES, ConvertConfig, parse_size
-from .errors import FP4ConvertError
+from .config import ConvertConfig, parse_size
+from .errors import EXIT_CODES, FP4ConvertError, InspectFailed, Interrupted
+from .formats import OUTPUT_FORMATS
+from .scheme import SCHEMES
+from .version import __version__
 
 log = logging.getLogger("fp4convert")
 
@@ -46,11 +46,32 @@ def _library_errors(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            exc = Interrupted("interrupted; finished shards are kept: run the same command with --resume to continue")
+            click.echo(f"Error: {exc}", err=True)
+            sys.exit(exc.exit_code)
         except FP4ConvertError as exc:
             click.echo(f"Error: {exc}", err=True)
             sys.exit(exc.exit_code)
 
     return wrapper
+
+
+def _output_options(fn: Callable) -> Callable:
+    """The options every command that writes a checkpoint shares (quantize, export)."""
+    for opt in reversed([
+        click.option("--max-shard-size", default="5GB", show_default=True,
+                     help="Largest output shard (e.g. 5GB, 500MB, 2GiB)."),
+        click.option("--overwrite", is_flag=True, help="Replace the outputs of an earlier run in DST."),
+        click.option("--resume", is_flag=True, help="Continue an interrupted run with the same settings."),
+        click.option("--quiet", "-q", is_flag=True, help="No progress bar or status lines."),
+        click.option("--json", "as_json", is_flag=True, help="Print the plan or the summary as JSON on stdout."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+EXIT_CODE_HELP = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code, text in EXIT_CODES.items())
 
 
 def _human_bytes(n: float) -> str:
@@ -61,7 +82,7 @@ def _human_bytes(n: float) -> str:
     return f"{n} B"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODE_HELP)
 @click.version_option(__version__, prog_name="fp4convert")
 def main() -> None:
     """Convert Hugging Face safetensors checkpoints to NVFP4 / MXFP4 weights.
@@ -74,23 +95,20 @@ def main() -> None:
     """
 
 
-@main.command()
+@main.command(epilog=EXIT_CODE_HELP)
 @click.argument("src")
 @click.argument("dst", type=click.Path(file_okay=False))
-@click.option("--scheme", type=click.Choice(SCHEMES), default="nvfp4", show_default=True, help="FP4 scheme.")
+@click.option("--scheme", type=click.Choice(list(SCHEMES)), default="nvfp4", show_default=True, help="FP4 scheme.")
 @click.option("--rotate", type=click.Choice(["had16"]), default=None, help="Rotate weights with a 16-point Hadamard first.")
-@click.option("--format", "fmt", type=click.Choice(OUTPUT_FORMATS), default="fp4convert", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS)), default="fp4convert", show_default=True,
               help="On-disk convention: fp4convert (native, swizzled scales), compressed-tensors or modelopt.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard (e.g. 5GB, 500MB, 2GiB).")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (a GPU if its kernels load, else the CPU), cpu, cuda or cuda:N.")
 @click.option("--ignore", multiple=True, metavar="PATTERN", help="Keep matching tensors unquantized (glob, or re:REGEX). Repeatable.")
 @click.option("--only", multiple=True, metavar="PATTERN", help="Quantize only matching tensors (glob, or re:REGEX). Repeatable.")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) when SRC is a repo id.")
 @click.option("--dry-run", is_flag=True, help="Print the plan (decisions, sizes) and write nothing.")
-@click.option("--overwrite", is_flag=True, help="Replace the outputs of an earlier conversion in DST.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted conversion with the same settings.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar or status lines.")
-@click.option("--json", "as_json", is_flag=True, help="Print the plan or the summary as JSON on stdout.")
+@_output_options
 @_library_errors
 def quantize(src, dst, scheme, rotate, fmt, device, max_shard_size, ignore, only, revision, dry_run,
              overwrite, resume, quiet, as_json) -> None:
@@ -103,18 +121,18 @@ def quantize(src, dst, scheme, rotate, fmt, device, max_shard_size, ignore, only
         revision=revision,
     )
     _setup_logging(quiet or as_json)
+    planned = plan_conversion(src, config)
+    plan = planned[1]
     if dry_run:
-        _, plan, _ = plan_conversion(src, config)
         if as_json:
             click.echo(json.dumps(plan.to_json(), indent=2))
         else:
             _print_plan(plan)
         return
-    source, plan, _ = plan_conversion(src, config)
     bar = tqdm(total=plan.summary()["bytes_in"], unit="B", unit_scale=True, desc="quantize",
                disable=quiet or as_json or not sys.stderr.isatty(), file=sys.stderr)
     with bar:
-        result = convert(source, dst, config, progress=bar.update)
+        result = convert(src, dst, config, progress=bar.update, plan=planned)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
         return
@@ -128,16 +146,12 @@ def quantize(src, dst, scheme, rotate, fmt, device, max_shard_size, ignore, only
     )
 
 
-@main.command()
+@main.command(epilog=EXIT_CODE_HELP)
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.argument("dst", type=click.Path(file_okay=False))
-@click.option("--format", "fmt", type=click.Choice(OUTPUT_FORMATS), required=True,
+@click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS)), required=True,
               help="Target convention: compressed-tensors or modelopt (fp4convert re-shards).")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
-@click.option("--overwrite", is_flag=True, help="Replace the outputs of an earlier run in DST.")
-@click.option("--resume", is_flag=True, help="Continue an interrupted export.")
-@click.option("--quiet", "-q", is_flag=True, help="No status lines.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@_output_options
 @_library_errors
 def export(src, dst, fmt, max_shard_size, overwrite, resume, quiet, as_json) -> None:
     """Re-layout a native fp4convert checkpoint SRC into an engine format in DST (lossless, no source weights)."""
@@ -169,7 +183,7 @@ def _print_plan(plan) -> None:
     )
 
 
-@main.command()
+@main.command(epilog=EXIT_CODE_HELP)
 @click.argument("checkpoint")
 @click.option("--check-files", is_flag=True, help="Also read the data: sha256 against the manifest, every block scale.")
 @click.option("--verify", "verify_src", metavar="SRC", default=None,
@@ -187,7 +201,7 @@ def inspect(checkpoint, check_files, verify_src, revision, as_json) -> None:
     else:
         _print_report(report)
     if not report["ok"]:
-        sys.exit(6)
+        sys.exit(InspectFailed.exit_code)
 
 
 def _print_report(r: dict) -> None:

@@ -1,30 +1,27 @@
-"""The converter's settings, frozen: the CLI builds one, the library only reads it."""
+"""The converter's settings, frozen: the CLI builds one, the library only reads it.
+
+Importing this module imports no torch: the CLI validates options and prints help without it.
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
-from .errors import FP4ConvertError
+from .errors import ConfigError
+from .formats import DEFAULT_FORMAT, OUTPUT_FORMATS
+from .scheme import SCHEMES, check_rotation
 
-SCHEMES = ("nvfp4", "mxfp4")
-OUTPUT_FORMATS = ("fp4convert", "compressed-tensors", "modelopt")
 DEFAULT_MAX_SHARD = 5 * 10**9
-
-
-class ConfigError(FP4ConvertError):
-    """The requested settings are contradictory or malformed."""
-
-    exit_code = 2
 
 
 @dataclass(frozen=True)
 class ConvertConfig:
-    """Everything that decides the output bytes (and a few things that do not, marked)."""
+    """Everything that decides the output bytes (identity), and how to run (the rest)."""
 
     scheme: str = "nvfp4"
     rotate: str | None = None
-    format: str = "fp4convert"
+    format: str = DEFAULT_FORMAT
     ignore: tuple[str, ...] = ()
     only: tuple[str, ...] = ()
     max_shard_size: int = DEFAULT_MAX_SHARD
@@ -33,13 +30,11 @@ class ConvertConfig:
     overwrite: bool = False
     resume: bool = False
     revision: str | None = None
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ConfigError(f"unknown scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
-        if self.rotate not in (None, "had16"):
-            raise ConfigError(f"unknown rotation {self.rotate!r}; the only one is 'had16'")
+        check_rotation(self.rotate)
         if self.format not in OUTPUT_FORMATS:
             raise ConfigError(f"unknown format {self.format!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
         if self.max_shard_size <= 0:
@@ -55,11 +50,15 @@ class ConvertConfig:
 
     def identity(self) -> dict:
         """The settings that determine the output bytes; resume refuses when these change."""
-        d = asdict(self)
-        for k in ("device", "overwrite", "resume", "extra"):
-            d.pop(k)
-        d["ignore"], d["only"] = list(self.ignore), list(self.only)
-        return d
+        return {
+            "scheme": self.scheme,
+            "rotate": self.rotate,
+            "format": self.format,
+            "ignore": list(self.ignore),
+            "only": list(self.only),
+            "max_shard_size": self.max_shard_size,
+            "revision": self.revision,
+        }
 
 
 def parse_size(text: str) -> int:

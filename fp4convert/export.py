@@ -13,36 +13,26 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from . import __version__
-from .config import ConfigError, ConvertConfig
-from .convert import (
-    MTIMES,
-    ConvertResult,
-    Progress,
-    finish,
-    prepare_destination,
-    source_fingerprint,
-    source_mtimes,
-    write_outputs,
-)
+from .config import ConvertConfig
+from .errors import ConfigError
 from .formats import get_format
-from .inspect import load_quantized, read_layout
-from .manifest import load_manifest
-from .plan import QUANTIZE, Decision, Plan, _check_collisions, _layout
+from .layout import load_quantized, read_layout
+from .plan import QUANTIZE, Decision, Plan, check_collisions, layout_shards
 from .safetensors_io import ITEMSIZE, OutEntry, TensorInfo
 from .source import open_source
+from .writer import ConvertResult, Progress, finish, prepare_destination, run_identity, write_outputs
 
 
 def plan_export(src: str, config: ConvertConfig):
     """The export's plan, from the native manifest alone (no tensor data read)."""
     source = open_source(src)
-    manifest = load_manifest(source.root)
+    layout = read_layout(source)
+    manifest = layout.manifest
     if manifest is None or manifest.get("format") != "fp4convert":
         raise ConfigError(f"{src}: export reads fp4convert's native format (a folder with fp4convert.json)")
     config = replace(config, scheme=manifest["scheme"], rotate=manifest.get("rotate"))
     fmt = get_format(config.format)
     fmt.check(config.scheme, config.rotate)
-    layout = read_layout(source)
     # Replay the original processing order (the order of the native outputs), so the bytes equal a
     # direct conversion to the target format.
     position = {name: i for i, name in enumerate(layout.tensors)}
@@ -61,8 +51,8 @@ def plan_export(src: str, config: ConvertConfig):
         else:
             outputs = (OutEntry(name, rec["dtype"], tuple(rec["shape"])),)
         decisions.append(Decision(name, rec["action"], rec["reason"], info, rec.get("group"), outputs))
-    _check_collisions(decisions)
-    plan = Plan(decisions, manifest.get("groups", {}), _layout(decisions, config.max_shard_size), config)
+    check_collisions(decisions)
+    plan = Plan(decisions, manifest.get("groups", {}), layout_shards(decisions, config.max_shard_size), config)
     return source, layout, manifest, plan, fmt
 
 
@@ -71,13 +61,7 @@ def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress 
     t0 = time.perf_counter()
     dst = Path(dst)
     source, layout, manifest, plan, fmt = plan_export(src, config)
-    identity = {
-        "settings": plan.config.identity(),
-        "source": source_fingerprint(source),
-        "exported_from": manifest.get("identity"),
-        "version": __version__,
-        MTIMES: source_mtimes(source),
-    }
+    identity = run_identity(plan.config, source, exported_from=manifest.get("identity"))
     done = prepare_destination(dst, plan, plan.config, identity, source)
 
     def process(unit: list[Decision], writers) -> dict[str, dict]:

@@ -7,131 +7,27 @@ dequantizes every weight and compares it with the source model.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from .errors import FP4ConvertError
-from .formats import FORMATS
-from .manifest import MANIFEST_NAME, file_digest, load_manifest
+from .formats.base import QuantizedModule
+from .layout import CheckpointLayout, load_quantized, read_global, read_layout
+from .manifest import MANIFEST_NAME, file_digest
 from .plan import fused_group
-from .safetensors_io import TensorInfo, read_tensor
+from .safetensors_io import read_tensor
+from .scheme import get_scheme
 from .source import Source, open_source
 from .swizzle import padded_shape
-from .tensor import QuantizedTensor, dequantize
-
-
-class InspectError(FP4ConvertError):
-    """The checkpoint cannot be read as a quantized checkpoint."""
-
-    exit_code = 4
-
-
-@dataclass
-class QuantizedModule:
-    """The tensors of one quantized weight, as found on disk."""
-
-    module: str
-    packed: TensorInfo
-    scale: TensorInfo
-    global_: TensorInfo | None  # weight_global_scale (encode) or weight_scale_2 (decode)
-    scheme: str
-    swizzled: bool
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
-
-
-@dataclass
-class CheckpointLayout:
-    """What a checkpoint is: its format, and its quantized modules and kept tensors."""
-
-    format: str  # fp4convert | compressed-tensors | modelopt | unquantized
-    scheme: str | None
-    rotate: str | None
-    modules: dict[str, QuantizedModule]
-    kept: list[TensorInfo]
-    tensors: dict[str, TensorInfo]
-    problems: list[str] = field(default_factory=list)
-
-
-def detect_format(root: Path, manifest: dict | None) -> tuple[str, str | None]:
-    """(format, rotate) from the manifest, config.json or hf_quant_config.json."""
-    if manifest:
-        return manifest.get("format", "fp4convert"), manifest.get("rotate")
-    cfg_path = root / "config.json"
-    qc = json.loads(cfg_path.read_text()).get("quantization_config", {}) if cfg_path.exists() else {}
-    method = (qc or {}).get("quant_method")
-    if method == "compressed-tensors":
-        groups = (qc.get("transform_config") or {}).get("config_groups", {})
-        had16 = any(g.get("type") == "hadamard" and g.get("head_dim") == 16 for g in groups.values())
-        return "compressed-tensors", "had16" if had16 else None
-    if method == "modelopt" or (root / "hf_quant_config.json").exists():
-        return "modelopt", None
-    return "unquantized", None
-
-
-def read_layout(source: Source) -> CheckpointLayout:
-    manifest = load_manifest(source.root)
-    fmt, rotate = detect_format(source.root, manifest)
-    tensors = {t.name: t for t in source.tensors()}
-    modules: dict[str, QuantizedModule] = {}
-    problems: list[str] = []
-    if fmt != "unquantized":
-        f = FORMATS[fmt]
-        p_suf, s_suf, g_suf = f.packed_suffix, f.scale_suffix, f.global_suffix
-        for name, info in tensors.items():
-            if not name.endswith(p_suf) or info.dtype != "U8":
-                continue
-            module = name[: -len(p_suf)]
-            scale = tensors.get(module + s_suf)
-            if scale is None:
-                problems.append(f"{name}: packed weight without {module + s_suf}")
-                continue
-            scheme = "nvfp4" if scale.dtype == "F8_E4M3" else "mxfp4"
-            swizzled = fmt == "fp4convert" and (manifest or {}).get("scale_layout", "128x4") == "128x4"
-            modules[module] = QuantizedModule(module, info, scale, tensors.get(module + g_suf), scheme, swizzled)
-    used = {t.name for m in modules.values() for t in (m.packed, m.scale, m.global_) if t is not None}
-    kept = [t for n, t in tensors.items() if n not in used]
-    if fmt != "unquantized":
-        f = FORMATS[fmt]
-        for t in kept:
-            for suffix in (f.scale_suffix, f.global_suffix):
-                if t.name.endswith(suffix) and t.name[: -len(suffix)] not in modules:
-                    problems.append(f"{t.name}: a scale without its packed weight {t.name[: -len(suffix)] + f.packed_suffix}")
-    schemes = {m.scheme for m in modules.values()}
-    if len(schemes) > 1:
-        problems.append(f"mixed schemes in one checkpoint: {sorted(schemes)}")
-    scheme = schemes.pop() if len(schemes) == 1 else None
-    return CheckpointLayout(fmt, scheme, rotate, modules, kept, tensors, problems)
-
-
-def _read_global(source: Source, m: QuantizedModule, fmt: str) -> torch.Tensor | None:
-    """The module's ENCODE scale gs, whatever the format stores."""
-    if m.global_ is None:
-        return None
-    g = read_tensor(source.local_path(m.global_.file), m.global_)
-    return FORMATS[fmt].encode_scale(g).reshape(m.packed.shape[:-2])
-
-
-def load_quantized(source: Source, layout: CheckpointLayout, m: QuantizedModule) -> QuantizedTensor:
-    """A quantized module's data as a QuantizedTensor (scales in the layout they are stored in)."""
-    packed = read_tensor(source.local_path(m.packed.file), m.packed)
-    scale = read_tensor(source.local_path(m.scale.file), m.scale)
-    gs = _read_global(source, m, layout.format) if m.scheme == "nvfp4" else None
-    return QuantizedTensor(packed, scale, gs, m.scheme, layout.rotate, "swizzled" if m.swizzled else "linear")
+from .tensor import dequantize
 
 
 def _check_shapes(m: QuantizedModule) -> list[str]:
     out = []
     *lead, rows, half = m.packed.shape
-    bs = 16 if m.scheme == "nvfp4" else 32
+    bs = get_scheme(m.scheme).block_size
     k = half * 2
     if k % bs:
         return [f"{m.module}: K={k} is not a multiple of the {m.scheme} block size {bs}"]
@@ -139,7 +35,7 @@ def _check_shapes(m: QuantizedModule) -> list[str]:
     want = (*lead, *padded_shape(rows, nb)) if m.swizzled else (*lead, rows, nb)
     if m.scale.shape != want:
         out.append(f"{m.module}: scale shape {list(m.scale.shape)}, expected {list(want)} for {m.scheme}")
-    if m.scheme == "nvfp4":
+    if get_scheme(m.scheme).global_scale:
         if m.global_ is None:
             out.append(f"{m.module}: NVFP4 weight without a global scale")
         elif m.global_.dtype != "F32":
@@ -156,8 +52,8 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
     globals_: dict[str, float] = {}
     for m in layout.modules.values():
         problems += _check_shapes(m)
-        if m.scheme == "nvfp4" and m.global_ is not None and m.global_.dtype == "F32":
-            g = _read_global(source, m, layout.format)
+        if get_scheme(m.scheme).global_scale and m.global_ is not None and m.global_.dtype == "F32":
+            g = read_global(source, layout, m)
             bad = ~torch.isfinite(g) | (g <= 0)
             if bool(bad.any()):
                 problems.append(f"{m.module}: global scale {g.flatten()[:4].tolist()} is not finite and positive")
@@ -177,7 +73,7 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
         if len(vals) > 1:
             problems.append(f"fused group {g} has {len(vals)} different global scales (engines need one)")
 
-    manifest = load_manifest(source.root)
+    manifest = layout.manifest
     if manifest:
         problems += _check_against_manifest(manifest, layout)
     checksums = _check_files(source, manifest, layout, problems, full=check_files)
@@ -216,7 +112,7 @@ def _check_files(source: Source, manifest: dict | None, layout: CheckpointLayout
     if full:
         for m in layout.modules.values():
             s = read_tensor(source.local_path(m.scale.file), m.scale)
-            if m.scheme == "nvfp4":
+            if get_scheme(m.scheme).scale_encoding == "e4m3":
                 b = s.view(torch.uint8)
                 if bool(((b & 0x7F) == 0x7F).any()):
                     problems.append(f"{m.module}: block scale is NaN (0x7F)")

@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import __version__
-from .tensor import BLOCK_SIZE
+from .scheme import get_scheme
+from .version import __version__
 
 if TYPE_CHECKING:
-    from .formats import OutputFormat
+    from .formats.base import OutputFormat
     from .plan import Plan
     from .source import Source
 
@@ -40,6 +40,7 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
     (only those are listed, so files a user keeps in DST are never claimed, nor removed by --overwrite).
     """
     cfg = plan.config
+    scheme = get_scheme(cfg.scheme)
     shard_of = plan.shard_of()
     tensors = {}
     for d in plan.decisions:
@@ -65,10 +66,10 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
         "format": fmt.name,
         "scheme": cfg.scheme,
         "rotate": cfg.rotate,
-        "block_size": BLOCK_SIZE[cfg.scheme],
+        "block_size": scheme.block_size,
         "scale_layout": "128x4" if fmt.swizzled else "linear",
-        "scale_dtype": "float8_e4m3fn" if cfg.scheme == "nvfp4" else "e8m0",
-        "global_scale": "encode scale gs = 2688 / amax; w = e2m1 * scale / gs" if cfg.scheme == "nvfp4" else None,
+        "scale_dtype": "float8_e4m3fn" if scheme.scale_encoding == "e4m3" else "e8m0",
+        "global_scale": "encode scale gs = 2688 / amax; w = e2m1 * scale / gs" if scheme.global_scale else None,
         "settings": cfg.identity(),
         "source": {**source.describe(), "weight_files": list(source.weight_files)},
         "identity": {k: v for k, v in identity.items() if k != "source_mtimes"},
@@ -80,6 +81,7 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
 
 
 def load_manifest(root: Path) -> dict | None:
+    """The manifest of a finished conversion in ``root``, or None."""
     path = root / MANIFEST_NAME
     if not path.exists():
         return None

@@ -1,8 +1,8 @@
 """Planning: decide, from names, shapes and dtypes alone, what happens to every tensor, and why.
 
 Pure: nothing here reads tensor data, so ``--dry-run`` and validation cost only the headers.
-SPEC.md section 8 says what is quantized by default and section 5 which layers share a global
-scale; a fused group is quantized whole or not at all.
+docs/numerics.md says what is quantized by default and which layers share a global scale; a fused
+group is quantized whole or not at all.
 """
 
 from __future__ import annotations
@@ -13,26 +13,18 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .config import ConvertConfig
-from .errors import FP4ConvertError
-from .formats import OutputFormat
+from .errors import PlanError
+from .formats import quantized_tensor_names
+from .formats.base import OutputFormat, OutputInfo
 from .safetensors_io import FLOAT_DTYPES, OutEntry, TensorInfo
-from .tensor import BLOCK_SIZE
+from .scheme import get_scheme
 
 QUANTIZE, KEEP = "quantize", "keep"
-
-
-class PlanError(FP4ConvertError):
-    """The checkpoint cannot be converted as asked (validation failed before any work)."""
-
-    exit_code = 2
 
 
 # Layers that engines fuse into one GEMM: their members must share one global scale.
 FUSED = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("q_a_proj", "kv_a_proj_with_mqa")]
 _FUSED_OF = {m: members for members in FUSED for m in members}
-
-# Tensor names only a quantized checkpoint has (ours, compressed-tensors, ModelOpt, FP8 block scales).
-QUANTIZED_SUFFIXES = (".weight_packed", ".weight_global_scale", ".weight_scale_2", ".weight_scale_inv")
 
 # Never quantized by default: (regex on the tensor name, reason).
 EXCLUDE: list[tuple[re.Pattern[str], str]] = [
@@ -114,6 +106,17 @@ class Plan:
             "bits_per_param": round(8 * bytes_out / params_in, 4) if params_in else None,
         }
 
+    def kept_modules(self) -> tuple[str, ...]:
+        """Module names of every 2-D weight left unquantized (what engines must not treat as FP4)."""
+        mods = [d.module for d in self.decisions
+                if d.action == KEEP and d.name.endswith(".weight") and len(d.info.shape) == 2]
+        return tuple(sorted(dict.fromkeys(mods)))
+
+    def output_info(self, model_config: dict | None = None) -> OutputInfo:
+        """What the output format needs to write its config files."""
+        c = self.config
+        return OutputInfo(c.scheme, c.rotate, None, self.kept_modules(), model_config or {})
+
     def to_json(self) -> dict:
         return {
             "settings": self.config.identity(),
@@ -179,7 +182,7 @@ def _default_reason(info: TensorInfo, scheme: str, mtp: set[int]) -> str | None:
         return f"{len(info.shape)}-D tensor, not a linear layer's [out, in] weight"
     if 0 in info.shape:
         return "empty tensor"
-    k, bs = info.shape[-1], BLOCK_SIZE[scheme]
+    k, bs = info.shape[-1], get_scheme(scheme).block_size
     if k % bs:
         return f"in-features K={k} is not a multiple of the {scheme} block size {bs}"
     return None
@@ -197,9 +200,7 @@ def make_plan(
             f"the source is already quantized (quantization_config: {qc.get('quant_method', '?')}); "
             "fp4convert needs a bf16/fp16/fp32 checkpoint"
         )
-    low_precision = {i.name for i in tensors if i.dtype in ("U8", "F8_E4M3", "F8_E5M2")}
-    quantized = [i.name for i in tensors if i.name.endswith(QUANTIZED_SUFFIXES)
-                 or (i.name.endswith(".weight_scale") and i.name[: -len("_scale")] in low_precision)]
+    quantized = quantized_tensor_names(tensors)
     if quantized:
         raise PlanError(
             f"the source is already quantized ({quantized[0]} and {len(quantized) - 1} more); "
@@ -256,14 +257,14 @@ def make_plan(
             else:
                 decisions.append(Decision(name, KEEP, reasons[name], i, g, (OutEntry(name, i.dtype, i.shape),)))
 
-    _check_collisions(decisions)
-    plan = Plan(decisions, {g: m for g, m in groups.items()}, _layout(decisions, config.max_shard_size), config)
+    check_collisions(decisions)
+    plan = Plan(decisions, {g: m for g, m in groups.items()}, layout_shards(decisions, config.max_shard_size), config)
     if not any(d.action == QUANTIZE for d in decisions):
         plan.warnings.append("no tensor is quantized: check --only / --ignore and the checkpoint's layer names")
     return plan
 
 
-def _check_collisions(decisions: list[Decision]) -> None:
+def check_collisions(decisions: list[Decision]) -> None:
     owner: dict[str, str] = {}
     for d in decisions:
         for e in d.outputs:
@@ -275,7 +276,7 @@ def _check_collisions(decisions: list[Decision]) -> None:
             owner[e.name] = d.name
 
 
-def _layout(decisions: list[Decision], max_shard: int) -> list[tuple[str, list[OutEntry]]]:
+def layout_shards(decisions: list[Decision], max_shard: int) -> list[tuple[str, list[OutEntry]]]:
     """Cut the outputs, in processing order, into shards of at most ``max_shard`` bytes."""
     shards: list[list[OutEntry]] = [[]]
     size = 0

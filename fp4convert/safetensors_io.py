@@ -20,13 +20,7 @@ from typing import BinaryIO
 
 import torch
 
-from .errors import FP4ConvertError
-
-
-class CheckpointFormatError(FP4ConvertError):
-    """A safetensors file is malformed or not what its index says."""
-
-    exit_code = 4
+from .errors import CheckpointFormatError
 
 
 DTYPES: dict[str, torch.dtype] = {
@@ -43,7 +37,6 @@ DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
             "I16": 2, "I8": 1, "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1, "F4": 1}
 FLOAT_DTYPES = ("F32", "F16", "BF16")  # what the quantizer accepts as source

@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import FP4ConvertError
+from .errors import SourceError
+from .manifest import MANIFEST_NAME
 from .safetensors_io import TensorInfo, parse_header, read_header
 
 log = logging.getLogger(__name__)
@@ -23,12 +24,6 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.h5", "*.msgpack", "*.gguf",
                    "*.onnx", "*.tflite", "*.ot"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
-
-
-class SourceError(FP4ConvertError):
-    """The checkpoint cannot be found, fetched or read."""
-
-    exit_code = 4
 
 
 def _one_line(exc: BaseException, limit: int = 300) -> str:
@@ -77,7 +72,7 @@ class Source:
                 continue
             if rel in self.weight_files or rel.endswith((".safetensors", ".safetensors.index.json")):
                 continue
-            if rel.endswith(PICKLE_SUFFIXES) or rel in ("pytorch_model.bin.index.json", "fp4convert.json"):
+            if rel.endswith(PICKLE_SUFFIXES) or rel in ("pytorch_model.bin.index.json", MANIFEST_NAME):
                 continue
             out.append(p)
         return out

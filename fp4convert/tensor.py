@@ -14,17 +14,15 @@ from typing import Literal
 import torch
 
 from . import reference as ref
-from .errors import NonFiniteError, QuantizationError, ShapeError
+from .errors import ConfigError, NonFiniteError, QuantizationError, ShapeError
+from .scheme import Scheme, check_rotation, get_scheme
 from .swizzle import swizzle_scales, unswizzle_scales
 
-Format = Literal["nvfp4", "mxfp4"]
+SchemeName = Literal["nvfp4", "mxfp4"]
 Rotation = Literal["had16"]
 ScaleLayout = Literal["linear", "swizzled"]
 Backend = Literal["auto", "reference", "cpu", "cuda"]
-
-FORMATS = ("nvfp4", "mxfp4")
-ROTATIONS = (None, "had16")
-BLOCK_SIZE = {"nvfp4": ref.NVFP4_BLOCK, "mxfp4": ref.MXFP4_BLOCK}
+BACKENDS = ("auto", "reference", "cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -34,9 +32,10 @@ class QuantizedTensor:
     packed: torch.Tensor  # uint8 [..., M, K/2]
     scale: torch.Tensor  # float8_e4m3fn (nvfp4) / uint8 E8M0 (mxfp4); [..., M, K/bs] or swizzled [..., Mp, nbp]
     global_scale: torch.Tensor | None  # fp32, shape = leading dims (0-dim for a matrix); None for mxfp4
-    fmt: Format
+    scheme: SchemeName
     rotate: Rotation | None = None
     scale_layout: ScaleLayout = "linear"
+    scale_rule: str | None = None  # how block scales were chosen (None: the scheme's default)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -45,7 +44,7 @@ class QuantizedTensor:
 
     @property
     def block_size(self) -> int:
-        return BLOCK_SIZE[self.fmt]
+        return get_scheme(self.scheme).block_size
 
     def linear_scale(self) -> torch.Tensor:
         """The block scales in the linear [..., M, K/bs] layout, whatever layout they are stored in."""
@@ -55,21 +54,21 @@ class QuantizedTensor:
         return unswizzle_scales(self.scale, m, k // self.block_size)
 
 
-def _check_options(fmt: str, rotate: str | None, scale_layout: str, backend: str) -> None:
-    if fmt not in FORMATS:
-        raise QuantizationError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    if rotate not in ROTATIONS:
-        raise QuantizationError(f"unknown rotation {rotate!r}; expected None or 'had16'")
+def _check_options(scheme: str | Scheme, rotate: str | None, scale_layout: str, backend: str) -> Scheme:
+    """Bad options are ConfigError (exit 2), raised before any work."""
+    s = get_scheme(scheme)
+    check_rotation(rotate)
     if scale_layout not in ("linear", "swizzled"):
-        raise QuantizationError(f"unknown scale layout {scale_layout!r}; expected 'linear' or 'swizzled'")
-    if backend not in ("auto", "reference", "cpu", "cuda"):
-        raise QuantizationError(f"unknown backend {backend!r}; expected 'auto', 'reference', 'cpu' or 'cuda'")
+        raise ConfigError(f"unknown scale layout {scale_layout!r}; expected 'linear' or 'swizzled'")
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    return s
 
 
 def _use_cuda(x: torch.Tensor, backend: str) -> bool:
     if backend == "cuda":
         if not x.is_cuda:
-            raise QuantizationError("backend='cuda' needs a CUDA tensor; move it with .cuda() or use 'auto'")
+            raise ConfigError("backend='cuda' needs a CUDA tensor; move it with .cuda() or use 'auto'")
         return True
     return backend == "auto" and x.is_cuda
 
@@ -87,7 +86,7 @@ def _batch_ops(x: torch.Tensor, backend: str):
         return _cuda_ops()
     if backend == "cpu" or (backend == "auto" and x.device.type == "cpu"):
         if x.device.type != "cpu":
-            raise QuantizationError(f"backend='cpu' needs a CPU tensor, got one on {x.device}")
+            raise ConfigError(f"backend='cpu' needs a CPU tensor, got one on {x.device}")
         from . import cpu
 
         return cpu
@@ -118,43 +117,48 @@ def amax(x: torch.Tensor, *, rotate: Rotation | None = None, backend: Backend = 
 
 def quantize(
     x: torch.Tensor,
-    fmt: Format = "nvfp4",
+    scheme: SchemeName | Scheme = "nvfp4",
     *,
     rotate: Rotation | None = None,
     global_amax: torch.Tensor | float | None = None,
     scale_layout: ScaleLayout = "linear",
+    scale_rule: str | None = None,
     backend: Backend = "auto",
 ) -> QuantizedTensor:
     """Quantize a bf16/fp16/fp32 weight ``[..., M, K]`` (blocks along K) to NVFP4 or MXFP4.
 
     Leading dims are independent matrices, each with its own global scale unless ``global_amax``
-    (the max |x| of a fused group, after rotation) is given. Raises NonFiniteError for NaN/Inf
-    and ShapeError when K is not a multiple of the block size.
+    (the max |x| of a fused group, after rotation) is given. ``scale_rule`` picks the block scales
+    (NVFP4: max, 4over6, mse; MXFP4: floor, rceil, mse; None is the scheme's default); the global
+    scale never depends on it. Raises NonFiniteError for NaN/Inf and ShapeError when K is not a
+    multiple of the block size; bad options raise ConfigError before any work.
     """
-    _check_options(fmt, rotate, scale_layout, backend)
-    if fmt == "mxfp4" and global_amax is not None:
-        raise QuantizationError("MXFP4 has no global scale; global_amax applies to NVFP4 only")
-    ref.check_shape(x, BLOCK_SIZE[fmt])
+    s = _check_options(scheme, rotate, scale_layout, backend)
+    rule = s.check_rule(scale_rule)
+    if not s.global_scale and global_amax is not None:
+        raise ConfigError(f"{s.name.upper()} has no global scale; global_amax applies to NVFP4 only")
+    ref.check_shape(x, s.block_size)
     ops = _batch_ops(x, backend)
     if ops is not None:
-        return _quantize_batched(ops, x, fmt, rotate, global_amax, scale_layout)
-    if fmt == "nvfp4":
-        packed, scale, gs = ref.nvfp4_quantize(x, global_amax, rotate)
+        return _quantize_batched(ops, x, s, rotate, global_amax, scale_layout, rule)
+    extra = {} if rule == s.default_rule else {"scale_rule": rule}
+    if s.global_scale:
+        packed, scale, gs = ref.nvfp4_quantize(x, global_amax, rotate, **extra)
     else:
-        (packed, scale), gs = ref.mxfp4_quantize(x, rotate), None
+        (packed, scale), gs = ref.mxfp4_quantize(x, rotate, **extra), None
     if scale_layout == "swizzled":
         scale = swizzle_scales(scale)
-    return QuantizedTensor(packed, scale, gs, fmt, rotate, scale_layout)
+    return QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
 
 
 def _quantize_batched(
-    ops, x: torch.Tensor, fmt: Format, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout
+    ops, x: torch.Tensor, s: Scheme, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout, rule: str
 ) -> QuantizedTensor:
     """Pass 1 (amax, unless the group's is given) and pass 2 on a batched backend."""
     xb = _as_batch(x)
     lead = x.shape[:-2]
     gs = bad_amax = None
-    if fmt == "nvfp4":
+    if s.global_scale:
         if global_amax is None:
             # A non-finite amax comes from a non-finite element, which the quantize pass flags itself.
             group_amax = ops.amax(xb, rotate)
@@ -163,19 +167,20 @@ def _quantize_batched(
             group_amax = group_amax.expand(lead).reshape(-1).contiguous()
             bad_amax = ~torch.isfinite(group_amax).all()  # checked with the kernel's flag: one sync, not two
         gs = ref.global_scale(group_amax)
-    packed, scale, nonfinite = ops.quantize(xb, fmt, gs, rotate, scale_layout == "swizzled")
+    extra = {} if rule == s.default_rule else {"scale_rule": rule}
+    packed, scale, nonfinite = ops.quantize(xb, s.name, gs, rotate, scale_layout == "swizzled", **extra)
     if bool(nonfinite if bad_amax is None else nonfinite | bad_amax):
         raise NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")
     packed = packed.reshape(*lead, *packed.shape[-2:])
     scale = scale.reshape(*lead, *scale.shape[-2:])
     if gs is not None:
         gs = gs.reshape(lead)
-    return QuantizedTensor(packed, scale, gs, fmt, rotate, scale_layout)
+    return QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16, *, backend: Backend = "auto") -> torch.Tensor:
     """Back to a dense weight: fp32 arithmetic, the rotation undone, then cast to ``dtype``."""
-    _check_options(q.fmt, q.rotate, q.scale_layout, backend)
+    s = _check_options(q.scheme, q.rotate, q.scale_layout, backend)
     if _use_cuda(q.packed, backend):
         lead = q.packed.shape[:-2]
         gs = None if q.global_scale is None else q.global_scale.reshape(-1).to(torch.float32).contiguous()
@@ -183,14 +188,14 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16, *, backe
             _as_batch(q.packed),
             _as_batch(q.scale),
             gs,
-            q.fmt,
+            q.scheme,
             q.rotate,
             q.scale_layout == "swizzled",
             dtype,
         )
         return out.reshape(*lead, *out.shape[-2:])
     scale = q.linear_scale()
-    if q.fmt == "nvfp4":
+    if s.global_scale:
         if q.global_scale is None:
             raise QuantizationError("an NVFP4 tensor needs its global scale to be dequantized")
         w = ref.nvfp4_dequantize(q.packed, scale, q.global_scale, q.rotate)

@@ -14,11 +14,10 @@ import fp4convert
 import fp4convert.convert as convert_mod
 from fp4convert import reference as ref
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import OutputError, convert
+from fp4convert.convert import convert
+from fp4convert.errors import OutputError, PlanError, SourceError
 from fp4convert.errors import NonFiniteError
-from fp4convert.plan import PlanError
 from fp4convert.safetensors_io import StreamWriter
-from fp4convert.source import SourceError
 
 from . import checkpoints as ck
 

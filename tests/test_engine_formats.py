@@ -70,7 +70,7 @@ def expected_weight(layer: int, lin: str, scheme: str, rotate: str | None = None
         group_amax = max(fp4convert.amax(source_weight(f"model.layers.{layer}.{m}.weight"), rotate=rotate) for m in group)
     q = fp4convert.quantize(x, scheme, rotate=rotate, global_amax=group_amax)
     if rotate:  # the checkpoint holds rotated weights: compare in the rotated domain
-        q = fp4convert.QuantizedTensor(q.packed, q.scale, q.global_scale, q.fmt, None)
+        q = fp4convert.QuantizedTensor(q.packed, q.scale, q.global_scale, q.scheme, None)
     return fp4convert.dequantize(q, torch.bfloat16)
 
 
@@ -173,7 +173,7 @@ def test_had16_compressed_tensors_needs_and_gets_the_online_rotation(tmp_path: P
 
 
 def test_modelopt_refuses_mxfp4_and_rotation(tmp_path: Path) -> None:
-    from fp4convert.config import ConfigError
+    from fp4convert.errors import ConfigError
 
     with pytest.raises(ConfigError, match="NVFP4 only"):
         convert(str(EXAMPLE), tmp_path / "a", ConvertConfig(scheme="mxfp4", format="modelopt"))
@@ -200,7 +200,7 @@ def test_export_equals_direct_conversion(tmp_path: Path, fmt: str, scheme: str) 
 
 
 def test_export_refuses_non_native(tmp_path: Path) -> None:
-    from fp4convert.config import ConfigError
+    from fp4convert.errors import ConfigError
 
     ct = tmp_path / "ct"
     convert(str(EXAMPLE), ct, ConvertConfig(format="compressed-tensors"))

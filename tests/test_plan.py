@@ -9,9 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fp4convert.config import ConfigError, ConvertConfig
+from fp4convert.config import ConvertConfig
+from fp4convert.errors import ConfigError, PlanError
 from fp4convert.formats import get_format
-from fp4convert.plan import KEEP, QUANTIZE, PlanError, make_plan
+from fp4convert.plan import KEEP, QUANTIZE, make_plan
 
 from .checkpoints import infos
 

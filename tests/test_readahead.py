@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from fp4convert.readahead import ReadAhead
-from fp4convert.safetensors_io import CheckpointFormatError, read_header
+from fp4convert.errors import CheckpointFormatError
+from fp4convert.safetensors_io import read_header
 
 
 def test_units_arrive_in_order_with_their_values(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 import fp4convert.convert as conv
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import OutputError, convert
+from fp4convert.convert import convert
+from fp4convert.errors import OutputError
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny-llama"
 

@@ -20,7 +20,8 @@ import pytest
 
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert
-from fp4convert.source import SourceError, open_source
+from fp4convert.errors import SourceError
+from fp4convert.source import open_source
 
 from . import checkpoints as ck
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fp4convert
-from fp4convert import QuantizationError, QuantizedTensor, ShapeError, reference as ref
+from fp4convert import ConfigError, QuantizationError, QuantizedTensor, ShapeError, reference as ref
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -15,7 +15,7 @@ from fp4convert import QuantizationError, QuantizedTensor, ShapeError, reference
 def test_shapes_dtypes_and_reference_equality(dtype, fmt, bs, rotate) -> None:
     x = torch.randn(2, 40, 96).to(dtype)
     q = fp4convert.quantize(x, fmt, rotate=rotate)
-    assert isinstance(q, QuantizedTensor) and q.fmt == fmt and q.rotate == rotate
+    assert isinstance(q, QuantizedTensor) and q.scheme == fmt and q.rotate == rotate
     assert q.packed.shape == (2, 40, 48) and q.packed.dtype == torch.uint8
     assert q.scale.shape == (2, 40, 96 // bs)
     assert q.scale.dtype == (torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8)
@@ -70,15 +70,19 @@ def test_amax_and_global_amax_make_a_fused_group() -> None:
 
 
 def test_option_errors_are_clear() -> None:
+    """Bad options are ConfigError (exit 2, a settings problem), not a tensor problem (exit 3)."""
     x = torch.randn(4, 32)
-    with pytest.raises(QuantizationError, match="unknown format 'fp8'"):
+    with pytest.raises(ConfigError, match="unknown scheme 'fp8'"):
         fp4convert.quantize(x, "fp8")
-    with pytest.raises(QuantizationError, match="unknown rotation"):
+    with pytest.raises(ConfigError, match="unknown rotation"):
         fp4convert.quantize(x, rotate="had32")
-    with pytest.raises(QuantizationError, match="no global scale"):
+    with pytest.raises(ConfigError, match="no global scale"):
         fp4convert.quantize(x, "mxfp4", global_amax=1.0)
-    with pytest.raises(QuantizationError, match="needs a CUDA tensor"):
+    with pytest.raises(ConfigError, match="needs a CUDA tensor"):
         fp4convert.quantize(x, backend="cuda")
+    with pytest.raises(ConfigError, match="scale rule 'floor' does not apply to nvfp4"):
+        fp4convert.quantize(x, "nvfp4", scale_rule="floor")
+    assert not issubclass(ConfigError, QuantizationError) and ConfigError.exit_code == 2
     with pytest.raises(ShapeError, match="K=48 .* block size 32"):
         fp4convert.quantize(torch.randn(4, 48), "mxfp4")
     with pytest.raises(ShapeError, match="floating-point"):

@@ -52,6 +52,11 @@ def _lib(device: torch.device) -> ctypes.CDLL:
     return lib
 
 
+def ensure_loaded(device: torch.device) -> None:
+    """Build or load the library for ``device`` now (raises CUDAUnavailableError if it cannot)."""
+    _lib(device)
+
+
 def _check(lib: ctypes.CDLL, code: int) -> None:
     if code != 0:
         raise CUDAKernelError(f"CUDA kernel error {code}: {lib.fp4c_error_string(code).decode()}")

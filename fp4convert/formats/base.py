@@ -1,0 +1,189 @@
+"""What every on-disk format has in common, and the native convention's defaults.
+
+A format is naming and layout only. Writing: from shapes alone it says which tensors a quantized
+weight becomes (so the plan can size shards before any data is read), turns a QuantizedTensor into
+exactly those tensors, and writes its files beside the shards. Reading: it recognises a folder as
+its own, finds the quantized modules among a checkpoint's tensors, and loads one back as a
+QuantizedTensor (``inspect`` and ``export`` use this; nothing else knows a format's names).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from ..safetensors_io import OutEntry, TensorInfo
+from ..scheme import SCHEMES, get_scheme
+from ..swizzle import padded_shape
+from ..tensor import QuantizedTensor
+
+CONFIG_NAME = "config.json"
+
+
+@dataclass(frozen=True)
+class OutputInfo:
+    """What a format needs to know about a finished plan to write its config files."""
+
+    scheme: str
+    rotate: str | None
+    scale_rule: str | None
+    kept_modules: tuple[str, ...]  # 2-D weights left unquantized: engines must not treat them as FP4
+    model_config: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class QuantizedModule:
+    """The tensors of one quantized weight, as found on disk."""
+
+    module: str
+    packed: TensorInfo
+    scale: TensorInfo
+    global_: TensorInfo | None  # the stored global tensor (what it means is the format's business)
+    scheme: str
+    swizzled: bool
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
+
+    @property
+    def tensors(self) -> tuple[TensorInfo, ...]:
+        return tuple(t for t in (self.packed, self.scale, self.global_) if t is not None)
+
+
+class OutputFormat:
+    """A convention for storing FP4 weights; subclasses set the names and override what differs."""
+
+    name: str = ""
+    swizzled = False  # block scales in the 128x4 layout (engines swizzle at load, so theirs are linear)
+    schemes: tuple[str, ...] = tuple(SCHEMES)
+    packed_suffix, scale_suffix, global_suffix = ".weight_packed", ".weight_scale", ".weight_global_scale"
+
+    def check(self, scheme: str, rotate: str | None) -> None:
+        """Refuse settings this format cannot carry faithfully."""
+        if scheme not in self.schemes:
+            raise ConfigError(f"--format {self.name} stores {'/'.join(self.schemes)} only, not {scheme}")
+
+    # -- writing: names and shapes ---------------------------------------------------------
+
+    def global_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
+        return (*lead, 1)
+
+    def global_value(self, gs: torch.Tensor) -> torch.Tensor:
+        """The stored global tensor from the encode scale gs."""
+        return gs.to(torch.float32).reshape(self.global_shape(tuple(gs.shape)))
+
+    def encode_scale(self, stored: torch.Tensor) -> torch.Tensor:
+        """Back from the stored global tensor to the encode scale gs (inverse of global_value)."""
+        return stored.to(torch.float32)
+
+    def entries(self, module: str, shape: tuple[int, ...], scheme: str, rotate: str | None = None) -> list[OutEntry]:
+        """What a quantized ``[..., M, K]`` weight becomes, known before any data is read."""
+        s = get_scheme(scheme)
+        *lead, m, k = shape
+        lead = tuple(lead)
+        nb = s.scale_bytes(k)
+        scale_shape = (*lead, *padded_shape(m, nb)) if self.swizzled else (*lead, m, nb)
+        out = [
+            OutEntry(module + self.packed_suffix, "U8", (*lead, m, k // 2)),
+            OutEntry(module + self.scale_suffix, s.scale_dtype, scale_shape),
+        ]
+        if s.global_scale:
+            out.append(OutEntry(module + self.global_suffix, "F32", self.global_shape(lead)))
+        return out
+
+    def tensors(self, module: str, q: QuantizedTensor) -> list[tuple[str, torch.Tensor]]:
+        """The output tensors of one quantized weight, in :meth:`entries` order."""
+        if self.swizzled and q.scale_layout != "swizzled":
+            raise ValueError("internal: this format stores swizzled scales; quantize with scale_layout='swizzled'")
+        scale = q.scale if self.swizzled else q.linear_scale()
+        out = [(module + self.packed_suffix, q.packed), (module + self.scale_suffix, scale)]
+        if get_scheme(q.scheme).global_scale:
+            out.append((module + self.global_suffix, self.global_value(q.global_scale)))
+        return out
+
+    # -- writing: beside the shards --------------------------------------------------------
+
+    def finalize(self, dst: Path, info: OutputInfo) -> list[str]:
+        """Write what the format needs beside the shards; returns the names written."""
+        return []
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def detect(self, root: Path, config: dict) -> bool:
+        """Is this folder (without a manifest) in this format?"""
+        return False
+
+    def rotation(self, root: Path, config: dict, manifest: dict | None) -> str | None:
+        """The rotation the folder's weights carry."""
+        return (manifest or {}).get("rotate")
+
+    def is_swizzled(self, manifest: dict | None) -> bool:
+        return self.swizzled
+
+    def find_modules(self, tensors: dict[str, TensorInfo], manifest: dict | None
+                     ) -> tuple[dict[str, QuantizedModule], list[str]]:
+        """The quantized modules among ``tensors`` and the problems seen while pairing them up."""
+        modules: dict[str, QuantizedModule] = {}
+        problems: list[str] = []
+        swizzled = self.is_swizzled(manifest)
+        for name, info in tensors.items():
+            if not name.endswith(self.packed_suffix) or info.dtype != "U8":
+                continue
+            module = name[: -len(self.packed_suffix)]
+            scale = tensors.get(module + self.scale_suffix)
+            if scale is None:
+                problems.append(f"{name}: packed weight without {module + self.scale_suffix}")
+                continue
+            scheme = next((s.name for s in SCHEMES.values() if s.scale_dtype == scale.dtype), None)
+            if scheme is None:
+                problems.append(f"{module + self.scale_suffix}: block scales of dtype {scale.dtype} fit no FP4 scheme")
+                continue
+            modules[module] = QuantizedModule(module, info, scale, tensors.get(module + self.global_suffix),
+                                              scheme, swizzled)
+        used = {t.name for m in modules.values() for t in m.tensors}
+        for name in tensors:
+            if name in used:
+                continue
+            for suffix in (self.scale_suffix, self.global_suffix):
+                if name.endswith(suffix) and name[: -len(suffix)] not in modules:
+                    problems.append(f"{name}: a scale without its packed weight {name[: -len(suffix)] + self.packed_suffix}")
+        return modules, problems
+
+    def load(self, m: QuantizedModule, read: Callable[[TensorInfo], torch.Tensor], rotate: str | None
+             ) -> QuantizedTensor:
+        """A quantized module's data as a QuantizedTensor (scales in the layout they are stored in)."""
+        gs = None
+        if get_scheme(m.scheme).global_scale and m.global_ is not None:
+            gs = self.encode_scale(read(m.global_)).reshape(m.packed.shape[:-2])
+        return QuantizedTensor(read(m.packed), read(m.scale), gs, m.scheme, rotate,
+                               "swizzled" if m.swizzled else "linear")
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path`` ({} when the file is absent)."""
+    if not path.is_file():
+        return {}
+    obj = json.loads(path.read_text())
+    return obj if isinstance(obj, dict) else {}
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Atomically (a .partial file renamed into place)."""
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def update_config(dst: Path, key: str, value: dict) -> None:
+    """Set one key of DST's config.json (copied from the source earlier), keeping the rest."""
+    path = dst / CONFIG_NAME
+    cfg = read_json(path)
+    cfg[key] = value
+    write_json(path, cfg)

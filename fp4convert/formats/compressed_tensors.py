@@ -1,0 +1,128 @@
+"""compressed-tensors ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized`` (vLLM, transformers).
+
+Same tensor names as the native format, linear ``[M, K/bs]`` scales (engines swizzle at load),
+``weight_global_scale`` F32 ``[1]`` (the encode scale), and config.json's ``quantization_config``.
+Had16 is recorded as a ``transform_config`` with the online rotation as ``<module>.had16_input.weight``
+(vLLM applies it; transformers ignores transform_config).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..safetensors_io import OutEntry
+from ..scheme import get_scheme
+from ..tensor import QuantizedTensor
+from .base import OutputFormat, OutputInfo, update_config
+
+log = logging.getLogger(__name__)
+
+QUANT_METHOD = "compressed-tensors"
+
+
+def sylvester_hadamard(n: int) -> torch.Tensor:
+    """The unnormalized +-1 Sylvester Hadamard matrix in natural order."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+class CompressedTensorsFormat(OutputFormat):
+    name = "compressed-tensors"
+    swizzled = False
+    transform_scheme = "had16"
+
+    def _transform_name(self, module: str) -> str:
+        # vLLM loads the online transform as a parameter of the layer: <module>.<scheme>_input.weight.
+        return f"{module}.{self.transform_scheme}_input.weight"
+
+    def entries(self, module, shape, scheme, rotate=None):
+        out = super().entries(module, shape, scheme, rotate)
+        if rotate == "had16":
+            out.append(OutEntry(self._transform_name(module), "BF16", (16, 16)))
+        return out
+
+    def tensors(self, module: str, q: QuantizedTensor):
+        out = super().tensors(module, q)
+        if q.rotate == "had16":
+            out.append((self._transform_name(module), sylvester_hadamard(16).to(torch.bfloat16)))
+        return out
+
+    def quantization_config(self, info: OutputInfo) -> dict:
+        s = get_scheme(info.scheme)
+        fmt = f"{s.name}-pack-quantized"
+        weights = {
+            "num_bits": 4,
+            "type": "float",
+            "strategy": "tensor_group" if s.global_scale else "group",
+            "group_size": s.block_size,
+            "symmetric": True,
+            "dynamic": False,
+        }
+        ignore = list(info.kept_modules)
+        qc = {
+            "quant_method": QUANT_METHOD,
+            "format": fmt,
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": None,
+                    "output_activations": None,
+                    "format": fmt,
+                }
+            },
+            "ignore": ignore,
+            "kv_cache_scheme": None,
+        }
+        if info.rotate == "had16":
+            # W_rot = W @ blockdiag(H16/4) was fused offline ("weight_input", inverse); the runtime must
+            # rotate activations the same way ("input"). Only the online entry is executed by vLLM.
+            args = {"targets": ["Linear"], "ignore": ignore}
+            qc["transform_config"] = {
+                "config_groups": {
+                    self.transform_scheme: {
+                        "type": "hadamard",
+                        "head_dim": 16,
+                        "randomize": False,
+                        "requires_grad": False,
+                        "precision": "torch.float32",
+                        "apply": [
+                            {**args, "location": "input", "inverse": False},
+                            {**args, "location": "weight_input", "inverse": True},
+                        ],
+                    }
+                }
+            }
+        return qc
+
+    def finalize(self, dst: Path, info: OutputInfo) -> list[str]:
+        update_config(dst, "quantization_config", self.quantization_config(info))
+        if info.rotate:
+            log.warning(
+                "Had16-rotated compressed-tensors checkpoint: vLLM rotates activations from transform_config "
+                "(tensor parallel 1 only); transformers ignores transform_config and would compute wrong outputs"
+            )
+        return ["config.json"]
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def detect(self, root: Path, config: dict) -> bool:
+        qc = config.get("quantization_config")
+        return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
+
+    def rotation(self, root: Path, config: dict, manifest: dict | None) -> str | None:
+        if manifest is not None:
+            return manifest.get("rotate")
+        qc = config.get("quantization_config") or {}
+        groups = (qc.get("transform_config") or {}).get("config_groups", {})
+        had16 = any(g.get("type") == "hadamard" and g.get("head_dim") == 16 for g in groups.values())
+        return "had16" if had16 else None
+
+
+FORMAT = CompressedTensorsFormat()

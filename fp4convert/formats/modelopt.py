@@ -1,0 +1,75 @@
+"""NVIDIA ModelOpt NVFP4 (TensorRT-LLM, SGLang, vLLM ``--quantization modelopt_fp4``).
+
+``X.weight`` (U8 packed), ``X.weight_scale`` (F8_E4M3 linear), ``X.weight_scale_2`` (F32 scalar: the
+DECODE scale 1/gs), and ``hf_quant_config.json``. NVFP4 only, no rotation (the format has no field
+for one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..version import __version__
+from ..errors import ConfigError
+from .base import OutputFormat, OutputInfo, update_config, write_json
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
+class ModelOptFormat(OutputFormat):
+    name = "modelopt"
+    swizzled = False
+    schemes = ("nvfp4",)
+    packed_suffix, scale_suffix, global_suffix = ".weight", ".weight_scale", ".weight_scale_2"
+
+    def check(self, scheme: str, rotate: str | None) -> None:
+        if scheme != "nvfp4":
+            raise ConfigError("--format modelopt stores NVFP4 only; use --format compressed-tensors for MXFP4")
+        if rotate:
+            raise ConfigError(
+                "--format modelopt cannot record a rotation: engines would not rotate activations and would "
+                "compute wrong outputs. Use --format compressed-tensors (transform_config) or drop --rotate"
+            )
+
+    def global_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
+        return lead  # a scalar per matrix
+
+    def global_value(self, gs: torch.Tensor) -> torch.Tensor:
+        return (1.0 / gs.to(torch.float32)).reshape(self.global_shape(tuple(gs.shape)))  # the DECODE scale
+
+    def encode_scale(self, stored: torch.Tensor) -> torch.Tensor:
+        return 1.0 / stored.to(torch.float32)
+
+    def quant_section(self, info: OutputInfo) -> dict:
+        exclude = list(info.kept_modules) or ["lm_head"]  # SGLang refuses an empty list
+        return {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": exclude}
+
+    def finalize(self, dst: Path, info: OutputInfo) -> list[str]:
+        producer = {"name": "fp4convert", "version": __version__}
+        quant = self.quant_section(info)
+        write_json(dst / HF_QUANT_CONFIG, {"producer": producer, "quantization": quant})
+        # ModelOpt's own config.json shape. vLLM reads exclusions from "ignore" in this flat form (and
+        # "exclude_modules" only inside hf_quant_config.json), so both keys are written.
+        weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+        update_config(dst, "quantization_config", {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+            "group_size": 16,
+            "kv_cache_quant_algo": None,
+            "ignore": quant["exclude_modules"],
+            "exclude_modules": quant["exclude_modules"],
+            "producer": producer,
+        })
+        return [HF_QUANT_CONFIG, "config.json"]
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def detect(self, root: Path, config: dict) -> bool:
+        qc = config.get("quantization_config")
+        return (isinstance(qc, dict) and qc.get("quant_method") == "modelopt") or (root / HF_QUANT_CONFIG).is_file()
+
+
+FORMAT = ModelOptFormat()

@@ -1,0 +1,70 @@
+"""Reading a checkpoint back: which format it is in, its quantized modules and its kept tensors.
+
+``inspect`` and ``export`` share this; what the names mean is each format module's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .formats import detect, get_format
+from .formats.base import QuantizedModule
+from .manifest import load_manifest
+from .safetensors_io import TensorInfo, read_tensor
+from .source import Source
+from .tensor import QuantizedTensor
+
+UNQUANTIZED = "unquantized"
+
+
+@dataclass
+class CheckpointLayout:
+    """What a checkpoint is: its format, and its quantized modules and kept tensors."""
+
+    format: str  # a registered format name, or "unquantized"
+    scheme: str | None
+    rotate: str | None
+    modules: dict[str, QuantizedModule]
+    kept: list[TensorInfo]
+    tensors: dict[str, TensorInfo]
+    manifest: dict | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def quantized(self) -> bool:
+        return self.format != UNQUANTIZED
+
+
+def read_layout(source: Source) -> CheckpointLayout:
+    """The layout from headers, config files and the manifest (no tensor data read)."""
+    manifest = load_manifest(source.root)
+    config = source.config()
+    fmt = detect(source.root, config, manifest)
+    tensors = {t.name: t for t in source.tensors()}
+    if fmt is None:
+        return CheckpointLayout(UNQUANTIZED, None, None, {}, list(tensors.values()), tensors, manifest)
+    modules, problems = fmt.find_modules(tensors, manifest)
+    used = {t.name for m in modules.values() for t in m.tensors}
+    kept = [t for n, t in tensors.items() if n not in used]
+    schemes = {m.scheme for m in modules.values()}
+    if len(schemes) > 1:
+        problems.append(f"mixed schemes in one checkpoint: {sorted(schemes)}")
+    scheme = schemes.pop() if len(schemes) == 1 else None
+    rotate = fmt.rotation(source.root, config, manifest)
+    return CheckpointLayout(fmt.name, scheme, rotate, modules, kept, tensors, manifest, problems)
+
+
+def read_global(source: Source, layout: CheckpointLayout, m: QuantizedModule) -> torch.Tensor | None:
+    """The module's ENCODE scale gs, whatever the format stores."""
+    if m.global_ is None:
+        return None
+    g = read_tensor(source.local_path(m.global_.file), m.global_)
+    return get_format(layout.format).encode_scale(g).reshape(m.packed.shape[:-2])
+
+
+def load_quantized(source: Source, layout: CheckpointLayout, m: QuantizedModule) -> QuantizedTensor:
+    """A quantized module's data as a QuantizedTensor (scales in the layout they are stored in)."""
+    return get_format(layout.format).load(m, lambda info: read_tensor(source.local_path(info.file), info),
+                                          layout.rotate)
