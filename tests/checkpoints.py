@@ -10,6 +10,7 @@ source shard boundary. ``infos()`` builds ``TensorInfo`` lists for pure planning
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 from pathlib import Path
@@ -20,6 +21,7 @@ from safetensors.torch import save_file
 from fp4convert.safetensors_io import ITEMSIZE, TensorInfo
 
 BF16 = torch.bfloat16
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # Non-weight files every generator writes; the converter must copy them all.
 OTHER_FILES = {
@@ -35,27 +37,21 @@ def rand(shape, seed: int, dtype: torch.dtype = BF16, std: float = 0.02) -> torc
     return (torch.randn(*shape, generator=g) * std).to(dtype)
 
 
+def _example_writer():
+    """The shipped example's own checkpoint writer (one writer for the example and the tests)."""
+    spec = importlib.util.spec_from_file_location("make_tiny_llama", EXAMPLES / "make_tiny_llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write_checkpoint
+
+
 def write(path: Path, tensors: dict[str, torch.Tensor], config: dict, shards: list[list[str]] | None = None,
           other_files: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Write ``tensors`` into the given shard layout (default: one file) with index and config."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     shards = shards or [list(tensors)]
     assert sorted(n for s in shards for n in s) == sorted(tensors), "every tensor in exactly one shard"
-    n = len(shards)
-    weight_map, total = {}, 0
-    for i, names in enumerate(shards):
-        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        part = {k: tensors[k].contiguous() for k in names}
-        save_file(part, str(path / fname), metadata={"format": "pt"})
-        for k, t in part.items():
-            weight_map[k] = fname
-            total += t.numel() * t.element_size()
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (path / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}\n')
+    _example_writer()(path, tensors, config, shards)
     for rel, text in (OTHER_FILES if other_files is None else other_files).items():
         (path / rel).parent.mkdir(parents=True, exist_ok=True)
         (path / rel).write_text(text)
