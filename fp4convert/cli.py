@@ -19,6 +19,8 @@ from .config import ConvertConfig, parse_size
 from .errors import EXIT_CODES, FP4ConvertError, InspectFailed, Interrupted
 from .formats import OUTPUT_FORMATS
 from .scheme import SCHEMES
+
+SCALE_RULES = sorted({r for s in SCHEMES.values() for r in s.scale_rules})
 from .version import __version__
 
 log = logging.getLogger("fp4convert")
@@ -100,6 +102,9 @@ def main() -> None:
 @click.argument("dst", type=click.Path(file_okay=False))
 @click.option("--scheme", type=click.Choice(list(SCHEMES)), default="nvfp4", show_default=True, help="FP4 scheme.")
 @click.option("--rotate", type=click.Choice(["had16"]), default=None, help="Rotate weights with a 16-point Hadamard first.")
+@click.option("--scale-rule", type=click.Choice(SCALE_RULES), default=None,
+              help="How block scales are chosen. NVFP4: max (default), 4over6, mse; MXFP4: floor (default, OCP), "
+                   "rceil, mse. The search rules (4over6, mse) never give a block more error than the default.")
 @click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS)), default="fp4convert", show_default=True,
               help="On-disk convention: fp4convert (native, swizzled scales), compressed-tensors or modelopt.")
 @click.option("--device", default="auto", show_default=True,
@@ -110,13 +115,13 @@ def main() -> None:
 @click.option("--dry-run", is_flag=True, help="Print the plan (decisions, sizes) and write nothing.")
 @_output_options
 @_library_errors
-def quantize(src, dst, scheme, rotate, fmt, device, max_shard_size, ignore, only, revision, dry_run,
+def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, ignore, only, revision, dry_run,
              overwrite, resume, quiet, as_json) -> None:
     """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST."""
     from .convert import convert, plan_conversion
 
     config = ConvertConfig(
-        scheme=scheme, rotate=rotate, format=fmt, ignore=tuple(ignore), only=tuple(only),
+        scheme=scheme, rotate=rotate, scale_rule=scale_rule, format=fmt, ignore=tuple(ignore), only=tuple(only),
         max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
         revision=revision,
     )

@@ -21,6 +21,7 @@ class ConvertConfig:
 
     scheme: str = "nvfp4"
     rotate: str | None = None
+    scale_rule: str | None = None  # None: the scheme's default (NVFP4 max, MXFP4 floor)
     format: str = DEFAULT_FORMAT
     ignore: tuple[str, ...] = ()
     only: tuple[str, ...] = ()
@@ -34,6 +35,7 @@ class ConvertConfig:
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
             raise ConfigError(f"unknown scheme {self.scheme!r}; choose one of {', '.join(SCHEMES)}")
+        SCHEMES[self.scheme].check_rule(self.scale_rule)
         check_rotation(self.rotate)
         if self.format not in OUTPUT_FORMATS:
             raise ConfigError(f"unknown format {self.format!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
@@ -48,11 +50,17 @@ class ConvertConfig:
                 except re.error as exc:
                     raise ConfigError(f"bad regex in pattern {p!r}: {exc}") from exc
 
+    @property
+    def rule(self) -> str:
+        """The scale rule in effect (the scheme's default when none was asked for)."""
+        return SCHEMES[self.scheme].check_rule(self.scale_rule)
+
     def identity(self) -> dict:
         """The settings that determine the output bytes; resume refuses when these change."""
         return {
             "scheme": self.scheme,
             "rotate": self.rotate,
+            "scale_rule": self.rule,
             "format": self.format,
             "ignore": list(self.ignore),
             "only": list(self.only),

@@ -139,7 +139,7 @@ def _quantize_unit(unit: list[Decision], xs: list[torch.Tensor], config: Convert
         group_amax = torch.stack(amaxes).amax(0)
     for d, x in zip(unit, xs):
         try:
-            q = quantize(x, config.scheme, rotate=config.rotate, global_amax=group_amax,
+            q = quantize(x, config.scheme, rotate=config.rotate, global_amax=group_amax, scale_rule=config.rule,
                          scale_layout="swizzled" if fmt.swizzled else "linear")
         except QuantizationError as exc:
             raise type(exc)(f"{d.name} (in {d.info.file}): {exc}") from exc

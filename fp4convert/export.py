@@ -30,7 +30,8 @@ def plan_export(src: str, config: ConvertConfig):
     manifest = layout.manifest
     if manifest is None or manifest.get("format") != "fp4convert":
         raise ConfigError(f"{src}: export reads fp4convert's native format (a folder with fp4convert.json)")
-    config = replace(config, scheme=manifest["scheme"], rotate=manifest.get("rotate"))
+    config = replace(config, scheme=manifest["scheme"], rotate=manifest.get("rotate"),
+                     scale_rule=manifest.get("scale_rule"))
     fmt = get_format(config.format)
     fmt.check(config.scheme, config.rotate)
     # Replay the original processing order (the order of the native outputs), so the bytes equal a

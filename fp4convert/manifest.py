@@ -66,6 +66,7 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
         "format": fmt.name,
         "scheme": cfg.scheme,
         "rotate": cfg.rotate,
+        "scale_rule": cfg.rule,
         "block_size": scheme.block_size,
         "scale_layout": "128x4" if fmt.swizzled else "linear",
         "scale_dtype": "float8_e4m3fn" if scheme.scale_encoding == "e4m3" else "e8m0",

@@ -115,7 +115,7 @@ class Plan:
     def output_info(self, model_config: dict | None = None) -> OutputInfo:
         """What the output format needs to write its config files."""
         c = self.config
-        return OutputInfo(c.scheme, c.rotate, None, self.kept_modules(), model_config or {})
+        return OutputInfo(c.scheme, c.rotate, c.rule, self.kept_modules(), model_config or {})
 
     def to_json(self) -> dict:
         return {

@@ -40,14 +40,15 @@ def test_quantize_matches_the_library(src, tmp_path) -> None:
 
 def test_options_reach_the_settings(src, tmp_path) -> None:
     dst = tmp_path / "q"
-    r = run("quantize", src, dst, "--scheme", "mxfp4", "--rotate", "had16", "--ignore", "lm_head",
+    r = run("quantize", src, dst, "--scheme", "mxfp4", "--rotate", "had16", "--scale-rule", "floor", "--ignore", "lm_head",
             "--ignore", "re:layers\\.1\\.mlp", "--only", "*.layers.*", "--max-shard-size", "1MiB", "--device", "cpu",
             "--json")
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
     assert s["dst"] == str(dst) and s["shards_out"] == 1 and s["reused_files"] == []
     m = json.loads((dst / "fp4convert.json").read_text())
-    assert m["settings"] | {"revision": None} == {"revision": None, "scheme": "mxfp4", "rotate": "had16", "format": "fp4convert",
+    assert m["settings"] | {"revision": None} == {"revision": None, "scheme": "mxfp4", "rotate": "had16",
+                             "scale_rule": "floor", "format": "fp4convert",
                              "ignore": ["lm_head", "re:layers\\.1\\.mlp"], "only": ["*.layers.*"],
                              "max_shard_size": 1024**2}
     t = m["tensors"]
