@@ -59,7 +59,7 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
                 problems.append(f"{m.module}: global scale {g.flatten()[:4].tolist()} is not finite and positive")
             globals_[m.module] = g.flatten()[0].item() if g.numel() == 1 else float("nan")
 
-    # Fused groups must share one global scale (SPEC.md section 5).
+    # Fused groups must share one global scale (docs/numerics.md#fused-groups-share-one-global-scale).
     groups: dict[str, list[str]] = defaultdict(list)
     for name in list(layout.modules) + [t.name[: -len(".weight")] for t in layout.kept if t.name.endswith(".weight")]:
         g = fused_group(name + ".weight")

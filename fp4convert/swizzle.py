@@ -1,4 +1,4 @@
-"""The 128x4 scale layout of tensor cores (SPEC.md section 6), and its exact inverse.
+"""The 128x4 scale layout of tensor cores (docs/formats.md#the-128x4-scale-layout), and its exact inverse.
 
 Row ``m`` and block-column ``k`` of a scale matrix land at
 ``(m//128)*(nbp//4*512) + (k//4)*512 + (m%32)*16 + ((m%128)//32)*4 + (k%4)``: one 512-byte tile holds

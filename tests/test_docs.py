@@ -23,7 +23,7 @@ SKIP_MARK = "# not run"
 
 
 def markdown_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    return [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted(DOCS.glob("*.md"))]
 
 
 # --- markdown parsing -------------------------------------------------------------------------

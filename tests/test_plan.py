@@ -1,4 +1,4 @@
-"""Planning from headers alone: SPEC.md section 8 exclusions, section 5 fused groups, patterns, layout."""
+"""Planning from headers alone: default exclusions (docs/formats.md), fused groups (docs/numerics.md), patterns, layout."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def llama_spec(layers: int = 2, h: int = H) -> dict:
     return spec
 
 
-# --- SPEC section 8: what is never quantized by default, each with its reason -------------------
+# --- docs/formats.md#which-tensors-are-quantized: what is never quantized by default, each with its reason -------------------
 
 EXCLUDED = {
     "model.embed_tokens.weight": ((96, H), "BF16", "embedding"),
@@ -117,7 +117,7 @@ def test_llama_plan_outputs_and_order() -> None:
     assert ["model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"] in units
 
 
-# --- SPEC section 5: fused groups ---------------------------------------------------------------
+# --- docs/numerics.md#fused-groups-share-one-global-scale ---------------------------------------------------------------
 
 def moe_spec(experts: int = 2) -> dict:
     p = "model.layers.0.mlp."

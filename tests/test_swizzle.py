@@ -1,4 +1,4 @@
-"""128x4 scale layout: every element lands at SPEC.md section 6's offset, and unswizzling is exact."""
+"""128x4 scale layout: every element lands at the offset docs/formats.md#the-128x4-scale-layout gives, and unswizzling is exact."""
 
 from __future__ import annotations
 
