@@ -19,16 +19,16 @@ from pathlib import Path
 import torch
 
 from .config import ConvertConfig
-from .errors import ConfigError, CUDAUnavailableError, NonFiniteError, PlanError, QuantizationError
+from .errors import ConfigError, CUDAUnavailableError, FP4ConvertError, NonFiniteError, PlanError, QuantizationError
 from .formats import detect, get_format
 from .formats.base import OutputFormat
 from .manifest import MANIFEST_NAME, load_manifest
-from .plan import QUANTIZE, Decision, Plan, make_plan
+from .plan import QUANTIZE, Decision, Matrix, Plan, make_plan
 from .readahead import ReadAhead
 from .scheme import get_scheme
 from .source import Source, open_source
+from .tensor import QuantizedTensor, dequantize_input, quantize
 from .tensor import amax as tensor_amax
-from .tensor import quantize
 from .writer import ConvertResult, Progress, ShardWriters, finish, prepare_destination, run_identity, write_outputs
 
 log = logging.getLogger(__name__)
@@ -99,20 +99,24 @@ def convert(
 
     def start(pending: list[list[Decision]]) -> None:
         nonlocal reader
-        units = [[d.info for d in u] for u in pending if u[0].action == QUANTIZE]
+        units = [[t for d in u for t in d.reads] for u in pending if u[0].action == QUANTIZE or u[0].decode]
         reader = ReadAhead(units, source.local_path, pinned=device.type == "cuda")
 
     def process(unit: list[Decision], writers: ShardWriters) -> dict[str, dict]:
-        if unit[0].action == QUANTIZE:
-            hosts = reader.next()
-            try:
-                xs = [h.to(device, non_blocking=True) for h in hosts]
-                return _quantize_unit(unit, xs, config, fmt, writers)
-            finally:
-                reader.release()  # outputs are on the host now: every copy from these buffers is done
         d = unit[0]
-        writers.raw(d.name, source.local_path(d.info.file), d.info)
-        return {d.name: {}}
+        if d.action != QUANTIZE and d.decode is None:
+            writers.raw(d.name, source.local_path(d.info.file), d.info)
+            return {d.name: {}}
+        hosts = reader.next()
+        try:
+            on_device = iter([h.to(device, non_blocking=True) for h in hosts])
+            xs = [weight_of(d, [next(on_device) for _ in d.reads]) for d in unit]
+            if d.action != QUANTIZE:  # a kept quantized input: written as the fp32 weight it encodes
+                writers.tensor(d.name, xs[0].contiguous())
+                return {d.name: {}}
+            return _quantize_unit(unit, xs, config, fmt, writers)
+        finally:
+            reader.release()  # outputs are on the host now: every copy from these buffers is done
 
     try:
         write_outputs(plan_, dst, identity, done, progress or (lambda n: None), process, start)
@@ -126,28 +130,76 @@ def convert(
     return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait)
 
 
+def weight_of(d: Decision, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The weight a decision works on: the tensor itself, or the fp32 weight a quantized input encodes."""
+    if d.decode is None:
+        return tensors[0]
+    try:
+        w = dequantize_input(d.decode.kind, tensors, block=d.decode.block)
+    except FP4ConvertError as exc:
+        raise type(exc)(f"{d.name} (in {d.info.file}): {exc}") from exc
+    return w.transpose(-1, -2) if d.decode.transpose else w
+
+
+def _batches(d: Decision, x: torch.Tensor) -> list[tuple[list[Matrix], torch.Tensor]]:
+    """A decision's matrices as batches ``[B, N, K]`` (all experts of one gate/up/down part in one batch)."""
+    if len(d.matrices) == 1 and d.matrices[0].expert is None:
+        return [(list(d.matrices), x.unsqueeze(0))]
+    parts: dict[tuple, list[Matrix]] = {}
+    for m in d.matrices:
+        parts.setdefault((m.rows, m.transpose), []).append(m)
+    out = []
+    for (rows, transpose), ms in parts.items():
+        v = x.transpose(-1, -2) if transpose else x
+        experts = [m.expert for m in ms]
+        v = v if experts == list(range(v.shape[0])) else v[experts]
+        if rows is not None:
+            v = v[:, rows[0]:rows[1]:rows[2]]
+        out.append((ms, v))
+    return out
+
+
 def _quantize_unit(unit: list[Decision], xs: list[torch.Tensor], config: ConvertConfig, fmt: OutputFormat,
                    writers: ShardWriters) -> dict[str, dict]:
-    """Pass 1 (amax of every member), then pass 2 (quantize each with the group's global scale)."""
-    group_amax = None
-    records: dict[str, dict] = {}
-    if get_scheme(config.scheme).global_scale:
-        amaxes = [tensor_amax(x, rotate=config.rotate) for x in xs]
-        for d, a in zip(unit, amaxes):
+    """Pass 1 (amax of every matrix, max per shared-scale group), then pass 2 (quantize, batched per part)."""
+    scheme = get_scheme(config.scheme)
+    batches = [(d, ms, t) for d, x in zip(unit, xs) for ms, t in _batches(d, x)]
+    group_amax: list[torch.Tensor | None] = [None] * len(batches)
+    amax_of: dict[str, float] = {}
+    if scheme.global_scale:
+        amaxes = [tensor_amax(t, rotate=config.rotate) for _, _, t in batches]
+        for (d, _, _), a in zip(batches, amaxes):
             if not bool(torch.isfinite(a).all()):
                 raise NonFiniteError(f"{d.name} (in {d.info.file}) holds NaN or Inf; fix the source or --ignore it")
-        group_amax = torch.stack(amaxes).amax(0)
-    for d, x in zip(unit, xs):
+        groups: dict[str, torch.Tensor] = {}
+        for (d, ms, _), a in zip(batches, amaxes):
+            for m, v in zip(ms, a):
+                g = m.group or d.group
+                if g:
+                    groups[g] = torch.maximum(groups[g], v) if g in groups else v
+        for i, ((d, ms, _), a) in enumerate(zip(batches, amaxes)):
+            picks = [groups[m.group or d.group] if (m.group or d.group) else v for m, v in zip(ms, a)]
+            group_amax[i] = torch.stack(picks)
+    results: dict[str, QuantizedTensor] = {}
+    for (d, ms, t), ga in zip(batches, group_amax):
         try:
-            q = quantize(x, config.scheme, rotate=config.rotate, global_amax=group_amax, scale_rule=config.rule,
+            q = quantize(t, config.scheme, rotate=config.rotate, global_amax=ga, scale_rule=config.rule,
                          scale_layout="swizzled" if fmt.swizzled else "linear")
         except QuantizationError as exc:
             raise type(exc)(f"{d.name} (in {d.info.file}): {exc}") from exc
-        for name, t in fmt.tensors(d.module, q):
-            writers.tensor(name, t)
-        rec: dict = {}
-        if q.global_scale is not None:
-            rec["global_scale"] = float(q.global_scale)
-            rec["amax"] = float(group_amax)
-        records[d.name] = rec
+        if ga is not None:
+            amax_of.update(zip((m.module for m in ms), ga.tolist()))
+        for i, m in enumerate(ms):
+            results[m.module] = q.matrix(i)
+    records: dict[str, dict] = {}
+    for d in unit:
+        per: dict[str, dict] = {}
+        for m in d.matrices:
+            q = results[m.module]
+            for name, tensor in fmt.tensors(m.module, q):
+                writers.tensor(name, tensor)
+            if q.global_scale is not None:
+                per[m.module] = {"global_scale": float(q.global_scale), "amax": amax_of[m.module]}
+        records[d.name] = next(iter(per.values())) if len(d.matrices) == 1 and per else (
+            {"matrices": per} if per else {})
     return records

@@ -12,26 +12,22 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from . import architectures as arch
 from .config import ConvertConfig
 from .errors import PlanError
-from .formats import quantized_tensor_names
-from .formats.base import OutputFormat, OutputInfo
-from .safetensors_io import FLOAT_DTYPES, OutEntry, TensorInfo
+from .formats import input_weights, quantized_tensor_names
+from .formats.base import Decode, OutputFormat, OutputInfo
+from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, OutEntry, TensorInfo
 from .scheme import get_scheme
 
 QUANTIZE, KEEP = "quantize", "keep"
 
-
-# Layers that engines fuse into one GEMM: their members must share one global scale.
-FUSED = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"), ("q_a_proj", "kv_a_proj_with_mqa")]
-_FUSED_OF = {m: members for members in FUSED for m in members}
 
 # Never quantized by default: (regex on the tensor name, reason).
 EXCLUDE: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"(^|\.)(embed_tokens|embeddings?|wte|wpe|word_embeddings|embed_positions|tok_embeddings)(\.|$)"),
      "embedding"),
     (re.compile(r"(^|\.)(lm_head|embed_out)(\.|$)|^output\.weight$"), "lm_head (output projection)"),
-    (re.compile(r"norm|(^|\.)ln_"), "normalization layer"),
     (re.compile(r"(^|\.)gate\.|router|shared_expert_gate"), "MoE router / gate"),
     (re.compile(r"(^|\.)mtp(\.|_)|(^|\.)nextn"), "MTP (multi-token prediction) layer"),
     (re.compile(r"vision_tower|vision_model|(^|\.)visual\.|multi_modal_projector|mm_projector|vision_proj|"
@@ -40,19 +36,56 @@ EXCLUDE: list[tuple[re.Pattern[str], str]] = [
 
 
 @dataclass(frozen=True)
+class Matrix:
+    """One 2-D ``[N, K]`` weight to quantize, cut from a source tensor and written as ``module``.
+
+    A plain linear weight is one matrix (the whole tensor). A 3-D stacked expert tensor gives one per
+    expert (and per gate/up half): row slice ``rows`` of expert ``expert``, after a transpose when
+    the checkpoint stores in-features first. Matrices with the same ``group`` share a global scale.
+    """
+
+    module: str
+    shape: tuple[int, int]
+    group: str | None = None
+    expert: int | None = None
+    rows: tuple[int, int, int] | None = None  # (start, stop, step) along N
+    transpose: bool = False
+
+    def to_json(self) -> dict:
+        return {"module": self.module, "shape": list(self.shape), "group": self.group, "expert": self.expert,
+                "rows": list(self.rows) if self.rows else None, "transpose": self.transpose}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Matrix:
+        return cls(d["module"], tuple(d["shape"]), d.get("group"), d.get("expert"),
+                   tuple(d["rows"]) if d.get("rows") else None, bool(d.get("transpose")))
+
+
+@dataclass(frozen=True)
 class Decision:
-    """What happens to one source tensor, and why."""
+    """What happens to one source tensor (or one decoded quantized input), and why."""
 
     name: str
     action: str  # QUANTIZE or KEEP
     reason: str
-    info: TensorInfo
-    group: str | None = None  # fused group id
+    info: TensorInfo  # the tensor as the planner sees it (decoded inputs: their logical dtype and shape)
+    group: str | None = None  # fused group id (tensor level: q/k/v, gate/up, per expert)
     outputs: tuple[OutEntry, ...] = ()
+    matrices: tuple[Matrix, ...] = ()  # what is quantized (QUANTIZE only)
+    decode: Decode | None = None  # how to turn the on-disk tensors into the fp32 weight
 
     @property
     def module(self) -> str:
         return self.name[: -len(".weight")] if self.name.endswith(".weight") else self.name
+
+    @property
+    def reads(self) -> tuple[TensorInfo, ...]:
+        """Every on-disk tensor this decision reads."""
+        return self.decode.inputs if self.decode else (self.info,)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(t.nbytes for t in self.reads)
 
 
 @dataclass
@@ -88,7 +121,7 @@ class Plan:
     def summary(self) -> dict:
         q = [d for d in self.decisions if d.action == QUANTIZE]
         params_in = sum(d.info.numel for d in self.decisions)
-        bytes_in = sum(d.info.nbytes for d in self.decisions)
+        bytes_in = sum(d.read_bytes for d in self.decisions)
         bytes_out = sum(e.nbytes for _, entries in self.shards for e in entries)
         q_params = sum(d.info.numel for d in q)
         q_bytes = sum(e.nbytes for d in q for e in d.outputs)
@@ -96,7 +129,7 @@ class Plan:
             "tensors": len(self.decisions),
             "quantized": len(q),
             "kept": len(self.decisions) - len(q),
-            "fused_groups": len({d.group for d in q if d.group}),
+            "fused_groups": len({d.group for d in q if d.group} | {m.group for d in q for m in d.matrices if m.group}),
             "params": params_in,
             "quantized_params": q_params,
             "bytes_in": bytes_in,
@@ -131,10 +164,25 @@ class Plan:
                     "dtype": d.info.dtype,
                     "shape": list(d.info.shape),
                     "outputs": [{"name": e.name, "dtype": e.dtype, "shape": list(e.shape)} for e in d.outputs],
+                    **({"matrices": [m.to_json() for m in d.matrices]} if len(d.matrices) > 1 else {}),
+                    **({"decode": d.decode.to_json()} if d.decode else {}),
                 }
                 for d in self.decisions
             ],
+            "groups": self.all_groups(),
         }
+
+    def all_groups(self) -> dict[str, list[str]]:
+        """Every shared-global-scale group of quantized matrices: id -> output modules."""
+        out: dict[str, list[str]] = {}
+        for d in self.decisions:
+            if d.action != QUANTIZE:
+                continue
+            for m in d.matrices:
+                g = m.group or d.group
+                if g:
+                    out.setdefault(g, []).append(m.module)
+        return out
 
 
 def matches(pattern: str, name: str) -> bool:
@@ -146,14 +194,9 @@ def matches(pattern: str, name: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(module, pattern)
 
 
-def fused_group(name: str) -> str | None:
+def fused_group(name: str, model_config: dict | None = None) -> str | None:
     """The group id of a fused-GEMM member (per expert: the expert index is part of the prefix)."""
-    if not name.endswith(".weight"):
-        return None
-    module = name[: -len(".weight")]
-    prefix, _, leaf = module.rpartition(".")
-    members = _FUSED_OF.get(leaf)
-    return f"{prefix}.{{{','.join(members)}}}" if members else None
+    return arch.fused_group_of(name, model_config)
 
 
 def _mtp_layers(model_config: dict) -> set[int]:
@@ -163,18 +206,24 @@ def _mtp_layers(model_config: dict) -> set[int]:
     return set(range(n, n + k)) if isinstance(n, int) and k else set()
 
 
-def _default_reason(info: TensorInfo, scheme: str, mtp: set[int]) -> str | None:
+def _default_reason(info: TensorInfo, scheme: str, mtp: set[int], model_config: dict) -> str | None:
     """Why a tensor is not quantized by default; None when it is."""
     name = info.name
     if info.dtype not in FLOAT_DTYPES:
         if info.dtype.startswith("F"):
             return f"dtype {info.dtype} is not a bf16/fp16/fp32 source weight"
         return f"not floating point ({info.dtype})"
-    if not name.endswith(".weight"):
-        return "not a weight (bias, buffer or scale)"
     for rx, reason in EXCLUDE:
         if rx.search(name):
             return reason
+    if arch.is_norm(name):
+        return "normalization layer"
+    layout = arch.stacked_experts(name, info.shape, model_config)
+    if layout is not None:
+        k, bs = layout.matrices[0].shape[1], get_scheme(scheme).block_size
+        return f"in-features K={k} is not a multiple of the {scheme} block size {bs}" if k % bs else None
+    if not name.endswith(".weight"):
+        return f"not a weight ({arch.describe(name, info.shape, model_config)})"
     m = re.search(r"(^|\.)layers\.(\d+)\.", name)
     if m and int(m.group(2)) in mtp:
         return "MTP (multi-token prediction) layer"
@@ -194,24 +243,21 @@ def make_plan(
     """Decide every tensor, group the fused layers, and lay out the output shards."""
     model_config = model_config or {}
     fmt.check(config.scheme, config.rotate)
+    # Quantized inputs (FP8, gpt-oss MXFP4) become the fp32 weights they encode; FP4 inputs are refused.
+    sources, decodes = input_weights(tensors, model_config)
+    quantized = quantized_tensor_names(sources)
     qc = model_config.get("quantization_config")
-    if qc:
-        raise PlanError(
-            f"the source is already quantized (quantization_config: {qc.get('quant_method', '?')}); "
-            "fp4convert needs a bf16/fp16/fp32 checkpoint"
-        )
-    quantized = quantized_tensor_names(tensors)
-    if quantized:
-        raise PlanError(
-            f"the source is already quantized ({quantized[0]} and {len(quantized) - 1} more); "
-            "fp4convert needs a bf16/fp16/fp32 checkpoint"
-        )
+    if quantized or (qc and not decodes):
+        what = f"{quantized[0]} and {len(quantized) - 1} more" if quantized else \
+            f"quantization_config: {qc.get('quant_method', '?') if isinstance(qc, dict) else qc}"
+        raise PlanError(f"the source is already quantized ({what}); fp4convert needs a bf16/fp16/fp32 checkpoint "
+                        "or an FP8 / MXFP4 one it can decode exactly")
     mtp = _mtp_layers(model_config)
 
     # 1. Per-tensor decision.
     reasons: dict[str, str | None] = {}
-    for info in tensors:
-        reason = _default_reason(info, config.scheme, mtp)
+    for info in sources:
+        reason = _default_reason(info, config.scheme, mtp, model_config)
         hit = next((p for p in config.ignore if matches(p, info.name)), None)
         if hit is not None:
             reason = f"matched --ignore {hit}"
@@ -219,13 +265,14 @@ def make_plan(
             reason = "not matched by --only"
         reasons[info.name] = reason
 
-    # 2. Fused groups: whole or not at all.
-    by_name = {i.name: i for i in tensors}
+    # 2. Fused groups (from the architecture's packed mappings): whole or not at all.
+    by_name = {i.name: i for i in sources}
     groups: dict[str, list[str]] = OrderedDict()
-    for info in tensors:
-        g = fused_group(info.name)
+    for info in sources:
+        g = fused_group(info.name, model_config)
         if g:
             groups.setdefault(g, []).append(info.name)
+    groups = OrderedDict((g, m) for g, m in groups.items() if len(m) > 1)
     for g, members in groups.items():
         blocked = [m for m in members if reasons[m] is not None]
         if blocked and len(blocked) < len(members):
@@ -242,26 +289,46 @@ def make_plan(
     # 3. Decisions in processing order: a group is processed at its first member.
     decisions: list[Decision] = []
     done: set[str] = set()
-    for info in tensors:
+    for info in sources:
         if info.name in done:
             continue
-        g = fused_group(info.name)
+        g = fused_group(info.name, model_config)
+        g = g if g in groups else None
         unit = groups[g] if g and reasons[info.name] is None else [info.name]
         for name in unit:
             i = by_name[name]
             done.add(name)
+            decode = decodes.get(name)
             if reasons[name] is None:
-                module = name[: -len(".weight")]
-                reason = "linear weight" + (f", fused group of {len(groups[g])} sharing one global scale" if g else "")
-                decisions.append(Decision(name, QUANTIZE, reason, i, g, tuple(fmt.entries(module, i.shape, config.scheme, config.rotate))))
+                matrices = _matrices(i, g, model_config)
+                what = arch.describe(name, i.shape, model_config)
+                reason = what + (f", fused group of {len(groups[g])} sharing one global scale" if g else "")
+                if len(matrices) > 1:
+                    reason += f"; {len(matrices)} matrices, gate and up of each expert sharing one global scale" \
+                        if any(m.group for m in matrices) else f"; {len(matrices)} matrices"
+                if decode:
+                    reason += f"; decoded from {decode.describe()}"
+                outputs = tuple(e for m in matrices for e in fmt.entries(m.module, m.shape, config.scheme, config.rotate))
+                decisions.append(Decision(name, QUANTIZE, reason, i, g, outputs, matrices, decode))
             else:
-                decisions.append(Decision(name, KEEP, reasons[name], i, g, (OutEntry(name, i.dtype, i.shape),)))
+                reason = reasons[name] + (f"; written decoded ({i.dtype}) from {decode.describe()}" if decode else "")
+                decisions.append(Decision(name, KEEP, reason, i, g, (OutEntry(name, i.dtype, i.shape),), (), decode))
 
     check_collisions(decisions)
     plan = Plan(decisions, {g: m for g, m in groups.items()}, layout_shards(decisions, config.max_shard_size), config)
     if not any(d.action == QUANTIZE for d in decisions):
         plan.warnings.append("no tensor is quantized: check --only / --ignore and the checkpoint's layer names")
     return plan
+
+
+def _matrices(info: TensorInfo, group: str | None, model_config: dict) -> tuple[Matrix, ...]:
+    """The 2-D matrices a quantized tensor becomes: itself, or one per expert (and gate/up half)."""
+    layout = arch.stacked_experts(info.name, info.shape, model_config)
+    if layout is None:
+        module = info.name[: -len(".weight")] if info.name.endswith(".weight") else info.name
+        return (Matrix(module, tuple(info.shape), group),)
+    return tuple(Matrix(m.module, m.shape, m.group, m.expert, (m.row_start, m.row_stop, m.row_step),
+                        layout.transpose) for m in layout.matrices)
 
 
 def check_collisions(decisions: list[Decision]) -> None:

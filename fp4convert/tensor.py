@@ -46,6 +46,12 @@ class QuantizedTensor:
     def block_size(self) -> int:
         return get_scheme(self.scheme).block_size
 
+    def matrix(self, i: int) -> QuantizedTensor:
+        """Matrix ``i`` of a batch ``[B, M, K]`` (its own packed codes, scales and global scale)."""
+        gs = None if self.global_scale is None else self.global_scale[i]
+        return QuantizedTensor(self.packed[i], self.scale[i], gs, self.scheme, self.rotate, self.scale_layout,
+                               self.scale_rule)
+
     def linear_scale(self) -> torch.Tensor:
         """The block scales in the linear [..., M, K/bs] layout, whatever layout they are stored in."""
         if self.scale_layout == "linear":
@@ -202,3 +208,32 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16, *, backe
     else:
         w = ref.mxfp4_dequantize(q.packed, scale, q.rotate)
     return w.to(dtype)
+
+
+INPUT_DECODES = ("fp8_block", "fp8_scaled", "mxfp4_blocks")
+
+
+def dequantize_input(kind: str, tensors: list[torch.Tensor], *, block: tuple[int, int] | None = None,
+                     backend: Backend = "auto") -> torch.Tensor:
+    """The exact fp32 weight a quantized INPUT encodes (FP8 block/per-tensor, gpt-oss MXFP4 blocks).
+
+    ``tensors`` are the on-disk tensors, the main one first (``weight``, then its scale; or
+    ``blocks``, ``scales``). CUDA tensors use the kernels; every backend gives the same bits.
+    """
+    if kind not in INPUT_DECODES:
+        raise ConfigError(f"unknown input encoding {kind!r}; expected one of {', '.join(INPUT_DECODES)}")
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    main = tensors[0]
+    if _use_cuda(main, backend):
+        ops = _cuda_ops()
+        if kind == "fp8_block":
+            return ops.decode_fp8_block(main, tensors[1], block)
+        if kind == "fp8_scaled":
+            return ops.decode_fp8_scaled(main, tensors[1])
+        return ops.decode_mxfp4_blocks(main, tensors[1])
+    if kind == "fp8_block":
+        return ref.fp8_block_dequantize(main, tensors[1], block)
+    if kind == "fp8_scaled":
+        return ref.fp8_scaled_dequantize(main, tensors[1])
+    return ref.mxfp4_blocks_dequantize(main, tensors[1])

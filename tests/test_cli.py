@@ -67,7 +67,7 @@ def test_dry_run_writes_nothing(src, tmp_path) -> None:
     row = next(ln for ln in lines if "model.layers.0.self_attn.o_proj.weight" in ln)
     assert row.startswith("keep") and "matched --ignore *.o_proj" in row
     row = next(ln for ln in lines if "model.layers.0.mlp.down_proj.weight" in ln)
-    assert row.startswith("quantize") and "linear weight" in row
+    assert row.startswith("quantize") and "MLP down projection" in row
     row = next(ln for ln in lines if "model.embed_tokens.weight" in ln)
     assert row.startswith("keep") and "embedding" in row
     assert "12 to quantize (4 fused groups)" in r.stdout and "projected" in r.stdout and "bits/param" in r.stdout

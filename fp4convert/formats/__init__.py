@@ -23,6 +23,11 @@ OUTPUT_FORMATS: dict[str, str] = {
     "modelopt": "modelopt",
 }
 DEFAULT_FORMAT = next(iter(OUTPUT_FORMATS))
+# Quantized conventions read as inputs only (decoded exactly to fp32): name -> module.
+INPUT_FORMATS: dict[str, str] = {
+    "fp8": "fp8",
+    "gpt-oss-mxfp4": "mxfp4_blocks",
+}
 
 
 @cache
@@ -39,6 +44,25 @@ def get_format(name: str) -> OutputFormat:
 
 def all_formats() -> list[OutputFormat]:
     return [get_format(n) for n in OUTPUT_FORMATS]
+
+
+def input_weights(tensors: list, config: dict) -> tuple[list, dict]:
+    """The weights a checkpoint holds, with quantized inputs replaced by the fp32 weights they encode.
+
+    Returns (tensor infos in file order, with decoded weights in place of their on-disk tensors and
+    the consumed scale tensors removed; logical name -> Decode).
+    """
+    by_name = {t.name: t for t in tensors}
+    decodes: dict = {}
+    logical: dict = {}
+    for module in INPUT_FORMATS.values():
+        fmt = importlib.import_module(f".{module}", __name__).FORMAT
+        for name, (info, decode) in fmt.decodes(by_name, config).items():
+            logical[decode.inputs[0].name] = info
+            decodes[name] = decode
+    consumed = {t.name for d in decodes.values() for t in d.inputs[1:]}
+    out = [logical.get(t.name, t) for t in tensors if t.name not in consumed]
+    return out, decodes
 
 
 def detect(root: Path, config: dict, manifest: dict | None) -> OutputFormat | None:

@@ -38,6 +38,42 @@ class OutputInfo:
 
 
 @dataclass(frozen=True)
+class Decode:
+    """How a quantized INPUT tensor becomes the exact fp32 weight it encodes (docs/numerics.md).
+
+    ``kind``: "fp8_block" (``weight`` E4M3 x ``weight_scale_inv`` per ``block``), "fp8_scaled"
+    (x ``weight_scale`` per tensor or per row), "mxfp4_blocks" (gpt-oss ``*_blocks``/``*_scales``).
+    ``transpose``: the planner's weight is the decoded tensor with its last two dims swapped (gpt-oss
+    stores experts ``[E, out, in]`` as MXFP4 and ``[E, in, out]`` in bf16).
+    """
+
+    kind: str
+    inputs: tuple[TensorInfo, ...]  # the on-disk tensors it reads, the main one first
+    block: tuple[int, int] | None = None
+    transpose: bool = False
+
+    def describe(self) -> str:
+        what = {"fp8_block": f"FP8 E4M3 with {self.block[0]}x{self.block[1]} block scales" if self.block else "FP8",
+                "fp8_scaled": "FP8 E4M3 with a per-tensor/per-channel scale",
+                "mxfp4_blocks": "MXFP4 blocks (gpt-oss)"}[self.kind]
+        return f"{what} ({', '.join(t.name for t in self.inputs)})"
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "inputs": [t.name for t in self.inputs],
+                "block": list(self.block) if self.block else None, "transpose": self.transpose}
+
+
+class InputFormat:
+    """A quantized convention fp4convert reads (and decodes exactly) but never writes."""
+
+    name: str = ""
+
+    def decodes(self, tensors: dict[str, TensorInfo], config: dict) -> dict[str, tuple[TensorInfo, Decode]]:
+        """logical weight name -> (its planner-facing TensorInfo, how to decode it); {} if none here."""
+        return {}
+
+
+@dataclass(frozen=True)
 class QuantizedModule:
     """The tensors of one quantized weight, as found on disk."""
 
@@ -170,7 +206,10 @@ def read_json(path: Path) -> dict:
     """A JSON object from ``path`` ({} when the file is absent)."""
     if not path.is_file():
         return {}
-    obj = json.loads(path.read_text())
+    try:
+        obj = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
     return obj if isinstance(obj, dict) else {}
 
 

@@ -21,6 +21,7 @@ from .base import OutputFormat, OutputInfo, update_config
 log = logging.getLogger(__name__)
 
 QUANT_METHOD = "compressed-tensors"
+FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
 
 
 def sylvester_hadamard(n: int) -> torch.Tensor:
@@ -113,8 +114,17 @@ class CompressedTensorsFormat(OutputFormat):
     # -- reading ---------------------------------------------------------------------------
 
     def detect(self, root: Path, config: dict) -> bool:
+        """An FP4 compressed-tensors checkpoint (its FP8 ``float-quantized`` ones are inputs, not this)."""
         qc = config.get("quantization_config")
-        return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
+        if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
+            return False
+        if qc.get("format") in FP4_FORMATS:
+            return True
+        groups = qc.get("config_groups") or {}
+        return any(isinstance(g, dict) and (g.get("format") in FP4_FORMATS or
+                                            ((g.get("weights") or {}).get("num_bits") == 4
+                                             and (g.get("weights") or {}).get("type") == "float"))
+                   for g in groups.values())
 
     def rotation(self, root: Path, config: dict, manifest: dict | None) -> str | None:
         if manifest is not None:

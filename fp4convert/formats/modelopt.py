@@ -13,7 +13,7 @@ import torch
 
 from ..version import __version__
 from ..errors import ConfigError
-from .base import OutputFormat, OutputInfo, update_config, write_json
+from .base import OutputFormat, OutputInfo, read_json, update_config, write_json
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
@@ -68,8 +68,12 @@ class ModelOptFormat(OutputFormat):
     # -- reading ---------------------------------------------------------------------------
 
     def detect(self, root: Path, config: dict) -> bool:
+        """A ModelOpt NVFP4 checkpoint (its FP8 ones are inputs, not this)."""
         qc = config.get("quantization_config")
-        return (isinstance(qc, dict) and qc.get("quant_method") == "modelopt") or (root / HF_QUANT_CONFIG).is_file()
+        if isinstance(qc, dict) and qc.get("quant_method") == "modelopt":
+            return qc.get("quant_algo") == "NVFP4"
+        hq = read_json(root / HF_QUANT_CONFIG).get("quantization")
+        return isinstance(hq, dict) and hq.get("quant_algo") == "NVFP4"
 
 
 FORMAT = ModelOptFormat()
