@@ -1,0 +1,411 @@
+"""Model-family knowledge: which layers engines fuse, how stacked experts are laid out, and what
+transformers calls a module once it has loaded a checkpoint.
+
+Pure (names, shapes and config.json dicts only; no torch at import): the planner and the formats ask
+this module, so a new family is one table entry here, not a special case in the planner. The facts
+and their sources (vLLM model loaders, transformers 5.23 ``conversion_mapping.py``) are collected in
+docs/model-families.md; each table entry names the file it comes from.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# ---------------------------------------------------------------------------------------------
+# Fused GEMMs: layers an engine loads into ONE weight (so their NVFP4 members need one global scale)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FusedModule:
+    """One packed mapping: the engine module ``fused`` is built from the checkpoint modules ``members``.
+
+    ``parent`` (a regex on the module path before the member leaf) limits a mapping to where its
+    leaves mean what the entry says (BERT's ``query``/``key``/``value`` sit under ``attention.self``).
+    """
+
+    fused: str
+    members: tuple[str, ...]
+    source: str
+    parent: str | None = None
+    per_expert: bool = False  # members of one routed expert, stacked into FusedMoE's w13
+
+
+# vLLM ``packed_modules_mapping`` (and FusedMoE's per-expert w1/w3 -> w13 stacking). Paths are in
+# github.com/vllm-project/vllm, vllm/model_executor/...
+FUSED_MODULES: tuple[FusedModule, ...] = (
+    FusedModule("qkv_proj", ("q_proj", "k_proj", "v_proj"),
+                "models/llama.py LlamaForCausalLM.packed_modules_mapping; same in qwen2.py, qwen3.py, qwen3_moe.py, "
+                "mixtral.py, llama4.py, gpt_oss.py (GptOssForCausalLM), gemma3.py, gemma3_mm.py, siglip.py"),
+    FusedModule("gate_up_proj", ("gate_proj", "up_proj"),
+                "models/llama.py LlamaForCausalLM.packed_modules_mapping; same in qwen2/qwen3/qwen3_moe (dense and "
+                "shared-expert MLPs), deepseek_v2.py, gemma3.py, gemma3_mm.py, llama4.py (shared_expert, dense layers)"),
+    FusedModule("qkv_proj", ("query", "key", "value"),
+                "models/bert.py BertModel.packed_modules_mapping (RoBERTa/XLM-R reuse it via models/roberta.py)",
+                parent=r"(^|\.)attention\.self$"),
+    FusedModule("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa"),
+                "models/deepseek_v2.py DeepseekV2ForCausalLM.packed_modules_mapping (when q_lora_rank is set; "
+                "DeepseekV2/V3/R1, Kimi K2, GLM-4.5-MoE-lite)"),
+    FusedModule("gate_up_proj", ("w1", "w3"),
+                "models/deepseek_v4.py packed_modules_mapping (shared expert w1/w3); Mixtral experts below"),
+    FusedModule("experts.w13", ("gate_proj", "up_proj"),
+                "layers/fused_moe/layer.py FusedMoE.make_expert_params_mapping: shard w1 = ckpt_gate_proj_name, "
+                "w3 = ckpt_up_proj_name, both into experts.w13_*; compressed_tensors_moe.py keeps ONE "
+                "w13_weight_global_scale per expert (w1's) and warns when w1 and w3 differ",
+                parent=r"(^|\.)experts\.\d+$", per_expert=True),
+    FusedModule("experts.w13", ("w1", "w3"),
+                "models/mixtral.py MixtralModel.load_weights: make_expert_params_mapping(ckpt_gate_proj_name='w1', "
+                "ckpt_down_proj_name='w2', ckpt_up_proj_name='w3')",
+                parent=r"(^|\.)experts\.\d+$", per_expert=True),
+)
+
+
+def _mapping_for(parent: str, leaf: str) -> FusedModule | None:
+    """The most specific mapping that holds ``leaf`` under ``parent`` (per-expert before generic)."""
+    hits = [f for f in FUSED_MODULES if leaf in f.members and (f.parent is None or re.search(f.parent, parent))]
+    hits.sort(key=lambda f: f.parent is None)  # scoped entries first
+    return hits[0] if hits else None
+
+
+def fused_group_of(tensor_name: str, model_config: dict | None = None) -> str | None:
+    """The fused-group id of a 2-D checkpoint weight, or None.
+
+    The id is ``<parent>.{m1,m2,...}``: the parent path (which includes a routed expert's index,
+    so every expert is its own group) and the mapping's members in the engine's order.
+    ``model_config`` is accepted for mappings that depend on the architecture; ``fused_qkv_a_proj``
+    only exists where ``q_lora_rank`` is set, which is exactly where ``q_a_proj`` exists.
+    """
+    if not tensor_name.endswith(".weight"):
+        return None
+    module = tensor_name[: -len(".weight")]
+    parent, _, leaf = module.rpartition(".")
+    f = _mapping_for(parent, leaf)
+    if f is None:
+        return None
+    if f.fused == "qkv_proj" and f.members[0] == "q_proj" and _model_type(model_config) == "deepseek_v3":
+        return None  # MLA attention has no q/k/v projections; never fuse a stray name there
+    return f"{parent}.{{{','.join(f.members)}}}" if parent else f"{{{','.join(f.members)}}}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Stacked (3-D) experts
+# ---------------------------------------------------------------------------------------------
+
+# Families whose checkpoints store experts in-features FIRST ([E, K, N]) and how gate/up are packed.
+#   gpt-oss: transformers models/gpt_oss/modeling_gpt_oss.py GptOssExperts (gate_up_proj [E, H, 2I],
+#     forward uses gate = gate_up[..., ::2], up = gate_up[..., 1::2]); vLLM's SwigluOAIAndMul
+#     (layers/activation.py) reads the same interleave.
+#   llama4: transformers models/llama4/modeling_llama4.py Llama4TextExperts (gate_up_proj [E, H, 2I],
+#     chunk(2, dim=-1): gate first); vLLM models/llama4.py Llama4Model.load_moe_expert_weights chunks
+#     dim -1 in two and transposes.
+_IN_FIRST: dict[str, str] = {"gpt_oss": "interleaved", "llama4": "concatenated", "llama4_text": "concatenated"}
+# transformers-5 in-memory classes that hold [E, 2I, H] (out-features first, gate then up): the
+# qwen2_moe / mixtral conversions in transformers conversion_mapping.py (MergeModulelist(dim=0) then
+# Concatenate(dim=1) of gate, up); a checkpoint saved from such a class without its reverse
+# conversion (e.g. Qwen3.5-MoE, MiniMax) has these shapes on disk.
+_OUT_FIRST_SPLIT = "concatenated"
+
+
+@dataclass(frozen=True)
+class ExpertMatrix:
+    """One 2-D ``[N, K]`` matrix cut from a stacked expert tensor.
+
+    Rows ``row_start:row_stop:row_step`` of expert ``expert`` (after the transpose when the layout has
+    one) form the matrix that is written as module ``module`` (append ``.weight_packed`` etc.).
+    """
+
+    expert: int
+    proj: str  # "gate", "up" or "down"
+    module: str
+    shape: tuple[int, int]
+    row_start: int
+    row_stop: int
+    row_step: int
+    group: str | None  # shared global-scale group (gate_e with up_e); None for down
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a 3-D ``[E, a, b]`` expert tensor becomes per-expert 2-D matrices."""
+
+    name: str
+    shape: tuple[int, int, int]
+    kind: str  # "gate_up" or "down"
+    transpose: bool  # True when the checkpoint is [E, K, N] (in-features first)
+    split: str | None  # None (down), "interleaved" (even rows gate, odd rows up) or "concatenated" (gate then up)
+    matrices: tuple[ExpertMatrix, ...]
+    bias: str | None  # the tensor name of this projection's expert bias, kept as it is
+    source: str
+
+    @property
+    def num_experts(self) -> int:
+        return self.shape[0]
+
+    def groups(self) -> dict[str, list[str]]:
+        """Shared-scale group id -> output module names (gate_e and up_e of each expert)."""
+        out: dict[str, list[str]] = {}
+        for m in self.matrices:
+            if m.group:
+                out.setdefault(m.group, []).append(m.module)
+        return out
+
+    def extract(self, w, m: ExpertMatrix):
+        """The ``[N, K]`` matrix ``m`` of the stacked tensor ``w`` (a torch.Tensor; a strided view)."""
+        x = w[m.expert]
+        if self.transpose:
+            x = x.transpose(0, 1)
+        return x[m.row_start:m.row_stop:m.row_step]
+
+
+_STACKED_RX = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def _model_type(model_config: dict | None) -> str:
+    cfg = model_config or {}
+    return str(cfg.get("model_type") or "")
+
+
+def _text_config(model_config: dict | None) -> dict:
+    cfg = model_config or {}
+    tc = cfg.get("text_config")
+    return tc if isinstance(tc, dict) else cfg
+
+
+def _hidden_size(model_config: dict | None) -> int | None:
+    h = _text_config(model_config).get("hidden_size") or (model_config or {}).get("hidden_size")
+    return h if isinstance(h, int) else None
+
+
+def stacked_experts(tensor_name: str, shape: tuple[int, ...], model_config: dict | None = None
+                    ) -> ExpertLayout | None:
+    """The per-expert layout of a 3-D stacked expert weight, or None when it is not one.
+
+    Orientation comes from the architecture (``_IN_FIRST``) and is checked against ``hidden_size``;
+    an unknown architecture is accepted only when ``hidden_size`` makes the orientation unambiguous.
+    Output modules are ``<prefix>.experts.<e>.{gate_proj,up_proj,down_proj}``: the per-expert names
+    vLLM's FusedMoE.make_expert_params_mapping reads (and its compressed-tensors MoE methods stack
+    into ``w13_*`` / ``w2_*``).
+    """
+    m = _STACKED_RX.match(tensor_name)
+    if m is None or len(shape) != 3 or 0 in shape:
+        return None
+    e, a, b = (int(s) for s in shape)
+    kind = "gate_up" if m["proj"] == "gate_up_proj" else "down"
+    mt = _model_type(model_config) or _model_type(_text_config(model_config))
+    h = _hidden_size(model_config)
+    if mt in _IN_FIRST:
+        transpose, split = True, _IN_FIRST[mt]
+        if h is not None and ((kind == "gate_up" and a != h) or (kind == "down" and b != h)):
+            return None  # not the documented [E, H, 2I] / [E, I, H]: refuse to guess
+        source = f"{mt}: in-features first [E, K, N] (see _IN_FIRST)"
+    else:
+        if h is None:
+            return None
+        # [E, K, N] has K = H for gate_up / N = H for down; [E, N, K] the other way round.
+        in_first = (a == h) if kind == "gate_up" else (b == h)
+        out_first = (b == h) if kind == "gate_up" else (a == h)
+        if in_first == out_first:
+            return None  # ambiguous (square) or neither: cannot tell without the architecture
+        transpose, split = in_first, _OUT_FIRST_SPLIT
+        source = "orientation from hidden_size; gate then up as transformers 5 concatenates them"
+    n, k = (b, a) if transpose else (a, b)
+    if kind == "gate_up" and n % 2:
+        return None
+    prefix = m["prefix"]
+    matrices: list[ExpertMatrix] = []
+    for x in range(e):
+        if kind == "down":
+            matrices.append(ExpertMatrix(x, "down", f"{prefix}.{x}.down_proj", (n, k), 0, n, 1, None))
+            continue
+        half = n // 2
+        group = f"{prefix}.{x}.{{gate_proj,up_proj}}"
+        if split == "interleaved":
+            rows = {"gate": (0, n, 2), "up": (1, n, 2)}
+        else:
+            rows = {"gate": (0, half, 1), "up": (half, n, 1)}
+        for proj in ("gate", "up"):
+            s, t, st = rows[proj]
+            matrices.append(ExpertMatrix(x, proj, f"{prefix}.{x}.{proj}_proj", (half, k), s, t, st, group))
+    bias = f"{tensor_name}_bias" if mt == "gpt_oss" else None
+    return ExpertLayout(tensor_name, (e, a, b), kind, transpose, None if kind == "down" else split,
+                        tuple(matrices), bias, source)
+
+
+# ---------------------------------------------------------------------------------------------
+# Module names as transformers builds them (compressed-tensors matches ``ignore`` against these)
+# ---------------------------------------------------------------------------------------------
+
+# transformers 5.23 conversion_mapping.py: "llava" (used for gemma3, paligemma, aya_vision, got_ocr2,
+# internvl, vipllava, mistral3, aria, pp_chart2table via _MODEL_TO_CONVERSION_PATTERN) and
+# "LlavaModel" (language_model.model -> language_model inside the base model).
+_LLAVA_TYPES = {"llava", "gemma3", "paligemma", "aya_vision", "got_ocr2", "internvl", "vipllava", "mistral3",
+                "aria", "pp_chart2table", "llava_next", "llava_next_video", "llava_onevision"}
+_LLAVA_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"^language_model\.lm_head\."), "lm_head."),
+    (re.compile(r"^language_model\.model\."), "model.language_model."),
+    (re.compile(r"^language_model\."), "model.language_model."),
+    (re.compile(r"^vision_tower\."), "model.vision_tower."),
+    (re.compile(r"^multi_modal_projector\."), "model.multi_modal_projector."),
+)
+# conversion_mapping.py "CLIPVisionModel": PrefixChange(prefix_to_remove="vision_model"), which
+# SiglipVisionModel / Siglip2VisionModel / CLIP-style towers map to: the tower's own
+# ``vision_model.`` level is dropped (Gemma 3's ``vision_tower.vision_model.encoder`` loads as
+# ``model.vision_tower.encoder``).
+_TOWER_PREFIX = re.compile(r"^(model\.vision_tower\.)vision_model\.")
+# conversion_mapping.py "mixtral" (also minimax, minimax_m2): WeightRenaming(".block_sparse_moe.", ".mlp.").
+_MIXTRAL_TYPES = {"mixtral", "minimax", "minimax_m2"}
+
+
+def loaded_module_name(on_disk_name: str, model_config: dict | None = None) -> str:
+    """The name transformers 5.23 gives an on-disk tensor (or module) name after its key conversion.
+
+    Only renames are modelled; stacking per-expert tensors into one 3-D parameter changes no module
+    name that ``ignore`` can match (the merged experts are not Linear modules in transformers 5).
+    """
+    mt = _model_type(model_config)
+    name = on_disk_name
+    if mt in _LLAVA_TYPES:
+        for rx, new in _LLAVA_RENAMES:
+            if rx.search(name):
+                name = rx.sub(new, name, count=1)
+                break
+        name = _TOWER_PREFIX.sub(r"\1", name)
+    if mt in _MIXTRAL_TYPES:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+    return name
+
+
+_HEAD_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
+
+
+def tied_lm_head(model_config: dict | None) -> bool:
+    """Whether the model has an ``lm_head`` module tied to the embeddings (so none is on disk).
+
+    transformers builds ``lm_head`` as a Linear and ties its weight at load; compressed-tensors must
+    find it in ``ignore`` or it targets it as a quantized Linear with no tensors to load. The flag is
+    the text config's when it has one (composite VLM configs), else the top level's; transformers'
+    default is True. Only architectures with a language-model head have one.
+    """
+    cfg = model_config or {}
+    archs = cfg.get("architectures") or []
+    if not any(str(a).endswith(_HEAD_SUFFIXES) for a in archs):
+        return False
+    tc = cfg.get("text_config")
+    if isinstance(tc, dict) and "tie_word_embeddings" in tc:
+        return bool(tc["tie_word_embeddings"])
+    return bool(cfg.get("tie_word_embeddings", True))
+
+
+# ---------------------------------------------------------------------------------------------
+# What a tensor is: roles and plan reasons
+# ---------------------------------------------------------------------------------------------
+
+_NORM_RX = re.compile(r"(norm|(^|\.)ln_?\w*\.|(^|\.)ln\d*\.)", re.IGNORECASE)
+
+
+def is_norm(tensor_name: str) -> bool:
+    """Normalization layers, any spelling (``input_layernorm``, BERT ``LayerNorm``, ``ln_f``, ``q_norm``)."""
+    return bool(_NORM_RX.search(tensor_name))
+
+
+_ROLE_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("vision", re.compile(r"(^|\.)(vision_tower|vision_model|visual|image_tower|audio_tower|vision_encoder)(\.|$)")),
+    ("projector", re.compile(r"(^|\.)(multi_modal_projector|mm_projector|vision_proj|image_newline)(\.|$)")),
+    ("norm", re.compile(r"$^")),  # placeholder: norms are checked here, by is_norm (case-insensitive)
+    ("embedding", re.compile(r"(^|\.)(embed_tokens|embeddings?|wte|wpe|word_embeddings|position_embeddings|"
+                             r"token_type_embeddings|embed_positions|tok_embeddings|embedding)(\.|$)")),
+    ("lm_head", re.compile(r"(^|\.)(lm_head|embed_out)(\.|$)|^output\.weight$")),
+    ("router", re.compile(r"(^|\.)(router|gate|shared_expert_gate)\.(weight|bias)$|(^|\.)router\.")),
+)
+
+_LEAF_ROLES: dict[str, str] = {
+    "q_proj": "attention query projection", "k_proj": "attention key projection",
+    "v_proj": "attention value projection", "o_proj": "attention output projection",
+    "query": "attention query projection", "key": "attention key projection", "value": "attention value projection",
+    "qkv_proj": "fused attention q/k/v projection", "qkv": "fused attention q/k/v projection",
+    "out_proj": "attention output projection",
+    "q_a_proj": "MLA query down-projection", "q_b_proj": "MLA query up-projection",
+    "kv_a_proj_with_mqa": "MLA key/value down-projection", "kv_b_proj": "MLA key/value up-projection",
+    "gate_proj": "MLP gate projection", "up_proj": "MLP up projection", "down_proj": "MLP down projection",
+    "w1": "MLP gate projection (w1)", "w3": "MLP up projection (w3)", "w2": "MLP down projection (w2)",
+    "fc1": "MLP first projection", "fc2": "MLP second projection", "c_fc": "MLP first projection",
+    "c_proj": "output projection", "c_attn": "fused attention q/k/v projection",
+}
+
+
+_DENSE_ROLES = (("attention.output", "attention output projection"), ("intermediate", "MLP up projection"),
+                ("output", "MLP down projection"), ("pooler", "pooler projection"))
+
+
+def role_of(tensor_name: str, shape: tuple[int, ...] = (), model_config: dict | None = None) -> str:
+    """A coarse role: vision, projector, embedding, lm_head, router, norm, mtp, expert, linear, other.
+
+    ``expert`` covers routed experts (per-expert 2-D weights and 3-D stacked tensors); ``linear`` any
+    other 2-D ``.weight`` matrix. Used for default exclusions and for the consumer tests' shares.
+    """
+    for role, rx in _ROLE_RULES:
+        if role == "norm" and is_norm(tensor_name) or rx.search(tensor_name):
+            return role
+    if _is_mtp(tensor_name, model_config):
+        return "mtp"
+    if stacked_experts(tensor_name, shape, model_config) is not None:
+        return "expert"
+    if re.search(r"(^|\.)experts\.\d+\.", tensor_name) and tensor_name.endswith(".weight"):
+        return "expert"
+    if tensor_name.endswith(".weight") and len(shape) == 2:
+        return "linear"
+    return "other"
+
+
+def _is_mtp(tensor_name: str, model_config: dict | None) -> bool:
+    if re.search(r"(^|\.)mtp(\.|_)|(^|\.)nextn", tensor_name):
+        return True
+    cfg = _text_config(model_config)
+    n, k = cfg.get("num_hidden_layers"), cfg.get("num_nextn_predict_layers") or 0
+    m = re.search(r"(^|\.)layers\.(\d+)\.", tensor_name)
+    return bool(m and isinstance(n, int) and k and n <= int(m.group(2)) < n + k)
+
+
+def describe(tensor_name: str, shape: tuple[int, ...] = (), model_config: dict | None = None) -> str:
+    """What a tensor IS, for plan reasons: "attention query projection", "router", "vision tower", ..."""
+    role = role_of(tensor_name, shape, model_config)
+    if role == "vision":
+        return "vision tower"
+    if role == "projector":
+        return "multimodal projector"
+    if role == "embedding":
+        return "embedding"
+    if role == "lm_head":
+        return "lm_head (output projection)"
+    if role == "router":
+        return "MoE router" if "shared_expert_gate" not in tensor_name else "MoE shared-expert gate"
+    if role == "norm":
+        return "normalization layer"
+    if role == "mtp":
+        return "MTP (multi-token prediction) layer"
+    if tensor_name.endswith(".bias"):
+        return f"bias of {describe(tensor_name[:-len('.bias')] + '.weight', (), model_config)}"
+    if re.search(r"\.experts\.(gate_up_proj|down_proj)_bias$", tensor_name):
+        return "MoE expert bias (3-D stacked, kept as is)"
+    if tensor_name.endswith(".sinks"):
+        return "attention sinks"
+    layout = stacked_experts(tensor_name, shape, model_config)
+    if layout is not None:
+        what = "gate/up" if layout.kind == "gate_up" else "down"
+        how = {"interleaved": ", gate/up interleaved", "concatenated": ", gate then up", None: ""}[layout.split]
+        orient = "[E, in, out]" if layout.transpose else "[E, out, in]"
+        return f"MoE expert {what} projection (3-D stacked {orient}, {layout.num_experts} experts{how})"
+    module = tensor_name[: -len(".weight")] if tensor_name.endswith(".weight") else tensor_name
+    parent, _, leaf = module.rpartition(".")
+    base = _LEAF_ROLES.get(leaf)
+    if base is None and leaf == "dense":  # BERT-style names
+        base = next((what for end, what in _DENSE_ROLES if parent == end or parent.endswith("." + end)),
+                    "dense projection")
+    base = base or ("linear layer" if role == "linear" else "tensor")
+    if role == "expert":
+        m = re.search(r"(^|\.)experts\.(\d+)\.", tensor_name)
+        base = f"MoE expert {m.group(2)} {base.replace('MLP ', '')}" if m else f"MoE expert {base}"
+    elif re.search(r"(^|\.)shared_experts?\.", tensor_name):
+        base = f"shared expert {base.replace('MLP ', '')}"
+    return base
