@@ -13,8 +13,8 @@ Variants of a built checkpoint, written from its files (no model needed):
   config ``quantization_config`` quant_method mxfp4), the layout transformers'
   ``integrations/mxfp4.py`` (``_convert_moe_packed_tensors``) decodes.
 
-Both variants also return the exact fp32 values they encode, so a test can compare against the
-fp32-dequantized route.
+Both variants return the tensors of their fp32-dequantized twin (:func:`write_like` writes it), so a
+test can compare the two conversion routes byte for byte.
 """
 
 from __future__ import annotations
@@ -185,7 +185,8 @@ def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
 
 def fp8_block_variant(src: Path, dst: Path, block: tuple[int, int] = (128, 128),
                       quantize: callable = None) -> dict[str, torch.Tensor]:
-    """Write ``src`` as an FP8 block-scaled checkpoint; returns the exact fp32 value of every tensor.
+    """Write ``src`` as an FP8 block-scaled checkpoint; returns what its fp32-dequantized twin holds
+    (FP8 weights as their exact fp32 values, every other tensor unchanged).
 
     ``quantize(name, shape) -> bool`` picks the weights stored in FP8 (default: every 2-D ``.weight``
     except embeddings, norms, routers and lm_head, as DeepSeek-V3 ships it).
@@ -203,8 +204,7 @@ def fp8_block_variant(src: Path, dst: Path, block: tuple[int, int] = (128, 128),
             out[name], out[name + "_scale_inv"] = q, s
             exact[name] = fp8_block_dequantize(q, s, block)
         else:
-            out[name] = t
-            exact[name] = t.float()
+            out[name] = exact[name] = t
     _rewrite(src, dst, out, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                              "weight_block_size": list(block)})
     return exact
@@ -245,8 +245,8 @@ def mxfp4_blocks_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch
 def mxfp4_variant(src: Path, dst: Path) -> dict[str, torch.Tensor]:
     """Write a gpt-oss checkpoint as released (experts as MXFP4 ``*_blocks``/``*_scales``).
 
-    Returns the exact fp32 value of every tensor in the bf16 checkpoint's own layout (experts
-    ``[E, in, out]``), which is what transformers' dequantizing loader reconstructs.
+    Returns the fp32-dequantized twin: experts as their exact fp32 values in the bf16 checkpoint's
+    own layout (``[E, in, out]``, what transformers' dequantizing loader rebuilds), the rest unchanged.
     """
     out, exact = {}, {}
     for name, t in read_tensors(src).items():
@@ -255,8 +255,21 @@ def mxfp4_variant(src: Path, dst: Path) -> dict[str, torch.Tensor]:
             out[name + "_blocks"], out[name + "_scales"] = blocks, scales
             exact[name] = mxfp4_blocks_dequantize(blocks, scales).transpose(1, 2).contiguous()
         else:
-            out[name] = t
-            exact[name] = t.float()
+            out[name] = exact[name] = t
     _rewrite(src, dst, out, {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
     return exact
+
+
+def write_like(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """A checkpoint with ``src``'s config (minus any quantization_config) and other files, holding ``tensors``."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in Path(src).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            (dst / f.name).write_bytes(f.read_bytes())
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = read_config(src)
+    cfg.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return dst
