@@ -242,7 +242,7 @@ def stacked_experts(tensor_name: str, shape: tuple[int, ...], model_config: dict
 _LLAVA_TYPES = {"llava", "gemma3", "paligemma", "aya_vision", "got_ocr2", "internvl", "vipllava", "mistral3",
                 "aria", "pp_chart2table", "llava_next", "llava_next_video", "llava_onevision"}
 _LLAVA_RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"^language_model\.lm_head\."), "lm_head."),
+    (re.compile(r"^language_model\.lm_head(?=\.|$)"), "lm_head"),
     (re.compile(r"^language_model\.model\."), "model.language_model."),
     (re.compile(r"^language_model\."), "model.language_model."),
     (re.compile(r"^vision_tower\."), "model.vision_tower."),

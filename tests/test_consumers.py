@@ -48,12 +48,18 @@ FAMILIES = list(zoo.FAMILIES)
 KEPT_ROLES = ("router", "embedding", "lm_head", "vision", "projector", "norm", "mtp")
 
 # What fails today (fp4convert at the branch point of issue 9), by check and family.
+# Expected to CHANGE when stacked experts are written per expert (vLLM's names): gpt-oss's load tests
+# pass today only because its experts stay bf16 3-D; transformers 5.23 has no loader for per-expert
+# gpt-oss tensors (no "gpt_oss" entry in conversion_mapping.py and no per-expert module swap like
+# quantizers/base.py's SequentialLlama4TextExperts), so both load tests will then fail for gpt-oss
+# with the per-expert keys unexpected and the 3-D ones missing: a transformers limitation to record
+# as an xfail, not a converter bug.
 STACKED = ("issue 9: 3-D stacked experts (gate_up_proj [E, H, 2I], down_proj [E, I, H]) are kept as "
            "'not a weight'")
 XFAIL: dict[str, dict[str, str]] = {
     "share": {
-        "gpt_oss": STACKED + ": 13% of linear+expert params quantized",
-        "llama4": STACKED + ": 27% of linear+expert params quantized",
+        "gpt_oss": STACKED + ": 14% of linear+expert params quantized",
+        "llama4": STACKED + ": 29% of linear+expert params quantized",
     },
     "ignore": {
         "qwen3_tied": "issue 9: tied embeddings: lm_head is missing from ignore",
