@@ -73,8 +73,10 @@ def fused_group_of(tensor_name: str, model_config: dict | None = None) -> str | 
 
     The id is ``<parent>.{m1,m2,...}``: the parent path (which includes a routed expert's index,
     so every expert is its own group) and the mapping's members in the engine's order.
-    ``model_config`` is accepted for mappings that depend on the architecture; ``fused_qkv_a_proj``
-    only exists where ``q_lora_rank`` is set, which is exactly where ``q_a_proj`` exists.
+    A member absent from the checkpoint simply does not join (DeepSeek-V2-Lite's lone ``q_proj``
+    forms a group of one, which is the same as no group). ``model_config`` is accepted for mappings
+    that depend on the architecture; none of the current ones do (``fused_qkv_a_proj`` exists exactly
+    where ``q_a_proj`` does, i.e. where ``q_lora_rank`` is set).
     """
     if not tensor_name.endswith(".weight"):
         return None
@@ -83,8 +85,6 @@ def fused_group_of(tensor_name: str, model_config: dict | None = None) -> str | 
     f = _mapping_for(parent, leaf)
     if f is None:
         return None
-    if f.fused == "qkv_proj" and f.members[0] == "q_proj" and _model_type(model_config) == "deepseek_v3":
-        return None  # MLA attention has no q/k/v projections; never fuse a stray name there
     return f"{parent}.{{{','.join(f.members)}}}" if parent else f"{{{','.join(f.members)}}}"
 
 
@@ -182,7 +182,9 @@ def stacked_experts(tensor_name: str, shape: tuple[int, ...], model_config: dict
     """The per-expert layout of a 3-D stacked expert weight, or None when it is not one.
 
     Orientation comes from the architecture (``_IN_FIRST``) and is checked against ``hidden_size``;
-    an unknown architecture is accepted only when ``hidden_size`` makes the orientation unambiguous.
+    another architecture is accepted only as ``[E, out, in]`` with gate first (transformers-5
+    fused experts), decided unambiguously by ``hidden_size``; anything else returns None, so the
+    planner keeps the tensor with a reason instead of guessing a layout.
     Output modules are ``<prefix>.experts.<e>.{gate_proj,up_proj,down_proj}``: the per-expert names
     vLLM's FusedMoE.make_expert_params_mapping reads (and its compressed-tensors MoE methods stack
     into ``w13_*`` / ``w2_*``).
@@ -202,13 +204,14 @@ def stacked_experts(tensor_name: str, shape: tuple[int, ...], model_config: dict
     else:
         if h is None:
             return None
-        # [E, K, N] has K = H for gate_up / N = H for down; [E, N, K] the other way round.
-        in_first = (a == h) if kind == "gate_up" else (b == h)
-        out_first = (b == h) if kind == "gate_up" else (a == h)
-        if in_first == out_first:
-            return None  # ambiguous (square) or neither: cannot tell without the architecture
-        transpose, split = in_first, _OUT_FIRST_SPLIT
-        source = "orientation from hidden_size; gate then up as transformers 5 concatenates them"
+        # [E, N, K] has K = H for gate_up (a = 2I) and N = H for down (a = H). Unknown families are
+        # accepted only in this transformers-5 orientation, whose gate/up order is known (gate first);
+        # an in-features-first unknown could interleave like gpt-oss, so it is not guessed.
+        out_first = (b == h and a != h) if kind == "gate_up" else (a == h and b != h)
+        if not out_first:
+            return None
+        transpose, split = False, _OUT_FIRST_SPLIT
+        source = "[E, out, in] (transformers-5 fused experts: gate then up)"
     n, k = (b, a) if transpose else (a, b)
     if kind == "gate_up" and n % 2:
         return None
@@ -274,6 +277,21 @@ def loaded_module_name(on_disk_name: str, model_config: dict | None = None) -> s
     if mt in _MIXTRAL_TYPES:
         name = name.replace(".block_sparse_moe.", ".mlp.")
     return name
+
+
+def ignore_names(on_disk_module: str, model_config: dict | None = None) -> list[str]:
+    """Every spelling a consumer may match a kept module by: the on-disk name and transformers' name.
+
+    transformers (compressed-tensors' ``ignore``) matches the module names it builds (after its key
+    conversion); vLLM maps ``ignore`` through the model's ``hf_to_vllm_mapper``
+    (``CompressedTensorsConfig.apply_vllm_mapper``), which turns transformers-5 names such as
+    ``model.vision_tower.`` back into its own, but its own modules keep levels transformers drops
+    (SigLIP's ``vision_tower.vision_model.``), which only the on-disk spelling of a release has.
+    Listing both costs nothing: an entry that matches no module is ignored (measured with
+    transformers 5.23 + compressed-tensors 0.20).
+    """
+    loaded = loaded_module_name(on_disk_module, model_config)
+    return [on_disk_module] if loaded == on_disk_module else [on_disk_module, loaded]
 
 
 _HEAD_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")

@@ -175,6 +175,9 @@ def test_out_first_stacked_experts_from_hidden_size() -> None:
     down = arch.stacked_experts("model.layers.0.mlp.experts.down_proj", (4, 64, 96), cfg)
     assert down is not None and not down.transpose and down.matrices[0].shape == (64, 96)
     assert arch.stacked_experts("model.layers.0.mlp.experts.gate_up_proj", (4, 64, 64), cfg) is None  # square
+    # An unknown family in-features first could interleave gate/up (like gpt-oss): not guessed.
+    assert arch.stacked_experts("model.layers.0.mlp.experts.gate_up_proj", (4, 64, 192), cfg) is None
+    assert arch.stacked_experts("model.layers.0.mlp.experts.down_proj", (4, 96, 64), cfg) is None
     assert arch.stacked_experts("model.layers.0.mlp.experts.gate_up_proj", (4, 64, 64), {}) is None
     # A documented in-first family whose shapes contradict its documented layout is refused, not guessed.
     assert arch.stacked_experts("model.layers.0.mlp.experts.gate_up_proj", (4, 192, 64),
@@ -215,6 +218,15 @@ def test_loaded_module_name_renames() -> None:
     assert arch.loaded_module_name("model.layers.0.block_sparse_moe.gate", {"model_type": "mixtral"}) == "model.layers.0.mlp.gate"
     for mt in ("llama", "qwen3_moe", "gpt_oss", "bert", "deepseek_v3"):
         assert arch.loaded_module_name("model.layers.0.self_attn.q_proj", {"model_type": mt}) == "model.layers.0.self_attn.q_proj"
+
+
+def test_ignore_names_both_spellings(saved) -> None:
+    cfg, shapes = saved["gemma3"]
+    assert "vision_tower.encoder.layers.0.mlp.fc1.weight" in shapes
+    assert arch.ignore_names("vision_tower.encoder.layers.0.mlp.fc1", cfg) == [
+        "vision_tower.encoder.layers.0.mlp.fc1", "model.vision_tower.encoder.layers.0.mlp.fc1"]
+    cfg, shapes = saved["llama"]
+    assert arch.ignore_names("model.embed_tokens", cfg) == ["model.embed_tokens"]
 
 
 @pytest.mark.parametrize("family,tied", [("llama", False), ("qwen3_tied", True), ("qwen3_moe", False),
