@@ -39,8 +39,9 @@ FUSED_MODULES: tuple[FusedModule, ...] = (
                 "models/llama.py LlamaForCausalLM.packed_modules_mapping; same in qwen2.py, qwen3.py, qwen3_moe.py, "
                 "mixtral.py, llama4.py, gpt_oss.py (GptOssForCausalLM), gemma3.py, gemma3_mm.py, siglip.py"),
     FusedModule("gate_up_proj", ("gate_proj", "up_proj"),
-                "models/llama.py LlamaForCausalLM.packed_modules_mapping; same in qwen2/qwen3/qwen3_moe (dense and "
-                "shared-expert MLPs), deepseek_v2.py, gemma3.py, gemma3_mm.py, llama4.py (shared_expert, dense layers)"),
+                "models/llama.py LlamaForCausalLM.packed_modules_mapping; same in qwen2/qwen3/qwen3_moe (dense "
+                "and shared-expert MLPs), deepseek_v2.py, gemma3.py, gemma3_mm.py, llama4.py (shared expert, "
+                "dense layers)"),
     FusedModule("qkv_proj", ("query", "key", "value"),
                 "models/bert.py BertModel.packed_modules_mapping (RoBERTa/XLM-R reuse it via models/roberta.py)",
                 parent=r"(^|\.)attention\.self$"),

@@ -63,7 +63,8 @@ EXPECTED_GROUPS = {  # family -> {group leaf set: count}
     "qwen3_tied": {("q_proj", "k_proj", "v_proj"): 2, ("gate_proj", "up_proj"): 2},
     "qwen3_moe": {("q_proj", "k_proj", "v_proj"): 2, ("gate_proj", "up_proj"): 8},  # 4 experts x 2 layers
     "mixtral": {("q_proj", "k_proj", "v_proj"): 2, ("w1", "w3"): 8},
-    "deepseek_v3": {("q_a_proj", "kv_a_proj_with_mqa"): 2, ("gate_proj", "up_proj"): 1 + 4 + 1},  # dense, experts, shared
+    # DeepSeek-V3 gate/up: layer 0 dense, layer 1's four experts and its shared expert.
+    "deepseek_v3": {("q_a_proj", "kv_a_proj_with_mqa"): 2, ("gate_proj", "up_proj"): 1 + 4 + 1},
     "gpt_oss": {("q_proj", "k_proj", "v_proj"): 2},
     "llama4": {("q_proj", "k_proj", "v_proj"): 2, ("gate_proj", "up_proj"): 2},  # shared experts
     "gemma3": {("q_proj", "k_proj", "v_proj"): 2 + 1, ("gate_proj", "up_proj"): 2},  # + the vision tower's
@@ -207,17 +208,21 @@ def test_loaded_module_names_are_modules_of_the_model(saved, family: str) -> Non
             assert arch.loaded_module_name(name.removesuffix(".weight"), cfg) in modules, name
 
 
-def test_loaded_module_name_renames() -> None:
-    g = {"model_type": "gemma3"}
-    assert arch.loaded_module_name("vision_tower.vision_model.encoder.layers.0.mlp.fc1", g) == \
-        "model.vision_tower.encoder.layers.0.mlp.fc1"  # real Gemma 3 release names (SigLIP's vision_model.)
-    assert arch.loaded_module_name("vision_tower.encoder.layers.0.mlp.fc1", g) == "model.vision_tower.encoder.layers.0.mlp.fc1"
-    assert arch.loaded_module_name("language_model.model.layers.0.mlp.up_proj", g) == "model.language_model.layers.0.mlp.up_proj"
-    assert arch.loaded_module_name("language_model.lm_head", g) == "lm_head"
-    assert arch.loaded_module_name("multi_modal_projector.mm_soft_emb_norm", g) == "model.multi_modal_projector.mm_soft_emb_norm"
-    assert arch.loaded_module_name("model.layers.0.block_sparse_moe.gate", {"model_type": "mixtral"}) == "model.layers.0.mlp.gate"
-    for mt in ("llama", "qwen3_moe", "gpt_oss", "bert", "deepseek_v3"):
-        assert arch.loaded_module_name("model.layers.0.self_attn.q_proj", {"model_type": mt}) == "model.layers.0.self_attn.q_proj"
+RENAMES = [  # (model_type, on-disk module, module transformers 5.23 builds)
+    ("gemma3", "vision_tower.vision_model.encoder.layers.0.mlp.fc1",  # Google's release (SigLIP level)
+     "model.vision_tower.encoder.layers.0.mlp.fc1"),
+    ("gemma3", "vision_tower.encoder.layers.0.mlp.fc1", "model.vision_tower.encoder.layers.0.mlp.fc1"),
+    ("gemma3", "language_model.model.layers.0.mlp.up_proj", "model.language_model.layers.0.mlp.up_proj"),
+    ("gemma3", "language_model.lm_head", "lm_head"),
+    ("gemma3", "multi_modal_projector.mm_soft_emb_norm", "model.multi_modal_projector.mm_soft_emb_norm"),
+    ("mixtral", "model.layers.0.block_sparse_moe.gate", "model.layers.0.mlp.gate"),
+] + [(mt, "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj")
+     for mt in ("llama", "qwen3_moe", "gpt_oss", "bert", "deepseek_v3", "llama4")]
+
+
+@pytest.mark.parametrize("model_type,disk,loaded", RENAMES)
+def test_loaded_module_name_renames(model_type: str, disk: str, loaded: str) -> None:
+    assert arch.loaded_module_name(disk, {"model_type": model_type}) == loaded
 
 
 def test_ignore_names_both_spellings(saved) -> None:

@@ -268,7 +268,8 @@ def write_like(src: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> Path:
     for f in Path(src).iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             (dst / f.name).write_bytes(f.read_bytes())
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
     cfg = read_config(src)
     cfg.pop("quantization_config", None)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
