@@ -283,6 +283,7 @@ REASONS = {  # family -> {tensor name: words the reason must contain}
     "mixtral": {"model.layers.0.block_sparse_moe.experts.0.w1.weight": "MoE expert 0 gate projection",
                 "model.layers.0.block_sparse_moe.gate.weight": "MoE router"},
     "deepseek_v3": {"model.layers.0.self_attn.kv_a_proj_with_mqa.weight": "MLA key/value down-projection",
+                    "model.layers.1.mlp.gate.e_score_correction_bias": "MoE router",
                     "model.layers.1.mlp.experts.3.down_proj.weight": "MoE expert 3 down projection"},
     "llama": {"lm_head.weight": "lm_head", "model.layers.1.self_attn.v_proj.weight": "attention value projection"},
 }
