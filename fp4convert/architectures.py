@@ -335,7 +335,8 @@ _ROLE_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("embedding", re.compile(r"(^|\.)(embed_tokens|embeddings?|wte|wpe|word_embeddings|position_embeddings|"
                              r"token_type_embeddings|embed_positions|tok_embeddings|embedding)(\.|$)")),
     ("lm_head", re.compile(r"(^|\.)(lm_head|embed_out)(\.|$)|^output\.weight$")),
-    ("router", re.compile(r"(^|\.)(router|gate|shared_expert_gate)\.(weight|bias)$|(^|\.)router\.")),
+    ("router", re.compile(r"(^|\.)(router|gate|shared_expert_gate)\.(weight|bias|e_score_correction_bias)$"
+                          r"|(^|\.)router\.")),
 )
 
 _LEAF_ROLES: dict[str, str] = {
