@@ -139,16 +139,33 @@ class Plan:
             "bits_per_param": round(8 * bytes_out / params_in, 4) if params_in else None,
         }
 
-    def kept_modules(self) -> tuple[str, ...]:
-        """Module names of every 2-D weight left unquantized (what engines must not treat as FP4)."""
-        mods = [d.module for d in self.decisions
-                if d.action == KEEP and d.name.endswith(".weight") and len(d.info.shape) == 2]
-        return tuple(sorted(dict.fromkeys(mods)))
+    def kept_modules(self, model_config: dict | None = None) -> tuple[str, ...]:
+        """Modules engines must not treat as FP4, spelled as loaders see them (compressed-tensors'
+        ``ignore``, ModelOpt's ``exclude_modules``).
+
+        Every kept 2-D weight (and each expert of a kept stacked tensor), in both the on-disk spelling
+        and the one transformers builds after its key conversion, plus a tied ``lm_head``, which has
+        no tensor on disk but is a Linear module at load time.
+        """
+        cfg = model_config or {}
+        mods: list[str] = []
+        for d in self.decisions:
+            if d.action != KEEP:
+                continue
+            layout = arch.stacked_experts(d.name, d.info.shape, cfg)
+            if layout is not None:
+                mods += [m.module for m in layout.matrices]
+            elif d.name.endswith(".weight") and len(d.info.shape) == 2:
+                mods.append(d.module)
+        if arch.tied_lm_head(cfg) and not any(d.module.endswith("lm_head") for d in self.decisions):
+            mods.append("lm_head")
+        names = [n for m in mods for n in arch.ignore_names(m, cfg)]
+        return tuple(sorted(dict.fromkeys(names)))
 
     def output_info(self, model_config: dict | None = None) -> OutputInfo:
         """What the output format needs to write its config files."""
         c = self.config
-        return OutputInfo(c.scheme, c.rotate, c.rule, self.kept_modules(), model_config or {})
+        return OutputInfo(c.scheme, c.rotate, c.rule, self.kept_modules(model_config), model_config or {})
 
     def to_json(self) -> dict:
         return {

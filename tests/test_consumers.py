@@ -47,43 +47,21 @@ from . import zoo  # noqa: E402
 FAMILIES = list(zoo.FAMILIES)
 KEPT_ROLES = ("router", "embedding", "lm_head", "vision", "projector", "norm", "mtp")
 
-# What fails today (fp4convert at the branch point of issue 9), by check and family.
-# Expected to CHANGE when stacked experts are written per expert (vLLM's names): gpt-oss's load tests
-# pass today only because its experts stay bf16 3-D; transformers 5.23 has no loader for per-expert
-# gpt-oss tensors (no "gpt_oss" entry in conversion_mapping.py and no per-expert module swap like
-# quantizers/base.py's SequentialLlama4TextExperts), so both load tests will then fail for gpt-oss
-# with the per-expert keys unexpected and the 3-D ones missing: a transformers limitation to record
-# as an xfail, not a converter bug.
-STACKED = ("issue 9: 3-D stacked experts (gate_up_proj [E, H, 2I], down_proj [E, I, H]) are kept as "
-           "'not a weight'")
+# What a consumer cannot do, by check and family (strict: each mark fails the suite once it passes).
+# gpt-oss experts are written per expert under the names vLLM reads; transformers 5.23 has no loader
+# for per-expert gpt-oss tensors, a transformers limitation, not a converter bug.
+GPT_OSS = ("transformers 5.23 cannot load per-expert gpt-oss weights (no gpt_oss entry in conversion_mapping.py, "
+           "no per-expert module swap as for Llama 4): the per-expert keys vLLM reads are unexpected to it and its "
+           "3-D experts missing; the experts are checked from the files instead")
 XFAIL: dict[str, dict[str, str]] = {
-    "share": {
-        "gpt_oss": STACKED + ": 14% of linear+expert params quantized",
-        "llama4": STACKED + ": 29% of linear+expert params quantized",
-    },
-    "ignore": {
-        "qwen3_tied": "issue 9: tied embeddings: lm_head is missing from ignore",
-        "gemma3": "issue 9: ignore lists on-disk names (vision_tower..., language_model.model...) instead of "
-                  "transformers' model.vision_tower... / model.language_model...",
-        "mixtral": "issue 9: ignore lists on-disk block_sparse_moe.gate; transformers 5 names it mlp.gate",
-    },
-    "groups": {
-        "bert": "issue 9: BERT attention.self.query/key/value are not a fused group (vLLM fuses them into "
-                "qkv_proj): three different global scales",
-        "gpt_oss": STACKED + ": no per-expert gate/up matrices, so no shared scale",
-        "llama4": STACKED + ": no per-expert gate/up matrices, so no shared scale",
-    },
+    "share": {},
+    "ignore": {},
+    "groups": {},
     "load-dequantize": {
-        "llama4": "issue 9: transformers builds Llama 4 experts as per-expert Linears "
-                  "(quantizers/base.py SequentialLlama4TextExperts); the checkpoint has only 3-D tensors: "
-                  "experts.{e}.{gate,up,down}_proj missing, experts.gate_up_proj/down_proj unexpected",
+        "gpt_oss": GPT_OSS,
     },
     "load-compressed": {
-        "qwen3_tied": "issue 9: lm_head not in ignore: compressed-tensors makes it a packed Linear and loading "
-                      "fails (Linear has no attribute weight)",
-        "gemma3": "issue 9: ignore has on-disk names, so the vision tower is built quantized: its weights are "
-                  "unexpected, its packed tensors missing; lm_head (tied) too",
-        "llama4": "issue 9: Llama 4 experts are per-expert Linears in transformers, 3-D on disk (see load-dequantize)",
+        "gpt_oss": GPT_OSS,
     },
 }
 
@@ -363,9 +341,10 @@ def test_variants_are_what_transformers_reads(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def test_llama4_expert_layout_is_what_transformers_reads(tmp_path: Path) -> None:
-    """Rewrite today's Llama 4 output with the experts laid out by architectures.stacked_experts
-    (per expert, transposed, gate/up split with one global scale): transformers then loads it with
-    no missing or unexpected keys, and its per-expert Linears equal our dequantization bit for bit."""
+    """The converter writes Llama 4's 3-D experts per expert (transposed, gate/up split, one global
+    scale per expert's gate/up): its files equal an independent per-matrix quantization of the layout
+    architectures.stacked_experts describes, transformers loads them with no missing or unexpected
+    keys, and its per-expert Linears equal our dequantization bit for bit."""
     src = zoo.build("llama4", tmp_path / "src")
     dst = tmp_path / "ct"
     assert convert_cli(src, dst) == 0
@@ -376,21 +355,17 @@ def test_llama4_expert_layout_is_what_transformers_reads(tmp_path: Path) -> None
         layout = arch.stacked_experts(name, tuple(t.shape), cfg)
         if layout is None:
             continue
-        del out[name]
+        assert name not in out  # no 3-D tensor is written
         w = t.float()
         group_amax = {g: max(fp4convert.amax(layout.extract(w, m)) for m in layout.matrices if m.group == g)
                       for g in layout.groups()}
         for m in layout.matrices:
             x = layout.extract(w, m).contiguous()
             q = fp4convert.quantize(x, "nvfp4", global_amax=group_amax.get(m.group))
-            out[m.module + ".weight_packed"] = q.packed
-            out[m.module + ".weight_scale"] = q.scale
-            out[m.module + ".weight_global_scale"] = q.global_scale.reshape(1).float()
+            assert torch.equal(out[m.module + ".weight_packed"], q.packed), m.module
+            assert torch.equal(out[m.module + ".weight_scale"].view(torch.uint8), q.scale.view(torch.uint8)), m.module
+            assert torch.equal(out[m.module + ".weight_global_scale"], q.global_scale.reshape(1).float()), m.module
             expected[m.module + ".weight"] = fp4convert.dequantize(q, torch.bfloat16)
-    for f in zoo.shard_files(dst):
-        f.unlink()
-    from safetensors.torch import save_file
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     models = {}
     for dequantize in (True, False):
         models[dequantize], info = transformers.AutoModelForCausalLM.from_pretrained(
