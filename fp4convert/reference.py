@@ -5,6 +5,10 @@ It imports no compiled code and runs on any torch device. Every arithmetic step 
 operation with round-to-nearest-even, written in the order SPEC.md fixes; two expressions that are
 equal on paper can round differently, so do not "simplify" them.
 
+Scale rules (CONTRACT.md for this wave, SPEC.md sections 2-3): the per-block scale is a choice; the
+search rules try a few candidate scales per block and keep the one whose squared block error (fp32,
+summed in element order, see :func:`block_error`) is lowest. The global scale never changes.
+
 Two points where SPEC.md is silent, fixed here for every backend:
 - ``gs = min(2688 / amax, FLT_MAX)`` and ``r = min(gs / sf, FLT_MAX)``: without the clamps a tensor with
   amax below ~4e-33 gives ``r = inf`` and ``0 * inf = NaN``, whose sign bit differs between CPUs and
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import NonFiniteError, ShapeError
+from .errors import NonFiniteError, QuantizationError, ShapeError
 
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
@@ -30,7 +34,33 @@ FLT_MAX = torch.finfo(torch.float32).max
 # Magnitudes of E2M1 codes 0..7; codes 8..15 are the same magnitudes negated.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
+# Valid per-block scale rules per scheme, the first one being the default (the textbook scale).
+SCALE_RULES: dict[str, tuple[str, ...]] = {"nvfp4": ("max", "4over6", "mse"), "mxfp4": ("floor", "rceil", "mse")}
+DEFAULT_SCALE_RULE: dict[str, str] = {scheme: rules[0] for scheme, rules in SCALE_RULES.items()}
+
+E4M3_MAX_CODE = 0x7E  # 448; 0x7F is NaN
+E8M0_MAX_EXP = 254  # 2^127; 255 is NaN
+
 _F32 = torch.float32
+
+
+def check_scale_rule(scheme: str, scale_rule: str | None) -> str:
+    """The rule to apply (None -> the scheme's default); QuantizationError for an invalid combination.
+
+    Called before any work, so a bad option never leaves a half-written output behind.
+    """
+    if scheme not in SCALE_RULES:
+        raise QuantizationError(f"unknown scheme {scheme!r}; expected one of {', '.join(SCALE_RULES)}")
+    if scale_rule is None:
+        return DEFAULT_SCALE_RULE[scheme]
+    if scale_rule not in SCALE_RULES[scheme]:
+        other = [s for s, rules in SCALE_RULES.items() if scale_rule in rules and s != scheme]
+        hint = f" ({scale_rule!r} is a rule of {other[0]})" if other else ""
+        raise QuantizationError(
+            f"scale rule {scale_rule!r} does not apply to {scheme}{hint}; "
+            f"expected one of {', '.join(SCALE_RULES[scheme])}"
+        )
+    return scale_rule
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -219,17 +249,83 @@ def _check_finite(amax: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Block error (shared by every search rule)
+# ---------------------------------------------------------------------------------------------
+
+def _div(a: torch.Tensor, constant: float) -> torch.Tensor:
+    """a / constant as a true fp32 division on any device (CUDA turns a division by a Python scalar
+    into a multiply by its reciprocal, which rounds differently for 6)."""
+    return a / torch.full_like(a, constant)
+
+
+def block_error(blocks: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Squared error of each block [..., n] under decode step d [...], in CONTRACT.md's order.
+
+    ``err = 0; for i in 0..n-1: e = value(code_i) * d - x_i; err = err + e * e``, every step one fp32
+    operation, elements in ascending order. torch's sum would add in another order (and round
+    differently), so the loop is explicit: one fp32 op per line across all blocks at once.
+    """
+    vals = e2m1_decode(codes)
+    err = torch.zeros(blocks.shape[:-1], dtype=_F32, device=blocks.device)
+    for i in range(blocks.shape[-1]):
+        e = vals[..., i] * d - blocks[..., i]
+        err = err + e * e
+    return err
+
+
+# ---------------------------------------------------------------------------------------------
 # NVFP4
 # ---------------------------------------------------------------------------------------------
 
+def nvfp4_candidate(blocks: torch.Tensor, gsb: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [..., 16] and decode step d [...] of blocks [..., 16] under E4M3 scale bytes c [...].
+
+    r = (sf > 0) ? min(gs / sf, FLT_MAX) : 0 encodes; d = sf / gs decodes (one fp32 division each).
+    """
+    sf = e4m3_decode(c)
+    r = torch.where(sf > 0, torch.clamp(gsb / sf, max=FLT_MAX), torch.zeros_like(sf))
+    codes = e2m1_encode(blocks * r[..., None])
+    return codes, sf / gsb
+
+
+def _nvfp4_choose(blocks: torch.Tensor, gsb: torch.Tensor, bmax: torch.Tensor, rule: str) -> torch.Tensor:
+    """The E4M3 scale byte of every block under ``rule`` (uint8 [...])."""
+    s = gsb * bmax
+    b6 = e4m3_encode(_div(s, E2M1_MAX))  # today's scale: (gs * bmax) / 6
+    if rule == "max":
+        return b6
+    b4 = e4m3_encode(_div(s, 4.0))  # saturates at 448 like every E4M3 here
+
+    def err(c: torch.Tensor) -> torch.Tensor:
+        return block_error(blocks, *nvfp4_candidate(blocks, gsb, c))
+
+    best, best_err = b6, err(b6)
+    if rule == "4over6":
+        return torch.where(err(b4) < best_err, b4, b6)  # ties keep the /6 scale
+    # mse: {b6, b4, b6 - 1, b6 + 1} on the byte, clamped to [0, 0x7E]; the lowest error wins, and
+    # among equal errors the larger byte (= larger scale). That pair order does not depend on the
+    # order the candidates are tried in.
+    b6i = b6.to(torch.int32)
+    for c in (b4, (b6i - 1).clamp(min=0).to(torch.uint8), (b6i + 1).clamp(max=E4M3_MAX_CODE).to(torch.uint8)):
+        e = err(c)
+        take = (e < best_err) | ((e == best_err) & (c > best))
+        best, best_err = torch.where(take, c, best), torch.where(take, e, best_err)
+    return best
+
+
 def nvfp4_quantize(
-    x: torch.Tensor, global_amax: torch.Tensor | float | None = None, rotate: str | None = None
+    x: torch.Tensor,
+    global_amax: torch.Tensor | float | None = None,
+    rotate: str | None = None,
+    scale_rule: str | None = "max",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[..., M, K] -> (packed uint8 [..., M, K/2], scale float8_e4m3fn [..., M, K/16], gs fp32 [...]).
 
     ``global_amax`` replaces each matrix's own amax (fused groups share it); it broadcasts against
-    the leading dims.
+    the leading dims. ``scale_rule`` picks each block's scale: "max" (E4M3(gs * bmax / 6)),
+    "4over6" or "mse" (CONTRACT.md); None is the default, "max".
     """
+    rule = check_scale_rule("nvfp4", scale_rule)
     check_shape(x, NVFP4_BLOCK)
     v = x.to(_F32)
     if rotate == "had16":
@@ -245,16 +341,12 @@ def nvfp4_quantize(
     # 2. gs = 2688 / amax.
     gs = global_scale(amax)
     gsb = gs[..., None, None]
-    # 3. Block scale: s = (gs * bmax) / 6, then E4M3.
+    # 3. Block scale: s = (gs * bmax) / 6, then E4M3; a search rule may pick another byte.
     blocks = v.reshape(*v.shape[:-1], -1, NVFP4_BLOCK)
     bmax = blocks.abs().amax(dim=-1)
-    s = (gsb * bmax) / E2M1_MAX
-    scale_bits = e4m3_encode(s)
-    # 4. r = gs / sf (0 for a zero scale).
-    sf = e4m3_decode(scale_bits)
-    r = torch.where(sf > 0, torch.clamp(gsb / sf, max=FLT_MAX), torch.zeros_like(sf))
-    # 5. Elements.
-    codes = e2m1_encode(blocks * r[..., None])
+    scale_bits = _nvfp4_choose(blocks, gsb, bmax, rule)
+    # 4-5. r = gs / sf (0 for a zero scale), then the elements.
+    codes, _ = nvfp4_candidate(blocks, gsb, scale_bits)
     packed = pack_nibbles(codes.reshape(v.shape))
     return packed, scale_bits.view(torch.float8_e4m3fn), gs
 
@@ -270,12 +362,58 @@ def nvfp4_dequantize(
     return inverse_had16(w) if rotate == "had16" else w
 
 
+def nvfp4_block_errors(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gs: torch.Tensor, rotate: str | None = None
+) -> torch.Tensor:
+    """Squared error per block (fp32 [..., M, K/16]) of a quantized weight against its source x.
+
+    Measured in the rotated domain (where the rule chose), with :func:`block_error`'s arithmetic:
+    the very value a search rule minimised, so ``inspect --verify`` can report what a rule achieved.
+    ``scale`` is in the linear layout.
+    """
+    v = x.to(_F32)
+    if rotate == "had16":
+        v = had16(v)
+    blocks = v.reshape(*v.shape[:-1], -1, NVFP4_BLOCK)
+    codes = unpack_nibbles(packed).reshape(blocks.shape)
+    d = e4m3_decode(scale) / gs.to(_F32)[..., None, None]
+    return block_error(blocks, codes, d)
+
+
 # ---------------------------------------------------------------------------------------------
 # MXFP4
 # ---------------------------------------------------------------------------------------------
 
-def mxfp4_quantize(x: torch.Tensor, rotate: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., M, K] -> (packed uint8 [..., M, K/2], scale uint8 E8M0 [..., M, K/32])."""
+def mxfp4_candidate(blocks: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [..., 32] and decode step d = 2^(c - 127) [...] of blocks under E8M0 exponents c [...]."""
+    ci = c.to(torch.int32)
+    codes = e2m1_encode(blocks * pow2_f32(127 - ci)[..., None])  # exact power-of-two multiply
+    return codes, pow2_f32(ci - 127)  # exact, subnormal for c = 0
+
+
+def _mxfp4_choose(blocks: torch.Tensor, bmax: torch.Tensor, rule: str) -> torch.Tensor:
+    """The E8M0 exponent of every block under ``rule`` (uint8 [...])."""
+    e = e8m0_encode_from_bmax(bmax)  # OCP floor rule
+    if rule == "floor":
+        return e
+    up = (e.to(torch.int32) + 1).clamp(max=E8M0_MAX_EXP).to(torch.uint8)
+    if rule == "rceil":
+        saturates = bmax * pow2_f32(127 - e.to(torch.int32)) > E2M1_MAX  # exact scaling, then compare
+        return torch.where(saturates, up, e)
+    err_e = block_error(blocks, *mxfp4_candidate(blocks, e))
+    err_up = block_error(blocks, *mxfp4_candidate(blocks, up))
+    return torch.where(err_up < err_e, up, e)  # ties keep the floor exponent
+
+
+def mxfp4_quantize(
+    x: torch.Tensor, rotate: str | None = None, scale_rule: str | None = "floor"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., M, K] -> (packed uint8 [..., M, K/2], scale uint8 E8M0 [..., M, K/32]).
+
+    ``scale_rule``: "floor" (OCP), "rceil" (one exponent up when the block would saturate) or "mse"
+    (floor or floor + 1, the lower block error); None is the default, "floor".
+    """
+    rule = check_scale_rule("mxfp4", scale_rule)
     check_shape(x, MXFP4_BLOCK)
     v = x.to(_F32)
     if rotate == "had16":
@@ -283,9 +421,8 @@ def mxfp4_quantize(x: torch.Tensor, rotate: str | None = None) -> tuple[torch.Te
     blocks = v.reshape(*v.shape[:-1], -1, MXFP4_BLOCK)
     bmax = blocks.abs().amax(dim=-1)
     _check_finite(bmax)
-    e = e8m0_encode_from_bmax(bmax)
-    mult = pow2_f32(127 - e.to(torch.int32))  # exact power of two
-    codes = e2m1_encode(blocks * mult[..., None])
+    e = _mxfp4_choose(blocks, bmax, rule)
+    codes, _ = mxfp4_candidate(blocks, e)
     return pack_nibbles(codes.reshape(v.shape)), e
 
 
@@ -295,3 +432,111 @@ def mxfp4_dequantize(packed: torch.Tensor, scale: torch.Tensor, rotate: str | No
     vals = vals.reshape(*vals.shape[:-1], -1, MXFP4_BLOCK)
     w = (vals * e8m0_decode(scale)[..., None]).reshape(*packed.shape[:-1], -1)
     return inverse_had16(w) if rotate == "had16" else w
+
+
+def mxfp4_block_errors(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, rotate: str | None = None) -> torch.Tensor:
+    """Squared error per block (fp32 [..., M, K/32]) of an MXFP4 weight against x (see nvfp4_block_errors)."""
+    v = x.to(_F32)
+    if rotate == "had16":
+        v = had16(v)
+    blocks = v.reshape(*v.shape[:-1], -1, MXFP4_BLOCK)
+    codes = unpack_nibbles(packed).reshape(blocks.shape)
+    return block_error(blocks, codes, e8m0_decode(scale))
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized inputs (SPEC.md section 9): exact fp32 decoders
+# ---------------------------------------------------------------------------------------------
+# NaN and Inf propagate (an E4M3 byte 0x7F/0xFF, an E8M0 scale of 255, a NaN scale), so the caller's
+# non-finite check refuses the tensor like any other.
+
+def _as_e4m3(w: torch.Tensor) -> torch.Tensor:
+    if w.dtype == torch.uint8:
+        return w.view(torch.float8_e4m3fn)
+    if w.dtype != torch.float8_e4m3fn:
+        raise QuantizationError(f"expected an FP8 E4M3 weight (float8_e4m3fn), got {w.dtype}")
+    return w
+
+
+def _as_f32_scale(scale: torch.Tensor, what: str) -> torch.Tensor:
+    if not scale.is_floating_point() or scale.element_size() < 2:
+        raise QuantizationError(f"{what} must be an fp32/bf16/fp16 tensor, got {scale.dtype}")
+    return scale.to(_F32)  # widening is exact
+
+
+def _check_leading(w: torch.Tensor, s: torch.Tensor, what: str) -> None:
+    try:
+        ok = torch.broadcast_shapes(s.shape[:-2], w.shape[:-2]) == w.shape[:-2]
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ShapeError(f"{what} leading dims {tuple(s.shape[:-2])} do not match the weight's {tuple(w.shape[:-2])}")
+
+
+def fp8_block_dequantize(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """FP8 block-scaled weight -> fp32: ``w[i, j] = fp32(w_e4m3[i, j]) * scale_inv[i // bm, j // bn]``.
+
+    ``w`` [..., M, N] float8_e4m3fn (or its uint8 bits); ``scale_inv`` [..., ceil(M/bm), ceil(N/bn)]
+    (edge blocks partial; leading dims are experts, broadcast per matrix); ``block`` = (bm, bn), the
+    checkpoint's ``weight_block_size``. One fp32 multiply per element: exact wherever the product is.
+    """
+    w = _as_e4m3(w)
+    bm, bn = (int(b) for b in block)
+    if bm <= 0 or bn <= 0:
+        raise ShapeError(f"block sizes must be positive, got {tuple(block)}")
+    if w.dim() < 2 or scale_inv.dim() < 2:
+        raise ShapeError(f"expected [..., M, N] weight and scales, got {tuple(w.shape)} and {tuple(scale_inv.shape)}")
+    m, n = w.shape[-2:]
+    expect = (-(-m // bm), -(-n // bn))
+    if tuple(scale_inv.shape[-2:]) != expect:
+        raise ShapeError(
+            f"scale_inv {tuple(scale_inv.shape)} does not fit a weight {tuple(w.shape)} in blocks {bm}x{bn} "
+            f"(expected [..., {expect[0]}, {expect[1]}])"
+        )
+    _check_leading(w, scale_inv, "scale_inv")
+    s = _as_f32_scale(scale_inv, "scale_inv").repeat_interleave(bm, dim=-2)[..., :m, :]  # [..., M, ceil(N/bn)]
+    wf = w.to(_F32)  # exact (NaN bytes stay NaN)
+    if n % bn == 0:
+        return (wf.reshape(*wf.shape[:-1], -1, bn) * s[..., None]).reshape(wf.shape)
+    return wf * s.repeat_interleave(bn, dim=-1)[..., :n]
+
+
+def fp8_scaled_dequantize(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 weight with a per-tensor or per-output-channel scale -> fp32: ``fp32(w[i, j]) * fp32(scale)[i or 0]``.
+
+    ``scale``: one element (0-dim, [1], ...) per tensor; [..., M] or [..., M, 1] per channel (leading
+    dims broadcast against the weight's; a per-expert per-tensor scale is [E, 1, 1]). bf16/fp16 scales
+    are widened to fp32 first (exact).
+    """
+    w = _as_e4m3(w)
+    if w.dim() < 2:
+        raise ShapeError(f"expected a weight of shape [..., M, N], got {tuple(w.shape)}")
+    s = _as_f32_scale(scale, "scale")
+    m = w.shape[-2]
+    if s.numel() == 1:
+        s = s.reshape(())
+    elif s.dim() == w.dim() and s.shape[-1] == 1 and s.shape[-2] in (1, m):
+        _check_leading(w, s, "scale")
+    elif s.dim() >= 1 and s.shape[-1] == m and s.dim() <= w.dim() - 1:
+        s = s[..., None]
+        _check_leading(w, s, "scale")
+    else:
+        raise ShapeError(f"scale {tuple(scale.shape)} is neither per tensor nor per output channel of a weight {tuple(w.shape)}")
+    return w.to(_F32) * s
+
+
+def mxfp4_blocks_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss MXFP4 (``*_blocks`` uint8 [..., G, 16], ``*_scales`` uint8 [..., G]) -> fp32 [..., G * 32].
+
+    Element 32g + 2j is the low nibble of blocks[..., g, j], 32g + 2j + 1 the high one;
+    ``w = value(code) * 2^(scale - 127)``, exact (a scale of 255 is NaN, and 6 * 2^127 overflows to
+    Inf: both are refused downstream like any non-finite value).
+    """
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise QuantizationError(f"expected uint8 blocks and scales, got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() < 2 or blocks.shape[-1] != MXFP4_BLOCK // 2 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise ShapeError(
+            f"expected blocks [..., G, 16] and scales [..., G], got {tuple(blocks.shape)} and {tuple(scales.shape)}"
+        )
+    vals = e2m1_decode(unpack_nibbles(blocks))  # [..., G, 32], low nibble first
+    return (vals * e8m0_decode(scales)[..., None]).reshape(*blocks.shape[:-2], -1)

@@ -7,8 +7,10 @@ import torch
 
 import fp4convert
 from fp4convert import cpu
+from fp4convert import reference as ref
+from fp4convert.swizzle import swizzle_scales
 
-from .test_reference import random_weight
+from .oracle import fresh_seed, random_weight
 
 
 def same(a: fp4convert.QuantizedTensor, b: fp4convert.QuantizedTensor) -> bool:
@@ -21,7 +23,7 @@ def same(a: fp4convert.QuantizedTensor, b: fp4convert.QuantizedTensor) -> bool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_matches_reference(fmt: str, rotate: str | None, dtype: torch.dtype, monkeypatch) -> None:
     monkeypatch.setattr(cpu, "CHUNK_ELEMS", 3 * 96)  # several chunks, the last one ragged
-    x = random_weight(37, 96, torch.seed() % 2**31).to(dtype)
+    x = random_weight(37, 96, fresh_seed()).to(dtype)
     for layout in ("linear", "swizzled"):
         fast = fp4convert.quantize(x, fmt, rotate=rotate, scale_layout=layout, backend="cpu")
         slow = fp4convert.quantize(x, fmt, rotate=rotate, scale_layout=layout, backend="reference")
@@ -61,3 +63,80 @@ def test_tiny_amax_and_zero_blocks_match_reference() -> None:
     assert same(fp4convert.quantize(x, backend="cpu"), fp4convert.quantize(x, backend="reference"))
     z = torch.zeros(3, 32)
     assert same(fp4convert.quantize(z, backend="cpu"), fp4convert.quantize(z, backend="reference"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Scale rules: cpu.quantize against the reference, bit for bit
+# ---------------------------------------------------------------------------------------------
+
+RULES = [("nvfp4", r) for r in ref.SCALE_RULES["nvfp4"]] + [("mxfp4", r) for r in ref.SCALE_RULES["mxfp4"]]
+
+
+def rule_weight(seed: int) -> torch.Tensor:
+    """random_weight with blocks far below the amax (subnormal scales), tiny blocks and exact grid values."""
+    x = random_weight(37, 96, seed)
+    x[1, 16:48] *= 2.0**-22
+    x[2] *= 1e-36
+    x[4, :32] = torch.tensor([6.0, 3.0, 4.5, 7.0, 6.5, 0.5, -0.0] + [0.0] * 25) * 2.0 ** torch.randint(-3, 3, ()).item()
+    x[5::6] = torch.round(x[5::6] * 8) / 8
+    return x
+
+
+@pytest.mark.parametrize("scheme,rule", RULES)
+@pytest.mark.parametrize("rotate", [None, "had16"])
+def test_every_rule_matches_reference(scheme: str, rule: str, rotate: str | None, monkeypatch) -> None:
+    monkeypatch.setattr(cpu, "CHUNK_ELEMS", 3 * 96)  # several chunks, the last one ragged
+    x = rule_weight(fresh_seed())
+    for dtype, global_amax in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, 3.0)):
+        if scheme == "mxfp4" and global_amax is not None:
+            continue
+        xd = x.to(dtype)
+        gs = None
+        if scheme == "nvfp4":
+            amax = torch.tensor([global_amax]) if global_amax else ref.tensor_amax(xd, rotate).reshape(1)
+            gs = ref.global_scale(amax)
+            rp, rs, _ = ref.nvfp4_quantize(xd, global_amax, rotate, rule)
+        else:
+            rp, rs = ref.mxfp4_quantize(xd, rotate, rule)
+        packed, scale, nonfinite = cpu.quantize(xd[None], scheme, gs, rotate, False, rule)
+        assert not nonfinite
+        assert torch.equal(packed[0], rp) and torch.equal(scale[0].view(torch.uint8), rs.view(torch.uint8))
+        _, swz, _ = cpu.quantize(xd[None], scheme, gs, rotate, True, rule)
+        assert torch.equal(swz.view(torch.uint8), swizzle_scales(scale).view(torch.uint8))
+
+
+def test_default_rule_is_the_plain_one_and_positional_callers_keep_working() -> None:
+    x = random_weight(8, 64, fresh_seed())[None]
+    gs = ref.global_scale(ref.tensor_amax(x[0]).reshape(1))
+    for scheme, g, plain in (("nvfp4", gs, "max"), ("mxfp4", None, "floor")):
+        a = cpu.quantize(x, scheme, g, None, False)
+        b = cpu.quantize(x, scheme, g, None, False, plain)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8))
+
+
+@pytest.mark.parametrize("scheme,rule", [("nvfp4", "floor"), ("mxfp4", "max"), ("mxfp4", "4over6"), ("nvfp4", "rceil")])
+def test_invalid_rule_refused(scheme: str, rule: str) -> None:
+    with pytest.raises(fp4convert.QuantizationError, match="does not apply"):
+        cpu.quantize(torch.zeros(1, 4, 32), scheme, torch.ones(1), None, False, rule)
+
+
+@pytest.mark.parametrize("scheme,rule", RULES)
+def test_non_finite_flagged_under_every_rule(scheme: str, rule: str) -> None:
+    x = torch.randn(1, 8, 64)
+    x[0, 5, 17] = float("nan")
+    x[0, 2, 40] = float("inf")
+    gs = torch.ones(1) if scheme == "nvfp4" else None
+    assert cpu.quantize(x, scheme, gs, None, False, rule)[2]
+
+
+def test_magnitude_rounding_equals_the_encoder_on_every_tie_and_range() -> None:
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    grid = torch.tensor(ref.E2M1_VALUES)
+    pts = torch.cat([ties, grid, torch.tensor([6.5, 7.0, 1e30, ref.FLT_MAX, float("inf"), 1e-45, 1e-39, 2.0**-126])])
+    around = torch.cat([pts, torch.nextafter(pts, torch.full_like(pts, 100.0)), torch.nextafter(pts, torch.zeros_like(pts))])
+    g = torch.Generator().manual_seed(fresh_seed())
+    rand = torch.rand(20000, generator=g) * torch.exp2(torch.randint(-40, 8, (20000,), generator=g).float())
+    a = torch.cat([around, rand, torch.zeros(1)])
+    expected = ref.e2m1_decode(ref.e2m1_encode(a))
+    got = cpu._e2m1_magnitude_(a.clone())
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))

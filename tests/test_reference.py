@@ -68,7 +68,7 @@ def FLT_MAX() -> float:
 
 
 def test_e2m1_matches_brute_force_oracle_on_random_values() -> None:
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(oracle.fresh_seed())
     y = torch.randn(4000, generator=g) * torch.exp2(torch.randint(-4, 4, (4000,), generator=g).float())
     assert ref.e2m1_encode(y).tolist() == [oracle.e2m1(v) for v in y.tolist()]
 
@@ -111,7 +111,7 @@ def test_e4m3_encode_matches_torch_cast_on_every_boundary() -> None:
 
 
 def test_e4m3_encode_matches_brute_force_oracle() -> None:
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(oracle.fresh_seed())
     s = torch.exp2(torch.rand(3000, generator=g) * 22 - 13)  # 2^-13 .. 2^9: subnormal .. saturated
     assert ref.e4m3_encode(s).tolist() == [oracle.e4m3(v) for v in s.tolist()]
 
@@ -193,14 +193,7 @@ def test_had16_rejects_k_not_multiple_of_16() -> None:
 # NVFP4 / MXFP4 against the scalar oracle
 # ---------------------------------------------------------------------------------------------
 
-def random_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Heavy-tailed values over many binades, with planted exact ties and a zero block."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-6, 6, (rows, 1), generator=g).float())
-    x[0, :16] = 0.0
-    if cols >= 48:
-        x[0, 32:48] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -0.25, -5.0, 0, 0, 0, 0, 1])
-    return x
+random_weight = oracle.random_weight
 
 
 def unpack(packed: torch.Tensor) -> list[list[int]]:
@@ -210,7 +203,7 @@ def unpack(packed: torch.Tensor) -> list[list[int]]:
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_nvfp4_matches_oracle(rotate: bool, dtype: torch.dtype) -> None:
-    x = random_weight(5, 64, torch.seed() % 2**31).to(dtype)
+    x = random_weight(5, 64, oracle.fresh_seed()).to(dtype)
     packed, scale, gs = ref.nvfp4_quantize(x, rotate="had16" if rotate else None)
     codes, scales, ogs = oracle.nvfp4_row_codes(x.float().tolist(), rotate)
     assert gs.item() == ogs
@@ -258,7 +251,7 @@ def test_nvfp4_all_zero_tensor() -> None:
 
 @pytest.mark.parametrize("rotate", [None, "had16"])
 def test_mxfp4_matches_oracle(rotate: str | None) -> None:
-    x = random_weight(4, 96, torch.seed() % 2**31)
+    x = random_weight(4, 96, oracle.fresh_seed())
     x[1, 32:64] *= 1e-39  # subnormal block maximum
     packed, scale = ref.mxfp4_quantize(x, rotate=rotate)
     xr = ref.had16(x) if rotate else x
@@ -307,7 +300,7 @@ def test_refuses_bad_shapes_and_non_finite(fn, block: int) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def test_nvfp4_on_grid_values_round_trip_exactly() -> None:
-    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(oracle.fresh_seed())
     rows, cols = 8, 64
     codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
     sf = torch.tensor(oracle.E4M3[1:], dtype=torch.float32)[torch.randint(0, 125, (rows, cols // 16), generator=g)]
@@ -321,7 +314,7 @@ def test_nvfp4_on_grid_values_round_trip_exactly() -> None:
 
 
 def test_mxfp4_requantizing_a_dequantized_weight_is_exact() -> None:
-    x = random_weight(6, 128, torch.seed() % 2**31)
+    x = random_weight(6, 128, oracle.fresh_seed())
     w = ref.mxfp4_dequantize(*ref.mxfp4_quantize(x))
     assert torch.equal(ref.mxfp4_dequantize(*ref.mxfp4_quantize(w)), w)
 
