@@ -262,6 +262,12 @@ def make_plan(
     fmt.check(config.scheme, config.rotate)
     # Quantized inputs (FP8, gpt-oss MXFP4) become the fp32 weights they encode; FP4 inputs are refused.
     sources, decodes = input_weights(tensors, model_config)
+    # Processing (and output) order: source shard by shard, by name within a shard, so the output does
+    # not depend on how a writer laid tensors out in a file (an FP8 checkpoint and its fp32-dequantized
+    # twin give the same bytes). safetensors' own writer orders by dtype, then name: for one-dtype
+    # shards this is the file order.
+    shard_rank = {f: i for i, f in enumerate(dict.fromkeys(t.file for t in sources))}
+    sources = sorted(sources, key=lambda t: (shard_rank[t.file], t.name))
     quantized = quantized_tensor_names(sources)
     qc = model_config.get("quantization_config")
     if quantized or (qc and not decodes):

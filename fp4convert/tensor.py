@@ -147,11 +147,10 @@ def quantize(
     ops = _batch_ops(x, backend)
     if ops is not None:
         return _quantize_batched(ops, x, s, rotate, global_amax, scale_layout, rule)
-    extra = {} if rule == s.default_rule else {"scale_rule": rule}
     if s.global_scale:
-        packed, scale, gs = ref.nvfp4_quantize(x, global_amax, rotate, **extra)
+        packed, scale, gs = ref.nvfp4_quantize(x, global_amax, rotate, scale_rule=rule)
     else:
-        (packed, scale), gs = ref.mxfp4_quantize(x, rotate, **extra), None
+        (packed, scale), gs = ref.mxfp4_quantize(x, rotate, scale_rule=rule), None
     if scale_layout == "swizzled":
         scale = swizzle_scales(scale)
     return QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
@@ -173,7 +172,7 @@ def _quantize_batched(
             group_amax = group_amax.expand(lead).reshape(-1).contiguous()
             bad_amax = ~torch.isfinite(group_amax).all()  # checked with the kernel's flag: one sync, not two
         gs = ref.global_scale(group_amax)
-    extra = {} if rule == s.default_rule else {"scale_rule": rule}
+    extra = {} if rule == s.default_rule else {"scale_rule": rule}  # the CUDA ops take it once merged
     packed, scale, nonfinite = ops.quantize(xb, s.name, gs, rotate, scale_layout == "swizzled", **extra)
     if bool(nonfinite if bad_amax is None else nonfinite | bad_amax):
         raise NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")

@@ -110,9 +110,9 @@ def test_llama_plan_outputs_and_order() -> None:
         ("model.layers.0.mlp.down_proj.weight_packed", "U8", (H, 64)),
         ("model.layers.0.mlp.down_proj.weight_scale", "U8", (128, 4)),
     ]
-    # A fused group is one work unit, its members adjacent.
+    # A fused group is one work unit, its members adjacent (in the shard's name order).
     units = [[d.name for d in u] for u in p.units()]
-    assert ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+    assert ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.q_proj.weight",
             "model.layers.1.self_attn.v_proj.weight"] in units
     assert ["model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"] in units
 
