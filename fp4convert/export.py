@@ -73,9 +73,14 @@ def plan_export(src: str, config: ConvertConfig):
     return source, layout, manifest, plan, fmt
 
 
-def verify_files(root: Path, manifest: dict) -> None:
-    """Every file the native manifest lists has its recorded size and sha256, before anything is written:
-    a corrupted native checkpoint must not be re-exported with fresh checksums for its bad bytes."""
+def verify_files(root: Path, manifest: dict, weight_files: list[str]) -> None:
+    """Every weight file is listed in the native manifest, and every file it lists has its recorded size and
+    sha256, before anything is written: a corrupted native checkpoint must not be re-exported with fresh
+    checksums for its bad bytes."""
+    unlisted = [f for f in weight_files if f not in manifest["files"]]
+    if unlisted:
+        raise CheckpointFormatError(f"{root / unlisted[0]}: not listed in {MANIFEST_NAME}'s files; the manifest does "
+                                    "not match the checkpoint: re-create it with fp4convert quantize")
     for rel, rec in sorted(manifest["files"].items()):
         path = root / rel
         try:
@@ -98,7 +103,7 @@ def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress 
     t0 = time.perf_counter()
     dst = Path(dst)
     source, layout, manifest, plan, fmt = plan_export(src, config)
-    verify_files(source.root, manifest)
+    verify_files(source.root, manifest, source.weight_files)
     identity = run_identity(plan.config, source, exported_from=manifest.get("identity"))
     done = prepare_destination(dst, plan, plan.config, identity, source)
 

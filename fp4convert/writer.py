@@ -511,15 +511,15 @@ def _check_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: d
         for parent in list(Path(p).parents)[:-1]:
             if (dst / parent).exists() and not (dst / parent).is_dir():
                 foreign.append(parent.as_posix())
-    if damaged and (foreign or config.resume):
-        raise OutputError(
-            f"{dst}: {'; '.join(damaged)}; fp4convert cannot tell which files it wrote: remove the folder's "
-            "fp4convert files yourself or choose another DST")
+    why = f" ({'; '.join(damaged)})" if damaged else ""
     if foreign:
         names = sorted(set(foreign))
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise OutputError(f"{dst} holds files fp4convert did not write (no valid manifest or progress record lists "
-                          f"them): {shown}; remove them or choose another folder")
+                          f"them{why}): {shown}; remove them or choose another folder")
+    if damaged and config.resume:
+        raise OutputError(f"{dst}: {'; '.join(damaged)}; --resume cannot trust this folder: remove it (or the "
+                          "damaged file) or choose another DST")
     if existing and config.overwrite:
         for f in sorted(owned - {LOCK_NAME}):
             with writing(dst / f, resumable=False):
@@ -641,8 +641,12 @@ class ShardWriters:
     def _writer(self, name: str) -> StreamWriter:
         f = self.shard_of[name]
         if f not in self.open:
-            with writing(self.dst / f):
-                self.open[f] = StreamWriter(self.dst / f, self.entries[f], {"format": "pt"})
+            try:
+                with writing(self.dst / f):
+                    self.open[f] = StreamWriter(self.dst / f, self.entries[f], {"format": "pt"})
+            except BaseException:
+                (self.dst / (f + ".partial")).unlink(missing_ok=True)
+                raise
         return self.open[f]
 
     def _maybe_close(self, f: str) -> None:
