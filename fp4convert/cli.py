@@ -47,6 +47,11 @@ def _library_errors(fn: Callable) -> Callable:
     @click.option("--debug", is_flag=True, help="On an error, also print the full traceback.")
     @wraps(fn)
     def wrapper(*args, debug: bool = False, **kwargs):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # SIGTERM stops a run like Ctrl-C does
+            signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             return fn(*args, **kwargs)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):

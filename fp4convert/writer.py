@@ -130,11 +130,22 @@ def writing(path: Path, resumable: bool = True) -> Iterator[None]:
         raise output_error(exc, path, resumable) from exc
 
 
+_pauses = 0
+
+
 def _test_pause() -> None:
-    """Tests slow a run down (FP4CONVERT_TEST_DELAY seconds at each step) to interrupt it at random points."""
+    """Test hooks at each step of a run (after a unit, between a shard's record and its rename, between the
+    finishing writes): FP4CONVERT_TEST_DELAY sleeps that many seconds, so a test can interrupt the run at
+    random moments; FP4CONVERT_TEST_KILL_AT=N SIGKILLs the process at the N-th step."""
+    global _pauses
     delay = os.environ.get("FP4CONVERT_TEST_DELAY")
     if delay:
         time.sleep(float(delay))
+    kill_at = os.environ.get("FP4CONVERT_TEST_KILL_AT")
+    if kill_at:
+        _pauses += 1
+        if _pauses == int(kill_at):
+            os.kill(os.getpid(), 9)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -671,10 +682,13 @@ class ShardWriters:
 
     def raw(self, name: str, path: Path, info: TensorInfo) -> None:
         """Copy a kept tensor's bytes unchanged, checking floats for NaN/Inf as they stream."""
-        if self.skip(name):
+        # A unit re-done on resume (its shard was finished, its record was not saved yet) is read again
+        # for the NaN/Inf check only, so its warning is the same as in an uninterrupted run.
+        w = None if self.skip(name) else self._writer(name)
+        if w is not None:
+            w._expect(name, info.nbytes)
+        elif info.dtype not in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"):
             return
-        w = self._writer(name)
-        w._expect(name, info.nbytes)
         bad = False
         try:
             fh = open(path, "rb")
@@ -697,12 +711,14 @@ class ShardWriters:
                     raise SourceError(f"{info.file}: tensor {name!r} is truncated (the file ended while copying it)")
                 if not bad:
                     bad = _nonfinite(info.dtype, view[:got])
-                with writing(w.partial):
-                    w.write(view[:got])
+                if w is not None:
+                    with writing(w.partial):
+                        w.write(view[:got])
                 left -= got
         if bad:
             self.nonfinite[name] = info.file
-        self._maybe_close(self.shard_of[name])
+        if w is not None:
+            self._maybe_close(self.shard_of[name])
 
     def abort(self) -> None:
         for w in self.open.values():
