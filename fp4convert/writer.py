@@ -822,9 +822,11 @@ def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: d
     try:
         _finish(source, plan, fmt, dst, identity)
     except BaseException as exc:
-        for p in dst.rglob("*.partial"):
-            if p.name != PROGRESS_NAME + ".partial":
-                p.unlink(missing_ok=True)
+        for name in _planned_names(plan, source) - {f for f, _ in plan.shards}:  # only our own temporary files
+            try:
+                (dst / (name + ".partial")).unlink(missing_ok=True)
+            except OSError:
+                pass
         if session is not None:
             session.fail()
         if isinstance(exc, OSError) and not isinstance(exc, FP4ConvertError):

@@ -785,6 +785,64 @@ def source_unreadable_while_copying(c: Ctx) -> None:
     expect(quantize(c, c.tmp / "q"), 4, "model-00003-of-00003.safetensors", "Permission denied")
 
 
+@case
+def user_partial_file_survives_a_failed_finish(c: Ctx) -> None:
+    import fp4convert.writer as writer
+
+    dst = c.tmp / "q"
+    dst.mkdir()
+    (dst / "draft.partial").write_text("mine")
+    with c.mp.context() as m:
+        m.setattr(writer, "_copy_file", lambda a, b: (_ for _ in ()).throw(writer.output_error(oserror(errno.ENOSPC), b)))
+        expect(quantize(c, dst, "--overwrite"), 5, "no space left")
+    assert (dst / "draft.partial").read_text() == "mine"
+
+
+@case
+def killed_between_manifest_and_record_removal(c: Ctx) -> None:
+    dst = c.tmp / "q"
+    finished(c, dst)
+    state = {"identity": json.loads((dst / MANIFEST).read_text())["identity"], "files": {}, "tensors": {}}
+    (dst / PROGRESS).write_text(json.dumps(state))  # identity without the record-only keys: mtimes unknown
+    resume_completes(c, dst)
+
+
+@case
+def lock_path_is_a_folder(c: Ctx) -> None:
+    dst = c.tmp / "q"
+    (dst / LOCK).mkdir(parents=True)
+    expect(quantize(c, dst, "--resume"), 5, LOCK)
+
+
+@case
+def progress_record_is_a_folder(c: Ctx) -> None:
+    dst = c.tmp / "q"
+    (dst / PROGRESS).mkdir(parents=True)
+    expect(quantize(c, dst, "--resume"), 5, PROGRESS, "not a file")
+
+
+@case
+def read_only_filesystem(c: Ctx) -> None:
+    c.mp.setattr(StreamWriter, "__init__", lambda self, path, *a, **k: (_ for _ in ()).throw(
+        OSError(errno.EROFS, os.strerror(errno.EROFS), str(path) + ".partial")))
+    expect(quantize(c, c.tmp / "q"), 5, "Read-only file system", "choose a folder you can write to")
+
+
+@case
+def disk_full_creating_the_lock(c: Ctx) -> None:
+    real = os.open
+
+    def full(path, *a, **k):
+        if str(path).endswith(LOCK):
+            raise oserror(errno.ENOSPC, path)
+        return real(path, *a, **k)
+
+    c.mp.setattr(os, "open", full)
+    dst = c.tmp / "q"
+    expect(quantize(c, dst), 5, "no space left", LOCK)
+    assert not dst.exists()
+
+
 # --- locking ----------------------------------------------------------------------------------
 
 @case
