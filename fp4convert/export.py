@@ -47,10 +47,12 @@ def plan_export(src: str, config: ConvertConfig):
         missing = [o for o in rec["outputs"] if o not in position]
         if not rec["outputs"] or missing:
             raise CheckpointFormatError(f"{where}: tensor {name!r} lists outputs the shards do not hold "
-                                        f"({', '.join(missing[:3]) or 'none'}); the checkpoint does not match its manifest")
+                                        f"({', '.join(missing[:3]) or 'none'}); the checkpoint does not match "
+                                        "its manifest")
         if rec["dtype"] not in ITEMSIZE:
             raise CheckpointFormatError(f"{where}: tensor {name!r} has unknown dtype {rec['dtype']!r}")
-        if rec["action"] == QUANTIZE and (not name.endswith(".weight") or name[: -len(".weight")] not in layout.modules):
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if rec["action"] == QUANTIZE and module not in layout.modules:
             raise CheckpointFormatError(f"{where}: {name!r} is recorded as quantized but the shards hold no "
                                         "quantized module for it; the checkpoint does not match its manifest")
 

@@ -105,7 +105,8 @@ def output_error(exc: OSError, path: Path | str, resumable: bool = True) -> Outp
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return OutputError(f"{where}: cannot write ({exc.strerror}, {code}); choose a folder you can write to")
     if exc.errno == errno.EISDIR:
-        return OutputError(f"{where} is a folder where fp4convert writes a file (EISDIR); remove it or choose another DST")
+        return OutputError(f"{where} is a folder where fp4convert writes a file (EISDIR); remove it or choose "
+                           "another DST")
     if exc.errno == errno.ENOTDIR:
         return OutputError(f"{where}: part of the path is a file, not a folder (ENOTDIR); choose another DST")
     if exc.errno == errno.EXDEV:

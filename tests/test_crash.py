@@ -37,7 +37,8 @@ def reference(src, cli_procs, tmp_path_factory) -> tuple[Path, float]:
     code, log = cli_procs.run("quantize", src, dst, *ARGS)
     assert code == 0, log
     t0 = time.monotonic()
-    code, log = cli_procs.run("quantize", src, tmp_path_factory.mktemp("slow") / "q", *ARGS, env={"FP4CONVERT_TEST_DELAY": DELAY})
+    slow = tmp_path_factory.mktemp("slow") / "q"
+    code, log = cli_procs.run("quantize", src, slow, *ARGS, env={"FP4CONVERT_TEST_DELAY": DELAY})
     assert code == 0, log
     return dst, time.monotonic() - t0
 
