@@ -50,8 +50,9 @@ def _library_errors(fn: Callable) -> Callable:
         import signal
         import threading
 
-        if threading.current_thread() is threading.main_thread():  # SIGTERM stops a run like Ctrl-C does
-            signal.signal(signal.SIGTERM, signal.default_int_handler)
+        main_thread = threading.current_thread() is threading.main_thread()
+        if main_thread:  # SIGTERM stops a run like Ctrl-C does (kept shards, --resume hint)
+            old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             return fn(*args, **kwargs)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
@@ -66,6 +67,9 @@ def _library_errors(fn: Callable) -> Callable:
                 traceback.print_exc(file=sys.stderr)
             click.echo(f"Error: {' '.join(str(err).split())}", err=True)
             sys.exit(err.exit_code)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, old_term)
 
     return wrapper
 

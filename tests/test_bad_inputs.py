@@ -940,6 +940,19 @@ def ctrl_c_while_finishing(c: Ctx) -> None:
 
 
 @case
+def sigterm_real_process_then_resume(c: Ctx) -> None:
+    dst = c.tmp / "q"
+    pid, log = c.procs.start("quantize", c.src, dst, *ARGS, env={"FP4CONVERT_TEST_DELAY": "0.02"})
+    deadline = time.monotonic() + 30
+    while len(list(dst.glob("*.safetensors"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGTERM)
+    assert c.procs.wait(pid) == 130
+    one_line(log.read_text(), 130, "interrupted", "--resume")
+    resume_completes(c, dst)
+
+
+@case
 def internal_error_one_line(c: Ctx) -> None:
     c.mp.setattr(convert_mod, "_quantize_unit", lambda *a, **k: (_ for _ in ()).throw(ZeroDivisionError("boom")))
     expect(quantize(c, c.tmp / "q"), 1, "internal error", "ZeroDivisionError", "--debug")
