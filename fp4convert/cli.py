@@ -42,21 +42,69 @@ def _setup_logging(quiet: bool) -> None:
 
 
 def _library_errors(fn: Callable) -> Callable:
-    """FP4ConvertError -> 'Error: ...' on stderr and the error's exit code (no traceback)."""
+    """The error boundary: every failure becomes one line on stderr and its exit code (errors.EXIT_CODES);
+    ``--debug`` adds the full traceback. OS errors name the file (DST: 5, SRC: 4); anything unexpected
+    is an internal error (1)."""
 
+    @click.option("--debug", is_flag=True, help="On an error, also print the full traceback.")
     @wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args, debug: bool = False, **kwargs):
+        import signal
+        import threading
+
+        main_thread = threading.current_thread() is threading.main_thread()
+        if main_thread:  # SIGTERM stops a run like Ctrl-C does (kept shards, --resume hint)
+            old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
         try:
             return fn(*args, **kwargs)
-        except KeyboardInterrupt:
-            exc = Interrupted("interrupted; finished shards are kept: run the same command with --resume to continue")
-            click.echo(f"Error: {exc}", err=True)
-            sys.exit(exc.exit_code)
-        except FP4ConvertError as exc:
-            click.echo(f"Error: {exc}", err=True)
-            sys.exit(exc.exit_code)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the boundary: classify, one line, exit code
+            if isinstance(exc, SystemExit):
+                raise
+            err = _classify(exc, kwargs.get("src"), kwargs.get("dst"))
+            if debug:
+                import traceback
+
+                traceback.print_exc(file=sys.stderr)
+            click.echo(f"Error: {' '.join(str(err).split())}", err=True)
+            sys.exit(err.exit_code)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, old_term)
 
     return wrapper
+
+
+def _classify(exc: BaseException, src: str | None, dst: str | None) -> FP4ConvertError:
+    """Any exception as the FP4ConvertError the user sees."""
+    import errno
+    import os
+
+    if isinstance(exc, FP4ConvertError):
+        return exc
+    if isinstance(exc, KeyboardInterrupt):
+        return Interrupted("interrupted; finished shards are kept: run the same command with --resume to continue")
+    if isinstance(exc, OSError):
+        from .errors import OutputError, SourceError
+
+        name = exc.filename or ""
+        what = f"{exc.strerror or exc}" + (f", {errno.errorcode[exc.errno]}" if exc.errno in errno.errorcode else "")
+        full = os.path.abspath(name) if name else ""
+        if dst and full and (full + os.sep).startswith(os.path.abspath(dst) + os.sep):
+            return OutputError(f"{name}: cannot write ({what}); check the destination folder")
+        if src and full and (full + os.sep).startswith(os.path.abspath(src) + os.sep):
+            return SourceError(f"{name}: cannot read ({what}); check the source files")
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return OutputError(f"{name or dst}: {what}; free some space, then run the same command with --resume")
+        return FP4ConvertError(f"internal error: {type(exc).__name__}: {name + ': ' if name else ''}{what}; "
+                               "please report it (rerun with --debug for the traceback)")
+    if isinstance(exc, MemoryError):
+        return FP4ConvertError("out of host memory; close other programs or use a machine with more memory "
+                               "(rerun with --debug for the traceback)")
+    text = " ".join(str(exc).split())[:300]
+    return FP4ConvertError(f"internal error: {type(exc).__name__}: {text}; please report it "
+                           "(rerun with --debug for the traceback)")
 
 
 def _output_options(fn: Callable) -> Callable:
@@ -66,6 +114,9 @@ def _output_options(fn: Callable) -> Callable:
                      help="Largest output shard (e.g. 5GB, 500MB, 2GiB)."),
         click.option("--overwrite", is_flag=True, help="Replace the outputs of an earlier run in DST."),
         click.option("--resume", is_flag=True, help="Continue an interrupted run with the same settings."),
+        click.option("--verify-source", is_flag=True,
+                     help="Hash every source file in full (recorded; with --resume, compared with the interrupted "
+                          "run's hashes) instead of the default sampled fingerprint."),
         click.option("--quiet", "-q", is_flag=True, help="No progress bar or status lines."),
         click.option("--json", "as_json", is_flag=True, help="Print the plan or the summary as JSON on stdout."),
     ]):
@@ -116,14 +167,14 @@ def main() -> None:
 @_output_options
 @_library_errors
 def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, ignore, only, revision, dry_run,
-             overwrite, resume, quiet, as_json) -> None:
+             overwrite, resume, verify_source, quiet, as_json) -> None:
     """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST."""
     from .convert import convert, plan_conversion
 
     config = ConvertConfig(
         scheme=scheme, rotate=rotate, scale_rule=scale_rule, format=fmt, ignore=tuple(ignore), only=tuple(only),
         max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
-        revision=revision,
+        revision=revision, verify_source=verify_source,
     )
     _setup_logging(quiet or as_json)
     planned = plan_conversion(src, config)
@@ -149,6 +200,8 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, 
         f"{s['wall_s']:.1f} s, peak memory {_human_bytes(s['peak_rss_bytes'])}"
         + (f"; reused {len(s['reused_files'])} finished shard(s)" if s["reused_files"] else "")
     )
+    for w in s.get("warnings", []):
+        click.echo(f"warning: {w}", err=True)
 
 
 @main.command(epilog=EXIT_CODE_HELP)
@@ -158,11 +211,12 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, 
               help="Target convention: compressed-tensors or modelopt (fp4convert re-shards).")
 @_output_options
 @_library_errors
-def export(src, dst, fmt, max_shard_size, overwrite, resume, quiet, as_json) -> None:
+def export(src, dst, fmt, max_shard_size, overwrite, resume, verify_source, quiet, as_json) -> None:
     """Re-layout a native fp4convert checkpoint SRC into an engine format in DST (lossless, no source weights)."""
     from .export import export as run_export
 
-    config = ConvertConfig(format=fmt, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, resume=resume)
+    config = ConvertConfig(format=fmt, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, resume=resume,
+                           verify_source=verify_source)
     _setup_logging(quiet or as_json)
     result = run_export(src, dst, config)
     s = result.to_json()

@@ -31,6 +31,7 @@ class ConvertConfig:
     overwrite: bool = False
     resume: bool = False
     revision: str | None = None
+    verify_source: bool = False  # hash the source in full (recorded; --resume compares it)
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:

@@ -14,9 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import ConvertConfig
-from .errors import ConfigError
+from .errors import CheckpointFormatError, ConfigError
 from .formats import get_format
 from .layout import load_quantized, read_layout
+from .manifest import MANIFEST_NAME, file_digest, manifest_problem
 from .plan import QUANTIZE, Decision, Plan, check_collisions, layout_shards
 from .safetensors_io import ITEMSIZE, OutEntry, TensorInfo
 from .source import open_source
@@ -30,6 +31,10 @@ def plan_export(src: str, config: ConvertConfig):
     manifest = layout.manifest
     if manifest is None or manifest.get("format") != "fp4convert":
         raise ConfigError(f"{src}: export reads fp4convert's native format (a folder with fp4convert.json)")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise CheckpointFormatError(f"{source.root / MANIFEST_NAME}: {problem}; re-create the checkpoint with "
+                                    "fp4convert quantize")
     config = replace(config, scheme=manifest["scheme"], rotate=manifest.get("rotate"),
                      scale_rule=manifest.get("scale_rule"))
     fmt = get_format(config.format)
@@ -37,6 +42,20 @@ def plan_export(src: str, config: ConvertConfig):
     # Replay the original processing order (the order of the native outputs), so the bytes equal a
     # direct conversion to the target format.
     position = {name: i for i, name in enumerate(layout.tensors)}
+
+    where = source.root / MANIFEST_NAME
+    for name, rec in manifest["tensors"].items():
+        missing = [o for o in rec["outputs"] if o not in position]
+        if not rec["outputs"] or missing:
+            raise CheckpointFormatError(f"{where}: tensor {name!r} lists outputs the shards do not hold "
+                                        f"({', '.join(missing[:3]) or 'none'}); the checkpoint does not match "
+                                        "its manifest")
+        if rec["dtype"] not in ITEMSIZE:
+            raise CheckpointFormatError(f"{where}: tensor {name!r} has unknown dtype {rec['dtype']!r}")
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if rec["action"] == QUANTIZE and module not in layout.modules:
+            raise CheckpointFormatError(f"{where}: {name!r} is recorded as quantized but the shards hold no "
+                                        "quantized module for it; the checkpoint does not match its manifest")
 
     def first_output(item: tuple[str, dict]) -> int:
         return min(position[o] for o in item[1]["outputs"])
@@ -57,11 +76,37 @@ def plan_export(src: str, config: ConvertConfig):
     return source, layout, manifest, plan, fmt
 
 
+def verify_files(root: Path, manifest: dict, weight_files: list[str]) -> None:
+    """Every weight file is listed in the native manifest, and every file it lists has its recorded size and
+    sha256, before anything is written: a corrupted native checkpoint must not be re-exported with fresh
+    checksums for its bad bytes."""
+    unlisted = [f for f in weight_files if f not in manifest["files"]]
+    if unlisted:
+        raise CheckpointFormatError(f"{root / unlisted[0]}: not listed in {MANIFEST_NAME}'s files; the manifest does "
+                                    "not match the checkpoint: re-create it with fp4convert quantize")
+    for rel, rec in sorted(manifest["files"].items()):
+        path = root / rel
+        try:
+            if not path.is_file():
+                raise CheckpointFormatError(f"{path}: listed in {MANIFEST_NAME} but missing; the native checkpoint "
+                                            "is incomplete: re-create it with fp4convert quantize")
+            size = path.stat().st_size
+            if size != rec["size"]:
+                raise CheckpointFormatError(f"{path}: {size} bytes, the manifest records {rec['size']}; the native "
+                                            "checkpoint is corrupted: re-create it with fp4convert quantize")
+            if file_digest(path) != rec["sha256"]:
+                raise CheckpointFormatError(f"{path}: sha256 differs from the manifest; the native checkpoint is "
+                                            "corrupted: re-create it with fp4convert quantize")
+        except OSError as exc:
+            raise CheckpointFormatError(f"{path}: cannot read ({exc.strerror})") from exc
+
+
 def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress | None = None) -> ConvertResult:
     """Write native checkpoint ``src`` as ``config.format`` into ``dst``."""
     t0 = time.perf_counter()
     dst = Path(dst)
     source, layout, manifest, plan, fmt = plan_export(src, config)
+    verify_files(source.root, manifest, source.weight_files)
     identity = run_identity(plan.config, source, exported_from=manifest.get("identity"))
     done = prepare_destination(dst, plan, plan.config, identity, source)
 

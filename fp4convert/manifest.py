@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .errors import CheckpointFormatError
 from .scheme import get_scheme
 from .version import __version__
 
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
 
 MANIFEST_NAME = "fp4convert.json"
 PROGRESS_NAME = ".fp4convert-progress.json"
+LOCK_NAME = ".fp4convert.lock"  # flock'd by the run writing the folder (holds its pid)
+# Identity keys kept in the progress record only: the manifest of a copied or touched source stays the same.
+PROGRESS_ONLY = ("source_mtimes", "source_sha256")
 MANIFEST_VERSION = 1
 
 
@@ -73,7 +77,7 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
         "global_scale": "encode scale gs = 2688 / amax; w = e2m1 * scale / gs" if scheme.global_scale else None,
         "settings": cfg.identity(),
         "source": {**source.describe(), "weight_files": list(source.weight_files)},
-        "identity": {k: v for k, v in identity.items() if k != "source_mtimes"},
+        "identity": {k: v for k, v in identity.items() if k not in PROGRESS_ONLY},
         "summary": plan.summary(),
         "groups": {g: m for g, m in plan.groups.items()},
         "tensors": tensors,
@@ -81,9 +85,51 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
     }
 
 
+def manifest_problem(m: object) -> str | None:
+    """Why ``m`` is not a well-formed fp4convert manifest (None when it is): checked before anything
+    trusts what it lists (export reads it, --overwrite deletes the files it names)."""
+    if not isinstance(m, dict):
+        return "the manifest is not a JSON object"
+    producer = m.get("producer")
+    if not isinstance(producer, dict) or producer.get("name") != "fp4convert":
+        return "the manifest was not written by fp4convert (producer.name)"
+    if not isinstance(m.get("manifest_version"), int):
+        return "the manifest has no integer manifest_version"
+    for key in ("format", "scheme"):
+        if not isinstance(m.get(key), str):
+            return f"the manifest's {key!r} is not a string"
+    files, tensors = m.get("files"), m.get("tensors")
+    if not isinstance(files, dict):
+        return "the manifest's 'files' is not an object"
+    for name, rec in files.items():
+        if (not isinstance(rec, dict) or not isinstance(rec.get("sha256"), str) or type(rec.get("size")) is not int
+                or name.startswith("/") or ".." in name.split("/")):
+            return f"the manifest's record of file {name!r} is malformed"
+    if not isinstance(tensors, dict):
+        return "the manifest's 'tensors' is not an object"
+    for name, rec in tensors.items():
+        if (not isinstance(rec, dict) or rec.get("action") not in ("quantize", "keep")
+                or not isinstance(rec.get("dtype"), str) or not isinstance(rec.get("source_file"), str)
+                or not isinstance(rec.get("shape"), list) or not all(type(d) is int and d >= 0 for d in rec["shape"])
+                or not isinstance(rec.get("outputs"), dict) or not isinstance(rec.get("reason"), str)):
+            return f"the manifest's record of tensor {name!r} is malformed"
+    if not isinstance(m.get("groups", {}), dict):
+        return "the manifest's 'groups' is not an object"
+    return None
+
+
 def load_manifest(root: Path) -> dict | None:
-    """The manifest of a finished conversion in ``root``, or None."""
+    """The manifest of a finished conversion in ``root``, or None; a damaged one is an error naming it."""
     path = root / MANIFEST_NAME
     if not path.exists():
         return None
-    return json.loads(path.read_text())
+    try:
+        m = json.loads(path.read_text())
+    except OSError as exc:
+        raise CheckpointFormatError(f"{path}: cannot read ({exc.strerror})") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointFormatError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:100]}); the manifest is "
+                                    "damaged: re-create the checkpoint, or remove the file") from exc
+    if not isinstance(m, dict):
+        raise CheckpointFormatError(f"{path}: not a manifest (a JSON {type(m).__name__}, not an object)")
+    return m

@@ -1,31 +1,44 @@
-"""Writing a checkpoint safely: destination policy, shard writers, resume record, index, manifest last.
+"""Writing a checkpoint safely: destination policy, a lock, shard writers, resume record, index, manifest last.
 
 ``convert`` (quantize from a source) and ``export`` (re-layout a native output) are siblings that
-both write through here: each hands :func:`write_outputs` a function that produces one work unit's
-tensors, and the writer streams them into the shards the plan fixed in advance. Files are written as
-``*.partial`` and renamed when complete; a progress record lists finished shards (for ``--resume``);
-the manifest is written last, so its presence means the conversion finished.
+both write through here: :func:`prepare_destination` checks and locks DST, then each hands
+:func:`write_outputs` a function that produces one work unit's tensors, and the writer streams them
+into the shards the plan fixed in advance; :func:`finish` writes the other files and the manifest
+and releases DST. Files are written as ``*.partial`` and renamed when complete; the progress record
+names a finished shard (with its checksum) *before* the shard is renamed into place, so every state
+an interruption can leave is one ``--resume`` finishes; the manifest is written last, so its
+presence means the conversion finished.
+
+Safety rules (issue 12): DST is never inside SRC nor SRC inside DST; ``--overwrite`` removes only
+files a valid manifest or progress record lists and that this tool writes; one run at a time holds
+``DST/.fp4convert.lock``; every OS error on DST becomes an :class:`OutputError` naming the file.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .config import ConvertConfig
-from .errors import OutputError
+from .errors import FP4ConvertError, OutputError, SourceError
 from .formats.base import OutputFormat
-from .manifest import MANIFEST_NAME, PROGRESS_NAME, build_manifest, file_digest
+from .manifest import (LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, PROGRESS_ONLY, build_manifest, file_digest,
+                       manifest_problem)
 from .plan import Decision, Plan
-from .safetensors_io import StreamWriter, TensorInfo
+from .safetensors_io import StreamWriter, TensorInfo, header_bytes
 from .source import INDEX_NAME, Source
 from .version import __version__
 
@@ -35,6 +48,21 @@ Progress = Callable[[int], None]
 UnitFn = Callable[[list[Decision], "ShardWriters"], dict[str, dict]]
 
 MTIMES = "source_mtimes"  # in the progress record only: the manifest stays the same for a copied source
+FULL_HASHES = "source_sha256"  # --verify-source: every weight file's full sha256 (progress record only)
+SAMPLE_BLOCK = 64 << 10  # the content fingerprint: sha256 of this many bytes at SAMPLE_COUNT fixed offsets
+SAMPLE_COUNT = 16
+FORMAT_FILES = ("config.json", "hf_quant_config.json")  # what a format's finalize may write
+_SHARD_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+_COPY_CHUNK = 16 << 20
+
+
+def human_bytes(n: float) -> str:
+    """Adaptive units, so a small need never reads '0.00 GB'."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n} B"
 
 
 @dataclass
@@ -53,6 +81,7 @@ class ConvertResult:
             "dst": str(self.dst),
             **self.plan.summary(),
             "reused_files": self.reused_files,
+            "warnings": list(self.plan.warnings),
             "wall_s": round(self.wall_s, 3),
             "read_wait_s": round(self.read_wait_s, 3),
             "peak_rss_bytes": self.peak_rss_bytes,
@@ -60,23 +89,88 @@ class ConvertResult:
 
 
 # ---------------------------------------------------------------------------------------------
+# OS errors: one line naming the file and what to do
+# ---------------------------------------------------------------------------------------------
+
+def output_error(exc: OSError, path: Path | str, resumable: bool = True) -> OutputError:
+    """An OS error on the destination, as the one-line OutputError the CLI prints (exit 5)."""
+    where = exc.filename or path
+    code = errno.errorcode.get(exc.errno or 0, "")
+    again = "; then run the same command with --resume" if resumable else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutputError(f"{where}: no space left on the device ({code}); free some space{again}")
+    if exc.errno == errno.EFBIG:
+        return OutputError(f"{where}: file too large (EFBIG: the filesystem's or `ulimit -f` file-size limit); "
+                           f"raise the limit or pass a smaller --max-shard-size{again}")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return OutputError(f"{where}: cannot write ({exc.strerror}, {code}); choose a folder you can write to")
+    if exc.errno == errno.EISDIR:
+        return OutputError(f"{where} is a folder where fp4convert writes a file (EISDIR); remove it or choose "
+                           "another DST")
+    if exc.errno == errno.ENOTDIR:
+        return OutputError(f"{where}: part of the path is a file, not a folder (ENOTDIR); choose another DST")
+    if exc.errno == errno.EXDEV:
+        return OutputError(f"{where}: cannot rename across filesystems (EXDEV); choose a DST on one filesystem")
+    return OutputError(f"{where}: cannot write ({exc.strerror or exc}{', ' + code if code else ''}); "
+                       "check the destination folder")
+
+
+def source_error(exc: OSError, path: Path | str) -> SourceError:
+    """An OS error while reading the source (exit 4)."""
+    code = errno.errorcode.get(exc.errno or 0, "")
+    return SourceError(f"{exc.filename or path}: cannot read ({exc.strerror or exc}{', ' + code if code else ''}); "
+                       "check the file and its permissions")
+
+
+@contextmanager
+def writing(path: Path, resumable: bool = True) -> Iterator[None]:
+    """OS errors inside become OutputError naming ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        raise output_error(exc, path, resumable) from exc
+
+
+_pauses = 0
+
+
+def _test_pause() -> None:
+    """Test hooks at each step of a run (after a unit, between a shard's record and its rename, between the
+    finishing writes): FP4CONVERT_TEST_DELAY sleeps that many seconds, so a test can interrupt the run at
+    random moments; FP4CONVERT_TEST_KILL_AT=N SIGKILLs the process at the N-th step."""
+    global _pauses
+    delay = os.environ.get("FP4CONVERT_TEST_DELAY")
+    if delay:
+        time.sleep(float(delay))
+    kill_at = os.environ.get("FP4CONVERT_TEST_KILL_AT")
+    if kill_at:
+        _pauses += 1
+        if _pauses == int(kill_at):
+            os.kill(os.getpid(), 9)
+
+
+# ---------------------------------------------------------------------------------------------
 # Identity: what a resume must find unchanged
 # ---------------------------------------------------------------------------------------------
 
 def source_mtimes(source: Source) -> dict[str, int]:
-    """Modification times of local weight files: resume refuses if values changed but shapes did not."""
+    """Modification times of local weight files: a hint that values may have changed."""
     return {} if source.is_hub else {f: (source.root / f).stat().st_mtime_ns for f in source.weight_files}
 
 
 def source_fingerprint(source: Source) -> dict:
-    """What identifies the input: the Hub commit, or each local file's size and header hash."""
+    """What identifies the input: the Hub commit, or each local file's size, header hash and sampled content."""
     desc = source.describe()
     if source.is_hub:
         return desc
     files = {}
     for f in source.weight_files:
         path = source.root / f
-        files[f] = {"size": path.stat().st_size, "header_sha256": header_digest(path)}
+        try:
+            files[f] = {"size": path.stat().st_size, "header_sha256": header_digest(path),
+                        "sample_sha256": sample_digest(path)}
+        except OSError as exc:
+            raise source_error(exc, path) from exc
     return {**desc, "files": files}
 
 
@@ -87,82 +181,417 @@ def header_digest(path: Path) -> str:
         return hashlib.sha256(fh.read(n)).hexdigest()
 
 
+def sample_digest(path: Path) -> str:
+    """A cheap content fingerprint: sha256 of SAMPLE_COUNT blocks of 64 KiB at fixed offsets (first and
+    last included; the whole file when it is small), so changed values at equal shapes are noticed."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size <= SAMPLE_BLOCK * SAMPLE_COUNT:
+            offsets = [0]
+            block = size
+        else:
+            step = (size - SAMPLE_BLOCK) / (SAMPLE_COUNT - 1)
+            offsets = [round(i * step) for i in range(SAMPLE_COUNT)]
+            block = SAMPLE_BLOCK
+        for off in offsets:
+            fh.seek(off)
+            h.update(fh.read(block))
+    return h.hexdigest()
+
+
 def run_identity(config: ConvertConfig, source: Source, **extra) -> dict:
-    """The identity recorded in the progress record and the manifest."""
+    """The identity recorded in the progress record and the manifest (PROGRESS_ONLY keys: record only)."""
     identity = {"settings": config.identity(), "source": source_fingerprint(source), **extra,
                 "version": __version__}
     identity[MTIMES] = source_mtimes(source)
+    if getattr(config, "verify_source", False) and not source.is_hub:
+        hashes = {}
+        for f in source.weight_files:
+            try:
+                hashes[f] = file_digest(source.root / f)
+            except OSError as exc:
+                raise source_error(exc, source.root / f) from exc
+        identity[FULL_HASHES] = hashes
     return identity
+
+
+def _identity_mismatch(dst: Path, old: dict, new: dict, verify_source: bool) -> str | None:
+    """Why a run recorded as ``old`` cannot be resumed as ``new`` (None: it can): names the setting with
+    both values, or the changed source file."""
+    if not isinstance(old, dict):
+        return f"{dst}: the progress record holds no run identity; use --overwrite to start again"
+    os_, ns = old.get("settings"), new.get("settings")
+    if os_ != ns:
+        if isinstance(os_, dict):
+            diffs = [f"{k} was {os_.get(k)!r}, now {ns.get(k)!r}" for k in sorted(set(os_) | set(ns))
+                     if os_.get(k) != ns.get(k)]
+        else:
+            diffs = ["unreadable"]
+        return (f"{dst} was started with other settings ({'; '.join(diffs)}); --resume needs the same ones "
+                "(or use --overwrite to start again)")
+    osrc, nsrc = old.get("source"), new.get("source")
+    if osrc != nsrc:
+        osrc = osrc if isinstance(osrc, dict) else {}
+        ofiles, nfiles = osrc.get("files") or {}, nsrc.get("files") or {}
+        desc_old = {k: v for k, v in osrc.items() if k != "files"}
+        desc_new = {k: v for k, v in nsrc.items() if k != "files"}
+        if desc_old != desc_new:
+            why = f"was {desc_old}, now {desc_new}"
+        elif set(ofiles) != set(nfiles):
+            why = f"weight files were {sorted(ofiles)}, now {sorted(nfiles)}"
+        else:
+            f = next(f for f in sorted(nfiles) if ofiles[f] != nfiles[f])
+            what = [k for k in ("size", "header_sha256", "sample_sha256")
+                    if not isinstance(ofiles[f], dict) or ofiles[f].get(k) != nfiles[f].get(k)]
+            label = {"size": "size", "header_sha256": "header", "sample_sha256": "sampled content"}
+            why = f"{f} changed since the interrupted run ({', '.join(label[k] for k in what)} differ)"
+        return (f"{dst} was started from another source: {why}; --resume would mix old and new weights "
+                "(use --overwrite to start again)")
+    for k in sorted((set(old) | set(new)) - {"settings", "source", *PROGRESS_ONLY}):
+        if old.get(k) != new.get(k):
+            return (f"{dst} was started with other settings ({k} was {old.get(k)!r}, now {new.get(k)!r}); "
+                    "use --overwrite to start again")
+    if verify_source and nsrc.get("type") == "local":
+        recorded = old.get(FULL_HASHES)
+        if not isinstance(recorded, dict):
+            return (f"{dst}: the interrupted run recorded no full source hashes (it ran without --verify-source), "
+                    "so --verify-source cannot compare; resume without it, or use --overwrite")
+        for f, h in sorted(new.get(FULL_HASHES, {}).items()):
+            if recorded.get(f) != h:
+                return (f"{dst} was started from another source: {f} changed since the interrupted run "
+                        "(full sha256 differs); use --overwrite to start again")
+        return None
+    old_m = old.get(MTIMES)
+    if isinstance(old_m, dict):
+        for f, t in sorted((new.get(MTIMES) or {}).items()):
+            if old_m.get(f) != t:
+                return (f"{dst}: the source file {f} was modified since the interrupted run (its modification "
+                        "time changed); use --resume --verify-source to compare its full content if the run "
+                        "recorded it, else --overwrite to start again")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
 # Destination policy
 # ---------------------------------------------------------------------------------------------
 
-def prepare_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: dict, source: Source) -> dict:
-    """Refuse or clean DST as the flags say; return the finished files a resume may reuse."""
-    if dst.resolve() == source.root.resolve():
-        raise OutputError("the destination is the source folder; choose another one")
+@dataclass
+class _Session:
+    """A locked destination: released by finish() or by a failure in write_outputs()/finish()."""
+
+    dst: Path
+    fd: int
+    created: list[Path]  # folders this run created (innermost last)
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            (self.dst / LOCK_NAME).unlink(missing_ok=True)  # still held: no one else can be using it
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = -1
+        _SESSIONS.pop(_key(self.dst), None)
+
+    def fail(self) -> None:
+        """A failed run: drop the lock; remove what it created if it holds nothing."""
+        self.release()
+        for d in reversed(self.created):
+            try:
+                d.rmdir()  # only when empty
+            except OSError:
+                break
+
+
+_SESSIONS: dict[str, _Session] = {}
+
+
+def _key(dst: Path) -> str:
+    return os.path.abspath(dst)
+
+
+def _contained(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def check_paths(dst: Path, source: Source) -> None:
+    """DST inside SRC, SRC inside DST, or the same folder: refused before anything is written."""
+    d, s = dst.resolve(), source.root.resolve()
+    if d == s:
+        raise OutputError(f"{dst} is the source folder; choose another destination")
+    if _contained(d, s):
+        raise OutputError(f"{dst} is inside the source folder {source.root}; fp4convert never writes into its "
+                          "source: choose a destination outside it")
+    if _contained(s, d):
+        raise OutputError(f"the source {source.root} is inside the destination {dst}; choose a destination "
+                          "that does not contain the source")
+
+
+def _make_dst(dst: Path) -> list[Path]:
+    """Create DST (and missing parents); the folders created, outermost first."""
+    if dst.is_symlink() and not dst.exists():
+        raise OutputError(f"{dst} is a symlink to {os.readlink(dst)}, which does not exist; create that folder "
+                          "or choose another DST")
     if dst.exists() and not dst.is_dir():
-        raise OutputError(f"{dst} exists and is not a folder")
-    existing = [p for p in dst.iterdir()] if dst.exists() else []
+        raise OutputError(f"{dst} exists and is not a folder; choose another DST")
+    missing = []
+    p = Path(os.path.abspath(dst))
+    while not p.exists() and not p.is_symlink():
+        missing.append(p)
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        raise OutputError(f"{dst}: {p} is a file, not a folder; choose another DST")
+    created = []
+    for d in reversed(missing):
+        with writing(d, resumable=False):
+            try:
+                d.mkdir()
+            except FileExistsError:
+                continue  # a concurrent run made it: the lock decides who goes on
+        created.append(d)
+    return created
+
+
+def _lock(dst: Path) -> int:
+    """flock DST/.fp4convert.lock (the kernel releases it if we die); refuse while another run holds it."""
+    path = dst / LOCK_NAME
+    while True:
+        with writing(path, resumable=False):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise OutputError(f"{dst} is in use by another fp4convert run (pid {pid}, lock {path}); wait for it "
+                              "to finish or choose another DST") from None
+        except OSError as exc:
+            os.close(fd)
+            raise output_error(exc, path, resumable=False) from exc
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino  # not a lock file a finishing run just removed
+        except FileNotFoundError:
+            same = False
+        if same:
+            with writing(path, resumable=False):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)
+
+
+def prepare_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: dict, source: Source) -> dict:
+    """Check, lock and (for --overwrite) clean DST as the flags say; return the finished files a resume may reuse.
+
+    The lock and the cleanup of a failed run are handed to :func:`write_outputs` and :func:`finish`.
+    """
+    dst = Path(dst)
+    check_paths(dst, source)
+    created = _make_dst(dst)
+    try:
+        fd = _lock(dst)
+    except BaseException:
+        for d in reversed(created):
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+    session = _Session(dst, fd, created)
+    _SESSIONS[_key(dst)] = session
+    try:
+        return _check_destination(dst, plan, config, identity, source)
+    except BaseException:
+        session.fail()
+        raise
+
+
+def _planned_names(plan: Plan, source: Source) -> set[str]:
+    """Every file (relative path) a run writes into DST."""
+    names = {f for f, _ in plan.shards} | {INDEX_NAME, MANIFEST_NAME, PROGRESS_NAME, LOCK_NAME, *FORMAT_FILES}
+    names |= {p.relative_to(source.root).as_posix() for p in source.other_files()}
+    return names
+
+
+def _dst_files(dst: Path) -> list[str]:
+    """Every entry below DST (files, symlinks, and folders that hold no files), relative posix names."""
+    out = []
+    for root, dirs, files in os.walk(dst):
+        rel_root = Path(root).relative_to(dst)
+        for name in files:
+            out.append((rel_root / name).as_posix())
+        for name in list(dirs):
+            p = Path(root) / name
+            if p.is_symlink():
+                out.append((rel_root / name).as_posix())
+                dirs.remove(name)
+    return sorted(out)
+
+
+def _read_record(path: Path, kind: str) -> tuple[dict | None, str | None]:
+    """(the record, None) if ``path`` holds a valid manifest/progress record, else (None, why not)."""
+    try:
+        obj = json.loads(path.read_text())
+    except OSError as exc:
+        raise output_error(exc, path, resumable=False) from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        return None, f"{path.name} is not valid JSON ({str(exc).splitlines()[0][:80]}; truncated?)"
+    if kind == "manifest":
+        why = manifest_problem(obj)
+    else:
+        why = None
+        if not isinstance(obj, dict) or not isinstance(obj.get("identity"), dict):
+            why = "it is not an fp4convert progress record"
+        elif not isinstance(obj.get("files"), dict) or not isinstance(obj.get("tensors", {}), dict):
+            why = "its file list is malformed"
+        elif any(not isinstance(r, dict) or not isinstance(r.get("sha256"), str) or not isinstance(r.get("size"), int)
+                 for r in obj["files"].values()):
+            why = "a file record is malformed"
+        elif not all(isinstance(n, str) for n in obj.get("pending", [])):
+            why = "its pending list is malformed"
+    return (obj, None) if why is None else (None, f"{path.name}: {why}")
+
+
+def _owned(dst: Path, records: list[dict], files: list[str]) -> set[str]:
+    """The files in DST this tool wrote, as a valid record proves: our own control files, shard-named
+    files and the index, and other listed files whose bytes still match the recorded checksum."""
+    owned = {LOCK_NAME} & set(files)
+    if not records:
+        return owned
+    listed: dict[str, dict | None] = {}
+    for r in records:
+        for name, rec in r.get("files", {}).items():
+            listed[name] = rec
+        for name in r.get("pending", []):
+            if not name.endswith(".safetensors") or _SHARD_NAME.match(name):
+                listed.setdefault(name, None)
+    ours_by_name = {MANIFEST_NAME, PROGRESS_NAME, INDEX_NAME, LOCK_NAME}
+
+    def is_ours(name: str) -> bool:
+        if name in ours_by_name or (_SHARD_NAME.match(name) and name in listed):
+            return True
+        if name not in listed:
+            return False
+        rec = listed[name]
+        if rec is None:  # named in the progress record before finish wrote it
+            return True
+        p = dst / name
+        try:
+            return (p.is_file() and not p.is_symlink() and p.stat().st_size == rec.get("size")
+                    and file_digest(p) == rec.get("sha256"))
+        except OSError:
+            return False
+
+    for name in files:
+        base = name[: -len(".partial")] if name.endswith(".partial") else name
+        if is_ours(base) or (base != name and _SHARD_NAME.match(base)):
+            owned.add(name)
+    return owned
+
+
+def _check_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: dict, source: Source) -> dict:
+    files = _dst_files(dst)
+    existing = [f for f in files if f != LOCK_NAME]
     done: dict = {}
     if existing and not (config.overwrite or config.resume):
         raise OutputError(f"{dst} exists and is not empty; pass --overwrite to replace it or --resume to continue")
+    records, damaged = [], []
+    for name, kind in ((MANIFEST_NAME, "manifest"), (PROGRESS_NAME, "progress")):
+        if (dst / name).is_file():
+            rec, why = _read_record(dst / name, kind)
+            if rec is not None:
+                records.append(rec)
+            else:
+                damaged.append(why)
+        elif (dst / name).exists():
+            raise OutputError(f"{dst / name} is not a file; remove it or choose another DST")
+    owned = _owned(dst, records, files)
+    planned = _planned_names(plan, source)
+    foreign = []
+    for f in existing:
+        base = f[: -len(".partial")] if f.endswith(".partial") else f
+        if f not in owned and (base in planned or f.endswith((".safetensors", ".safetensors.index.json"))):
+            foreign.append(f)  # we would overwrite it, or loaders would take it for weights
+    for p in sorted(planned):  # a folder (or a file) in the way of a file we write
+        q = dst / p
+        if q.is_dir() and not q.is_symlink():
+            foreign.append(p + "/")
+        for parent in list(Path(p).parents)[:-1]:
+            if (dst / parent).exists() and not (dst / parent).is_dir():
+                foreign.append(parent.as_posix())
+    why = f" ({'; '.join(damaged)})" if damaged else ""
+    if foreign:
+        names = sorted(set(foreign))
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise OutputError(f"{dst} holds files fp4convert did not write (no valid manifest or progress record lists "
+                          f"them{why}): {shown}; remove them or choose another folder")
+    if damaged and config.resume:
+        raise OutputError(f"{dst}: {'; '.join(damaged)}; --resume cannot trust this folder: remove it (or the "
+                          "damaged file) or choose another DST")
     if existing and config.overwrite:
-        _remove_outputs(dst)
-    if existing and config.resume:
-        done = _resumable(dst, identity)
-    dst.mkdir(parents=True, exist_ok=True)
-    need = sum(e.nbytes for f, entries in plan.shards if f not in done for e in entries)
-    free = shutil.disk_usage(dst).free
-    if need > free:
-        raise OutputError(f"{dst}: needs {need / 1e9:.2f} GB for the output, only {free / 1e9:.2f} GB free")
+        for f in sorted(owned - {LOCK_NAME}):
+            with writing(dst / f, resumable=False):
+                (dst / f).unlink(missing_ok=True)
+        done = {}
+    elif existing and config.resume:
+        done = _resumable(dst, records, identity, config)
+    _check_space(dst, plan, source, done)
     return done
 
 
-def _remove_outputs(dst: Path) -> None:
-    """--overwrite: remove what an earlier conversion wrote, and nothing else."""
-    names = {MANIFEST_NAME, PROGRESS_NAME, INDEX_NAME}
-    manifest = dst / MANIFEST_NAME
-    if manifest.exists():
+def _check_space(dst: Path, plan: Plan, source: Source, done: dict) -> None:
+    """Every byte the run writes: shard headers and data, copied files, format files, index, manifest, record."""
+    need = 0
+    for f, entries in plan.shards:
+        if f not in done:
+            need += len(header_bytes(entries, {"format": "pt"})) + sum(e.nbytes for e in entries)
+    for p in source.other_files():
         try:
-            names.update(json.loads(manifest.read_text()).get("files", {}))
-        except json.JSONDecodeError:
-            pass
-    for p in dst.iterdir():
-        if p.is_file() and (p.name in names or p.suffix == ".safetensors" or p.name.endswith(".partial")):
-            p.unlink()
+            need += p.stat().st_size
+        except OSError as exc:
+            raise source_error(exc, p) from exc
+    n_out = sum(len(d.outputs) for d in plan.decisions)
+    index_est = 100 * n_out + 1000
+    manifest_est = 600 * len(plan.decisions) + 120 * n_out + 300 * (len(plan.shards) + 20) + 8000
+    record_est = 200 * len(plan.decisions) + 200 * len(plan.shards) + 4000
+    need += index_est + manifest_est + 2 * record_est + (64 << 10)  # + config files, the lock: slack
+    try:
+        free = shutil.disk_usage(dst).free
+    except OSError as exc:
+        raise output_error(exc, dst, resumable=False) from exc
+    if need > free:
+        raise OutputError(f"{dst}: needs {human_bytes(need)} for the output, only {human_bytes(free)} free; "
+                          "free some space or choose another folder")
 
 
-def _resumable(dst: Path, identity: dict) -> dict:
-    """Finished shards of an interrupted run with the same settings, re-verified by checksum."""
-    progress = dst / PROGRESS_NAME
-    manifest = dst / MANIFEST_NAME
-    path = progress if progress.exists() else manifest if manifest.exists() else None
-    if path is None:
-        if any(p.suffix == ".safetensors" for p in dst.iterdir()):
-            raise OutputError(f"{dst}: has safetensors files but no fp4convert progress record; use --overwrite")
+def _resumable(dst: Path, records: list[dict], identity: dict, config: ConvertConfig) -> dict:
+    """Finished shards of an interrupted run with the same settings and source, re-verified by checksum."""
+    state = records[-1] if records else None  # the progress record when there is one, else the manifest
+    if state is None:
         return {}
-    state = json.loads(path.read_text())
-    stable = {k: v for k, v in identity.items() if k != MTIMES}
-    if {k: v for k, v in state.get("identity", {}).items() if k != MTIMES} != stable:
-        raise OutputError(
-            f"{dst} was started with other settings or another source; --resume needs the same ones "
-            "(or use --overwrite to start again)"
-        )
-    if MTIMES in state.get("identity", {}) and state["identity"][MTIMES] != identity.get(MTIMES):
-        raise OutputError(
-            f"{dst}: the source's weight files were modified since the interrupted run; "
-            "use --overwrite to start again"
-        )
+    mismatch = _identity_mismatch(dst, state.get("identity"), identity, getattr(config, "verify_source", False))
+    if mismatch:
+        raise OutputError(mismatch)
     done = {}
     for f, rec in state.get("files", {}).items():
+        if not _SHARD_NAME.match(f):
+            continue
         p = dst / f
-        if p.exists() and p.stat().st_size == rec["size"] and file_digest(p) == rec["sha256"]:
-            done[f] = rec
-        else:
-            log.info("resume: %s is missing or differs, rewriting it", f)
+        partial = p.with_name(p.name + ".partial")
+        try:
+            if not p.exists() and partial.is_file() and partial.stat().st_size == rec["size"] \
+                    and file_digest(partial) == rec["sha256"]:
+                os.replace(partial, p)  # recorded as finished just before its rename: finish the rename
+            if p.is_file() and p.stat().st_size == rec["size"] and file_digest(p) == rec["sha256"]:
+                done[f] = {"sha256": rec["sha256"], "size": rec["size"]}
+                continue
+        except OSError as exc:
+            raise output_error(exc, p) from exc
+        log.info("resume: %s is missing or differs, rewriting it", f)
     done["__tensors__"] = state.get("tensors", {})
     return done
 
@@ -170,6 +599,43 @@ def _resumable(dst: Path, identity: dict) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Shards
 # ---------------------------------------------------------------------------------------------
+
+def _copy_file(src: Path, dst: Path) -> None:
+    """Copy a whole file, telling a read error (the source's) from a write error (the destination's)."""
+    try:
+        fin = open(src, "rb")
+    except OSError as exc:
+        raise source_error(exc, src) from exc
+    with fin:
+        with writing(dst):
+            fout = open(dst, "wb")
+        with fout:
+            while True:
+                try:
+                    block = fin.read(_COPY_CHUNK)
+                except OSError as exc:
+                    raise source_error(exc, src) from exc
+                if not block:
+                    break
+                with writing(dst):
+                    fout.write(block)
+            with writing(dst):
+                fout.flush()
+
+
+def _nonfinite(dtype: str, block: bytes | bytearray) -> bool:
+    """Does this chunk of a kept tensor's bytes hold NaN or Inf? (cheap: one vectorized pass)."""
+    if dtype in ("F64", "F32", "F16", "BF16"):
+        tdt = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[dtype]
+        t = torch.frombuffer(block, dtype=tdt)
+        return not bool(torch.isfinite(t).all())
+    if dtype in ("F8_E4M3", "F8_E5M2"):
+        u = torch.frombuffer(block, dtype=torch.uint8)
+        if dtype == "F8_E4M3":
+            return bool(((u & 0x7F) == 0x7F).any())
+        return bool(((u & 0x7C) == 0x7C).any())
+    return False
+
 
 class ShardWriters:
     """Open output shards (at most two at once: a unit can straddle a boundary)."""
@@ -179,6 +645,7 @@ class ShardWriters:
         self.entries = dict(plan.shards)
         self.shard_of = plan.shard_of()
         self.open: dict[str, StreamWriter] = {}
+        self.nonfinite: dict[str, str] = {}  # kept tensors copied with NaN/Inf: name -> source file
 
     def skip(self, name: str) -> bool:
         return self.shard_of[name] in self.done
@@ -186,36 +653,85 @@ class ShardWriters:
     def _writer(self, name: str) -> StreamWriter:
         f = self.shard_of[name]
         if f not in self.open:
-            self.open[f] = StreamWriter(self.dst / f, self.entries[f], {"format": "pt"})
+            try:
+                with writing(self.dst / f):
+                    self.open[f] = StreamWriter(self.dst / f, self.entries[f], {"format": "pt"})
+            except BaseException:
+                (self.dst / (f + ".partial")).unlink(missing_ok=True)
+                raise
         return self.open[f]
 
     def _maybe_close(self, f: str) -> None:
         w = self.open[f]
         if w.complete:
-            w.close()
-            del self.open[f]
+            # Record the finished shard (checksum, size) first, then rename it: an interruption
+            # in between leaves a record that --resume can use (it checks the file either way).
             self.on_close(f, {"sha256": w.sha256.hexdigest(), "size": w.size})
-            log.info("wrote %s (%.1f MB)", f, w.size / 1e6)
+            _test_pause()
+            with writing(self.dst / f):
+                w.close()
+            del self.open[f]
+            log.info("wrote %s (%s)", f, human_bytes(w.size))
 
     def tensor(self, name: str, t: torch.Tensor) -> None:
         if self.skip(name):
             return
         w = self._writer(name)
-        w.write_tensor(name, t)
+        with writing(w.partial):
+            w.write_tensor(name, t)
         self._maybe_close(self.shard_of[name])
 
     def raw(self, name: str, path: Path, info: TensorInfo) -> None:
-        """Copy a kept tensor's bytes unchanged."""
-        if self.skip(name):
+        """Copy a kept tensor's bytes unchanged, checking floats for NaN/Inf as they stream."""
+        # A unit re-done on resume (its shard was finished, its record was not saved yet) is read again
+        # for the NaN/Inf check only, so its warning is the same as in an uninterrupted run.
+        w = None if self.skip(name) else self._writer(name)
+        if w is not None:
+            w._expect(name, info.nbytes)
+        elif info.dtype not in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"):
             return
-        w = self._writer(name)
-        w.copy_raw(name, path, info)
-        self._maybe_close(self.shard_of[name])
+        bad = False
+        try:
+            fh = open(path, "rb")
+        except OSError as exc:
+            raise source_error(exc, path) from exc
+        with fh:
+            buf = bytearray(min(_COPY_CHUNK, info.nbytes))
+            left = info.nbytes
+            try:
+                fh.seek(info.begin)
+            except OSError as exc:
+                raise source_error(exc, path) from exc
+            while left:
+                view = memoryview(buf)[: min(len(buf), left)]
+                try:
+                    got = fh.readinto(view)
+                except OSError as exc:
+                    raise source_error(exc, path) from exc
+                if not got:
+                    raise SourceError(f"{info.file}: tensor {name!r} is truncated (the file ended while copying it)")
+                if not bad:
+                    bad = _nonfinite(info.dtype, view[:got])
+                if w is not None:
+                    with writing(w.partial):
+                        w.write(view[:got])
+                left -= got
+        if bad:
+            self.nonfinite[name] = info.file
+        if w is not None:
+            self._maybe_close(self.shard_of[name])
 
     def abort(self) -> None:
         for w in self.open.values():
-            w.abort()
+            try:
+                w.abort()
+            except OSError:
+                pass
         self.open.clear()
+
+
+def nonfinite_warning(name: str, file: str) -> str:
+    return f"{name} (kept unquantized, in {file}) holds NaN or Inf values; they were copied unchanged"
 
 
 def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: Progress, process: UnitFn,
@@ -223,8 +739,9 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
     """Stream every work unit's outputs into the planned shards; ``process`` makes a unit's tensors.
 
     ``start`` is told up front which units will be processed (those a resume does not skip), so
-    their reading can begin ahead of time.
+    their reading can begin ahead of time. On failure the open shards are removed and DST released.
     """
+    session = _SESSIONS.get(_key(dst))
     tensors_state: dict = dict(done.get("__tensors__", {}))
     files_state = {f: rec for f, rec in done.items() if not f.startswith("__")}
 
@@ -238,30 +755,55 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
         outputs = [e.name for d in unit for e in d.outputs]
         return all(writers.skip(n) for n in outputs) and all(d.name in tensors_state for d in unit)
 
-    units = plan.units()
-    pending = [u for u in units if not finished(u)]
-    if start is not None:
-        start(pending)
-    pending_ids = {id(u) for u in pending}
     try:
+        _save_progress(dst, identity, files_state, tensors_state)  # a record exists before any shard does
+        units = plan.units()
+        pending = [u for u in units if not finished(u)]
+        if start is not None:
+            start(pending)
+        pending_ids = {id(u) for u in pending}
         for unit in units:
             if id(unit) not in pending_ids:
                 progress(sum(d.info.nbytes for d in unit))
                 continue
-            tensors_state.update(process(unit, writers))
+            records = process(unit, writers)
+            for n, file in writers.nonfinite.items():
+                if n in records:
+                    records[n] = {**records[n], "nonfinite": True}
+                    log.warning("warning: %s", nonfinite_warning(n, file))
+            tensors_state.update(records)
             progress(sum(d.info.nbytes for d in unit))
-    except BaseException:
+            _test_pause()
+        if writers.open:  # the plan and the work disagree: never leave this silently
+            raise RuntimeError("internal: output shards left incomplete")
+        _save_progress(dst, identity, files_state, tensors_state)
+    except BaseException as exc:
         writers.abort()
+        if not files_state:  # nothing finished: nothing to resume, leave no trace
+            (dst / PROGRESS_NAME).unlink(missing_ok=True)
+        (dst / (PROGRESS_NAME + ".partial")).unlink(missing_ok=True)
+        if session is not None:
+            session.fail()
+        if isinstance(exc, OSError) and not isinstance(exc, FP4ConvertError):
+            where = Path(exc.filename) if exc.filename else None
+            if where is not None and _contained(Path(os.path.abspath(where)), Path(os.path.abspath(dst))):
+                raise output_error(exc, where) from exc
+            raise source_error(exc, where or "a source file") from exc
         raise
-    if writers.open:  # the plan and the work disagree: never leave this silently
-        writers.abort()
-        raise RuntimeError("internal: output shards left incomplete")
-    _save_progress(dst, identity, files_state, tensors_state)
+    for n, rec in tensors_state.items():
+        if rec.get("nonfinite"):
+            d = plan.by_name.get(n)
+            w = nonfinite_warning(n, d.info.file if d else "?")
+            if w not in plan.warnings:
+                plan.warnings.append(w)
 
 
-def _save_progress(dst: Path, identity: dict, files: dict, tensors: dict) -> None:
+def _save_progress(dst: Path, identity: dict, files: dict, tensors: dict, pending: list[str] | None = None) -> None:
     state = {"identity": identity, "files": files, "tensors": tensors}
-    atomic_write(dst / PROGRESS_NAME, json.dumps(state, indent=1, sort_keys=True))
+    if pending:
+        state["pending"] = pending
+    with writing(dst / PROGRESS_NAME):
+        atomic_write(dst / PROGRESS_NAME, json.dumps(state, indent=1, sort_keys=True))
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -276,21 +818,53 @@ def atomic_write(path: Path, text: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict) -> None:
-    """Other files, the index, then the manifest (last: its presence means 'finished')."""
+    """Other files, the index, then the manifest (last: its presence means 'finished'); releases DST."""
+    session = _SESSIONS.get(_key(dst))
+    try:
+        _finish(source, plan, fmt, dst, identity)
+    except BaseException as exc:
+        for name in _planned_names(plan, source) - {f for f, _ in plan.shards}:  # only our own temporary files
+            try:
+                (dst / (name + ".partial")).unlink(missing_ok=True)
+            except OSError:
+                pass
+        if session is not None:
+            session.fail()
+        if isinstance(exc, OSError) and not isinstance(exc, FP4ConvertError):
+            raise output_error(exc, exc.filename or dst) from exc
+        raise
+    if session is not None:
+        session.release()
+
+
+def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict) -> None:
     state = json.loads((dst / PROGRESS_NAME).read_text())
+    others = source.other_files()
+    rels = [p.relative_to(source.root).as_posix() for p in others]
+    # Name every file finish writes in the record first: --overwrite then knows they are ours.
+    _save_progress(dst, identity, state["files"], state["tensors"], sorted({INDEX_NAME, *rels, *FORMAT_FILES}))
     written = [INDEX_NAME]
-    for p in source.other_files():
-        written.append(p.relative_to(source.root).as_posix())
-        target = dst / p.relative_to(source.root)
-        target.parent.mkdir(parents=True, exist_ok=True)
+    for p, rel in zip(others, rels):
+        written.append(rel)
+        target = dst / rel
         tmp = target.with_name(target.name + ".partial")
-        shutil.copyfile(p, tmp)
-        os.replace(tmp, target)
-    written += fmt.finalize(dst, plan.output_info(source.config()))
+        with writing(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+        _copy_file(p, tmp)
+        with writing(target):
+            os.replace(tmp, target)
+        _test_pause()
+    with writing(dst):
+        written += fmt.finalize(dst, plan.output_info(source.config()))
     shard_of = plan.shard_of()
     total = sum(e.nbytes for _, entries in plan.shards for e in entries)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(shard_of.items()))}
-    atomic_write(dst / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-    manifest = build_manifest(plan, fmt, source, identity, state, dst, written)
-    atomic_write(dst / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    (dst / PROGRESS_NAME).unlink()
+    with writing(dst / INDEX_NAME):
+        atomic_write(dst / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    _test_pause()
+    with writing(dst / MANIFEST_NAME):
+        manifest = build_manifest(plan, fmt, source, identity, state, dst, written)
+        atomic_write(dst / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    _test_pause()
+    with writing(dst / PROGRESS_NAME):
+        (dst / PROGRESS_NAME).unlink()

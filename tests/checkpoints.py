@@ -288,3 +288,51 @@ def big(path: Path, *, layers: int = 16, dim: int = 1024, shards: int = 4, seed:
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (path / "config.json").write_text(json.dumps(llama_config(dim, layers)))
     return dim * dim * 2
+
+
+def nan_checkpoint(path: Path, bad: str = "model.layers.0.mlp.down_proj.weight") -> str:
+    """A one-layer Llama whose tensor ``bad`` holds a NaN (quantized by default: exit 3; --ignore it: a warning)."""
+    t = llama(path, layers=1, single=True)
+    t[bad][3, 5] = float("nan")
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return bad
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every entry under root: relative name -> sha256 of a file, 'dir' or 'link:TARGET' (to assert a folder unchanged)."""
+    import hashlib
+    import os
+
+    root = Path(root)
+    out = {}
+    if not root.exists() and not root.is_symlink():
+        return out
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if p.is_symlink():
+                out[rel] = "link:" + os.readlink(p)
+            elif p.is_dir():
+                out[rel] = "dir"
+            else:
+                out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
+    """Make a convert() die at the first quantized unit after a shard has been finished; ``hard``: like a
+    kill -9, no cleanup at all (.partial files stay behind)."""
+    import fp4convert.convert as convert_mod
+    from fp4convert.safetensors_io import StreamWriter
+
+    real = convert_mod._quantize_unit
+
+    def flaky(*a, **kw):
+        if list(Path(dst).glob("*.safetensors")):
+            raise RuntimeError("simulated crash")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(convert_mod, "_quantize_unit", flaky)
+    if hard:
+        monkeypatch.setattr(StreamWriter, "abort", lambda self: None)

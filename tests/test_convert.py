@@ -291,20 +291,10 @@ def test_destination_is_source_refused(llama_src) -> None:
         convert(llama_src, llama_src, cfg(overwrite=True))
 
 
-def nan_checkpoint(path: Path) -> str:
-    t = ck.llama(path, layers=1, single=True)
-    bad = "model.layers.0.mlp.down_proj.weight"
-    t[bad][3, 5] = float("nan")
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return bad
-
-
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
 def test_nan_refused_naming_the_tensor(tmp_path, scheme) -> None:
     src = tmp_path / "nan"
-    bad = nan_checkpoint(src)
+    bad = ck.nan_checkpoint(src)
     dst = tmp_path / "q"
     with pytest.raises(NonFiniteError, match=bad.replace(".", r"\.")):
         convert(src, dst, cfg(scheme=scheme))
@@ -337,27 +327,13 @@ def test_already_quantized_source_refused(llama_src, llama_out, tmp_path) -> Non
 
 # --- crash and resume --------------------------------------------------------------------------
 
-def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
-    """Make the run die at the first quantized unit after a shard has been finished."""
-    real = convert_mod._quantize_unit
-
-    def flaky(*a, **kw):
-        if list(dst.glob("*.safetensors")):
-            raise RuntimeError("simulated crash")
-        return real(*a, **kw)
-
-    monkeypatch.setattr(convert_mod, "_quantize_unit", flaky)
-    if hard:  # like a kill -9: no cleanup at all, .partial files stay behind
-        monkeypatch.setattr(StreamWriter, "abort", lambda self: None)
-
-
 @pytest.mark.parametrize("hard", [False, True])
 def test_crash_then_resume(llama_src, llama_out, tmp_path, monkeypatch, hard) -> None:
     ref_dst, _ = llama_out
     dst = tmp_path / "q"
     c = cfg(max_shard_size=6000)
     with monkeypatch.context() as mp:
-        crash_after_first_shard(mp, dst, hard)
+        ck.crash_after_first_shard(mp, dst, hard)
         with pytest.raises(RuntimeError, match="simulated crash"):
             convert(llama_src, dst, c)
     finished = sorted(dst.glob("*.safetensors"))
@@ -394,7 +370,7 @@ def test_resume_rewrites_a_corrupted_shard(llama_src, llama_out, tmp_path, monke
     ref_dst, _ = llama_out
     dst = tmp_path / "q"
     with monkeypatch.context() as mp:
-        crash_after_first_shard(mp, dst)
+        ck.crash_after_first_shard(mp, dst)
         with pytest.raises(RuntimeError):
             convert(llama_src, dst, cfg(max_shard_size=6000))
     first = sorted(dst.glob("*.safetensors"))[0]
@@ -411,7 +387,7 @@ def test_resume_refused_when_source_changed(llama_src, tmp_path, monkeypatch) ->
     ck.llama(src)
     dst = tmp_path / "q"
     with monkeypatch.context() as mp:
-        crash_after_first_shard(mp, dst)
+        ck.crash_after_first_shard(mp, dst)
         with pytest.raises(RuntimeError):
             convert(src, dst, cfg(max_shard_size=6000))
     ck.llama(src, seed=0, hidden=96)  # other shapes: other headers

@@ -1,0 +1,103 @@
+"""Shared fixtures: ``cli_procs`` runs the command line in real processes (to kill, interrupt or limit them).
+
+A process that imported fp4convert (and torch, ~6 s) once forks a child per run, so a test can
+SIGKILL or SIGINT a real run many times in a few seconds. The fork happens before any torch work,
+so no thread pool is inherited.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_ZYGOTE = r"""
+import json, os, resource, signal, sys, time
+import fp4convert.cli
+from fp4convert.cli import main
+out = sys.stdout
+for line in sys.stdin:
+    req = json.loads(line)
+    if req["op"] == "wait":
+        pid, deadline = req["pid"], time.monotonic() + req["timeout"]
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                code = "timeout"
+                break
+            time.sleep(0.005)
+        out.write(json.dumps(code) + "\n"); out.flush()
+        continue
+    pid = os.fork()
+    if pid == 0:
+        code = 98
+        try:
+            os.environ.update(req.get("env", {}))
+            if req.get("fsize"):
+                resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
+            fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1); os.dup2(fd, 2)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                main(req["args"], prog_name="fp4convert")
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            try:
+                sys.stdout.flush(); sys.stderr.flush()
+            finally:
+                os._exit(code)
+    out.write(json.dumps(pid) + "\n"); out.flush()
+"""
+
+
+class CliProcs:
+    """Start ``fp4convert ARGS`` in a child process; kill, interrupt or wait for it."""
+
+    def __init__(self, tmp: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+        self.tmp = tmp
+        self.n = 0
+        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, text=True)
+
+    def _ask(self, req: dict):
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def start(self, *args, env: dict | None = None, fsize: int | None = None) -> tuple[int, Path]:
+        self.n += 1
+        log = self.tmp / f"run{self.n}.log"
+        pid = self._ask({"op": "run", "args": [str(a) for a in args], "env": env or {}, "fsize": fsize,
+                         "log": str(log)})
+        return pid, log
+
+    def wait(self, pid: int, timeout: float = 60) -> int | str:
+        return self._ask({"op": "wait", "pid": pid, "timeout": timeout})
+
+    def run(self, *args, **kw) -> tuple[int | str, str]:
+        pid, log = self.start(*args, **kw)
+        code = self.wait(pid)
+        return code, log.read_text()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def cli_procs(tmp_path_factory):
+    procs = CliProcs(tmp_path_factory.mktemp("procs"))
+    yield procs
+    procs.close()

@@ -1,0 +1,110 @@
+"""kill -9 at random moments, then --resume: the output is byte-identical to an uninterrupted run.
+
+Runs are real processes (forked from one that imported fp4convert, see conftest.cli_procs), slowed
+down by FP4CONVERT_TEST_DELAY so that a kill lands anywhere: while a shard is written, between a
+shard's progress record and its rename, while the other files, the index or the manifest are written.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+import os
+from pathlib import Path
+
+import pytest
+
+from . import checkpoints as ck
+
+SEED = 1212
+KILLS = 12
+DELAY = "0.01"
+ARGS = ("--device", "cpu", "--max-shard-size", "6KB", "-q")
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("src")
+    ck.llama(p, zoo=True)
+    return p
+
+
+@pytest.fixture(scope="module")
+def reference(src, cli_procs, tmp_path_factory) -> tuple[Path, float]:
+    """An uninterrupted run (and how long a slowed-down run takes, to spread the kills over it)."""
+    dst = tmp_path_factory.mktemp("ref") / "q"
+    code, log = cli_procs.run("quantize", src, dst, *ARGS)
+    assert code == 0, log
+    t0 = time.monotonic()
+    slow = tmp_path_factory.mktemp("slow") / "q"
+    code, log = cli_procs.run("quantize", src, slow, *ARGS, env={"FP4CONVERT_TEST_DELAY": DELAY})
+    assert code == 0, log
+    return dst, time.monotonic() - t0
+
+
+def test_kill_at_random_points_then_resume(src, reference, cli_procs, tmp_path) -> None:
+    ref, slow_s = reference
+    rng = random.Random(SEED)
+    t_start = time.monotonic()
+    before = ck.tree(src)
+    moments = []
+    for i in range(KILLS):
+        dst = tmp_path / f"q{i}"
+        at = rng.uniform(0, slow_s)
+        pid, log = cli_procs.start("quantize", src, dst, "--resume", *ARGS, env={"FP4CONVERT_TEST_DELAY": DELAY})
+        time.sleep(at)
+        os.kill(pid, signal.SIGKILL)
+        code = cli_procs.wait(pid)
+        moments.append((round(at, 3), code))
+        # A second kill in the resumed run, then a clean --resume must finish it.
+        pid, log = cli_procs.start("quantize", src, dst, "--resume", *ARGS, env={"FP4CONVERT_TEST_DELAY": DELAY})
+        time.sleep(rng.uniform(0, slow_s / 2))
+        os.kill(pid, signal.SIGKILL)
+        cli_procs.wait(pid)
+        code, out = cli_procs.run("quantize", src, dst, "--resume", *ARGS)
+        assert code == 0, (i, at, out)
+        assert ck.all_files(dst) == ck.all_files(ref), (i, at)  # manifest included, no lock or .partial left
+    assert ck.tree(src) == before
+    print(f"seed {SEED}: killed at {moments} (seconds into a {slow_s:.2f} s run); {time.monotonic() - t_start:.1f} s")
+    assert [c for _, c in moments].count(-9) >= KILLS // 2  # most kills landed mid-run
+
+
+def test_overwrite_after_kill(src, reference, cli_procs, tmp_path) -> None:
+    """A killed run's DST is ours: --overwrite replaces it (nothing refused, nothing foreign kept)."""
+    ref, slow_s = reference
+    dst = tmp_path / "q"
+    pid, _ = cli_procs.start("quantize", src, dst, *ARGS, env={"FP4CONVERT_TEST_DELAY": DELAY})
+    time.sleep(slow_s / 2)
+    os.kill(pid, signal.SIGKILL)
+    assert cli_procs.wait(pid) == -9
+    assert (dst / ".fp4convert-progress.json").exists()
+    code, out = cli_procs.run("quantize", src, dst, "--overwrite", *ARGS)
+    assert code == 0, out
+    assert ck.all_files(dst) == ck.all_files(ref)
+
+
+def test_kill_at_every_step_then_resume(cli_procs, tmp_path) -> None:
+    """SIGKILL at each step in turn (after every unit, between every shard's record and its rename, between
+    the finishing writes): --resume always finishes, byte-identical."""
+    src = tmp_path / "src"
+    ck.llama(src, layers=1)
+    args = ("--device", "cpu", "--max-shard-size", "4KB", "-q")
+    ref = tmp_path / "ref"
+    code, log = cli_procs.run("quantize", src, ref, *args)
+    assert code == 0, log
+    expected = ck.all_files(ref)
+    step, killed = 0, 0
+    while True:
+        step += 1
+        dst = tmp_path / f"q{step}"
+        code, log = cli_procs.run("quantize", src, dst, *args, env={"FP4CONVERT_TEST_KILL_AT": str(step)})
+        if code == 0:
+            break  # the run has fewer steps than this: every step was covered
+        assert code == -9, (step, log)
+        killed += 1
+        code, log = cli_procs.run("quantize", src, dst, "--resume", *args)
+        assert code == 0, (step, log)
+        assert ck.all_files(dst) == expected, step
+    assert killed >= 20
+    print(f"killed at each of {killed} steps, each resumed byte-identically")

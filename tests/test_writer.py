@@ -1,0 +1,273 @@
+"""The writer's safety rules one by one: record before rename, the lock, fingerprints, resume refusals,
+the space pre-check, NaN/Inf detection in copied tensors, adaptive units."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import fp4convert.convert as conv
+import fp4convert.writer as writer
+from fp4convert.config import ConvertConfig
+from fp4convert.convert import convert, plan_conversion
+from fp4convert.errors import OutputError
+from fp4convert.writer import human_bytes, sample_digest
+
+from . import checkpoints as ck
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny-llama"
+PROGRESS, LOCK = ".fp4convert-progress.json", ".fp4convert.lock"
+
+
+def cfg(**kw) -> ConvertConfig:
+    return ConvertConfig(device="cpu", **kw)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("llama")
+    ck.llama(p)
+    return p
+
+
+@pytest.mark.parametrize("n,text", [(0, "0 B"), (999, "999 B"), (1000, "1.00 KB"), (1500, "1.50 KB"),
+                                    (2_500_000, "2.50 MB"), (3.2e9, "3.20 GB"), (7e12, "7.00 TB"),
+                                    (9e15, "9000.00 TB")])
+def test_human_bytes_adapts_its_unit(n, text) -> None:
+    assert human_bytes(n) == text
+
+
+def test_progress_record_names_each_shard_before_its_rename(src, tmp_path, monkeypatch) -> None:
+    dst = tmp_path / "q"
+    real = os.replace
+    seen = []
+
+    def replace(a, b, *args, **kw):
+        b = Path(b)
+        if b.suffix == ".safetensors":
+            state = json.loads((dst / PROGRESS).read_text())
+            rec = state["files"][b.name]  # already recorded ...
+            data = Path(a).read_bytes()
+            assert rec == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}  # ... with its checksum
+            assert not b.exists()
+            seen.append(b.name)
+        return real(a, b, *args, **kw)
+
+    monkeypatch.setattr(os, "replace", replace)
+    convert(src, dst, cfg(max_shard_size=6000))
+    assert len(seen) >= 3 and sorted(seen) == sorted(p.name for p in dst.glob("*.safetensors"))
+
+
+def test_a_progress_record_exists_before_any_shard(src, tmp_path, monkeypatch) -> None:
+    dst = tmp_path / "q"
+    real = writer.StreamWriter.__init__
+    checked = []
+
+    def init(self, path, *a, **k):
+        assert (dst / PROGRESS).is_file()
+        checked.append(path.name)
+        return real(self, path, *a, **k)
+
+    monkeypatch.setattr(writer.StreamWriter, "__init__", init)
+    convert(src, dst, cfg(max_shard_size=6000))
+    assert checked
+
+
+def test_lock_refuses_a_second_run_and_is_released(src, tmp_path) -> None:
+    dst = tmp_path / "q"
+    source, plan, _ = plan_conversion(str(src), cfg())
+    identity = writer.run_identity(cfg(), source)
+    writer.prepare_destination(dst, plan, cfg(), identity, source)  # holds the lock, like a run in progress
+    assert (dst / LOCK).read_text().strip() == str(os.getpid())
+    with pytest.raises(OutputError, match=f"in use by another fp4convert run \\(pid {os.getpid()}"):
+        convert(src, dst, cfg(resume=True))
+    writer._SESSIONS[writer._key(dst)].fail()
+    assert not dst.exists()  # it created DST and left it empty
+    convert(src, dst, cfg())
+    assert not (dst / LOCK).exists() and (dst / "fp4convert.json").exists()
+
+
+def test_failed_run_releases_the_lock(src, tmp_path, monkeypatch) -> None:
+    dst = tmp_path / "q"
+    with monkeypatch.context() as mp:
+        ck.crash_after_first_shard(mp, dst)
+        with pytest.raises(RuntimeError):
+            convert(src, dst, cfg(max_shard_size=6000))
+    assert not (dst / LOCK).exists() and writer._key(dst) not in writer._SESSIONS
+    convert(src, dst, cfg(max_shard_size=6000, resume=True))
+
+
+def test_sample_digest_reads_fixed_blocks(tmp_path) -> None:
+    small = tmp_path / "small"
+    small.write_bytes(bytes(range(256)) * 100)
+    assert sample_digest(small) == hashlib.sha256(small.read_bytes()).hexdigest()  # small: the whole file
+    big = tmp_path / "big"
+    data = bytearray(os.urandom(5 << 20))
+    big.write_bytes(data)
+    d0 = sample_digest(big)
+    data[0] ^= 1  # inside the first block
+    big.write_bytes(data)
+    assert sample_digest(big) != d0
+    data[0] ^= 1
+    data[len(data) - 1] ^= 1  # inside the last block
+    big.write_bytes(data)
+    assert sample_digest(big) != d0
+
+
+def _flip_values(shard: Path, mtime_ns: int | None) -> None:
+    tensors = {k: torch.flip(v, dims=[0]).contiguous() for k, v in load_file(shard).items()}
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    if mtime_ns is not None:
+        os.utime(shard, ns=(mtime_ns, mtime_ns))
+
+
+def _interrupt(src: Path, dst: Path, monkeypatch, config: ConvertConfig) -> None:
+    real = conv._quantize_unit
+    calls = {"n": 0}
+
+    def crash_late(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > 6:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(conv, "_quantize_unit", crash_late)
+        with pytest.raises(KeyboardInterrupt):
+            convert(str(src), dst, config)
+    assert any(dst.glob("*.safetensors")) and not (dst / "fp4convert.json").exists()
+
+
+def test_resume_refuses_modified_source(tmp_path: Path, monkeypatch) -> None:
+    """Same shapes, new values (header hash unchanged): refused, naming the file (was test_resume_source_change)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in EXAMPLE.iterdir():
+        (src / p.name).write_bytes(p.read_bytes())
+    dst = tmp_path / "out"
+    _interrupt(src, dst, monkeypatch, cfg(max_shard_size=200_000))
+    shard = src / "model-00001-of-00002.safetensors"
+    _flip_values(shard, mtime_ns=shard.stat().st_mtime_ns)  # even with its old modification time
+    with pytest.raises(OutputError, match="model-00001-of-00002.safetensors changed since the interrupted run"):
+        convert(str(src), dst, cfg(max_shard_size=200_000, resume=True))
+
+
+def test_verify_source_sees_a_change_between_the_samples(tmp_path, monkeypatch) -> None:
+    """A change no sampled block covers, with the old mtime: --verify-source's full hashes catch it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in EXAMPLE.iterdir():
+        (src / p.name).write_bytes(p.read_bytes())
+    shard = src / "model-00002-of-00002.safetensors"
+    size = shard.stat().st_size
+    assert size > writer.SAMPLE_BLOCK * writer.SAMPLE_COUNT
+    dst = tmp_path / "out"
+    _interrupt(src, dst, monkeypatch, cfg(max_shard_size=200_000, verify_source=True))
+    st = shard.stat()
+    step = (size - writer.SAMPLE_BLOCK) / (writer.SAMPLE_COUNT - 1)
+    off = round(step / 2) + writer.SAMPLE_BLOCK // 2  # between sample 0 and sample 1 (in the data region)
+    before = sample_digest(shard)
+    with open(shard, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x01]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert sample_digest(shard) == before  # the cheap fingerprint cannot see it ...
+    with pytest.raises(OutputError, match="model-00002-of-00002.safetensors changed .*full sha256"):
+        convert(str(src), dst, cfg(max_shard_size=200_000, resume=True, verify_source=True))  # ... this does
+
+
+def test_settings_mismatch_names_the_setting_and_both_values(src, tmp_path, monkeypatch) -> None:
+    dst = tmp_path / "q"
+    with monkeypatch.context() as mp:
+        ck.crash_after_first_shard(mp, dst)
+        with pytest.raises(RuntimeError):
+            convert(src, dst, cfg(max_shard_size=6000))
+    with pytest.raises(OutputError, match=r"rotate was None, now 'had16'"):
+        convert(src, dst, cfg(max_shard_size=6000, rotate="had16", resume=True))
+    with pytest.raises(OutputError, match=r"only was \[\], now \['\*\.mlp\.\*'\]"):
+        convert(src, dst, cfg(max_shard_size=6000, only=("*.mlp.*",), resume=True))
+
+
+def test_space_check_counts_every_byte(src, tmp_path, monkeypatch) -> None:
+    from collections import namedtuple
+
+    ref = tmp_path / "ref"
+    convert(src, ref, cfg(max_shard_size=6000))
+    written = sum(len(b) for b in ck.all_files(ref).values())
+    tensors = sum(e.nbytes for _, entries in plan_conversion(str(src), cfg(max_shard_size=6000))[1].shards
+                  for e in entries)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda p: usage(10**12, 0, written))
+    with pytest.raises(OutputError, match=r"needs [\d.]+ KB for the output, only [\d.]+ KB free"):
+        convert(src, tmp_path / "q", cfg(max_shard_size=6000))
+    assert written > tensors  # the old check (tensor bytes only) would have let this run start
+    monkeypatch.setattr(writer.shutil, "disk_usage", lambda p: usage(10**12, 0, 4 * written + (1 << 20)))
+    convert(src, tmp_path / "q", cfg(max_shard_size=6000))
+
+
+@pytest.mark.parametrize("dtype,values,bad", [
+    ("F32", torch.tensor([1.0, float("nan")]), True),
+    ("F32", torch.tensor([1.0, -2.0]), False),
+    ("F16", torch.tensor([1.0, float("inf")], dtype=torch.float16), True),
+    ("BF16", torch.tensor([0.5, float("-inf")], dtype=torch.bfloat16), True),
+    ("BF16", torch.tensor([0.5, 3.0e38], dtype=torch.bfloat16), False),
+    ("F64", torch.tensor([float("nan")], dtype=torch.float64), True),
+    ("F8_E4M3", torch.tensor([0x7F, 0x01], dtype=torch.uint8), True),  # e4m3fn: S.1111.111 is NaN
+    ("F8_E4M3", torch.tensor([0x7E, 0xFE], dtype=torch.uint8), False),  # +-448
+    ("F8_E5M2", torch.tensor([0x7C], dtype=torch.uint8), True),  # inf
+    ("I32", torch.tensor([-1, 0x7FC00000], dtype=torch.int32), False),  # ints are never NaN
+])
+def test_nonfinite_detection(dtype, values, bad) -> None:
+    raw = bytearray(values.numpy().tobytes()) if values.dtype != torch.bfloat16 else \
+        bytearray(values.view(torch.int16).numpy().tobytes())
+    assert writer._nonfinite(dtype, raw) is bad
+
+
+def test_kept_nan_recorded_in_manifest_and_kept_across_resume(tmp_path, monkeypatch) -> None:
+    src = tmp_path / "nan"
+    t = ck.llama(src, layers=2)
+    shard = ck.shard_with(src, "model.embed_tokens.weight")
+    part = load_file(shard)
+    part["model.embed_tokens.weight"][0, 0] = float("nan")
+    save_file(part, str(shard), metadata={"format": "pt"})
+    assert t
+    ref = tmp_path / "ref"
+    res = convert(src, ref, cfg(max_shard_size=6000))
+    assert [w for w in res.to_json()["warnings"] if "model.embed_tokens.weight" in w and "NaN or Inf" in w]
+    m = json.loads((ref / "fp4convert.json").read_text())
+    assert m["tensors"]["model.embed_tokens.weight"]["nonfinite"] is True
+    assert "nonfinite" not in m["tensors"]["model.norm.weight"]
+    dst = tmp_path / "q"
+    with monkeypatch.context() as mp:
+        ck.crash_after_first_shard(mp, dst)
+        with pytest.raises(RuntimeError):
+            convert(src, dst, cfg(max_shard_size=6000))
+    res = convert(src, dst, cfg(max_shard_size=6000, resume=True))
+    assert ck.all_files(dst) == ck.all_files(ref)  # the warning survives the resume
+    assert any("model.embed_tokens.weight" in w for w in res.to_json()["warnings"])
+
+
+def test_lock_file_of_a_dead_run_is_taken_over(src, tmp_path) -> None:
+    dst = tmp_path / "q"
+    dst.mkdir()
+    (dst / LOCK).write_text("999999\n")
+    convert(src, dst, cfg())
+    assert not (dst / LOCK).exists()
+
+
+def test_containment_uses_resolved_paths(src, tmp_path) -> None:
+    link = tmp_path / "alias"
+    link.symlink_to(src, target_is_directory=True)
+    with pytest.raises(OutputError, match="inside the source"):
+        convert(src, link / "sub" / "out", cfg())
+    with pytest.raises(OutputError, match="is the source folder"):
+        convert(src, link, cfg(overwrite=True))
+    assert not (src / "sub").exists()
