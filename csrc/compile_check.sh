@@ -48,5 +48,9 @@ check 120a 1
 # The library as build.py makes it: every file in one nvcc call, one shared object.
 "$NVCC" -O3 -std=c++17 -fmad=false -shared -Xcompiler -fPIC -gencode arch=compute_90,code=sm_90 \
     -o "$tmp/lib.so" "${SRCS[@]}"
-nm -D "$tmp/lib.so" | grep -q " T fp4c_decode_mxfp4_blocks" || { echo "FAIL: library lacks a launcher"; exit 1; }
+syms="$(nm -D "$tmp/lib.so")"  # (not piped into grep -q: with pipefail, nm's SIGPIPE would fail the check)
+for f in fp4c_abi_version fp4c_amax fp4c_quantize fp4c_dequantize fp4c_decode_fp8_block fp4c_decode_mxfp4_blocks \
+         fp4c_e2m1_selftest; do
+    grep -q " T $f\$" <<< "$syms" || { echo "FAIL: library lacks $f"; exit 1; }
+done
 echo "compile check passed"

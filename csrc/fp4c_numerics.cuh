@@ -281,8 +281,11 @@ __device__ __forceinline__ uint32_t encode8(const float* v, float r) {
 // order: code_i = E2M1(x_i * r); e = value(code_i) * d - x_i; err = err + e * e. Also returns the
 // eight packed codes (signs included), so the winner needs no second encode.
 //   Software path: everything on magnitudes. value(code) has x's sign, so e = +-(value * d - |x|)
-// and e * e is the same; y2 = |x| * (r/2) as in encode8.
+// and e * e is the same; y2 = |x| * (r/2) as in encode8. FAST (d < 2^100, so -2^22 d is exact):
+// value * d = fma(value + 2^22, d, -2^22 d), one rounding of the same real, saving the subtraction
+// of 2^22 from e2m1_value_sw.
 //   Hardware path: the cvt codes, decoded back by the hardware (exact), signed arithmetic.
+template <bool FAST>
 __device__ __forceinline__ uint32_t err8(const float* v, float r, float d, float& err) {
 #if FP4C_HW_E2M1
   float y[8];
@@ -300,13 +303,21 @@ __device__ __forceinline__ uint32_t err8(const float* v, float r, float d, float
   return codes;
 #else
   const float h = __fmul_rn(r, 0.5f);
+  const float nd22 = FAST ? -__fmul_rn(d, 4194304.0f) : 0.0f;
   uint32_t acc = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float a = fabsf(v[i]);
     const E2m1Terms t = e2m1_terms_sw(__fmul_rn(a, h));
     acc += __float_as_uint(t.t3) << (4 * i);
-    const float e = __fsub_rn(__fmul_rn(e2m1_value_sw(t), d), a);
+    float w;
+    if constexpr (FAST) {
+      const float b = __fmaf_rn(-0.5f, t.t1, __fmaf_rn(2.0f, t.t3, -t.t2));  // value + 2^22, exact
+      w = __fmaf_rn(b, d, nd22);
+    } else {
+      w = __fmul_rn(e2m1_value_sw(t), d);
+    }
+    const float e = __fsub_rn(w, a);
     err = __fadd_rn(err, __fmul_rn(e, e));
   }
   acc -= 0xFB000000u;
@@ -330,21 +341,21 @@ __device__ __forceinline__ uint32_t err8_signs(const float* v) {
 // ------------------------------------------------------------------------------------------------
 
 // NVFP4 4over6 / mse for one block of 16.
-template <int RULE>
-__device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, uint32_t bmax_bits,
-                                                   uint32_t codes[2], uint32_t& byte) {
+template <int RULE, bool FAST>
+__device__ __forceinline__ void nvfp4_block_search_impl(const float v[16], float gs, uint32_t bmax_bits,
+                                                        uint32_t codes[2], uint32_t& byte) {
   uint32_t b6;
   const float r6 = nvfp4_scale(gs, bmax_bits, b6);
   const float d6 = __fdiv_rn(f32_from_e4m3(b6), gs);
   const uint32_t b4 = nvfp4_byte4(gs, bmax_bits);
   const uint32_t s0 = err8_signs(v), s1 = err8_signs(v + 8);
   float err = 0.0f;
-  uint32_t c0 = err8(v, r6, d6, err), c1 = err8(v + 8, r6, d6, err);
+  uint32_t c0 = err8<FAST>(v, r6, d6, err), c1 = err8<FAST>(v + 8, r6, d6, err);
   uint32_t best = b6;
   auto consider = [&](uint32_t c) {
     float r, d, e = 0.0f;
     nvfp4_candidate(gs, c, r, d);
-    const uint32_t k0 = err8(v, r, d, e), k1 = err8(v + 8, r, d, e);
+    const uint32_t k0 = err8<FAST>(v, r, d, e), k1 = err8<FAST>(v + 8, r, d, e);
     // 4over6: strictly lower error wins (ties -> b6). mse: lower error, or equal error and a larger
     // byte (b6 is considered first, so the order of the others does not matter).
     const bool take = RULE == RULE_MSE ? (e < err || (e == err && c > best)) : e < err;
@@ -365,23 +376,49 @@ __device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, 
   byte = best;
 }
 
+// Every candidate's d = sf / gs <= 448 / gs is below 2^100 when gs >= 2^-90 (amax <= ~2^101): the
+// FAST error path. gs is per matrix, so the branch is uniform over a matrix.
+template <int RULE>
+__device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, uint32_t bmax_bits,
+                                                   uint32_t codes[2], uint32_t& byte) {
+#if FP4C_HW_E2M1
+  nvfp4_block_search_impl<RULE, false>(v, gs, bmax_bits, codes, byte);
+#else
+  if (gs >= 0x1p-90f) nvfp4_block_search_impl<RULE, true>(v, gs, bmax_bits, codes, byte);
+  else nvfp4_block_search_impl<RULE, false>(v, gs, bmax_bits, codes, byte);
+#endif
+}
+
 // MXFP4 mse for one block of 32: e (floor) against min(e + 1, 254), ties to e.
-__device__ __forceinline__ void mxfp4_block_mse(const float v[32], uint32_t bmax_bits, uint32_t codes[4],
-                                                uint32_t& byte) {
-  uint32_t e;
-  const float r = mxfp4_scale(bmax_bits, e);
+template <bool FAST>
+__device__ __forceinline__ void mxfp4_block_mse_impl(const float v[32], uint32_t e, uint32_t codes[4],
+                                                     uint32_t& byte) {
   const uint32_t e1 = min(e + 1u, 254u);
-  const float d = pow2i((int)e - 127), r1 = pow2i(127 - (int)e1), d1 = pow2i((int)e1 - 127);
+  const float r = pow2i(127 - (int)e), d = pow2i((int)e - 127);
+  const float r1 = pow2i(127 - (int)e1), d1 = pow2i((int)e1 - 127);
   float err = 0.0f, err1 = 0.0f;
   uint32_t k[4], k1[4];
 #pragma unroll
-  for (int w = 0; w < 4; ++w) k[w] = err8(v + 8 * w, r, d, err);
+  for (int w = 0; w < 4; ++w) k[w] = err8<FAST>(v + 8 * w, r, d, err);
 #pragma unroll
-  for (int w = 0; w < 4; ++w) k1[w] = err8(v + 8 * w, r1, d1, err1);
+  for (int w = 0; w < 4; ++w) k1[w] = err8<FAST>(v + 8 * w, r1, d1, err1);
   const bool up = err1 < err;
 #pragma unroll
   for (int w = 0; w < 4; ++w) codes[w] = (up ? k1[w] : k[w]) | err8_signs(v + 8 * w);
   byte = up ? e1 : e;
+}
+
+// FAST where both steps are <= 2^100 (e + 1 <= 227): every block below ~2^102.
+__device__ __forceinline__ void mxfp4_block_mse(const float v[32], uint32_t bmax_bits, uint32_t codes[4],
+                                                uint32_t& byte) {
+  uint32_t e;
+  (void)mxfp4_scale(bmax_bits, e);
+#if FP4C_HW_E2M1
+  mxfp4_block_mse_impl<false>(v, e, codes, byte);
+#else
+  if (e < 227u) mxfp4_block_mse_impl<true>(v, e, codes, byte);
+  else mxfp4_block_mse_impl<false>(v, e, codes, byte);
+#endif
 }
 
 }  // namespace fp4c

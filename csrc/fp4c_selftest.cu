@@ -9,9 +9,9 @@ using namespace fp4c;
 namespace {
 
 // Over fp32 bit patterns [start, start + count) (NaN patterns skipped), eight at a time: encode8's
-// codes = the predicate sum's; err8's codes (signs added) = the same; err8's block error with r = d
-// = 1 = the error from reference.E2M1_VALUES (compared where finite: a huge input's square overflows
-// and would hide a wrong value, and its batch neighbours are within ~1/32 octave of it).
+// codes = the predicate sum's; err8's codes (signs added, both value paths) = the same; err8's block
+// error with r = d = 1 = the error from reference.E2M1_VALUES (compared where finite: a huge input's
+// square overflows and would hide a wrong value, and its batch neighbours are within ~1/32 octave).
 __global__ void e2m1_selftest_kernel(uint64_t start, uint64_t count, unsigned long long* mismatches) {
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   unsigned long long bad = 0;
@@ -31,9 +31,13 @@ __global__ void e2m1_selftest_kernel(uint64_t start, uint64_t count, unsigned lo
       want_err = __fadd_rn(want_err, __fmul_rn(e, e));
     }
     const uint32_t got = encode8(v, 1.0f);
-    float err = 0.0f;
-    const uint32_t got2 = err8(v, 1.0f, 1.0f, err) | err8_signs(v);
-    bad += (got != want) + (got2 != want) + (fabsf(want_err) <= FLT_MAX && __float_as_uint(err) != __float_as_uint(want_err));
+    float err = 0.0f, err_fast = 0.0f;
+    const uint32_t got2 = err8<false>(v, 1.0f, 1.0f, err) | err8_signs(v);
+    const uint32_t got3 = err8<true>(v, 1.0f, 1.0f, err_fast) | err8_signs(v);
+    const bool check_err = fabsf(want_err) <= FLT_MAX;
+    bad += (got != want) + (got2 != want) + (got3 != want) +
+           (check_err && __float_as_uint(err) != __float_as_uint(want_err)) +
+           (check_err && __float_as_uint(err_fast) != __float_as_uint(want_err));
   }
   if (bad) atomicAdd(mismatches, bad);
 }

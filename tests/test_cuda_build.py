@@ -120,3 +120,16 @@ def test_build_is_cached_per_arch_and_hash(tmp_path, monkeypatch) -> None:
                  "fp4c_decode_mxfp4_blocks", "fp4c_e2m1_selftest"):
         assert f" T {name}" in syms, name
     assert "fp4c_set_tuning" not in syms
+
+
+def test_scale_rule_codes() -> None:
+    """The launchers' rule codes (CONTRACT.md order) and the refusals, checked before any launch."""
+    from fp4convert.cuda import ops
+
+    assert [ops.scale_rule_code("nvfp4", r) for r in ("max", "4over6", "mse")] == [0, 1, 2]
+    assert [ops.scale_rule_code("mxfp4", r) for r in ("floor", "rceil", "mse")] == [0, 1, 2]
+    assert ops.scale_rule_code("mxfp4", 2) == 2
+    for scheme, bad in (("nvfp4", "floor"), ("nvfp4", "rceil"), ("mxfp4", "max"), ("mxfp4", "4over6"), ("nvfp4", 3),
+                        ("mxfp4", -1), ("nvfp4", True)):
+        with pytest.raises(CUDAKernelError):
+            ops.scale_rule_code(scheme, bad)

@@ -19,6 +19,7 @@ from fp4convert import NonFiniteError, reference as ref
 from fp4convert.cuda import ops
 from fp4convert.cuda.errors import CUDAKernelError
 from fp4convert.swizzle import swizzle_scales
+from fp4convert.tensor import QuantizedTensor
 
 pytestmark = [
     pytest.mark.cuda,
@@ -303,7 +304,7 @@ def test_dequantize_bit_exact(dtype, fmt, rotate, layout, shape, dev) -> None:
         x = make_input(kind, fmt, shape, dtype, rotate, seed)
         rule = RULES[fmt][2]
         want_p, want_s, gs = _ref(x, fmt, rotate, rule, swz)
-        q = fp4convert.tensor.QuantizedTensor(
+        q = QuantizedTensor(
             want_p, want_s.view(torch.float8_e4m3fn) if fmt == "nvfp4" else want_s, gs, fmt, rotate, layout)
         for odt in DTYPES:
             w_ref = fp4convert.dequantize(q, odt, backend="reference")
