@@ -207,7 +207,7 @@ def run(size: int, rows: list[dict], peers: bool) -> None:
     del qn, qr, qm
     scale_rules(size, xs, amax, amax_r, add, rows)
     decoders(size, add)
-    public_api(size, xs, amax, add, rows)
+    public_api(size, xs, amax, add)
     if not peers:
         return
     # Peers ---------------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ def decoders(size: int, add) -> None:
         n / 2 + n / 32 + 4 * n)
 
 
-def public_api(size: int, xs: list[torch.Tensor], amax, add, rows: list[dict]) -> None:
+def public_api(size: int, xs: list[torch.Tensor], amax, add) -> None:
     """Issue 10's rows: the public API against the bare kernels, both timed with bench_wall."""
     n = size * size
     nbytes = 2 * n + n / 2 + n / 16
