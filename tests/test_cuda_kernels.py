@@ -3,7 +3,8 @@
 Every case draws fresh random data (the seed is in each failure message), runs the reference on a
 CPU copy, and compares raw bytes with ``torch.equal``. Output buffers are poisoned (0xFF, which is
 NaN in every float dtype here) so an unwritten byte fails. Golden cases put exact E2M1 ties, -0,
-zero blocks, subnormal E4M3 scales, saturation and tiny amax into the data.
+zero blocks, subnormal E4M3 scales, saturation, tiny amax and exact ties between scale-rule
+candidates into the data. Every scale rule x scheme x dtype x rotation x scale layout is covered.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import torch
 import fp4convert
 from fp4convert import NonFiniteError, reference as ref
 from fp4convert.cuda import ops
+from fp4convert.cuda.errors import CUDAKernelError
+from fp4convert.swizzle import swizzle_scales
+from fp4convert.tensor import QuantizedTensor
 
 pytestmark = [
     pytest.mark.cuda,
@@ -24,10 +28,12 @@ pytestmark = [
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 BLOCK = {"nvfp4": 16, "mxfp4": 32}
+RULES = {"nvfp4": ("max", "4over6", "mse"), "mxfp4": ("floor", "rceil", "mse")}
+SCHEME_RULES = [(s, r) for s in ("nvfp4", "mxfp4") for r in RULES[s]]
 # (B, M, K): a single row; M not a multiple of 128 with K % 64 != 0; a batch whose matrices start
 # mid-16-byte (M * K % 32 == 16: tail groups); a regular batch; odd M with K % 64 == 32.
 SHAPES = [(1, 1, 64), (1, 200, 96), (3, 129, 48), (2, 256, 512), (4, 33, 160)]
-KINDS = ["randn", "scaled", "heavy", "golden", "zeros", "tiny", "huge"]
+KINDS = ["randn", "scaled", "heavy", "golden", "ties46", "zeros", "tiny", "huge"]
 TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 EXACT = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -36,7 +42,8 @@ def _seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
 
-def _golden(fmt: str, shape: tuple[int, int, int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+def _golden(fmt: str, shape: tuple[int, int, int], dtype: torch.dtype, gen: torch.Generator,
+            table: tuple[float, ...] = TIES + EXACT + (5.5, 0.1, 7.0, 2.25)) -> torch.Tensor:
     """Blocks whose scaled values land exactly on E2M1 ties and grid points.
 
     NVFP4: amax = 2688 / 16 makes gs = 16, and a block max of 6 * 2^p gives s = 2^(p+4) (E4M3
@@ -48,8 +55,8 @@ def _golden(fmt: str, shape: tuple[int, int, int], dtype: torch.dtype, gen: torc
     nblk = b * m * k // bs
     lo, hi = ((-13, 3) if fmt == "nvfp4" else ((-12, 12) if dtype == torch.float16 else (-40, 40)))
     p = torch.randint(lo, hi + 1, (nblk, 1), generator=gen).double()
-    table = torch.tensor(TIES + EXACT + (5.5, 0.1, 7.0, 2.25), dtype=torch.float64)
-    v = table[torch.randint(0, len(table), (nblk, bs), generator=gen)]
+    tab = torch.tensor(table, dtype=torch.float64)
+    v = tab[torch.randint(0, len(tab), (nblk, bs), generator=gen)]
     v = torch.where(torch.rand(nblk, bs, generator=gen) < 0.5, -v, v)
     v[torch.arange(nblk), torch.randint(0, bs, (nblk,), generator=gen)] = 6.0  # the block max
     v = v * torch.exp2(p)
@@ -70,8 +77,11 @@ def make_input(kind: str, fmt: str, shape, dtype: torch.dtype, rotate: str | Non
         x = torch.randn(shape, generator=gen) * torch.exp(torch.empty(b, m, 1).uniform_(-9, 9, generator=gen))
     elif kind == "heavy":
         x = torch.randn(shape, generator=gen) ** 3 * 50
-    elif kind == "golden":
-        v = _golden(fmt, shape, dtype, gen)
+    elif kind in ("golden", "ties46"):
+        # ties46: values in {0, 1.5, 3, 6} * 2^p only, exact on both the /6 and the /4 grid (NVFP4:
+        # s4 = 1.5 s6), so b4 and b6 tie at error 0: 4over6 keeps b6, mse takes the larger byte b4.
+        table = (0.0, 1.5, 3.0, 6.0) if kind == "ties46" else TIES + EXACT + (5.5, 0.1, 7.0, 2.25)
+        v = _golden(fmt, shape, dtype, gen, table)
         x = ref.had16(v) if rotate else v  # Had16 is its own inverse: the rotated values are v
     elif kind == "zeros":
         x = torch.randn(shape, generator=gen)
@@ -83,7 +93,7 @@ def make_input(kind: str, fmt: str, shape, dtype: torch.dtype, rotate: str | Non
         scale = 1e-36 if dtype != torch.float16 else 1e-6
         x = torch.randn(shape, generator=gen) * scale
         x.view(-1)[:: 7] *= 1e-3
-    elif kind == "huge":  # amax near the top of the range: sf / gs >= 2^120 (dequantize's slow path)
+    elif kind == "huge":  # amax near the top of the range: sf / gs >= 2^120; squared errors overflow
         scale = 1e37 if dtype != torch.float16 else 1e4
         x = torch.randn(shape, generator=gen).clamp(-30, 30) * scale
     else:
@@ -102,9 +112,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _ref_quantize(x: torch.Tensor, fmt: str, rotate, layout: str, global_amax=None):
-    return fp4convert.quantize(x, fmt, rotate=rotate, scale_layout=layout, global_amax=global_amax,
-                               backend="reference")
+def _ref(x: torch.Tensor, fmt: str, rotate, rule: str, swizzled: bool, global_amax=None):
+    """(packed, scale bytes in the layout, gs or None) from the reference, batch by batch."""
+    if fmt == "nvfp4":
+        packed, scale, gs = ref.nvfp4_quantize(x, global_amax, rotate, scale_rule=rule)
+    else:
+        (packed, scale), gs = ref.mxfp4_quantize(x, rotate, scale_rule=rule), None
+    if swizzled:
+        scale = swizzle_scales(scale)
+    return packed, scale.view(torch.uint8), gs
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +130,8 @@ def dev() -> torch.device:
 
 def test_e2m1_exhaustive(dev) -> None:
     """The compiled E2M1 path (software on sm_90, cvt on sm_100a/120a) = SPEC.md's predicate sum on
-    all 2^32 fp32 inputs (NaN skipped)."""
+    all 2^32 fp32 inputs (NaN skipped): the plain encoder's codes, and the search rules' codes and
+    decoded values (through the block error)."""
     assert ops.e2m1_selftest(dev) == 0
 
 
@@ -130,70 +147,184 @@ def test_amax_equals_reference(dtype, rotate, shape, dev) -> None:
         assert torch.equal(_bits(got), _bits(want)), f"kind={kind} seed={seed}: {got} != {want}"
 
 
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+@pytest.mark.parametrize("rotate", [None, "had16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt,rule", SCHEME_RULES, ids=[f"{s}-{r}" for s, r in SCHEME_RULES])
+def test_quantize_bit_exact(fmt, rule, dtype, rotate, layout, dev) -> None:
+    """ops.quantize (every rule) = the reference, into poisoned buffers; NVFP4 with the amax given
+    (one launch, gs computed in the kernel) and with the kernel's own amax pass."""
+    swz = layout == "swizzled"
+    code = RULES[fmt].index(rule)
+    for shape in SHAPES:
+        b, m, k = shape
+        if k % BLOCK[fmt]:
+            continue
+        nb = k // BLOCK[fmt]
+        rows, cols = ops.padded(m, nb) if swz else (m, nb)
+        for kind in KINDS:
+            seed = _seed()
+            ctx = f"shape={shape} kind={kind} seed={seed}"
+            x = make_input(kind, fmt, shape, dtype, rotate, seed)
+            want_p, want_s, want_gs = _ref(x, fmt, rotate, rule, swz)
+            xg = x.to(dev)
+            amaxes = [None]
+            if fmt == "nvfp4":
+                amaxes.append(ref.tensor_amax(x, rotate).to(dev))
+            for amax in amaxes:
+                packed = _poisoned((b, m, k // 2), torch.uint8, dev)
+                scale = _poisoned((b, rows, cols), torch.uint8, dev)
+                p, s, gs, flag = ops.quantize(xg, fmt, amax, rotate, swz, code, out=(packed, scale))
+                c = f"{ctx} amax={'given' if amax is not None else 'kernel'}"
+                assert int(flag) == 0, c
+                assert torch.equal(p.cpu(), want_p), c
+                assert torch.equal(_bits(s.cpu()), _bits(want_s)), c
+                if fmt == "nvfp4":
+                    assert torch.equal(_bits(gs.cpu()), _bits(want_gs)), c
+                else:
+                    assert gs is None
+
+
+def _contract_nvfp4_bytes(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CONTRACT.md's NVFP4 rules written out independently (fp32 x [B, M, K], no rotation): the
+    chosen scale bytes [B, M*K/16], a mask of the blocks where b4 != b6 tie exactly, and b6's error."""
+    b = x.shape[0]
+    gs = ref.global_scale(ref.tensor_amax(x)).reshape(b, 1)
+    blk = x.float().reshape(b, -1, 16)
+    p = gs * blk.abs().amax(-1)
+    b6 = ref.e4m3_encode(p / 6.0).long()
+    b4 = ref.e4m3_encode(p / 4.0).long()
+
+    def err(c: torch.Tensor) -> torch.Tensor:
+        sf = ref.e4m3_decode(c.to(torch.uint8))
+        r = torch.where(sf > 0, torch.clamp(gs / sf, max=ref.FLT_MAX), torch.zeros_like(sf))
+        d = sf / gs
+        e = ref.e2m1_decode(ref.e2m1_encode(blk * r[..., None])) * d[..., None] - blk
+        acc = torch.zeros_like(sf)
+        for i in range(16):  # element order, one fp32 op at a time
+            acc = acc + e[..., i] * e[..., i]
+        return acc
+
+    e6, e4 = err(b6), err(b4)
+    ties = (e6 == e4) & (b4 != b6)
+    if rule == "max":
+        return b6, ties, e6
+    if rule == "4over6":
+        return torch.where(e4 < e6, b4, b6), ties, e6
+    best, best_err = b6, e6
+    for c in (b4, (b6 - 1).clamp(min=0), (b6 + 1).clamp(max=0x7E)):
+        ec = err(c)
+        take = (ec < best_err) | ((ec == best_err) & (c > best))
+        best, best_err = torch.where(take, c, best), torch.where(take, ec, best_err)
+    return best, ties, e6
+
+
+@pytest.mark.parametrize("rule", RULES["nvfp4"])
+def test_nvfp4_rule_ties_golden(rule, dev) -> None:
+    """Blocks on the grid of both b6 and b4 = 1.5 b6 tie at error 0: 4over6 keeps b6, mse takes the
+    larger byte. The kernel (and the reference) = the contract written out here."""
+    tied = 0
+    for shape in SHAPES:
+        b, m, k = shape
+        seed = _seed()
+        x = make_input("ties46", "nvfp4", shape, torch.float32, None, seed)
+        want, ties, e6 = _contract_nvfp4_bytes(x, rule)
+        tied += int(ties.sum())
+        b6 = _contract_nvfp4_bytes(x, "max")[0]
+        if rule == "4over6":
+            assert bool((want[ties] == b6[ties]).all())
+        if rule == "mse":  # an exact b6/b4 tie at error 0: the largest zero-error byte, above b6
+            zero = ties & (e6 == 0)
+            assert bool((want[zero] > b6[zero]).all())
+        _, s, _, flag = ops.quantize(x.to(dev), "nvfp4", None, None, False, rule)
+        assert int(flag) == 0
+        got = s.view(torch.uint8).cpu().reshape(b, -1).long()
+        assert torch.equal(got, want), f"shape={shape} seed={seed}"
+        assert torch.equal(_ref(x, "nvfp4", None, rule, False)[1].reshape(b, -1).long(), want), f"reference, seed={seed}"
+    assert tied > 100, "the golden data must hold exact b4/b6 ties"
+
+
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+@pytest.mark.parametrize("rotate", [None, "had16"])
+@pytest.mark.parametrize("rule", RULES["nvfp4"])
+def test_given_amax_saturation_and_groups(rule, rotate, layout, dev) -> None:
+    """A fused group's amax larger than the tensor's own, and one smaller (block scales saturate at
+    448 = byte 0x7E, where mse's b6 + 1 is clamped), are honoured exactly, per matrix of a batch."""
+    swz = layout == "swizzled"
+    seed = _seed()
+    x = make_input("scaled", "nvfp4", (3, 64, 256), torch.bfloat16, rotate, seed)
+    own = ref.tensor_amax(x, rotate)
+    for factor in (3.7, 0.25):
+        group = own * torch.tensor([factor, 1.0, factor])
+        want_p, want_s, want_gs = _ref(x, "nvfp4", rotate, rule, swz, global_amax=group)
+        if factor < 1:
+            assert bool((want_s == 0x7E).any()), "the case must saturate"
+        p, s, gs, flag = ops.quantize(x.to(dev), "nvfp4", group.to(dev), rotate, swz, rule)
+        ctx = f"factor={factor} seed={seed}"
+        assert int(flag) == 0, ctx
+        assert torch.equal(p.cpu(), want_p), ctx
+        assert torch.equal(_bits(s.cpu()), _bits(want_s)), ctx
+        assert torch.equal(_bits(gs.cpu()), _bits(want_gs)), ctx
+
+
+@pytest.mark.parametrize("fmt,rule", SCHEME_RULES, ids=[f"{s}-{r}" for s, r in SCHEME_RULES])
+def test_public_api_matches_reference(fmt, rule, dev) -> None:
+    """fp4convert.quantize / dequantize on the CUDA backend (amax, gs, dispatch, shapes) = reference."""
+    for shape in SHAPES:
+        b, m, k = shape
+        if k % BLOCK[fmt]:
+            continue
+        for rotate in (None, "had16"):
+            for layout in ("linear", "swizzled"):
+                seed = _seed()
+                ctx = f"shape={shape} rotate={rotate} layout={layout} seed={seed}"
+                x = make_input("scaled", fmt, shape, torch.bfloat16, rotate, seed)
+                xs = x if b > 1 else x[0]
+                kw = dict(rotate=rotate, scale_layout=layout, scale_rule=rule)
+                want = fp4convert.quantize(xs, fmt, backend="reference", **kw)
+                got = fp4convert.quantize(xs.to(dev), fmt, backend="cuda", **kw)
+                assert torch.equal(got.packed.cpu(), want.packed), ctx
+                assert torch.equal(_bits(got.scale.cpu()), _bits(want.scale)), ctx
+                if fmt == "nvfp4":
+                    assert torch.equal(_bits(got.global_scale.cpu()), _bits(want.global_scale)), ctx
+                for odt in DTYPES:
+                    w_ref = fp4convert.dequantize(want, odt, backend="reference")
+                    w = fp4convert.dequantize(got, odt, backend="cuda")
+                    assert torch.equal(_bits(w.cpu()), _bits(w_ref)), f"{ctx} out={odt}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("rotate", [None, "had16"])
 @pytest.mark.parametrize("layout", ["linear", "swizzled"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_quantize_dequantize_bit_exact(dtype, fmt, rotate, layout, shape, dev) -> None:
+def test_dequantize_bit_exact(dtype, fmt, rotate, layout, shape, dev) -> None:
+    """ops.dequantize of the reference's bytes (every rule's scales decode alike) into poisoned buffers."""
     b, m, k = shape
     if k % BLOCK[fmt]:
         pytest.skip("K is not a multiple of the block size")
-    nb = k // BLOCK[fmt]
     swz = layout == "swizzled"
-    rows, cols = ops.padded(m, nb) if swz else (m, nb)
     for kind in KINDS:
         seed = _seed()
         ctx = f"kind={kind} seed={seed}"
         x = make_input(kind, fmt, shape, dtype, rotate, seed)
-        want = _ref_quantize(x, fmt, rotate, layout)
-        xg = x.to(dev)
-        gs = want.global_scale.reshape(b).to(dev) if fmt == "nvfp4" else None
-        # 1. The kernel entry point, into poisoned buffers.
-        packed = _poisoned((b, m, k // 2), torch.uint8, dev)
-        scale = _poisoned((b, rows, cols), torch.uint8, dev)
-        p, s, flag = ops.quantize(xg, fmt, gs, rotate, swz, out=(packed, scale))
-        assert int(flag) == 0, ctx
-        assert torch.equal(p.cpu(), want.packed.reshape(b, m, k // 2)), ctx
-        assert torch.equal(_bits(s.cpu()), _bits(want.scale)), ctx
-        # 2. The public API on the CUDA backend (amax, gs, dispatch, shapes).
-        got = fp4convert.quantize(xg.reshape(shape if b > 1 else shape[1:]), fmt, rotate=rotate,
-                                  scale_layout=layout, backend="cuda")
-        assert torch.equal(got.packed.cpu().reshape(b, m, k // 2), want.packed.reshape(b, m, k // 2)), ctx
-        assert torch.equal(_bits(got.scale.cpu()).reshape(-1), _bits(want.scale).reshape(-1)), ctx
-        if fmt == "nvfp4":
-            assert torch.equal(_bits(got.global_scale.cpu()).reshape(-1), _bits(want.global_scale).reshape(-1)), ctx
-        # 3. Dequantize the reference's bytes on the GPU, into a poisoned buffer.
+        rule = RULES[fmt][2]
+        want_p, want_s, gs = _ref(x, fmt, rotate, rule, swz)
+        q = QuantizedTensor(
+            want_p, want_s.view(torch.float8_e4m3fn) if fmt == "nvfp4" else want_s, gs, fmt, rotate, layout)
         for odt in DTYPES:
-            w_ref = fp4convert.dequantize(want, odt, backend="reference")
+            w_ref = fp4convert.dequantize(q, odt, backend="reference")
             out = _poisoned((b, m, k), odt, dev)
-            w = ops.dequantize(want.packed.reshape(b, m, k // 2).to(dev),
-                               want.scale.reshape(b, rows, cols).to(dev), gs, fmt, rotate, swz, odt, out=out)
+            w = ops.dequantize(want_p.to(dev), want_s.to(dev), None if gs is None else gs.to(dev), fmt, rotate, swz,
+                               odt, out=out)
             assert torch.equal(_bits(w.cpu()), _bits(w_ref)), f"{ctx} out={odt}"
-            w2 = fp4convert.dequantize(got, odt, backend="cuda")
-            assert torch.equal(_bits(w2.cpu()), _bits(w_ref)), f"{ctx} out={odt} (public API)"
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_global_amax_given(fmt, dev) -> None:
-    """A fused group's amax (larger than the tensor's own) is honoured exactly."""
-    if fmt == "mxfp4":
-        pytest.skip("MXFP4 has no global scale")
-    seed = _seed()
-    x = make_input("scaled", fmt, (2, 64, 256), torch.bfloat16, None, seed)
-    group = float(ref.tensor_amax(x).max()) * 3.7
-    want = _ref_quantize(x, fmt, None, "linear", global_amax=group)
-    got = fp4convert.quantize(x.to(dev), fmt, global_amax=group, backend="cuda")
-    assert torch.equal(got.packed.cpu(), want.packed), seed
-    assert torch.equal(_bits(got.scale.cpu()), _bits(want.scale)), seed
-    assert torch.equal(got.global_scale.cpu(), want.global_scale), seed
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt,rule", SCHEME_RULES, ids=[f"{s}-{r}" for s, r in SCHEME_RULES])
 @pytest.mark.parametrize("rotate", [None, "had16"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_nonfinite_refused(dtype, fmt, rotate, bad, dev) -> None:
+def test_nonfinite_refused(dtype, fmt, rule, rotate, bad, dev) -> None:
     x = torch.randn(3, 40, 64).to(dtype)
     x[1, 17, 33] = bad
     xg = x.to(dev)
@@ -201,10 +332,39 @@ def test_nonfinite_refused(dtype, fmt, rotate, bad, dev) -> None:
     assert torch.isfinite(am[[0, 2]]).all() and not torch.isfinite(am[1])
     with pytest.raises(NonFiniteError):
         fp4convert.quantize(xg, fmt, rotate=rotate, backend="cuda")
-    # The kernel's own flag, with a finite global scale handed in (the fused-group path).
-    gs = torch.ones(3, device=dev) if fmt == "nvfp4" else None
-    _, _, flag = ops.quantize(xg, fmt, gs, rotate, False)
-    assert int(flag) != 0
+    # The kernel's own flag, with a finite amax handed in (the fused-group path) and without one.
+    amaxes = [torch.ones(3, device=dev), None] if fmt == "nvfp4" else [None]
+    for amax in amaxes:
+        for swz in (False, True):
+            *_, flag = ops.quantize(xg, fmt, amax, rotate, swz, RULES[fmt].index(rule))
+            assert int(flag) != 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("swizzle", [False, True])
+def test_nonfinite_given_amax_flagged(bad, swizzle, dev) -> None:
+    """A NaN/Inf group amax with finite data raises the flag (fminf alone would hide a NaN)."""
+    x = torch.randn(2, 32, 64, device=dev).to(torch.bfloat16)
+    for rule in range(3):
+        amax = torch.tensor([1.0, bad], device=dev)
+        *_, flag = ops.quantize(x, "nvfp4", amax, None, swizzle, rule)
+        assert int(flag) != 0
+        *_, flag = ops.quantize(x, "nvfp4", ops.amax(x, None), None, swizzle, rule)
+        assert int(flag) == 0
+
+
+def test_quantize_argument_errors(dev) -> None:
+    x = torch.randn(1, 16, 64, device=dev)
+    with pytest.raises(CUDAKernelError, match="does not apply"):
+        ops.quantize(x, "nvfp4", None, None, False, "rceil")
+    with pytest.raises(CUDAKernelError, match="does not apply"):
+        ops.quantize(x, "mxfp4", None, None, False, "4over6")
+    with pytest.raises(CUDAKernelError, match="not 0, 1 or 2"):
+        ops.quantize(x, "nvfp4", None, None, False, 3)
+    with pytest.raises(CUDAKernelError, match="amax must be None"):
+        ops.quantize(x, "mxfp4", torch.ones(1, device=dev), None, False)
+    with pytest.raises(CUDAKernelError, match="amax per matrix"):
+        ops.quantize(x, "nvfp4", torch.ones(2, device=dev), None, False)
 
 
 def _chunks(m: int, rows: int):
@@ -213,29 +373,140 @@ def _chunks(m: int, rows: int):
 
 
 @pytest.mark.parametrize(
-    "dtype,fmt,rotate,layout",
-    [(torch.bfloat16, "nvfp4", None, "linear"), (torch.float32, "mxfp4", "had16", "swizzled")],
+    "dtype,fmt,rotate,layout,rule",
+    [(torch.bfloat16, "nvfp4", None, "linear", "max"), (torch.float32, "mxfp4", "had16", "swizzled", "floor")],
     ids=["bf16-nvfp4-1.1GB", "fp32-mxfp4-had16-swizzled-2.1GB"],
 )
-def test_large_tensor(dtype, fmt, rotate, layout, dev) -> None:
+def test_large_tensor(dtype, fmt, rotate, layout, rule, dev) -> None:
     """> 1 GiB (the fp32 case > 2^31 bytes): 64-bit offsets everywhere. The reference runs by
     row chunks with the whole tensor's amax handed in, which is the same arithmetic."""
     m, k = 32832, 16384  # M % 128 == 64
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(m, k, generator=gen) * torch.exp(torch.empty(m, 1).uniform_(-4, 4, generator=gen))).to(dtype)
-    xg = x.to(dev)
-    got = fp4convert.quantize(xg, fmt, rotate=rotate, scale_layout=layout, backend="cuda")
-    amax = ops.amax(xg.reshape(1, m, k), rotate).cpu()
-    packed = got.packed.cpu()
-    scale = got.linear_scale().cpu().view(torch.uint8)
-    del got, xg
+    xg = x.to(dev).reshape(1, m, k)
+    p, s, _, flag = ops.quantize(xg, fmt, None, rotate, layout == "swizzled", RULES[fmt].index(rule))
+    assert int(flag) == 0
+    amax = ops.amax(xg, rotate).cpu()
+    packed = p[0].cpu()
+    nb = k // BLOCK[fmt]
+    scale = s.view(torch.uint8)[0].cpu()
+    if layout == "swizzled":
+        from fp4convert.swizzle import unswizzle_scales
+
+        scale = unswizzle_scales(scale, m, nb)
+    del p, s, xg
     torch.cuda.empty_cache()
     chunk_amax = torch.zeros((), dtype=torch.float32)
     for r0, r1 in _chunks(m, 4096):
         xc = x[r0:r1]
         chunk_amax = torch.maximum(chunk_amax, ref.tensor_amax(xc, rotate))
-        want = _ref_quantize(xc, fmt, rotate, "linear", global_amax=amax[0] if fmt == "nvfp4" else None)
-        assert torch.equal(packed[r0:r1], want.packed), f"rows {r0}:{r1} seed={seed}"
-        assert torch.equal(scale[r0:r1], want.scale.view(torch.uint8)), f"rows {r0}:{r1} seed={seed}"
+        want_p, want_s, _ = _ref(xc, fmt, rotate, rule, False, global_amax=amax[0] if fmt == "nvfp4" else None)
+        assert torch.equal(packed[r0:r1], want_p), f"rows {r0}:{r1} seed={seed}"
+        assert torch.equal(scale[r0:r1], want_s), f"rows {r0}:{r1} seed={seed}"
     assert torch.equal(_bits(chunk_amax), _bits(amax[0])), seed
+
+
+# ------------------------------------------------------------------------------------------------
+# Input decoding
+# ------------------------------------------------------------------------------------------------
+
+def _e4m3_bytes(shape, gen: torch.Generator) -> torch.Tensor:
+    """Random E4M3 bytes, every finite code (incl. -0 and subnormals), no NaN (0x7F / 0xFF)."""
+    w = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32).to(torch.uint8)
+    w[(w & 0x7F) == 0x7F] = 0x80
+    return w.view(torch.float8_e4m3fn)
+
+
+def _scales(shape, gen: torch.Generator) -> torch.Tensor:
+    """Positive fp32 scales over a wide range, with tiny and huge ones (products under/overflow)."""
+    s = torch.exp2(torch.empty(shape).uniform_(-20, 20, generator=gen)) * torch.rand(shape, generator=gen).add(0.5)
+    flat = s.view(-1)
+    if flat.numel() > 2:
+        flat[0], flat[-1] = 1e-38, 1e36
+    return s.float()
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, ctx: str) -> None:
+    """Bytes equal, except that NaN payloads may differ (NaN inputs are refused downstream anyway)."""
+    assert got.shape == want.shape and got.dtype == want.dtype == torch.float32, ctx
+    gn, wn = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(gn, wn), ctx
+    assert torch.equal(_bits(got.masked_fill(gn, 0)), _bits(want.masked_fill(wn, 0))), ctx
+
+
+@pytest.mark.parametrize(
+    "shape,block",
+    [((1, 300, 260), (128, 128)), ((3, 7, 10), (2, 3)), ((2, 129, 64), (1, 64)), ((4, 5, 12), (5, 12)),
+     ((2, 33, 44), (16, 7))],
+    ids=["1x300x260-128", "3x7x10-2x3-scalar", "2x129x64-1x64", "4x5x12-one-block", "2x33x44-16x7"],
+)
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_decode_fp8_block(shape, block, broadcast, dev) -> None:
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    b, m, n = shape
+    bm, bn = block
+    grid = (-(-m // bm), -(-n // bn))
+    w = _e4m3_bytes(shape, gen)
+    s = _scales(grid if broadcast else (b, *grid), gen)
+    want = torch.stack([ref.fp8_block_dequantize(w[i], s if broadcast else s[i], block) for i in range(b)])
+    got = ops.decode_fp8_block(w.to(dev), s.to(dev), block).cpu()
+    _same(got, want, f"seed={seed}")
+    got2 = ops.decode_fp8_block(w[0].to(dev), (s if broadcast else s[0]).to(dev), block).cpu()  # a plain matrix
+    _same(got2, want[0], f"seed={seed} (2-D)")
+
+
+@pytest.mark.parametrize("kind", ["scalar", "one", "rows", "rows1", "rows-bf16", "batched-rows", "batched-tensor"])
+def test_decode_fp8_scaled(kind, dev) -> None:
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    b, m, n = 3, 67, 36
+    w = _e4m3_bytes((b, m, n), gen)
+    shape = {"scalar": (), "one": (1,), "rows": (m,), "rows1": (m, 1), "rows-bf16": (m,),
+             "batched-rows": (b, m, 1), "batched-tensor": (b, 1, 1)}[kind]
+    s = _scales(shape, gen)
+    if kind == "rows-bf16":
+        s = s.to(torch.bfloat16)
+    if kind.startswith("batched"):
+        want = torch.stack([ref.fp8_scaled_dequantize(w[i], s[i].reshape(-1) if kind == "batched-rows" else s[i].reshape(()))
+                            for i in range(b)])
+    else:
+        want = torch.stack([ref.fp8_scaled_dequantize(w[i], s) for i in range(b)])
+    got = ops.decode_fp8_scaled(w.to(dev), s.to(dev)).cpu()
+    _same(got, want, f"kind={kind} seed={seed}")
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (5, 16), (2, 3, 7, 16), (24, 90, 16)], ids=str)
+def test_decode_mxfp4_blocks(shape, dev) -> None:
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(0, 256, shape[:-1], generator=gen, dtype=torch.int32).to(torch.uint8)
+    scales.view(-1)[0] = 0  # 2^-127: subnormal results
+    if scales.numel() > 2:
+        scales.view(-1)[1] = 254  # 6 * 2^127 overflows to inf
+        scales.view(-1)[2] = 255  # NaN
+    want = ref.mxfp4_blocks_dequantize(blocks, scales)
+    got = ops.decode_mxfp4_blocks(blocks.to(dev), scales.to(dev)).cpu()
+    assert got.shape == (*shape[:-2], shape[-2] * 32)
+    _same(got, want, f"seed={seed}")
+
+
+def test_decode_argument_errors(dev) -> None:
+    w = torch.zeros(4, 8, dtype=torch.float8_e4m3fn, device=dev)
+    with pytest.raises(CUDAKernelError, match="scale_inv shape"):
+        ops.decode_fp8_block(w, torch.ones(2, 2, device=dev), (2, 2))
+    with pytest.raises(CUDAKernelError, match="float8_e4m3fn"):
+        ops.decode_fp8_block(w.float(), torch.ones(2, 4, device=dev), (2, 2))
+    with pytest.raises(CUDAKernelError, match="positive"):
+        ops.decode_fp8_block(w, torch.ones(2, 4, device=dev), (0, 2))
+    with pytest.raises(CUDAKernelError, match="per output channel"):
+        ops.decode_fp8_scaled(w, torch.ones(8, device=dev))
+    with pytest.raises(CUDAKernelError, match="fp32, fp16 or bf16"):
+        ops.decode_fp8_scaled(w, torch.ones(4, dtype=torch.int32, device=dev))
+    with pytest.raises(CUDAKernelError, match=r"\[\.\.\., G, 16\]"):
+        ops.decode_mxfp4_blocks(torch.zeros(3, 8, dtype=torch.uint8, device=dev),
+                                torch.zeros(3, dtype=torch.uint8, device=dev))
+    with pytest.raises(CUDAKernelError, match="uint8"):
+        ops.decode_mxfp4_blocks(torch.zeros(3, 16, device=dev), torch.zeros(3, dtype=torch.uint8, device=dev))

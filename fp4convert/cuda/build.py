@@ -1,10 +1,11 @@
 """Lazy build of the kernel library: nvcc on first use, cached per GPU arch and source hash.
 
 Nothing here runs at import or install time. The library is plain CUDA C++ with ``extern "C"``
-launchers (no torch headers), so a build is one nvcc call of ~10-30 s, and the result is reused
-from ``$FP4CONVERT_CACHE_DIR`` (default ``~/.cache/fp4convert/kernels``) as
-``<sm>-<hash>/libfp4convert_kernels.so``, where the hash covers the source, the flags and nvcc's
-version. Concurrent builds (several processes) serialize on a lock file.
+launchers (no torch headers): every ``csrc/*.cu`` file (with the ``*.cuh`` headers) goes into one
+nvcc call of ~30-60 s, and the result is reused from ``$FP4CONVERT_CACHE_DIR`` (default
+``~/.cache/fp4convert/kernels``) as ``<sm>-<hash>/libfp4convert_kernels.so``. The hash covers every
+source and header, the flags and nvcc's identity (its resolved path, size and mtime: a cache hit runs
+no subprocess and hashes only the ~100 KB of sources). Concurrent builds serialize on a lock file.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from .errors import CUDABuildError, CUDAUnavailableError
 
 log = logging.getLogger("fp4convert.cuda")
 
-SOURCE_NAME = "fp4convert_kernels.cu"
+SOURCE_NAME = "fp4c_library.cu"  # marks a csrc/ directory; every *.cu beside it is compiled
 LIB_NAME = "libfp4convert_kernels.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 # -fmad=false: SPEC.md forbids FMA contraction; the kernels use explicit __fmaf_rn only where a
 # fused multiply-add is exact by construction. No fast math: IEEE division and denormals.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-fmad=false", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
@@ -81,16 +82,35 @@ def cache_root() -> Path:
     return Path(base) / "fp4convert" / "kernels"
 
 
-def _nvcc_version(nvcc: str) -> str:
+def sources(src_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(the .cu files nvcc compiles, the .cuh headers they include), sorted."""
+    return sorted(src_dir.glob("*.cu")), sorted(src_dir.glob("*.cuh"))
+
+
+def _nvcc_identity(nvcc: str) -> str:
+    """nvcc's resolved path, size and mtime: changes with any toolkit install, costs one stat."""
     try:
-        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise CUDAUnavailableError(f"nvcc at {nvcc} does not run ({exc}); use backend='reference'") from exc
+        path = Path(nvcc).resolve(strict=True)
+        st = path.stat()
+    except OSError as exc:
+        raise CUDAUnavailableError(f"nvcc at {nvcc} was not found ({exc}); use backend='reference'") from exc
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def cache_key(src_dir: Path, flags: list[str], nvcc: str) -> str:
+    """Hash of every source and header (name and bytes), the flags and nvcc's identity."""
+    digest = hashlib.sha256()
+    cu, cuh = sources(src_dir)
+    for f in (*cu, *cuh):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    digest.update(" ".join(flags).encode())
+    digest.update(_nvcc_identity(nvcc).encode())
+    return digest.hexdigest()[:16]
 
 
 def build_library(capability: tuple[int, int]) -> Path:
     """Path of the built library for this capability, compiling it if the cache lacks it."""
-    src = source_dir() / SOURCE_NAME
+    src_dir = source_dir()
     nvcc = find_nvcc()
     if nvcc is None:
         raise CUDAUnavailableError(
@@ -99,11 +119,7 @@ def build_library(capability: tuple[int, int]) -> Path:
         )
     tag, gencode = arch_flags(capability)
     flags = [*NVCC_FLAGS, *gencode]
-    digest = hashlib.sha256()
-    digest.update(src.read_bytes())
-    digest.update(" ".join(flags).encode())
-    digest.update(_nvcc_version(nvcc).encode())
-    target_dir = cache_root() / f"{tag}-{digest.hexdigest()[:16]}"
+    target_dir = cache_root() / f"{tag}-{cache_key(src_dir, flags, nvcc)}"
     target = target_dir / LIB_NAME
     if target.is_file():
         return target
@@ -112,10 +128,10 @@ def build_library(capability: tuple[int, int]) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_file():  # another process built it while we waited
             return target
-        log.info("building fp4convert CUDA kernels for %s (one time, ~30 s)", tag)
+        log.info("building fp4convert CUDA kernels for %s (one time, ~1 min)", tag)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
         os.close(fd)
-        cmd = [nvcc, *flags, "-o", tmp, str(src)]
+        cmd = [nvcc, *flags, "-o", tmp, *map(str, sources(src_dir)[0])]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
@@ -130,22 +146,24 @@ def load_library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(capability)))
     c_i64, c_int, c_ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.fp4c_abi_version.restype = c_int
+    if lib.fp4c_abi_version() != ABI_VERSION:  # first: a stale library may lack launchers typed below
+        raise CUDABuildError(f"stale kernel library (ABI {lib.fp4c_abi_version()} != {ABI_VERSION})")
     lib.fp4c_error_string.restype = ctypes.c_char_p
     lib.fp4c_error_string.argtypes = [c_int]
-    lib.fp4c_set_tuning.restype = c_int
-    lib.fp4c_set_tuning.argtypes = [c_int, c_int]
     lib.fp4c_set_device.restype = c_int
     lib.fp4c_set_device.argtypes = [c_int]
     lib.fp4c_amax.restype = c_int
     lib.fp4c_amax.argtypes = [c_ptr, c_int, c_int, c_i64, c_i64, c_ptr, c_ptr]
     lib.fp4c_quantize.restype = c_int
-    lib.fp4c_quantize.argtypes = [c_ptr, c_int, c_int, c_int, c_int, c_i64, c_i64, c_i64, c_ptr, c_ptr, c_ptr,
-                                  c_ptr, c_ptr]
+    lib.fp4c_quantize.argtypes = [c_ptr, c_int, c_int, c_int, c_int, c_int, c_i64, c_i64, c_i64, c_ptr, c_ptr,
+                                  c_ptr, c_ptr, c_ptr, c_ptr]
     lib.fp4c_dequantize.restype = c_int
     lib.fp4c_dequantize.argtypes = [c_ptr, c_ptr, c_ptr, c_int, c_int, c_int, c_i64, c_i64, c_i64, c_ptr, c_int,
                                     c_ptr]
+    lib.fp4c_decode_fp8_block.restype = c_int
+    lib.fp4c_decode_fp8_block.argtypes = [c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_ptr, c_ptr]
+    lib.fp4c_decode_mxfp4_blocks.restype = c_int
+    lib.fp4c_decode_mxfp4_blocks.argtypes = [c_ptr, c_ptr, c_i64, c_ptr, c_ptr]
     lib.fp4c_e2m1_selftest.restype = c_int
     lib.fp4c_e2m1_selftest.argtypes = [c_ptr, c_ptr]
-    if lib.fp4c_abi_version() != ABI_VERSION:
-        raise CUDABuildError(f"stale kernel library (ABI {lib.fp4c_abi_version()} != {ABI_VERSION})")
     return lib

@@ -18,6 +18,8 @@ from .errors import CUDAKernelError, CUDAUnavailableError
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FMTS = {"nvfp4": 0, "mxfp4": 1}
 _BLOCK = {"nvfp4": 16, "mxfp4": 32}
+# Scale rules by launcher code (index): CONTRACT.md.
+SCALE_RULES = {"nvfp4": ("max", "4over6", "mse"), "mxfp4": ("floor", "rceil", "mse")}
 MIN_CAPABILITY = (8, 9)  # the E4M3 conversion instructions
 
 
@@ -79,13 +81,32 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _per_matrix_amax(amax: torch.Tensor, b: int, device: torch.device) -> torch.Tensor:
+    """One fp32 amax per matrix, contiguous on the device (no copy when it already is)."""
+    if not isinstance(amax, torch.Tensor) or amax.numel() != b:
+        raise CUDAKernelError(f"nvfp4 needs an amax per matrix ([{b}] fp32 tensor)")
+    return amax.to(device=device, dtype=torch.float32, non_blocking=True).reshape(b).contiguous()
+
+
 def _per_matrix_gs(gs: torch.Tensor | None, fmt: str, b: int, device: torch.device) -> torch.Tensor | None:
-    """NVFP4: one fp32 global scale per matrix, contiguous on the device; MXFP4: none."""
+    """NVFP4 dequantize: one fp32 global scale per matrix, contiguous on the device; MXFP4: none."""
     if fmt != "nvfp4":
         return None
     if gs is None or gs.numel() != b:
         raise CUDAKernelError(f"nvfp4 needs a global scale per matrix ([{b}] fp32)")
     return gs.to(device=device, dtype=torch.float32).reshape(b).contiguous()
+
+
+def scale_rule_code(fmt: str, scale_rule: int | str) -> int:
+    """The launchers' int for a scale rule: 0 max / floor, 1 4over6 / rceil, 2 mse (CONTRACT.md)."""
+    if isinstance(scale_rule, str):
+        names = SCALE_RULES[fmt]
+        if scale_rule not in names:
+            raise CUDAKernelError(f"scale rule {scale_rule!r} does not apply to {fmt}; expected one of {', '.join(names)}")
+        return names.index(scale_rule)
+    if scale_rule not in (0, 1, 2) or isinstance(scale_rule, bool):
+        raise CUDAKernelError(f"scale rule {scale_rule!r} is not 0, 1 or 2")
+    return int(scale_rule)
 
 
 def _check_input(x: torch.Tensor, rotate: str | None) -> None:
@@ -118,31 +139,46 @@ def amax(x: torch.Tensor, rotate: str | None) -> torch.Tensor:
     return out.view(torch.float32)
 
 
+_amax_pass = amax  # quantize's `amax` argument shadows the function
+
+
 def quantize(
     x: torch.Tensor,
-    fmt: str,
-    gs: torch.Tensor | None,
+    scheme: str,
+    amax: torch.Tensor | None,
     rotate: str | None,
     swizzle: bool,
+    scale_rule: int | str = 0,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed uint8 [B, M, K/2], scale, nonfinite int32 scalar) for x [B, M, K].
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(packed uint8 [B, M, K/2], scale, gs, nonfinite int32 scalar) for x [B, M, K].
 
-    scale is float8_e4m3fn (NVFP4) or uint8 E8M0 (MXFP4), linear ``[B, M, K/bs]`` or, with
-    swizzle, the 128x4 layout ``[B, Mp, nbp]`` with zero padding. ``nonfinite`` is non-zero when a
-    block held NaN/Inf (the caller refuses the tensor). ``gs``: fp32 [B] on x's device (NVFP4).
-    ``out``: optional preallocated (packed, scale uint8) buffers, e.g. poisoned ones in tests.
+    ``scheme`` "nvfp4" / "mxfp4"; ``scale_rule`` 0 / 1 / 2 = max / 4over6 / mse (NVFP4) or floor /
+    rceil / mse (MXFP4), or those names. scale is float8_e4m3fn (NVFP4) or uint8 E8M0 (MXFP4),
+    linear ``[B, M, K/bs]`` or, with swizzle, the 128x4 layout ``[B, Mp, nbp]`` with zero padding.
+    NVFP4: ``amax`` is the per-matrix (or fused group's) amax, fp32 [B] on x's device; the kernel
+    computes gs = 2688 / amax (1 for 0, clamped to FLT_MAX) and returns it as fp32 [B]: one memset
+    and one launch. ``amax=None`` runs the amax pass first (two launches). MXFP4: amax must be None
+    and gs is None. ``nonfinite`` is non-zero when a block or the given amax held NaN/Inf (the
+    caller refuses the tensor: the one host sync). ``out``: optional preallocated (packed, scale
+    uint8) buffers, e.g. poisoned ones in tests.
     """
     _check_input(x, rotate)
-    if fmt not in _FMTS:
-        raise CUDAKernelError(f"unknown format {fmt!r}")
-    bs = _BLOCK[fmt]
+    if scheme not in _FMTS:
+        raise CUDAKernelError(f"unknown scheme {scheme!r}")
+    rule = scale_rule_code(scheme, scale_rule)
+    bs = _BLOCK[scheme]
     b, m, k = x.shape
     if k % bs:
-        raise CUDAKernelError(f"K={k} is not a multiple of the {fmt} block size {bs}")
+        raise CUDAKernelError(f"K={k} is not a multiple of the {scheme} block size {bs}")
+    if scheme == "mxfp4" and amax is not None:
+        raise CUDAKernelError("mxfp4 has no global scale: amax must be None")
     x = _aligned(x)
-    gs = _per_matrix_gs(gs, fmt, b, x.device)
+    gs = None
+    if scheme == "nvfp4":
+        amax = _amax_pass(x, rotate) if amax is None else _per_matrix_amax(amax, b, x.device)
+        gs = torch.empty(b, dtype=torch.float32, device=x.device)
     nb = k // bs
     rows, cols = padded(m, nb) if swizzle else (m, nb)
     if out is None:
@@ -155,17 +191,23 @@ def quantize(
             and packed.data_ptr() % 16 == 0
         ):
             raise CUDAKernelError("out buffers do not match the expected shapes / uint8 / contiguous")
-    flag = torch.zeros((), dtype=torch.int32, device=x.device) if x.numel() == 0 else torch.empty(
-        (), dtype=torch.int32, device=x.device)  # the launcher zeroes it
+    flag = torch.empty((), dtype=torch.int32, device=x.device)  # the launcher zeroes it
     if x.numel():
         lib = _lib(x.device)
-        _check(lib, lib.fp4c_quantize(_ptr(x), _DTYPES[x.dtype], _FMTS[fmt], int(rotate == "had16"), int(swizzle),
-                                      b, m, k, _ptr(gs), _ptr(packed), _ptr(scale), _ptr(flag), _stream(x.device)))
-    elif swizzle:
-        scale.zero_()
-    if fmt == "nvfp4":
+        _check(lib, lib.fp4c_quantize(_ptr(x), _DTYPES[x.dtype], _FMTS[scheme], int(rotate == "had16"),
+                                      int(swizzle), rule, b, m, k, _ptr(amax), _ptr(gs), _ptr(packed), _ptr(scale),
+                                      _ptr(flag), _stream(x.device)))
+    else:  # no launch: the same results the kernel would give an empty matrix
+        flag.zero_()
+        if swizzle:
+            scale.zero_()
+        if gs is not None:
+            gs.copy_(torch.where(amax == 0, torch.ones_like(amax),
+                                 torch.clamp(torch.full_like(amax, 2688.0) / amax, max=torch.finfo(torch.float32).max)))
+            flag.copy_((~torch.isfinite(amax)).any().to(torch.int32))
+    if scheme == "nvfp4":
         scale = scale.view(torch.float8_e4m3fn)
-    return packed, scale, flag
+    return packed, scale, gs, flag
 
 
 def dequantize(
@@ -213,15 +255,6 @@ def dequantize(
     return out
 
 
-TUNING_KEYS = {"quant_persistent": 0, "unbalanced_grid": 1, "persistent_grid": 3}
-
-
-def set_tuning(key: str, value: int, device: torch.device | str = "cuda") -> None:
-    """Benchmark A/B switch (see csrc); the defaults are the measured winners. Not for production."""
-    lib = _lib(torch.device(device))
-    _check(lib, lib.fp4c_set_tuning(TUNING_KEYS[key], int(value)))
-
-
 def e2m1_selftest(device: torch.device | str = "cuda") -> int:
     """Mismatches of this GPU's E2M1 path against SPEC.md's predicate sum over every fp32 input."""
     device = torch.device(device)
@@ -229,3 +262,118 @@ def e2m1_selftest(device: torch.device | str = "cuda") -> int:
     lib = _lib(device)
     _check(lib, lib.fp4c_e2m1_selftest(_ptr(counter), _stream(device)))
     return int(counter.item())
+
+
+# ------------------------------------------------------------------------------------------------
+# Input decoding (CONTRACT.md "Input decoding"): quantized source checkpoints -> fp32
+# ------------------------------------------------------------------------------------------------
+
+_FP8 = (torch.float8_e4m3fn, torch.uint8)
+
+
+def _fp8_bytes(w: torch.Tensor, what: str) -> torch.Tensor:
+    if w.dtype not in _FP8:
+        raise CUDAKernelError(f"{what}: expected float8_e4m3fn (or its uint8 bytes), got {w.dtype}")
+    if w.dim() < 2:
+        raise CUDAKernelError(f"{what}: expected a weight [..., M, N], got shape {tuple(w.shape)}")
+    w = w.contiguous().view(torch.uint8)
+    return w if w.data_ptr() % 4 == 0 else w.clone()
+
+
+def _scale_f32(s: torch.Tensor, what: str) -> torch.Tensor:
+    if not s.is_floating_point() or s.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise CUDAKernelError(f"{what}: scale must be fp32, fp16 or bf16, got {s.dtype}")
+    return s.to(torch.float32).contiguous()  # widening is exact
+
+
+def _decode_fp8(w: torch.Tensor, s: torch.Tensor, bm: int, bn: int, s_mstride: int) -> torch.Tensor:
+    *lead, m, n = w.shape
+    b = 1
+    for d in lead:
+        b *= d
+    if s.device != w.device:
+        raise CUDAKernelError(f"scale is on {s.device}, the weight on {w.device}")
+    out = torch.empty(*lead, m, n, dtype=torch.float32, device=w.device)
+    if out.numel():
+        if m * n >= (1 << 31) - 4:
+            raise CUDAKernelError(f"a {m}x{n} matrix is too large for the decode kernel (< 2^31 elements)")
+        lib = _lib(w.device)
+        _check(lib, lib.fp4c_decode_fp8_block(_ptr(w), _ptr(s), b, m, n, bm, bn, s_mstride, _ptr(out),
+                                              _stream(w.device)))
+    return out
+
+
+def decode_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """fp32 ``w[..., i, j] = fp32(w[..., i, j]) * scale_inv[..., i // bm, j // bn]`` (one fp32 multiply).
+
+    ``w`` float8_e4m3fn ``[..., M, N]``; ``scale_inv`` fp32 (bf16/fp16 widened exactly)
+    ``[..., ceil(M/bm), ceil(N/bn)]`` with w's leading dims, or without them (one for every matrix).
+    Edge blocks are partial.
+    """
+    bm, bn = (int(v) for v in block)
+    if bm <= 0 or bn <= 0:
+        raise CUDAKernelError(f"fp8 block sizes must be positive, got {block}")
+    w = _fp8_bytes(w, "decode_fp8_block")
+    *lead, m, n = w.shape
+    grid = (-(-m // bm), -(-n // bn))
+    s = _scale_f32(scale_inv, "decode_fp8_block")
+    if tuple(s.shape) == (*lead, *grid):
+        s_mstride = grid[0] * grid[1]
+    elif tuple(s.shape) == grid and lead:
+        s_mstride = 0
+    else:
+        raise CUDAKernelError(
+            f"decode_fp8_block: scale_inv shape {tuple(s.shape)} does not match weight {tuple(w.shape)} with "
+            f"blocks {bm}x{bn} (expected {(*lead, *grid)})"
+        )
+    return _decode_fp8(w, s, bm, bn, s_mstride)
+
+
+def decode_fp8_scaled(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 ``w[..., i, j] = fp32(w[..., i, j]) * fp32(scale)[i or 0]``: per tensor (0-dim / [1]) or per
+    output channel ([M] / [M, 1]), shared by every matrix of a batch, or per matrix with w's leading
+    dims ([...] / [..., 1, 1] per tensor, [..., M] / [..., M, 1] per channel; per channel wins where
+    the shapes coincide)."""
+    w = _fp8_bytes(w, "decode_fp8_scaled")
+    *lead, m, n = w.shape
+    s = _scale_f32(scale, "decode_fp8_scaled")
+    shape = tuple(s.shape)
+    if s.numel() == 1 and len(shape) <= 1:
+        return _decode_fp8(w, s.reshape(1), max(m, 1), max(n, 1), 0)
+    if shape in ((m,), (m, 1)):
+        return _decode_fp8(w, s.reshape(m), 1, max(n, 1), 0)
+    if lead and shape in ((*lead, m), (*lead, m, 1)):
+        return _decode_fp8(w, s.reshape(-1), 1, max(n, 1), m)
+    if lead and shape in (tuple(lead), (*lead, 1), (*lead, 1, 1)):  # one scale per matrix
+        return _decode_fp8(w, s.reshape(-1), max(m, 1), max(n, 1), 1)
+    raise CUDAKernelError(
+        f"decode_fp8_scaled: scale shape {shape} is neither per tensor ([] / [1]) nor per output channel "
+        f"([{m}] / [{m}, 1]) of weight {tuple(w.shape)}"
+    )
+
+
+def decode_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """gpt-oss ``*_blocks`` uint8 [..., G, 16] + ``*_scales`` uint8 [..., G] -> fp32 [..., G * 32].
+
+    Element 32 g + 2 j is the low nibble of blocks[..., g, j], 32 g + 2 j + 1 the high one;
+    w = value(code) * 2^(scale - 127) (a scale of 255 gives NaN, which the quantizer refuses).
+    """
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise CUDAKernelError(f"decode_mxfp4_blocks: expected uint8 blocks and scales, got {blocks.dtype}, {scales.dtype}")
+    if blocks.dim() < 2 or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise CUDAKernelError(
+            f"decode_mxfp4_blocks: expected blocks [..., G, 16] and scales [..., G], got {tuple(blocks.shape)} "
+            f"and {tuple(scales.shape)}"
+        )
+    if scales.device != blocks.device:
+        raise CUDAKernelError(f"scales are on {scales.device}, the blocks on {blocks.device}")
+    blocks = blocks.contiguous()
+    if blocks.data_ptr() % 2:
+        blocks = blocks.clone()
+    scales = scales.contiguous()
+    out = torch.empty(*blocks.shape[:-2], blocks.shape[-2] * 32, dtype=torch.float32, device=blocks.device)
+    if out.numel():
+        lib = _lib(blocks.device)
+        _check(lib, lib.fp4c_decode_mxfp4_blocks(_ptr(blocks), _ptr(scales), scales.numel(), _ptr(out),
+                                                 _stream(blocks.device)))
+    return out

@@ -1,0 +1,424 @@
+// fp4convert kernels, numerics: SPEC.md sections 1-4 and CONTRACT.md, bit for bit with
+// fp4convert/reference.py. Each device function names the reference function it mirrors.
+//
+// Every fp32 step is one IEEE operation with round-to-nearest-even (__fmul_rn / __fadd_rn /
+// __fdiv_rn, and __fmaf_rn only where the fused result is exact by construction); the library is
+// built with -fmad=false and without fast math.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <float.h>
+
+// E2M1 conversion in hardware where the target has cvt.rn.satfinite.e2m1x2.f32 (sm_100a family,
+// sm_120a family); elsewhere (sm_90 and older) the exact software path below.
+#if defined(__CUDA_ARCH__) &&                                                                      \
+    (defined(__CUDA_ARCH_FEAT_SM100_ALL) || defined(__CUDA_ARCH_FEAT_SM101_ALL) ||                 \
+     defined(__CUDA_ARCH_FEAT_SM103_ALL) || defined(__CUDA_ARCH_FEAT_SM110_ALL) ||                 \
+     defined(__CUDA_ARCH_FEAT_SM120_ALL) || defined(__CUDA_ARCH_FEAT_SM121_ALL))
+#define FP4C_HW_E2M1 1
+#else
+#define FP4C_HW_E2M1 0
+#endif
+
+namespace fp4c {
+
+// Scale rules (the launchers' int scale_rule): NVFP4 max / 4over6 / mse, MXFP4 floor / rceil / mse.
+enum : int { RULE_PLAIN = 0, RULE_ALT = 1, RULE_MSE = 2 };
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Block scales
+// ------------------------------------------------------------------------------------------------
+
+// reference.e4m3_encode: fp32 -> E4M3 byte (RNE, saturating at 448, subnormals kept): the hardware
+// conversion (sm_89+).
+__device__ __forceinline__ uint32_t e4m3_from_f32(float s) {
+  unsigned short d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(0.0f), "f"(s));
+  return d & 0xFFu;
+}
+
+// reference.e4m3_decode: E4M3 byte -> fp32 (exact; every E4M3 value is an fp16 value).
+__device__ __forceinline__ float f32_from_e4m3(uint32_t b) {
+  uint32_t h2;
+  unsigned short in = (unsigned short)b;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+  return __half2float(__ushort_as_half((unsigned short)(h2 & 0xFFFFu)));
+}
+
+// Two E4M3 bytes (low byte: element 0) -> two fp32 (exact).
+__device__ __forceinline__ float2 f32x2_from_e4m3x2(uint32_t two_bytes) {
+  uint32_t h2;
+  const unsigned short in = (unsigned short)two_bytes;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+  return __half22float2(*reinterpret_cast<const __half2*>(&h2));
+}
+
+// reference.pow2_f32: exact 2^k from exponent bits, for k in [-127, 127].
+__device__ __forceinline__ float pow2i(int k) {
+  return k >= -126 ? __uint_as_float((uint32_t)(k + 127) << 23) : __uint_as_float(0x00400000u);
+}
+
+// reference.global_scale: gs = 2688 / amax (a true IEEE division), 1 for amax == 0, clamped to
+// FLT_MAX. fminf drops NaN, so the caller flags a non-finite amax itself.
+__device__ __forceinline__ float nvfp4_global_scale(float amax) {
+  return amax == 0.0f ? 1.0f : fminf(__fdiv_rn(2688.0f, amax), FLT_MAX);
+}
+
+// reference.nvfp4_quantize, steps 3-4 (rule max): s = (gs * bmax) / 6 -> E4M3 byte; the block
+// multiplier r = gs / sf (0 for sf == 0), clamped to FLT_MAX.
+__device__ __forceinline__ float nvfp4_scale(float gs, uint32_t bmax_bits, uint32_t& byte) {
+  const float s = __fdiv_rn(__fmul_rn(gs, __uint_as_float(bmax_bits)), 6.0f);
+  byte = e4m3_from_f32(s);
+  const float sf = f32_from_e4m3(byte);
+  return sf > 0.0f ? fminf(__fdiv_rn(gs, sf), FLT_MAX) : 0.0f;
+}
+
+// CONTRACT.md, NVFP4 candidates: the /4 byte b4 = E4M3((gs * bmax) / 4) (the division by 4 is
+// exact as a multiply by 0.25: both are RN of the same real).
+__device__ __forceinline__ uint32_t nvfp4_byte4(float gs, uint32_t bmax_bits) {
+  return e4m3_from_f32(__fmul_rn(__fmul_rn(gs, __uint_as_float(bmax_bits)), 0.25f));
+}
+
+// CONTRACT.md, a candidate E4M3 byte c -> (r, d): sf = decode(c); r = sf > 0 ? min(gs / sf,
+// FLT_MAX) : 0; d = sf / gs.
+__device__ __forceinline__ void nvfp4_candidate(float gs, uint32_t byte, float& r, float& d) {
+  const float sf = f32_from_e4m3(byte);
+  r = sf > 0.0f ? fminf(__fdiv_rn(gs, sf), FLT_MAX) : 0.0f;
+  d = __fdiv_rn(sf, gs);
+}
+
+// reference.e8m0_encode_from_bmax (MXFP4 floor rule): e = clamp(exponent_field(bmax) - 2, 0, 254);
+// returns the multiplier 2^(127 - e), from bits.
+__device__ __forceinline__ float mxfp4_scale(uint32_t bmax_bits, uint32_t& byte) {
+  const int field = (int)((bmax_bits >> 23) & 0xFFu);
+  const int e = min(max(field - 2, 0), 254);
+  byte = (uint32_t)e;
+  return pow2i(127 - e);
+}
+
+// CONTRACT.md, MXFP4 rceil: e + 1 (clamped to 254) when bmax * 2^(127 - e) > 6.
+__device__ __forceinline__ uint32_t mxfp4_rceil(uint32_t bmax_bits, uint32_t e, float r) {
+  return __fmul_rn(__uint_as_float(bmax_bits), r) > 6.0f ? min(e + 1u, 254u) : e;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Had16 (reference.had16)
+// ------------------------------------------------------------------------------------------------
+
+// SPEC.md section 4: butterflies h = 1, 2, 4, 8 in this order (the * 0.25 is separate, below).
+__device__ __forceinline__ void butterflies16(float v[16]) {
+#pragma unroll
+  for (int h = 1; h < 16; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if ((i & h) == 0) {
+        const float a = v[i], b = v[i + h];
+        v[i] = __fadd_rn(a, b);
+        v[i + h] = __fsub_rn(a, b);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void scale16(float v[16], float f) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(v[i], f);
+}
+
+// reference.had16 = butterflies, then * 0.25. Its own inverse.
+__device__ __forceinline__ void had16(float v[16]) {
+  butterflies16(v);
+  scale16(v, 0.25f);
+}
+
+// max|x * 0.25| of 16 butterfly outputs u, as a bit pattern: RN is monotone, so it is
+// RN(0.25 * max|u|) and one multiply does. fmaxf drops NaN, but a NaN or Inf input to the
+// butterflies makes all 16 outputs non-finite, so the result is NaN or Inf exactly when it must be.
+__device__ __forceinline__ uint32_t amax16_rotated(const float u[16]) {
+  float m = fabsf(u[0]);
+#pragma unroll
+  for (int i = 1; i < 16; ++i) m = fmaxf(m, fabsf(u[i]));
+  return __float_as_uint(__fmul_rn(m, 0.25f));
+}
+
+// The rotated values are v = RN(0.25 u). Where 0.125 r is normal and r < 2^121, E2M1(v * r) uses
+// only y/2 = RN(|v| * r/2), which equals RN(|u| * (0.125 r)) for |u| >= 2^-124 (0.25 u exact), and
+// for smaller |u| both are < 2^-6 (code 0, same sign): so the 16 multiplies by 0.25 fold into r.
+// Codes only: a block error needs the rotated values themselves (the search rules scale them).
+__device__ __forceinline__ bool fold_quarter(float r) {
+  return r == 0.0f || (r >= 0x1p-122f && r < 0x1p121f);
+}
+
+// ------------------------------------------------------------------------------------------------
+// E2M1 (reference.e2m1_encode / e2m1_decode)
+// ------------------------------------------------------------------------------------------------
+
+// reference.e2m1_encode as written there (SPEC.md's predicate sum); the self test compares the fast
+// paths with it.
+__device__ __forceinline__ uint32_t e2m1_spec(float y) {
+  const float a = fabsf(y);
+  const uint32_t idx = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                       (a >= 3.5f) + (a > 5.0f);
+  return idx | ((__float_as_uint(y) >> 28) & 8u);
+}
+
+// reference.E2M1_VALUES / e2m1_decode for a magnitude index 0..7 (the self test's table).
+__device__ __forceinline__ float e2m1_value_spec(uint32_t idx) {
+  const float t[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  float v = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v = idx == (uint32_t)i ? t[i] : v;
+  return v;
+}
+
+#if !FP4C_HW_E2M1
+// Software E2M1 magnitude (sm_90 and older), from y2 = |y| / 2. idx = R1 + R2 + R3 with
+// R1 = rne(min(2a, 4)), R2 = rne(clamp(a - 2, 0, 2)), R3 = rne(clamp(a/2 - 2, 0, 1)), a = |y|. Each
+// clamp is a .SAT (to [0, 1]) of an exact fp32 value; each rne is the magic add of 2^23 (ulp 1) and
+// is exact with ties to even because the running sum it lands on is even whenever the new term is
+// non-zero (R1 = 4 once a > 2, R1 + R2 = 6 once a > 4). This equals SPEC.md's predicate sum on every
+// fp32 input (checked exhaustively by fp4c_e2m1_selftest). Seven FP32-pipe operations, no compares.
+// The running sums t1 = 2^23 + R1, t2 = t1 + R2, t3 = t2 + R3 are returned; t3's bits are
+// 0x4B000000 + idx.
+struct E2m1Terms {
+  float t1, t2, t3;
+};
+__device__ __forceinline__ E2m1Terms e2m1_terms_sw(float y2) {
+  E2m1Terms t;
+  const float u1 = __saturatef(y2);
+  t.t1 = __fmaf_rn(u1, 4.0f, 8388608.0f);
+  const float u2 = __saturatef(__fadd_rn(y2, -1.0f));
+  t.t2 = __fmaf_rn(u2, 2.0f, t.t1);
+  const float u3 = __saturatef(__fadd_rn(y2, -2.0f));
+  t.t3 = __fadd_rn(t.t2, u3);
+  return t;
+}
+
+__device__ __forceinline__ uint32_t e2m1_mag_sw(float y2) { return __float_as_uint(e2m1_terms_sw(y2).t3); }
+
+// value(code) of the magnitude the terms encode: R1/2 + R2 + 2 R3 (idx 0..4 -> 0..2 by halves, 5, 6
+// -> 3, 4, 7 -> 6) = 2 t3 - t2 - t1/2 - 2^22. Every step is exact: 2 t3 - t2 is an integer below
+// 2^24, the next result lies in [2^22, 2^23) on the half-integer grid, and the last is Sterbenz.
+__device__ __forceinline__ float e2m1_value_sw(const E2m1Terms& t) {
+  const float a = __fmaf_rn(2.0f, t.t3, -t.t2);
+  const float b = __fmaf_rn(-0.5f, t.t1, a);
+  return __fadd_rn(b, -4194304.0f);
+}
+#endif
+
+// Sign bits of eight fp32 values as E2M1 sign bits (bit 3 of nibble i), from their bit patterns:
+// replicate each sign into a byte (prmt sign mode), odd elements in H, even in L, then interleave
+// nibbles and keep bit 3 of each.
+__device__ __forceinline__ uint32_t e2m1_signs8(const float* v) {
+  const uint32_t* b = reinterpret_cast<const uint32_t*>(v);
+  const uint32_t l = prmt(prmt(b[0], b[2], 0xFBu), prmt(b[4], b[6], 0xFBu), 0x5410u);
+  const uint32_t hh = prmt(prmt(b[1], b[3], 0xFBu), prmt(b[5], b[7], 0xFBu), 0x5410u);
+  const uint32_t s = (hh & 0xF0F0F0F0u) | (l & 0x0F0F0F0Fu);
+  return s & 0x88888888u;
+}
+
+#if FP4C_HW_E2M1
+// Four fp32 pairs -> one u32 of eight codes (element 2j in the low nibble of byte j).
+__device__ __forceinline__ uint32_t e2m1x8_hw(const float y[8]) {
+  uint32_t r;
+  asm("{\n"
+      ".reg .b8 b0, b1, b2, b3;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b0, %2, %1;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b1, %4, %3;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b2, %6, %5;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b3, %8, %7;\n"
+      "mov.b32 %0, {b0, b1, b2, b3};\n"
+      "}"
+      : "=r"(r)
+      : "f"(y[0]), "f"(y[1]), "f"(y[2]), "f"(y[3]), "f"(y[4]), "f"(y[5]), "f"(y[6]), "f"(y[7]));
+  return r;
+}
+
+// Two codes (one byte, element 0 in the low nibble) -> their values, exact (every E2M1 value is an
+// fp16 value): the hardware decode.
+__device__ __forceinline__ float2 e2m1x2_values_hw(uint32_t byte) {
+  uint32_t h2;
+  asm("{\n"
+      ".reg .b8 b0, b1, b2, b3;\n"
+      "mov.b32 {b0, b1, b2, b3}, %1;\n"
+      "cvt.rn.f16x2.e2m1x2 %0, b0;\n"
+      "}"
+      : "=r"(h2)
+      : "r"(byte));
+  return __half22float2(*reinterpret_cast<const __half2*>(&h2));
+}
+#endif
+
+// reference.e2m1_encode(v * r) for eight values v and the block multiplier r -> eight packed codes.
+// The code's sign is the sign bit of y = v * r, which is v's because r >= 0.
+__device__ __forceinline__ uint32_t encode8(const float* v, float r) {
+#if FP4C_HW_E2M1
+  float y[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(v[i], r);
+  return e2m1x8_hw(y);
+#else
+  // y2 = |v| * (r/2) = |y| / 2 exactly (r/2 is exact; an underflowed y2 only occurs where every
+  // term is 0 anyway).
+  const float h = __fmul_rn(r, 0.5f);
+  uint32_t acc = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc += e2m1_mag_sw(__fmul_rn(fabsf(v[i]), h)) << (4 * i);
+  acc -= 0xFB000000u;  // the 0x4B000000 of elements 0 and 1 that survived the shifts
+  return acc | e2m1_signs8(v);
+#endif
+}
+
+// CONTRACT.md, the block error of one candidate over eight values, accumulated into err in element
+// order: code_i = E2M1(x_i * r); e = value(code_i) * d - x_i; err = err + e * e. Also returns the
+// eight packed codes (signs included), so the winner needs no second encode.
+//   Software path: everything on magnitudes. value(code) has x's sign, so e = +-(value * d - |x|)
+// and e * e is the same; y2 = |x| * (r/2) as in encode8. FAST (d < 2^100, so -2^22 d is exact):
+// value * d = fma(value + 2^22, d, -2^22 d), one rounding of the same real, saving the subtraction
+// of 2^22 from e2m1_value_sw.
+//   Hardware path: the cvt codes, decoded back by the hardware (exact), signed arithmetic.
+template <bool FAST>
+__device__ __forceinline__ uint32_t err8(const float* v, float r, float d, float& err) {
+#if FP4C_HW_E2M1
+  float y[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(v[i], r);
+  const uint32_t codes = e2m1x8_hw(y);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 q = e2m1x2_values_hw(codes >> (8 * j));
+    const float e0 = __fsub_rn(__fmul_rn(q.x, d), v[2 * j]);
+    err = __fadd_rn(err, __fmul_rn(e0, e0));
+    const float e1 = __fsub_rn(__fmul_rn(q.y, d), v[2 * j + 1]);
+    err = __fadd_rn(err, __fmul_rn(e1, e1));
+  }
+  return codes;
+#else
+  const float h = __fmul_rn(r, 0.5f);
+  const float nd22 = FAST ? -__fmul_rn(d, 4194304.0f) : 0.0f;
+  uint32_t acc = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float a = fabsf(v[i]);
+    const E2m1Terms t = e2m1_terms_sw(__fmul_rn(a, h));
+    acc += __float_as_uint(t.t3) << (4 * i);
+    float w;
+    if constexpr (FAST) {
+      const float b = __fmaf_rn(-0.5f, t.t1, __fmaf_rn(2.0f, t.t3, -t.t2));  // value + 2^22, exact
+      w = __fmaf_rn(b, d, nd22);
+    } else {
+      w = __fmul_rn(e2m1_value_sw(t), d);
+    }
+    const float e = __fsub_rn(w, a);
+    err = __fadd_rn(err, __fmul_rn(e, e));
+  }
+  acc -= 0xFB000000u;
+  return acc;  // magnitudes: the caller ors in e2m1_signs8 once for all candidates
+#endif
+}
+
+// Sign bits to OR into err8's codes: none on the hardware path (its codes carry them).
+__device__ __forceinline__ uint32_t err8_signs(const float* v) {
+#if FP4C_HW_E2M1
+  (void)v;
+  return 0u;
+#else
+  return e2m1_signs8(v);
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// Scale-rule block steps (CONTRACT.md). v: the block's values after the rotation (exact v, not the
+// folded u); bmax_bits: max|v| as a bit pattern. Out: the packed codes and the chosen scale byte.
+// ------------------------------------------------------------------------------------------------
+
+// NVFP4 4over6 / mse for one block of 16.
+template <int RULE, bool FAST>
+__device__ __forceinline__ void nvfp4_block_search_impl(const float v[16], float gs, uint32_t bmax_bits,
+                                                        uint32_t codes[2], uint32_t& byte) {
+  uint32_t b6;
+  const float r6 = nvfp4_scale(gs, bmax_bits, b6);
+  const float d6 = __fdiv_rn(f32_from_e4m3(b6), gs);
+  const uint32_t b4 = nvfp4_byte4(gs, bmax_bits);
+  const uint32_t s0 = err8_signs(v), s1 = err8_signs(v + 8);
+  float err = 0.0f;
+  uint32_t c0 = err8<FAST>(v, r6, d6, err), c1 = err8<FAST>(v + 8, r6, d6, err);
+  uint32_t best = b6;
+  auto consider = [&](uint32_t c) {
+    float r, d, e = 0.0f;
+    nvfp4_candidate(gs, c, r, d);
+    const uint32_t k0 = err8<FAST>(v, r, d, e), k1 = err8<FAST>(v + 8, r, d, e);
+    // 4over6: strictly lower error wins (ties -> b6). mse: lower error, or equal error and a larger
+    // byte (b6 is considered first, so the order of the others does not matter).
+    const bool take = RULE == RULE_MSE ? (e < err || (e == err && c > best)) : e < err;
+    if (take) {
+      err = e;
+      best = c;
+      c0 = k0;
+      c1 = k1;
+    }
+  };
+  consider(b4);
+  if constexpr (RULE == RULE_MSE) {
+    consider(b6 > 0u ? b6 - 1u : 0u);
+    consider(b6 < 0x7Eu ? b6 + 1u : 0x7Eu);
+  }
+  codes[0] = c0 | s0;
+  codes[1] = c1 | s1;
+  byte = best;
+}
+
+// Every candidate's d = sf / gs <= 448 / gs is below 2^100 when gs >= 2^-90 (amax <= ~2^101): the
+// FAST error path. gs is per matrix, so the branch is uniform over a matrix.
+template <int RULE>
+__device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, uint32_t bmax_bits,
+                                                   uint32_t codes[2], uint32_t& byte) {
+#if FP4C_HW_E2M1
+  nvfp4_block_search_impl<RULE, false>(v, gs, bmax_bits, codes, byte);
+#else
+  if (gs >= 0x1p-90f) nvfp4_block_search_impl<RULE, true>(v, gs, bmax_bits, codes, byte);
+  else nvfp4_block_search_impl<RULE, false>(v, gs, bmax_bits, codes, byte);
+#endif
+}
+
+// MXFP4 mse for one block of 32: e (floor) against min(e + 1, 254), ties to e.
+template <bool FAST>
+__device__ __forceinline__ void mxfp4_block_mse_impl(const float v[32], uint32_t e, uint32_t codes[4],
+                                                     uint32_t& byte) {
+  const uint32_t e1 = min(e + 1u, 254u);
+  const float r = pow2i(127 - (int)e), d = pow2i((int)e - 127);
+  const float r1 = pow2i(127 - (int)e1), d1 = pow2i((int)e1 - 127);
+  float err = 0.0f, err1 = 0.0f;
+  uint32_t k[4], k1[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) k[w] = err8<FAST>(v + 8 * w, r, d, err);
+#pragma unroll
+  for (int w = 0; w < 4; ++w) k1[w] = err8<FAST>(v + 8 * w, r1, d1, err1);
+  const bool up = err1 < err;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) codes[w] = (up ? k1[w] : k[w]) | err8_signs(v + 8 * w);
+  byte = up ? e1 : e;
+}
+
+// FAST where both steps are <= 2^100 (e + 1 <= 227): every block below ~2^102.
+__device__ __forceinline__ void mxfp4_block_mse(const float v[32], uint32_t bmax_bits, uint32_t codes[4],
+                                                uint32_t& byte) {
+  uint32_t e;
+  (void)mxfp4_scale(bmax_bits, e);
+#if FP4C_HW_E2M1
+  mxfp4_block_mse_impl<false>(v, e, codes, byte);
+#else
+  if (e < 227u) mxfp4_block_mse_impl<true>(v, e, codes, byte);
+  else mxfp4_block_mse_impl<false>(v, e, codes, byte);
+#endif
+}
+
+}  // namespace fp4c

@@ -1,0 +1,295 @@
+// fp4convert kernels: NVFP4 / MXFP4 quantize, optionally fused with Had16, every scale rule
+// (CONTRACT.md), linear or 128x4-swizzled scales. The data is read once; a search rule tries its
+// candidates on the block held in registers. The rule is a template parameter, so the plain rule's
+// code is exactly what it was before the search rules existed.
+
+#include "fp4c_layout.cuh"
+#include "fp4c_numerics.cuh"
+
+using namespace fp4c;
+
+namespace {
+
+// sm_120's ptxas otherwise caps a 256-thread kernel at 64 registers, and the search rules spill.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+#define FP4C_QUANT_BOUNDS(RULE) __launch_bounds__(THREADS, (RULE) == RULE_PLAIN ? 4 : 1)
+#else
+#define FP4C_QUANT_BOUNDS(RULE) __launch_bounds__(THREADS)
+#endif
+
+struct QuantArgs {
+  const uint8_t* x;
+  uint8_t* packed;
+  const float* amax;  // [B] (NVFP4): the global scale is computed from it in every thread
+  float* gs_out;      // [B] (NVFP4): written by the first thread of each matrix
+  int* flag;          // set to 1 when a block (or a given amax) holds NaN/Inf
+  int64_t B;
+  int64_t n;          // elements per matrix (M * K)
+  int64_t groups;     // ceil(n / GROUP)
+  ScaleOut so;
+};
+
+// NVFP4: gs of matrix b from its amax (reference.global_scale). The first thread of the matrix
+// publishes it and flags a non-finite amax (which the element blocks need not contain: a given one).
+template <int FMT>
+__device__ __forceinline__ float matrix_gs(const float* amax, float* gs_out, int* flag, int64_t b, bool first) {
+  if constexpr (FMT != FMT_NVFP4) {
+    return 0.0f;
+  } else {
+    const float am = amax[b];
+    const float gs = nvfp4_global_scale(am);
+    if (first) {
+      gs_out[b] = gs;
+      if (!(fabsf(am) <= FLT_MAX)) *(volatile int*)flag = 1;
+    }
+    return gs;
+  }
+}
+
+// One group (raw data loaded): its two 16-element chunks (one if !full), rotated if ROT, scaled and
+// encoded. Out: codes[4] (16 bytes), the scale byte(s) (NVFP4: one per chunk; MXFP4: sb[0]).
+// Returns true when a block held NaN/Inf.
+template <int DT, int FMT, bool ROT, int RULE>
+__device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, float gs, uint32_t codes[4],
+                                             uint32_t sb[2]) {
+  bool bad = false;
+  if constexpr (FMT == FMT_NVFP4) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      if (c == 1 && !full) break;
+      float v[16];
+      uint32_t mb;
+      decode16<DT>(raw, c, v, mb);
+      if constexpr (ROT) {
+        butterflies16(v);
+        mb = amax16_rotated(v);
+      }
+      bad |= mb >= 0x7F800000u;
+      if constexpr (RULE == RULE_PLAIN) {
+        float r = nvfp4_scale(gs, mb, sb[c]);
+        if constexpr (ROT) {
+          if (fold_quarter(r)) r = __fmul_rn(r, 0.25f);
+          else scale16(v, 0.25f);
+        }
+        codes[2 * c] = encode8(v, r);
+        codes[2 * c + 1] = encode8(v + 8, r);
+      } else {
+        if constexpr (ROT) scale16(v, 0.25f);  // the errors need v = RN(0.25 u) itself
+        nvfp4_block_search<RULE>(v, gs, mb, codes + 2 * c, sb[c]);
+      }
+    }
+  } else {
+    float v[32];
+    uint32_t m0, m1;
+    decode16<DT>(raw, 0, v, m0);
+    decode16<DT>(raw, 1, v + 16, m1);
+    if constexpr (ROT) {
+      butterflies16(v);
+      butterflies16(v + 16);
+      m0 = amax16_rotated(v);
+      m1 = amax16_rotated(v + 16);
+    }
+    const uint32_t mb = max(m0, m1);
+    bad = mb >= 0x7F800000u;
+    if constexpr (RULE == RULE_MSE) {
+      if constexpr (ROT) {
+        scale16(v, 0.25f);
+        scale16(v + 16, 0.25f);
+      }
+      mxfp4_block_mse(v, mb, codes, sb[0]);
+    } else {
+      float r = mxfp4_scale(mb, sb[0]);
+      if constexpr (RULE == RULE_ALT) {  // rceil: the exponent up where the block would saturate
+        sb[0] = mxfp4_rceil(mb, sb[0], r);
+        r = pow2i(127 - (int)sb[0]);
+      }
+      if constexpr (ROT) {
+        if (fold_quarter(r)) {
+          r = __fmul_rn(r, 0.25f);
+        } else {
+          scale16(v, 0.25f);
+          scale16(v + 16, 0.25f);
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < 4; ++w) codes[w] = encode8(v + 8 * w, r);
+    }
+  }
+  return bad;
+}
+
+__device__ __forceinline__ void store_codes(uint8_t* op, bool full, const uint32_t codes[4]) {
+  if (full && ((reinterpret_cast<uintptr_t>(op) & 15) == 0)) {
+    stg16(op, make_uint4(codes[0], codes[1], codes[2], codes[3]));
+  } else {
+    stg8(op, make_uint2(codes[0], codes[1]));
+    if (full) stg8(op + 8, make_uint2(codes[2], codes[3]));
+  }
+}
+
+// Linear scale layout: one group per thread, a CTA per 256 groups; the hardware block scheduler
+// balances the tail. A matrix is a flat run of groups; group g's scales are bytes 2g, 2g+1 (NVFP4)
+// or g (MXFP4) of the matrix's row-major scale array.
+template <int DT, int FMT, bool ROT, int RULE>
+__global__ void FP4C_QUANT_BOUNDS(RULE) quantize_kernel(const QuantArgs a) {
+  const int64_t g = (int64_t)blockIdx.x * THREADS + threadIdx.x;
+  if (g >= a.groups) return;
+  for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
+    const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, g == 0);
+    Raw<DT> raw;
+    load_group<DT>(a.x + b * a.n * Elem<DT>::size, g, a.n, raw);
+    const bool full = g * GROUP + GROUP <= a.n;  // else only the first 16 (NVFP4, n % 32 == 16)
+    uint32_t codes[4], sb[2];
+    if (encode_group<DT, FMT, ROT, RULE>(raw, full, gs, codes, sb)) *(volatile int*)a.flag = 1;
+    uint8_t* sp = a.so.base + b * a.so.mstride;
+    if constexpr (FMT == FMT_NVFP4) {
+      sp[2 * g] = (uint8_t)sb[0];
+      if (full) sp[2 * g + 1] = (uint8_t)sb[1];
+    } else {
+      sp[g] = (uint8_t)sb[0];
+    }
+    store_codes(a.packed + (b * a.n + g * GROUP) / 2, full, codes);
+  }
+}
+
+// Swizzled scale layout: one CTA per 512-byte tile of the 128x4 layout (128 rows x 4 blocks), so
+// each tile is written whole by one CTA (full sectors, no read-modify-write in L2) and the padding
+// (rows >= M, blocks >= nb) is written as zeros by the threads that own it: no memset, no tail
+// logic. Thread t owns row t/2 of the tile and blocks 2(t%2), 2(t%2)+1 (NVFP4: one 32-element
+// group; MXFP4: two groups), i.e. 2 scale bytes at one 2-byte-aligned offset.
+struct TileArgs {
+  const uint8_t* x;
+  uint8_t* packed;
+  uint8_t* scale;
+  const float* amax;
+  float* gs_out;
+  int* flag;
+  int64_t B, M, K, nb, nbp, mstride;
+};
+
+template <int DT, int FMT, bool ROT, int RULE>
+__global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs a) {
+  constexpr int BS = FMT == FMT_NVFP4 ? 16 : 32;
+  const int64_t tiles_k = a.nbp / 4;
+  const int64_t mt = blockIdx.x / tiles_k, kt = blockIdx.x - mt * tiles_k;
+  const int r = threadIdx.x >> 1;
+  const int64_t m = mt * 128 + r;
+  const int64_t kb0 = kt * 4 + 2 * (threadIdx.x & 1);
+  const int off = (r & 31) * 16 + (r >> 5) * 4 + 2 * (threadIdx.x & 1);
+  const int64_t n = a.M * a.K;
+  for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
+    const uint8_t* xb = a.x + b * n * Elem<DT>::size;
+    const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, blockIdx.x == 0 && threadIdx.x == 0);
+    uint32_t s2[2] = {0, 0};
+    bool bad = false;
+    constexpr int NG = FMT == FMT_NVFP4 ? 1 : 2;  // groups per thread
+#pragma unroll
+    for (int u = 0; u < NG; ++u) {
+      const int64_t kb = kb0 + u;
+      if (m < a.M && kb < a.nb) {
+        const int64_t e = m * a.K + kb * BS;  // first element of the group
+        const bool full = FMT == FMT_MXFP4 || kb + 1 < a.nb;
+        Raw<DT> raw;
+        const uint8_t* p = xb + e * Elem<DT>::size;
+#pragma unroll
+        for (int j = 0; j < Raw<DT>::NV; ++j)
+          if (j < Raw<DT>::NV / 2 || full) raw.q[j] = ldg16(p + 16 * j);
+        uint32_t codes[4], sb[2] = {0, 0};
+        bad |= encode_group<DT, FMT, ROT, RULE>(raw, full, gs, codes, sb);
+        if constexpr (FMT == FMT_NVFP4) {
+          s2[0] = sb[0];
+          s2[1] = full ? sb[1] : 0u;
+        } else {
+          s2[u] = sb[0];
+        }
+        store_codes(a.packed + (b * n + e) / 2, full, codes);
+      }
+    }
+    if (bad) *(volatile int*)a.flag = 1;
+    *reinterpret_cast<uint16_t*>(a.scale + b * a.mstride + (int64_t)blockIdx.x * 512 + off) =
+        (uint16_t)(s2[0] | (s2[1] << 8));
+  }
+}
+
+template <int DT, int FMT, bool ROT, int RULE>
+void launch_one(const QuantArgs& a, const TileArgs& t, int swizzle, cudaStream_t st) {
+  if (swizzle) {
+    const dim3 grid((unsigned)(t.mstride / 512), (unsigned)(t.B < 65535 ? t.B : 65535));
+    quantize_swizzled_kernel<DT, FMT, ROT, RULE><<<grid, THREADS, 0, st>>>(t);
+  } else {
+    const dim3 grid((unsigned)((a.groups + THREADS - 1) / THREADS), (unsigned)(a.B < 65535 ? a.B : 65535));
+    quantize_kernel<DT, FMT, ROT, RULE><<<grid, THREADS, 0, st>>>(a);
+  }
+}
+
+template <int DT, int FMT, bool ROT>
+cudaError_t launch_rule(const QuantArgs& a, const TileArgs& t, int swizzle, int rule, cudaStream_t st) {
+  switch (rule) {
+    case RULE_PLAIN: launch_one<DT, FMT, ROT, RULE_PLAIN>(a, t, swizzle, st); break;
+    case RULE_ALT: launch_one<DT, FMT, ROT, RULE_ALT>(a, t, swizzle, st); break;
+    case RULE_MSE: launch_one<DT, FMT, ROT, RULE_MSE>(a, t, swizzle, st); break;
+    default: return (cudaError_t)FP4C_EINVAL;
+  }
+  return cudaGetLastError();
+}
+
+template <int DT, int FMT>
+cudaError_t launch_dt(const QuantArgs& a, const TileArgs& t, int rotate, int swizzle, int rule, cudaStream_t st) {
+  return rotate ? launch_rule<DT, FMT, true>(a, t, swizzle, rule, st)
+                : launch_rule<DT, FMT, false>(a, t, swizzle, rule, st);
+}
+
+}  // namespace
+
+// x: [B, M, K]; packed: [B, M, K/2]; scale: [B, M, K/bs] or [B, Mp, nbp]. NVFP4: amax fp32 [B] in,
+// gs fp32 [B] out (gs = 2688 / amax, 1 for 0, clamped to FLT_MAX); MXFP4: both null. scale_rule:
+// 0 max / floor, 1 4over6 / rceil, 2 mse. flag: int32, zeroed here, set to 1 if any block or a
+// given amax holds NaN/Inf. One memset and one kernel launch.
+FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int swizzle, int scale_rule, int64_t B,
+                           int64_t M, int64_t K, const float* amax, float* gs, uint8_t* packed, uint8_t* scale,
+                           int* flag, void* stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  const int bs = fmt == FMT_NVFP4 ? 16 : 32;
+  if (B <= 0 || M < 0 || K < 0 || K % bs || (fmt != FMT_NVFP4 && fmt != FMT_MXFP4) ||
+      (fmt == FMT_NVFP4 && (!amax || !gs)) || scale_rule < 0 || scale_rule > 2)
+    return FP4C_EINVAL;
+  const int64_t n = M * K;
+  const int64_t nb = K / bs;
+  cudaError_t err = cudaMemsetAsync(flag, 0, sizeof(int), st);  // cheaper than a fill kernel
+  if (err != cudaSuccess || n == 0) return err;
+  if (swizzle && M * nb >= (1ll << 31)) return FP4C_EINVAL;
+  QuantArgs a;
+  a.x = (const uint8_t*)x;
+  a.packed = packed;
+  a.amax = amax;
+  a.gs_out = gs;
+  a.flag = flag;
+  a.B = B;
+  a.n = n;
+  a.groups = (n + GROUP - 1) / GROUP;
+  a.so = make_scale_layout(scale, M, nb, swizzle);
+  TileArgs t;
+  t.x = a.x;
+  t.packed = packed;
+  t.scale = scale;
+  t.amax = amax;
+  t.gs_out = gs;
+  t.flag = flag;
+  t.B = B;
+  t.M = M;
+  t.K = K;
+  t.nb = nb;
+  t.nbp = a.so.nbp;
+  t.mstride = (int64_t)a.so.mstride;
+  if (swizzle && t.mstride / 512 >= (1ll << 31)) return FP4C_EINVAL;
+#define FP4C_Q(DT)                                                                                 \
+  return fmt == FMT_NVFP4 ? launch_dt<DT, FMT_NVFP4>(a, t, rotate, swizzle, scale_rule, st)       \
+                          : launch_dt<DT, FMT_MXFP4>(a, t, rotate, swizzle, scale_rule, st);
+  switch (dtype) {
+    case DT_F32: FP4C_Q(DT_F32);
+    case DT_F16: FP4C_Q(DT_F16);
+    case DT_BF16: FP4C_Q(DT_BF16);
+    default: return FP4C_EINVAL;
+  }
+#undef FP4C_Q
+}
