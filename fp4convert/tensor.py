@@ -159,22 +159,27 @@ def quantize(
 def _quantize_batched(
     ops, x: torch.Tensor, s: Scheme, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout, rule: str
 ) -> QuantizedTensor:
-    """Pass 1 (amax, unless the group's is given) and pass 2 on a batched backend."""
+    """Pass 1 (amax, unless the group's is given) and pass 2 on a batched backend, one host sync."""
     xb = _as_batch(x)
     lead = x.shape[:-2]
-    gs = bad_amax = None
-    if s.global_scale:
-        if global_amax is None:
-            # A non-finite amax comes from a non-finite element, which the quantize pass flags itself.
-            group_amax = ops.amax(xb, rotate)
-        else:
-            group_amax = torch.as_tensor(global_amax, dtype=torch.float32).to(x.device, non_blocking=True)
-            group_amax = group_amax.expand(lead).reshape(-1).contiguous()
-            bad_amax = ~torch.isfinite(group_amax).all()  # checked with the kernel's flag: one sync, not two
-        gs = ref.global_scale(group_amax)
-    extra = {} if rule == s.default_rule else {"scale_rule": rule}  # the CUDA ops take it once merged
-    packed, scale, nonfinite = ops.quantize(xb, s.name, gs, rotate, scale_layout == "swizzled", **extra)
-    if bool(nonfinite if bad_amax is None else nonfinite | bad_amax):
+    amax_b = None
+    if s.global_scale and global_amax is not None:
+        amax_b = torch.as_tensor(global_amax, dtype=torch.float32).to(x.device, non_blocking=True)
+        amax_b = amax_b.expand(lead).reshape(-1).contiguous()
+    swizzle = scale_layout == "swizzled"
+    if x.is_cuda:
+        # The kernels compute gs from the amax and flag a non-finite amax or block themselves.
+        packed, scale, gs, nonfinite = ops.quantize(xb, s.name, amax_b, rotate, swizzle, rule)
+        bad = nonfinite
+    else:
+        gs = bad = None
+        if s.global_scale:
+            group_amax = ops.amax(xb, rotate) if amax_b is None else amax_b
+            bad = None if amax_b is None else ~torch.isfinite(amax_b).all()
+            gs = ref.global_scale(group_amax)
+        packed, scale, nonfinite = ops.quantize(xb, s.name, gs, rotate, swizzle, rule)
+        bad = nonfinite if bad is None else nonfinite | bad
+    if bool(bad):
         raise NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")
     packed = packed.reshape(*lead, *packed.shape[-2:])
     scale = scale.reshape(*lead, *scale.shape[-2:])

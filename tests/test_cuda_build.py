@@ -9,7 +9,7 @@ import pytest
 
 from fp4convert import FP4ConvertError
 from fp4convert.cuda import build
-from fp4convert.cuda.errors import CUDABuildError, CUDAKernelError, CUDAUnavailableError
+from fp4convert.errors import CUDABuildError, CUDAKernelError, CUDAUnavailableError
 
 
 def test_import_builds_nothing(tmp_path) -> None:

@@ -17,7 +17,7 @@ import torch
 import fp4convert
 from fp4convert import NonFiniteError, reference as ref
 from fp4convert.cuda import ops
-from fp4convert.cuda.errors import CUDAKernelError
+from fp4convert.errors import CUDAKernelError
 from fp4convert.swizzle import swizzle_scales
 from fp4convert.tensor import QuantizedTensor
 

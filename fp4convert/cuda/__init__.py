@@ -6,6 +6,6 @@ whether a usable GPU is there; the first kernel call builds (or finds in the cac
 
 from __future__ import annotations
 
-from .errors import CUDABuildError, CUDAKernelError, CUDAUnavailableError
+from ..errors import CUDABuildError, CUDAKernelError, CUDAUnavailableError
 
 __all__ = ["CUDABuildError", "CUDAKernelError", "CUDAUnavailableError"]

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .errors import CUDABuildError, CUDAUnavailableError
+from ..errors import CUDABuildError, CUDAUnavailableError
 
 log = logging.getLogger("fp4convert.cuda")
 

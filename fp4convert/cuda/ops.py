@@ -13,7 +13,7 @@ import functools
 import torch
 
 from .build import find_nvcc, load_library
-from .errors import CUDAKernelError, CUDAUnavailableError
+from ..errors import CUDAKernelError, CUDAUnavailableError
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FMTS = {"nvfp4": 0, "mxfp4": 1}
