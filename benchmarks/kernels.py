@@ -272,7 +272,7 @@ def decoders(size: int, add) -> None:
     add("decode fp8_block 128x128 -> fp32", bench(lambda: ops.decode_fp8_block(w8, sb, (128, 128))), 5 * n)
     sr = torch.rand(size, 1, device="cuda", generator=gen) + 0.5
     add("decode fp8_scaled per-row -> fp32", bench(lambda: ops.decode_fp8_scaled(w8, sr)), 5 * n)
-    blocks = w.reshape(size, size // 32, 16)
+    blocks = w.reshape(-1)[: n // 2].reshape(size, size // 32, 16)  # K/2 bytes of codes per row
     scales = torch.randint(100, 140, (size, size // 32), device="cuda", dtype=torch.uint8, generator=gen)
     add("decode mxfp4_blocks (gpt-oss) -> fp32", bench(lambda: ops.decode_mxfp4_blocks(blocks, scales)),
         n / 2 + n / 32 + 4 * n)
