@@ -407,8 +407,12 @@ class Source:
             raise SourceError(f"{file} is listed in the checkpoint but missing at {path}")
         return read_header(path, file)
 
-    def tensors(self) -> list[TensorInfo]:
-        """Every tensor of every weight file, in file order then offset order, cross-checked with the index."""
+    def tensors(self, check_index: bool = True) -> list[TensorInfo]:
+        """Every tensor of every weight file, in file order then offset order.
+
+        With ``check_index`` (the default) the index and the files must agree both ways; ``inspect``
+        passes False and reports :meth:`index_problems` as findings instead.
+        """
         seen: dict[str, str] = {}
         out = []
         for file in self.weight_files:
@@ -418,20 +422,30 @@ class Source:
                     raise SourceError(f"tensor {_q(info.name)} appears in both {seen[info.name]} and {file}")
                 seen[info.name] = file
                 out.append(info)
-        if self.weight_map is not None:
-            for info in out:
-                listed = self.weight_map.get(info.name)
-                if listed is None:
-                    raise CheckpointIndexError(f"{info.file} holds tensor {_q(info.name)}, which {INDEX_NAME} "
-                                               "does not list")
-                if listed != info.file:
-                    raise CheckpointIndexError(f"{INDEX_NAME} lists tensor {_q(info.name)} in {listed}, but it is "
-                                               f"in {info.file}")
-            for name, file in self.weight_map.items():
-                if name not in seen:
-                    raise CheckpointIndexError(f"{INDEX_NAME} lists tensor {_q(name)} in {file}, but {file} does "
-                                               "not hold it")
+        if check_index:
+            problems = self.index_problems(out)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise CheckpointIndexError(problems[0] + more)
         return out
+
+    def index_problems(self, tensors: list[TensorInfo] | None = None) -> list[str]:
+        """Where the index and the weight files disagree (empty without an index), one line each."""
+        if self.weight_map is None:
+            return []
+        tensors = self.tensors(check_index=False) if tensors is None else tensors
+        problems = []
+        found = {i.name: i.file for i in tensors}
+        for name, file in found.items():
+            listed = self.weight_map.get(name)
+            if listed is None:
+                problems.append(f"{file} holds tensor {_q(name)}, which {INDEX_NAME} does not list")
+            elif listed != file:
+                problems.append(f"{INDEX_NAME} lists tensor {_q(name)} in {listed}, but it is in {file}")
+        for name, file in self.weight_map.items():
+            if name not in found:
+                problems.append(f"{INDEX_NAME} lists tensor {_q(name)} in {file}, but {file} does not hold it")
+        return problems
 
 
 def _offline() -> bool:
