@@ -138,9 +138,11 @@ def _object_no_duplicates(pairs: list[tuple[str, object]]) -> dict:
     return out
 
 
-def _int(s: str) -> int:
+def _int(s: str) -> int | float:
     if len(s.lstrip("-")) > MAX_INT_DIGITS:
         raise JSONRejected(f"integer {s[:12]}... has {len(s)} digits (at most {MAX_INT_DIGITS})")
+    if s == "-0":
+        return -0.0  # as serde_json (the library's parser) reads it: a float, so never a size or offset
     return int(s)
 
 

@@ -70,6 +70,8 @@ CASES: dict[str, tuple[bytes, str, str | None]] = {
                      "out of range", None),
     "integer_5000_digits": (blob(raw_entry('{"dtype":"U8","shape":[' + "7" * 5000 + '],"data_offsets":[0,2]}'),
                                  b"\0\0"), "5000 digits", None),
+    "minus_zero_offset": (blob(raw_entry('{"dtype":"U8","shape":[2],"data_offsets":[-0,2]}'), b"\0\0"),
+                          "two integers", None),  # found by the fuzzer: serde_json reads -0 as a float
     "nan_constant": (blob(raw_entry('{"dtype":"U8","shape":[NaN],"data_offsets":[0,2]}'), b"\0\0"),
                      "NaN is not JSON", None),
     # duplicate keys
