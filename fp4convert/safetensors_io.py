@@ -173,6 +173,24 @@ def loads_strict(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> object:
         raise JSONRejected("JSON nests too deeply") from exc
 
 
+def loads_bounded(raw: bytes) -> object:
+    """Bytes -> JSON value as Python's json reads it (NaN, duplicate keys: last wins), but UTF-8 only and
+    with nesting bounded, so a hostile file is a ValueError, never a RecursionError (config.json)."""
+    text = raw.decode("utf-8")
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise JSONRejected(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except RecursionError as exc:
+        raise JSONRejected("JSON nests too deeply") from exc
+
+
+def json_kind(v: object) -> str:
+    """'JSON list', 'string', 'null'... for messages about a value of the wrong type."""
+    return {dict: "JSON object", list: "JSON list", str: "string", bool: "boolean", int: "number",
+            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
 def json_error(exc: ValueError) -> str:
     """A one-line reason for a :func:`loads_strict` failure (no document text echoed)."""
     if isinstance(exc, UnicodeDecodeError):
@@ -250,10 +268,10 @@ def parse_header(raw: bytes, file: str, file_size: int | None) -> tuple[list[Ten
     if meta is None:
         meta = {}
     if not isinstance(meta, dict):
-        raise bad(f"__metadata__ is a {_kind(meta)}, not a map of strings")
+        raise bad(f"__metadata__ is a {json_kind(meta)}, not a map of strings")
     for k, v in meta.items():
         if not isinstance(v, str):
-            raise bad(f"__metadata__ entry {_q(k)} is a {_kind(v)}, not a string")
+            raise bad(f"__metadata__ entry {_q(k)} is a {json_kind(v)}, not a string")
         if not (_utf8_ok(k) and _utf8_ok(v)):
             raise bad(f"__metadata__ entry {_q(k)} is not valid Unicode (lone surrogate escape)")
 
@@ -281,11 +299,6 @@ def parse_header(raw: bytes, file: str, file_size: int | None) -> tuple[list[Ten
     return infos, meta
 
 
-def _kind(v: object) -> str:
-    return {dict: "JSON object", list: "JSON list", str: "string", bool: "boolean", int: "number",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
-
-
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -295,13 +308,13 @@ def _tensor_info(tname: str, h: object, file: str, base: int, bad) -> TensorInfo
     if not _utf8_ok(tname):
         raise bad(f"{t}: the name is not valid Unicode (lone surrogate escape)")
     if not isinstance(h, dict):
-        raise bad(f"{t}: entry is a {_kind(h)}, not an object with dtype, shape and data_offsets")
+        raise bad(f"{t}: entry is a {json_kind(h)}, not an object with dtype, shape and data_offsets")
     for key in ("dtype", "shape", "data_offsets"):
         if key not in h:
             raise bad(f"{t}: entry has no {key!r}")
     dtype, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
     if not isinstance(dtype, str):
-        raise bad(f"{t}: dtype is a {_kind(dtype)}, not a dtype name")
+        raise bad(f"{t}: dtype is a {json_kind(dtype)}, not a dtype name")
     bits = DTYPE_BITS.get(dtype)
     if bits is None:
         raise bad(f"{t}: dtype {_q(dtype, 20)} is not a safetensors dtype")

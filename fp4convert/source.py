@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import FP4ConvertError
-from .safetensors_io import TensorInfo, header_length, json_error, loads_strict, parse_header, read_header
+from .safetensors_io import (TensorInfo, header_length, json_error, json_kind, loads_bounded, loads_strict, parse_header,
+                             read_header)
 
 log = logging.getLogger(__name__)
 
@@ -194,19 +195,9 @@ def _read_json_file(path: Path, label: str, strict: bool) -> object:
     except OSError as exc:
         raise SourceError(f"{label}: cannot read ({exc.strerror or exc})") from exc
     try:
-        if strict:
-            return loads_strict(raw)
-        import json
-
-        from .safetensors_io import MAX_JSON_DEPTH, JSONRejected, json_depth
-
-        text = raw.decode("utf-8")
-        if json_depth(raw) > MAX_JSON_DEPTH:
-            raise JSONRejected(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
-        return json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        reason = json_error(exc) if isinstance(exc, ValueError) else "JSON nests too deeply"
-        raise SourceError(f"{label}: {reason}") from None
+        return loads_strict(raw) if strict else loads_bounded(raw)
+    except ValueError as exc:
+        raise SourceError(f"{label}: {json_error(exc)}") from None
 
 
 def _read_index(root: Path, roots: tuple[str, ...], label: str) -> dict[str, str]:
@@ -215,7 +206,7 @@ def _read_index(root: Path, roots: tuple[str, ...], label: str) -> dict[str, str
     _contained(root, INDEX_NAME, roots, "the weight index")
     data = _read_json_file(root / INDEX_NAME, where, strict=True)
     if not isinstance(data, dict):
-        raise CheckpointIndexError(f"{where}: a JSON {type(data).__name__}, not an object")
+        raise CheckpointIndexError(f"{where}: a {json_kind(data)}, not a JSON object")
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict):
         raise CheckpointIndexError(f"{where}: 'weight_map' is missing or not an object")
@@ -223,7 +214,7 @@ def _read_index(root: Path, roots: tuple[str, ...], label: str) -> dict[str, str
         raise CheckpointIndexError(f"{where}: 'weight_map' is empty; the index names no tensors")
     for name, file in weight_map.items():
         if not isinstance(file, str):
-            raise CheckpointIndexError(f"{where}: tensor {_q(name)} maps to a {type(file).__name__}, not a file name")
+            raise CheckpointIndexError(f"{where}: tensor {_q(name)} maps to a {json_kind(file)}, not a file name")
         check_relative(file, f"{where}: tensor {_q(name)}")
         if not file.endswith(".safetensors"):
             raise CheckpointIndexError(f"{where}: tensor {_q(name)} maps to {_q(file)}, not a .safetensors file")
@@ -290,10 +281,10 @@ class Source:
         _contained(self.root, "config.json", self.roots, "config.json")
         cfg = _read_json_file(path, label, strict=False)
         if not isinstance(cfg, dict):
-            raise SourceError(f"{label}: a JSON {type(cfg).__name__}, not an object")
+            raise SourceError(f"{label}: a {json_kind(cfg)}, not a JSON object")
         qc = cfg.get("quantization_config")
         if qc is not None and not isinstance(qc, dict):
-            raise SourceError(f"{label}: quantization_config is a {type(qc).__name__}, not an object")
+            raise SourceError(f"{label}: quantization_config is a {json_kind(qc)}, not a JSON object")
         return cfg
 
     # --- non-weight files ------------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""The Hub path, offline for real through huggingface_hub: a pre-filled HF cache and HF_HUB_OFFLINE=1.
+"""Opening sources. First the Hub path, offline for real through huggingface_hub: a pre-filled HF cache
+and HF_HUB_OFFLINE=1; then containment, the index cross-check, config checks, the copy rule (local,
+offline cache and online Hub give the same list) and mistyped local paths.
 
 The cache has the layout huggingface_hub itself writes (``models--org--name/{refs/main, blobs/<hash>,
 snapshots/<commit>/<file>}``); snapshot entries are relative symlinks to blobs (the normal layout) or,
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -20,7 +23,9 @@ import pytest
 
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert
-from fp4convert.source import SourceError, open_source
+from fp4convert.safetensors_io import CheckpointFormatError
+from fp4convert.source import (CheckpointIndexError, OutsideSourceError, SourceError, copy_rule, hub_ignore_patterns,
+                               open_source)
 
 from . import checkpoints as ck
 
@@ -186,11 +191,6 @@ def test_inspect_a_hub_checkpoint(offline, tmp_path) -> None:
 # Containment, index cross-check, config checks, the copy rule and mistyped paths (issues 11, 12)
 # =================================================================================================
 
-import logging  # noqa: E402
-
-from fp4convert.source import (CheckpointIndexError, OutsideSourceError, copy_rule,  # noqa: E402
-                               hub_ignore_patterns)
-
 INDEX = "model.safetensors.index.json"
 
 
@@ -342,11 +342,11 @@ def test_tensor_in_another_shard_than_the_index_says(three) -> None:
     (b'{"weight_map": {}}', "'weight_map' is empty"),
     (b'{"weight_map": ["a"]}', "'weight_map' is missing or not an object"),
     (b'{"metadata": {}}', "'weight_map' is missing or not an object"),
-    (b'{"weight_map": {"w": 3}}', "maps to a int"),
-    (b'{"weight_map": {"w": null}}', "maps to a NoneType"),
+    (b'{"weight_map": {"w": 3}}', "maps to a number, not a file name"),
+    (b'{"weight_map": {"w": null}}', "maps to a null"),
     (b'{"weight_map": {"w": "config.json"}}', "not a .safetensors file"),
-    (b'[{"weight_map": {}}]', "a JSON list, not an object"),
-    (b'"x"', "a JSON str, not an object"),
+    (b'[{"weight_map": {}}]', "a JSON list, not a JSON object"),
+    (b'"x"', "a string, not a JSON object"),
     (b'{"weight_map": {"w": "a.safetensors", "w": "b.safetensors"}}', "'w' appears twice"),
     (b'{"weight_map": {"\xff": "a.safetensors"}}', "not UTF-8"),
     (b'{"weight_map": ', "not valid JSON"),
@@ -378,10 +378,10 @@ def test_index_is_a_folder(three) -> None:
 # --- config.json ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("content, words", [
-    ('["not", "an", "object"]', "a JSON list, not an object"),
+    ('["not", "an", "object"]', "a JSON list, not a JSON object"),
     (b"\xff\xfe{}", "not UTF-8"),
-    ('{"quantization_config": "fp8"}', "quantization_config is a str, not an object"),
-    ('{"quantization_config": [1]}', "quantization_config is a list"),
+    ('{"quantization_config": "fp8"}', "quantization_config is a string, not a JSON object"),
+    ('{"quantization_config": [1]}', "quantization_config is a JSON list"),
     ('{"a": ', "not valid JSON"),
     ("DIR", "is a folder"),
     ("BROKEN", "broken symlink"),
@@ -561,3 +561,56 @@ def test_cli_reports_bad_sources_in_one_line(three, tmp_path) -> None:
         assert r.stderr.startswith("Error: ") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
         assert words in r.stderr, r.stderr
         assert not out.exists()
+
+
+# --- the online Hub path (in process, against the stand-in Hub of tests/hubserver.py) -------------
+
+@pytest.fixture
+def online(tmp_path, monkeypatch):
+    """A started FakeHub that huggingface_hub (already imported) talks to, with an empty cache."""
+    from huggingface_hub import constants
+
+    from .hubserver import FakeHub
+
+    with FakeHub(lifetime=120) as hub:
+        monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "online-cache"))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_PROGRESS_BARS", True)
+        yield hub
+
+
+def test_online_hub_copies_what_a_local_folder_copies(online, tmp_path) -> None:
+    """snapshot_download's ignore patterns plus copy_rule give the local folder's list exactly."""
+    src = tmp_path / "src"
+    want = tricky_folder(src)
+    online.add("tiny-org/tricky", src, "ab" * 20)
+    hub = open_source("tiny-org/tricky")
+    got = {p.relative_to(hub.root).as_posix() for p in hub.other_files()}
+    assert got == want
+    fetched = {r.file for r in online.requests(method="GET") if r.file}
+    assert not {f for f in fetched if f.endswith((".bin", ".msgpack", ".onnx", ".h5", ".gguf", ".pth"))}
+    assert "onnx/config.json" not in fetched and not any(f.startswith(".git/") for f in fetched)
+
+
+def test_online_malformed_shard_refused_from_its_header(online, tmp_path) -> None:
+    """The range-read header goes through the same validation; no shard is downloaded to find out."""
+    src = tmp_path / "src"
+    ck.llama(src, layers=1)
+    shard = src / "model-00002-of-00003.safetensors"
+    start, h = ck.header(shard)
+    names = [k for k in h if k != "__metadata__"]
+    h[names[1]]["data_offsets"] = [0, h[names[1]]["data_offsets"][1] - h[names[1]]["data_offsets"][0]]  # overlap
+    raw = json.dumps(h, separators=(",", ":")).encode()
+    raw += b" " * (start - 8 - len(raw))
+    assert len(raw) == start - 8
+    data = shard.read_bytes()
+    shard.write_bytes(data[:8] + raw + data[start:])
+    online.add("tiny-org/broken", src, "cd" * 20)
+    s = open_source("tiny-org/broken")
+    with pytest.raises(CheckpointFormatError) as e:
+        s.tensors()
+    one_line_error(e, "model-00002-of-00003.safetensors", "overlaps")
+    assert online.full_gets("model-00002-of-00003.safetensors") == 0
