@@ -42,7 +42,6 @@ WEIGHT_DIRS = ("onnx", "openvino", "flax", "tf", "tensorflow", "coreml", "tflite
 SKIP_DIRS = ("__pycache__",)  # hidden folders (.git, .cache, ...) are skipped too
 KEEP_HIDDEN = (".gitattributes",)  # the only dot-files copied (top level): LFS rules for a Hub upload
 OWN_FILES = ("fp4convert.json", ".fp4convert-progress.json")  # fp4convert's manifest and progress record
-WEIGHT_PATTERNS = ["*" + s for s in WEIGHT_SUFFIXES]  # kept for callers of the old name
 MAX_JSON_FILE = 100_000_000  # bytes; an index or config.json larger than this is not one
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
@@ -323,8 +322,6 @@ class Source:
             dirnames[:] = keep_dirs
             for name in sorted(filenames):
                 rel = rel_dir + name
-                if not rel_dir and (name in self.weight_files or name == INDEX_NAME):
-                    continue  # the weights themselves, not "other files"
                 ok, why = copy_rule(rel, skip)
                 if ok:
                     ok, why = self._copyable(Path(dirpath) / name, why)
@@ -344,6 +341,8 @@ class Source:
             return False, f"unreadable ({exc.strerror or exc})"
         if not stat.S_ISREG(st.st_mode):
             return False, "not a regular file"
+        if not os.access(real, os.R_OK):
+            return False, "unreadable (permission denied)"
         return True, why
 
     def other_files(self, exclude: Path | None = None) -> list[Path]:
