@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import FP4ConvertError
+from .manifest import MANIFEST_NAME, PROGRESS_NAME
 from .safetensors_io import (TensorInfo, header_length, json_error, json_kind, loads_bounded, loads_strict, parse_header,
                              read_header)
 
@@ -41,7 +42,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pic
 WEIGHT_DIRS = ("onnx", "openvino", "flax", "tf", "tensorflow", "coreml", "tflite")
 SKIP_DIRS = ("__pycache__",)  # hidden folders (.git, .cache, ...) are skipped too
 KEEP_HIDDEN = (".gitattributes",)  # the only dot-files copied (top level): LFS rules for a Hub upload
-OWN_FILES = ("fp4convert.json", ".fp4convert-progress.json")  # fp4convert's manifest and progress record
+OWN_FILES = (MANIFEST_NAME, PROGRESS_NAME)  # their presence marks a folder as an fp4convert output
 MAX_JSON_FILE = 100_000_000  # bytes; an index or config.json larger than this is not one
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
