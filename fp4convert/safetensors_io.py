@@ -99,10 +99,6 @@ class TensorInfo:
 # Hardened JSON (also used for the index and config.json)
 # ---------------------------------------------------------------------------------------------
 
-class JSONRejected(ValueError):
-    """Raised inside the JSON hooks; callers turn it into their own one-line error."""
-
-
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
@@ -133,14 +129,14 @@ def _object_no_duplicates(pairs: list[tuple[str, object]]) -> dict:
         seen: set[str] = set()
         for k, _ in pairs:
             if k in seen:
-                raise JSONRejected(f"key {_q(k)} appears twice")
+                raise ValueError(f"key {_q(k)} appears twice")
             seen.add(k)
     return out
 
 
 def _int(s: str) -> int | float:
     if len(s.lstrip("-")) > MAX_INT_DIGITS:
-        raise JSONRejected(f"integer {s[:12]}... has {len(s)} digits (at most {MAX_INT_DIGITS})")
+        raise ValueError(f"integer {s[:12]}... has {len(s)} digits (at most {MAX_INT_DIGITS})")
     if s == "-0":
         return -0.0  # as serde_json (the library's parser) reads it: a float, so never a size or offset
     return int(s)
@@ -149,28 +145,28 @@ def _int(s: str) -> int | float:
 def _float(s: str) -> float:
     v = float(s)
     if not math.isfinite(v):
-        raise JSONRejected(f"number {s[:24]} is out of range")
+        raise ValueError(f"number {s[:24]} is out of range")
     return v
 
 
 def _constant(s: str) -> float:
-    raise JSONRejected(f"{s} is not JSON")
+    raise ValueError(f"{s} is not JSON")
 
 
 def loads_strict(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> object:
     """Bytes -> JSON value, refusing what a careless parse would accept or crash on.
 
-    Raises :class:`ValueError` (``UnicodeDecodeError``, ``json.JSONDecodeError`` or
-    :class:`JSONRejected`) with a short message; never ``RecursionError`` or a traceback-worthy type.
+    Raises :class:`ValueError` (``UnicodeDecodeError``, ``json.JSONDecodeError`` or a plain one from
+    the hooks) with a short message; never ``RecursionError`` or a traceback-worthy type.
     """
     text = raw.decode("utf-8")  # strict: UnicodeDecodeError is a ValueError
     if json_depth(raw) > max_depth:
-        raise JSONRejected(f"JSON nests deeper than {max_depth} levels")
+        raise ValueError(f"JSON nests deeper than {max_depth} levels")
     try:
         return json.loads(text, object_pairs_hook=_object_no_duplicates, parse_int=_int, parse_float=_float,
                           parse_constant=_constant)
     except RecursionError as exc:  # not reached after json_depth; kept so no caller ever sees one
-        raise JSONRejected("JSON nests too deeply") from exc
+        raise ValueError("JSON nests too deeply") from exc
 
 
 def loads_bounded(raw: bytes) -> object:
@@ -178,11 +174,11 @@ def loads_bounded(raw: bytes) -> object:
     with nesting bounded, so a hostile file is a ValueError, never a RecursionError (config.json)."""
     text = raw.decode("utf-8")
     if json_depth(raw) > MAX_JSON_DEPTH:
-        raise JSONRejected(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
+        raise ValueError(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         return json.loads(text)
     except RecursionError as exc:
-        raise JSONRejected("JSON nests too deeply") from exc
+        raise ValueError("JSON nests too deeply") from exc
 
 
 def json_kind(v: object) -> str:
