@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -501,16 +502,23 @@ def test_local_and_hub_cache_copy_the_same_files(offline, tmp_path) -> None:
     assert reasons["half_done/"] == "a nested fp4convert output"
 
 
-def test_destination_inside_the_source_is_not_copied(three) -> None:
-    out = three / "out"
+def test_nested_outputs_and_the_destination_are_not_copied(three, tmp_path) -> None:
+    """An fp4convert output inside SRC (its manifest or progress record marks it) and the folder passed
+    as ``exclude`` (the destination) are skipped whole."""
+    out = tmp_path / "elsewhere"
     convert(str(three), out, ConvertConfig(device="cpu"))
+    shutil.copytree(out, three / "old_out")  # an output someone moved into the source folder
+    (three / "new_out").mkdir()
+    (three / "new_out" / "notes.txt").write_text("x")
     s = open_source(str(three))
-    assert not [p for p in s.other_files(exclude=out) if "out" in p.relative_to(three).parts]
-    # A later conversion of the same source elsewhere does not copy the old output either (its manifest marks it).
-    assert not [p for p in s.other_files() if "out" in p.relative_to(three).parts]
-    (out / "fp4convert.json").unlink()  # even without its manifest, as the destination it is skipped
-    assert [p for p in s.other_files() if "out" in p.relative_to(three).parts]
-    assert not [p for p in s.other_files(exclude=out) if "out" in p.relative_to(three).parts]
+
+    def tops(files: list[Path]) -> set[str]:
+        return {p.relative_to(three).parts[0] for p in files}
+
+    assert "old_out" not in tops(s.other_files())
+    assert "new_out" in tops(s.other_files()) and "new_out" not in tops(s.other_files(exclude=three / "new_out"))
+    (three / "old_out" / "fp4convert.json").unlink()  # without its manifest it is just a folder
+    assert "old_out" in tops(s.other_files())
 
 
 # --- mistyped local paths ------------------------------------------------------------------------
