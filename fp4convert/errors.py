@@ -67,6 +67,14 @@ class CheckpointFormatError(SourceError):
     """A safetensors file is malformed or not what its index says."""
 
 
+class OutsideSourceError(SourceError):
+    """A file the checkpoint names resolves outside the checkpoint folder (or the repo's HF cache)."""
+
+
+class CheckpointIndexError(SourceError):
+    """The weight index is malformed or disagrees with the weight files it names."""
+
+
 # -- 5: destinations --------------------------------------------------------------------------
 
 class OutputError(FP4ConvertError):

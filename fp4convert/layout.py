@@ -42,10 +42,14 @@ def read_layout(source: Source) -> CheckpointLayout:
     manifest = load_manifest(source.root)
     config = source.config()
     fmt = detect(source.root, config, manifest)
-    tensors = {t.name: t for t in source.tensors()}
+    listed = source.tensors(check_index=False)  # an index that disagrees is a finding, not a crash
+    tensors = {t.name: t for t in listed}
+    index_problems = source.index_problems(listed)
     if fmt is None:
-        return CheckpointLayout(UNQUANTIZED, None, None, {}, list(tensors.values()), tensors, manifest)
+        return CheckpointLayout(UNQUANTIZED, None, None, {}, list(tensors.values()), tensors, manifest,
+                                index_problems)
     modules, problems = fmt.find_modules(tensors, manifest)
+    problems = index_problems + problems
     used = {t.name for m in modules.values() for t in m.tensors}
     kept = [t for n, t in tensors.items() if n not in used]
     schemes = {m.scheme for m in modules.values()}

@@ -3,26 +3,47 @@
 Planning reads only safetensors headers. Shard data is fetched when the converter reaches it, one
 shard at a time, through ``huggingface_hub`` (token, cache, offline mode and endpoint from its usual
 environment variables).
+
+Containment: every file read resolves (``os.path.realpath``) inside the checkpoint folder, or, for a
+Hub source, inside that repo's snapshot folder or its blob store in the HF cache (snapshot entries
+are symlinks into ``../../blobs``). Weight files and index entries that leave it are refused; other
+files that leave it are not copied (skipped with a warning).
+
+Which non-weight files are copied is one pure rule, :func:`copy_rule`, for local folders and Hub
+snapshots alike; the Hub download's ``ignore_patterns`` (:func:`hub_ignore_patterns`) only skip
+downloading files the rule would never copy.
 """
 
 from __future__ import annotations
 
-import json
+import difflib
 import logging
+import os
 import re
+import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import SourceError
-from .manifest import MANIFEST_NAME
-from .safetensors_io import TensorInfo, parse_header, read_header
+from .errors import CheckpointIndexError, FP4ConvertError, OutsideSourceError, SourceError
+from .manifest import LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME
+from .safetensors_io import (TensorInfo, header_length, json_error, json_kind, loads_bounded, loads_strict, parse_header,
+                             read_header)
 
 log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-WEIGHT_PATTERNS = ["*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.h5", "*.msgpack", "*.gguf",
-                   "*.onnx", "*.tflite", "*.ot"]
+# Weight files of any format: never copied into the output, never downloaded with a Hub snapshot.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".h5", ".hdf5", ".keras",
+                   ".msgpack", ".gguf", ".ggml", ".onnx", ".onnx_data", ".onnx.data", ".tflite", ".ot", ".npz",
+                   ".npy", ".pb", ".nemo", ".mlmodel")
+# Folders that hold another framework's export (with its own config copies): skipped whole.
+WEIGHT_DIRS = ("onnx", "openvino", "flax", "tf", "tensorflow", "coreml", "tflite")
+SKIP_DIRS = ("__pycache__",)  # hidden folders (.git, .cache, ...) are skipped too
+KEEP_HIDDEN = (".gitattributes",)  # the only dot-files copied (top level): LFS rules for a Hub upload
+OWN_FILES = (MANIFEST_NAME, PROGRESS_NAME, LOCK_NAME)  # their presence marks a folder as an fp4convert output
+MAX_JSON_FILE = 100_000_000  # bytes; an index or config.json larger than this is not one
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
@@ -32,6 +53,175 @@ def _one_line(exc: BaseException, limit: int = 300) -> str:
     text = re.sub(r"(https?://[^\s?]+)\?\S+", r"\1?...", text)  # drop signed query strings
     return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
+
+def _q(name: object, limit: int = 120) -> str:
+    s = str(name)
+    return repr(s) if len(s) <= limit else repr(s[:limit]) + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths: lexical checks, containment
+# ---------------------------------------------------------------------------------------------
+
+def check_relative(rel: object, what: str) -> str:
+    """A file name from the checkpoint (index entry, listing) must be a plain relative path below it."""
+    if not isinstance(rel, str) or not rel:
+        raise OutsideSourceError(f"{what}: {_q(rel)} is not a file name")
+    if "\0" in rel or "\\" in rel or not rel.isprintable():
+        raise OutsideSourceError(f"{what}: {_q(rel)} has characters a checkpoint file name cannot have")
+    if rel.startswith("/") or re.match(r"^[A-Za-z]:", rel):
+        raise OutsideSourceError(f"{what}: {_q(rel)} is an absolute path; entries must be relative to the folder")
+    parts = rel.split("/")
+    if ".." in parts:
+        raise OutsideSourceError(f"{what}: {_q(rel)} leads out of the checkpoint folder ('..')")
+    if any(p in ("", ".") for p in parts):
+        raise OutsideSourceError(f"{what}: {_q(rel)} is not a normalised relative path")
+    return rel
+
+
+def _inside(real: str, roots: tuple[str, ...]) -> bool:
+    return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
+def _roots_for(root: Path, hub: bool) -> tuple[str, ...]:
+    """Where reads may land: the folder; for a Hub snapshot also the repo's blob store."""
+    roots = [os.path.realpath(root)]
+    if hub:
+        roots.append(os.path.realpath(root.parent.parent / "blobs"))  # models--org--name/snapshots/<commit>
+    return tuple(roots)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which non-weight files are copied
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CopyDecision:
+    """One file (or folder, ending in '/') of the source and whether it goes into the output."""
+
+    path: str  # relative to the checkpoint root, '/' separated
+    copy: bool
+    reason: str
+
+
+def copy_rule(rel: str, skip_dirs: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    """Whether the non-weight file (or, ending in '/', the folder) ``rel`` is copied, and why. Pure.
+
+    Copied: configs, tokenizer files, chat templates, generation/processor configs, licences, README,
+    custom code, images, ``.gitattributes`` -- anything that is not one of: a weight file of any format
+    or its index, a folder of another framework's export, fp4convert's own files, a hidden file or
+    folder, or a folder in ``skip_dirs`` (nested fp4convert outputs, the destination; folder -> reason).
+    """
+    is_dir = rel.endswith("/")
+    parts = rel.rstrip("/").split("/")
+    dirs, leaf = (parts, "") if is_dir else (parts[:-1], parts[-1])
+    for i in range(len(dirs)):
+        d = "/".join(dirs[: i + 1])
+        if skip_dirs and d in skip_dirs:
+            return False, skip_dirs[d]
+        low = dirs[i].lower()
+        if dirs[i].startswith("."):
+            return False, f"hidden folder {dirs[i]}/"
+        if low in SKIP_DIRS:
+            return False, f"cache folder {dirs[i]}/"
+        if low in WEIGHT_DIRS:
+            return False, f"folder {dirs[i]}/ holds another framework's weights"
+    if is_dir:
+        return True, "folder searched"
+    low = leaf.lower()
+    if leaf in OWN_FILES or low.endswith(".partial"):
+        return False, "fp4convert's own file"
+    if leaf.startswith("."):
+        if rel in KEEP_HIDDEN:
+            return True, "repository metadata"
+        return False, "hidden file"
+    if low.endswith(".safetensors"):
+        return False, "weight file (the output has its own)"
+    if low.endswith(".index.json") and low[: -len(".index.json")].endswith(WEIGHT_SUFFIXES):
+        return False, "weight index (the output has its own)" if low.endswith(".safetensors.index.json") \
+            else "index of another weight format"
+    for s in WEIGHT_SUFFIXES:
+        if low.endswith(s):
+            return False, f"another weight format ({s})"
+    return True, "not a weight file"
+
+
+def hub_ignore_patterns() -> list[str]:
+    """``snapshot_download`` ignore patterns: only files :func:`copy_rule` refuses (weights first).
+
+    fnmatch's ``*`` crosses '/', so ``*.bin`` covers every folder; folder rules name the top level and
+    any depth. A file these miss is downloaded (it is small) and then judged by :func:`copy_rule`.
+    """
+    pats = ["*" + s for s in WEIGHT_SUFFIXES]
+    pats += ["*" + s + ".index.json" for s in WEIGHT_SUFFIXES if s != ".safetensors"]
+    for d in (*WEIGHT_DIRS, *SKIP_DIRS, ".git", ".cache"):
+        pats += [f"{d}/*", f"*/{d}/*"]
+    return pats
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON files of the checkpoint
+# ---------------------------------------------------------------------------------------------
+
+def _read_json_file(path: Path, label: str, strict: bool) -> object:
+    """A small JSON file -> value; every failure a one-line SourceError naming ``label``.
+
+    ``strict`` also refuses duplicate keys and NaN/Infinity (the index); config.json is read as
+    Python's json (and transformers) read it, apart from the nesting and size bounds.
+    """
+    try:
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):
+            raise SourceError(f"{label} is a folder, not a JSON file")
+        if not stat.S_ISREG(st.st_mode):
+            raise SourceError(f"{label} is not a regular file")
+        if st.st_size > MAX_JSON_FILE:
+            raise SourceError(f"{label}: {st.st_size} bytes is too large for a JSON file")
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SourceError(f"{label}: cannot read ({exc.strerror or exc})") from exc
+    try:
+        return loads_strict(raw) if strict else loads_bounded(raw)
+    except ValueError as exc:
+        raise SourceError(f"{label}: {json_error(exc)}") from None
+
+
+def _read_index(root: Path, roots: tuple[str, ...], label: str) -> dict[str, str]:
+    """The index's weight_map (tensor -> file), every entry checked; raises on anything malformed."""
+    where = f"{label}/{INDEX_NAME}" if label else INDEX_NAME
+    _contained(root, INDEX_NAME, roots, "the weight index")
+    data = _read_json_file(root / INDEX_NAME, where, strict=True)
+    if not isinstance(data, dict):
+        raise CheckpointIndexError(f"{where}: a {json_kind(data)}, not a JSON object")
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointIndexError(f"{where}: 'weight_map' is missing or not an object")
+    if not weight_map:
+        raise CheckpointIndexError(f"{where}: 'weight_map' is empty; the index names no tensors")
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise CheckpointIndexError(f"{where}: tensor {_q(name)} maps to a {json_kind(file)}, not a file name")
+        check_relative(file, f"{where}: tensor {_q(name)}")
+        if not file.endswith(".safetensors"):
+            raise CheckpointIndexError(f"{where}: tensor {_q(name)} maps to {_q(file)}, not a .safetensors file")
+    return weight_map
+
+
+def _contained(root: Path, rel: str, roots: tuple[str, ...], what: str) -> Path:
+    """root/rel, after the lexical check and with its real path inside ``roots``."""
+    check_relative(rel, what)
+    path = root / rel
+    real = os.path.realpath(path)
+    if not _inside(real, roots):
+        raise OutsideSourceError(
+            f"{what} {_q(rel)} resolves to {real}, outside the checkpoint folder {root}; fp4convert reads only "
+            "files inside it (copy the file in, e.g. with cp -L)")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The source
+# ---------------------------------------------------------------------------------------------
 
 @dataclass
 class Source:
@@ -43,7 +233,14 @@ class Source:
     repo_id: str | None = None
     revision: str | None = None
     commit: str | None = None
+    weight_map: dict[str, str] | None = None  # the index's tensor -> file, when there is an index
+    roots: tuple[str, ...] = ()  # real paths every read must resolve inside (default: root's)
     _header_cache: dict[str, tuple[list[TensorInfo], dict[str, str]]] = field(default_factory=dict, repr=False)
+    _config: dict | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.roots:
+            self.roots = _roots_for(self.root, self.is_hub)
 
     @property
     def is_hub(self) -> bool:
@@ -55,39 +252,121 @@ class Source:
         return {"type": "local", "path": str(self.root)}
 
     def config(self) -> dict:
-        path = self.root / "config.json"
-        if not path.exists():
-            return {}
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise SourceError(f"{path}: not valid JSON ({exc})") from exc
+        """config.json as a dict ({} when absent); a malformed one is a one-line SourceError."""
+        if self._config is None:
+            self._config = self._read_config()
+        return self._config
 
-    def other_files(self) -> list[Path]:
-        """Every file that is not a weight file or weight index (config, tokenizer, README...)."""
+    def _read_config(self) -> dict:
+        path = self.root / "config.json"
+        label = f"{self.label}/config.json"
+        if not os.path.lexists(path):
+            return {}
+        if not path.exists():
+            raise SourceError(f"{label} is a broken symlink")
+        _contained(self.root, "config.json", self.roots, "config.json")
+        cfg = _read_json_file(path, label, strict=False)
+        if not isinstance(cfg, dict):
+            raise SourceError(f"{label}: a {json_kind(cfg)}, not a JSON object")
+        qc = cfg.get("quantization_config")
+        if qc is not None and not isinstance(qc, dict):
+            raise SourceError(f"{label}: quantization_config is a {json_kind(qc)}, not a JSON object")
+        return cfg
+
+    # --- non-weight files ------------------------------------------------------------------------
+
+    def file_plan(self, exclude: Path | None = None) -> list[CopyDecision]:
+        """Every non-weight file and skipped folder under the root with the copy decision and reason.
+
+        ``exclude`` (the destination, when it lies inside the source) is skipped whole. Folders are
+        not descended into when skipped (``.git`` is never walked); symlinked folders are not followed.
+        """
+        root_real = os.path.realpath(self.root)
+        skip: dict[str, str] = {}
+        if exclude is not None:
+            ex = os.path.realpath(exclude)
+            if _inside(ex, (root_real,)) and ex != root_real:
+                skip[os.path.relpath(ex, root_real).replace(os.sep, "/")] = "the destination folder"
+        out: list[CopyDecision] = []
+        errors: list[OSError] = []
+        for dirpath, dirnames, filenames in os.walk(self.root, followlinks=False, onerror=errors.append):
+            rel_dir = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            rel_dir = "" if rel_dir == "." else rel_dir + "/"
+            keep_dirs = []
+            for d in sorted(dirnames):
+                rel = rel_dir + d
+                full = Path(dirpath) / d
+                if os.path.islink(full):
+                    out.append(CopyDecision(rel + "/", False, "symlinked folder (not followed)"))
+                    continue
+                if any((full / own).exists() for own in OWN_FILES):
+                    skip[rel] = "a nested fp4convert output"
+                ok, why = copy_rule(rel + "/", skip)
+                if ok:
+                    keep_dirs.append(d)
+                else:
+                    out.append(CopyDecision(rel + "/", False, why))
+            dirnames[:] = keep_dirs
+            for name in sorted(filenames):
+                rel = rel_dir + name
+                ok, why = copy_rule(rel, skip)
+                if ok:
+                    ok, why = self._copyable(Path(dirpath) / name, why)
+                out.append(CopyDecision(rel, ok, why))
+        for exc in errors:
+            where = os.path.relpath(exc.filename, self.root) if exc.filename else "?"
+            out.append(CopyDecision(where + "/", False, f"unreadable ({exc.strerror or exc})"))
+        return sorted(out, key=lambda d: d.path)
+
+    def _copyable(self, path: Path, why: str) -> tuple[bool, str]:
+        real = os.path.realpath(path)
+        if not _inside(real, self.roots):
+            return False, f"symlink to {real}, outside the checkpoint folder"
+        try:
+            st = os.stat(real)
+        except OSError as exc:
+            return False, f"unreadable ({exc.strerror or exc})"
+        if not stat.S_ISREG(st.st_mode):
+            return False, "not a regular file"
+        if not os.access(real, os.R_OK):
+            return False, "unreadable (permission denied)"
+        return True, why
+
+    def other_files(self, exclude: Path | None = None) -> list[Path]:
+        """The non-weight files to copy (config, tokenizer, README...), as paths under ``root``.
+
+        Files refused for a reason the user may not expect (a symlink out of the folder, unreadable)
+        are logged as warnings.
+        """
         out = []
-        for p in sorted(self.root.rglob("*")):
-            rel = p.relative_to(self.root).as_posix()
-            if not p.is_file() or rel.startswith(".") or "/." in rel:
-                continue
-            if rel in self.weight_files or rel.endswith((".safetensors", ".safetensors.index.json")):
-                continue
-            if rel.endswith(PICKLE_SUFFIXES) or rel in ("pytorch_model.bin.index.json", MANIFEST_NAME):
-                continue
-            out.append(p)
+        for d in self.file_plan(exclude):
+            if d.copy:
+                out.append(self.root / d.path)
+            elif d.reason.startswith(("symlink to", "unreadable", "not a regular")):
+                log.warning("not copying %s: %s", d.path, d.reason)
+            else:
+                log.debug("not copying %s: %s", d.path, d.reason)
         return out
 
+    # --- weight files ----------------------------------------------------------------------------
+
     def local_path(self, file: str) -> Path:
-        """A weight file as a local path: downloaded (or taken from the cache) on first use."""
+        """A weight file as a local path inside the source: downloaded (or taken from the cache) on first use."""
+        if file not in self.weight_files:
+            raise SourceError(f"{_q(file)} is not a weight file of {self.label}")
         if not self.is_hub:
-            return self.root / file
+            return _contained(self.root, file, self.roots, "weight file")
         from huggingface_hub import hf_hub_download
 
         try:
-            return Path(hf_hub_download(self.repo_id, file, revision=self.commit or self.revision,
+            path = Path(hf_hub_download(self.repo_id, file, revision=self.commit or self.revision,
                                         local_files_only=_offline()))
         except Exception as exc:  # huggingface_hub raises many types; all mean "cannot fetch"
             raise SourceError(f"{self.repo_id}: cannot fetch {file} ({_one_line(exc)})") from exc
+        real = os.path.realpath(path)
+        if not _inside(real, self.roots):
+            raise OutsideSourceError(f"{self.repo_id}: {file} resolves to {real}, outside the repo's cache folder")
+        return path
 
     def header(self, file: str) -> tuple[list[TensorInfo], dict[str, str]]:
         """A weight file's header; from the Hub by HTTP range requests when online (no shard download)."""
@@ -105,18 +384,45 @@ class Source:
             raise SourceError(f"{file} is listed in the checkpoint but missing at {path}")
         return read_header(path, file)
 
-    def tensors(self) -> list[TensorInfo]:
-        """Every tensor of every weight file, in file order then offset order."""
+    def tensors(self, check_index: bool = True) -> list[TensorInfo]:
+        """Every tensor of every weight file, in file order then offset order.
+
+        With ``check_index`` (the default) the index and the files must agree both ways; ``inspect``
+        passes False and reports :meth:`index_problems` as findings instead.
+        """
         seen: dict[str, str] = {}
         out = []
         for file in self.weight_files:
             infos, _ = self.header(file)
             for info in infos:
                 if info.name in seen:
-                    raise SourceError(f"tensor {info.name!r} appears in both {seen[info.name]} and {file}")
+                    raise SourceError(f"tensor {_q(info.name)} appears in both {seen[info.name]} and {file}")
                 seen[info.name] = file
                 out.append(info)
+        if check_index:
+            problems = self.index_problems(out)
+            if problems:
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise CheckpointIndexError(problems[0] + more)
         return out
+
+    def index_problems(self, tensors: list[TensorInfo] | None = None) -> list[str]:
+        """Where the index and the weight files disagree (empty without an index), one line each."""
+        if self.weight_map is None:
+            return []
+        tensors = self.tensors(check_index=False) if tensors is None else tensors
+        problems = []
+        found = {i.name: i.file for i in tensors}
+        for name, file in found.items():
+            listed = self.weight_map.get(name)
+            if listed is None:
+                problems.append(f"{file} holds tensor {_q(name)}, which {INDEX_NAME} does not list")
+            elif listed != file:
+                problems.append(f"{INDEX_NAME} lists tensor {_q(name)} in {listed}, but it is in {file}")
+        for name, file in self.weight_map.items():
+            if name not in found:
+                problems.append(f"{INDEX_NAME} lists tensor {_q(name)} in {file}, but {file} does not hold it")
+        return problems
 
 
 def _offline() -> bool:
@@ -126,8 +432,8 @@ def _offline() -> bool:
 
 
 def _remote_header(repo_id: str, file: str, revision: str | None) -> tuple[list[TensorInfo], dict[str, str]] | None:
-    """Header bytes by range request; None when that fails (the caller downloads instead)."""
-    import struct
+    """Header bytes by range request, validated like a local file's; None when fetching fails (the
+    caller downloads instead). A malformed header raises at once (no download to find that out)."""
     from urllib.parse import urlsplit
 
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
@@ -142,39 +448,48 @@ def _remote_header(repo_id: str, file: str, revision: str | None) -> tuple[list[
         first = _range(meta.location, headers, 0, 7)
         if first is None:
             return None
-        (n,) = struct.unpack("<Q", first)
+        head, total = first
+        size = meta.size if meta.size is not None else total
+        if size is None:
+            return None
+        n = header_length(head, file, size)
         body = _range(meta.location, headers, 8, 7 + n)
         if body is None:
             return None
-        return parse_header(body, file, n)
-    except Exception as exc:  # any failure falls back to the plain download path
+    except Exception as exc:  # any failure to fetch falls back to the plain download path
+        if isinstance(exc, FP4ConvertError):
+            raise
         log.debug("range read of %s failed (%s); downloading instead", file, exc)
         return None
+    return parse_header(body[0], file, size)
 
 
-def _range(url: str, headers: dict, start: int, end: int) -> bytes | None:
-    """Bytes start..end of ``url``; None unless the server answers 206 with exactly those (a server that
-    ignores Range would send the whole shard: stop before reading it)."""
+def _range(url: str, headers: dict, start: int, end: int) -> tuple[bytes, int | None] | None:
+    """Bytes start..end of ``url`` and the total size from Content-Range; None unless the server
+    answers 206 with exactly those (a server that ignores Range would send the whole shard: stop
+    before reading it)."""
     from huggingface_hub.utils import get_session
 
     with get_session().stream("GET", url, headers={**headers, "Range": f"bytes={start}-{end}"}, timeout=30) as r:
         if r.status_code != 206:
             return None
         data = r.read()
-    return data if len(data) == end - start + 1 else None
+        total = r.headers.get("Content-Range", "").rpartition("/")[2]
+    if len(data) != end - start + 1:
+        return None
+    return data, int(total) if total.isdigit() else None
 
 
-def _weight_files_in(root: Path, label: str) -> list[str]:
-    index = root / INDEX_NAME
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise SourceError(f"{index}: not a valid safetensors index ({exc})") from exc
-        return sorted(set(weight_map.values()))  # shard order, not the (name-sorted) map's order
-    files = sorted(p.relative_to(root).as_posix() for p in root.glob("*.safetensors"))
+def _weight_files_in(root: Path, label: str, roots: tuple[str, ...] | None = None
+                     ) -> tuple[list[str], dict[str, str] | None]:
+    """(weight files, index weight_map or None) of a folder; local files must exist inside it."""
+    roots = roots or _roots_for(root, False)
+    if os.path.lexists(root / INDEX_NAME):
+        weight_map = _read_index(root, roots, label)
+        return sorted(set(weight_map.values())), weight_map  # shard order, not the (name-sorted) map's order
+    files = sorted(p.name for p in root.glob("*.safetensors"))
     if files:
-        return files
+        return files, None
     pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
     if pickles:
         raise SourceError(
@@ -184,18 +499,71 @@ def _weight_files_in(root: Path, label: str) -> list[str]:
     raise SourceError(f"{label}: no *.safetensors weights found")
 
 
-def open_source(src: str, revision: str | None = None) -> Source:
-    """A local folder if ``src`` is one, else a Hub repo id."""
-    path = Path(src).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise SourceError(f"{src} is a file; give the checkpoint folder that holds it")
-        if revision:
-            raise SourceError("--revision applies to Hub repos, not to a local folder")
-        root = path.resolve()
-        return Source(src, root, _weight_files_in(root, src))
+def _check_local_weights(root: Path, files: list[str], roots: tuple[str, ...], label: str) -> None:
+    for f in files:
+        path = _contained(root, f, roots, "weight file")
+        if not path.exists():
+            raise SourceError(f"{label}: {INDEX_NAME} lists {f}, which is missing")
+        if not path.is_file():
+            raise SourceError(f"{label}: weight file {f} is not a regular file")
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening: local folder or Hub repo id
+# ---------------------------------------------------------------------------------------------
+
+def local_path_hint(src: str) -> str | None:
+    """None when ``src`` (no such path here) may be a Hub repo id; else why it must be a mistyped local path.
+
+    Local-looking: no '/' or more than one, starts with '.', '/' or '~', contains a backslash, is not of
+    the form org/name, or its first component exists here or is a close misspelling of a folder here
+    (``exmaples/tiny-llama`` next to ``examples/``).
+    """
+    if src.startswith((".", "/", "~")) or "\\" in src:
+        return "a path"
+    if src.count("/") != 1:
+        return "a path" if "/" in src else "not a Hub repo id of the form org/name"
     if not _REPO_ID.match(src):
-        raise SourceError(f"{src}: no such folder, and not a Hub repo id of the form org/name")
+        return "not a Hub repo id of the form org/name"
+    first, rest = src.split("/", 1)
+    if os.path.lexists(first):
+        return f"{first} exists here, but not {src}"
+    try:
+        with os.scandir(".") as it:
+            here = [e.name for _, e in zip(range(5000), it) if e.is_dir()]
+    except OSError:
+        here = []
+    close = difflib.get_close_matches(first, here, n=1, cutoff=0.8)
+    if close:
+        return f"did you mean {close[0]}/{rest}?"
+    return None
+
+
+def open_source(src: str, revision: str | None = None) -> Source:
+    """A local folder if ``src`` is one; a Hub repo id only if it cannot be a mistyped local path."""
+    src = str(src)
+    if not src or "\0" in src:
+        raise SourceError(f"{_q(src)}: not a folder or a Hub repo id")
+    path = Path(src).expanduser()
+    try:
+        exists, is_link = path.exists(), path.is_symlink()
+        if exists:
+            if not path.is_dir():
+                raise SourceError(f"{src} is a file; give the checkpoint folder that holds it")
+            if revision:
+                raise SourceError("--revision applies to Hub repos, not to a local folder")
+            root = path.resolve()
+            roots = _roots_for(root, False)
+            files, weight_map = _weight_files_in(root, src, roots)
+            _check_local_weights(root, files, roots, src)
+            return Source(src, root, files, weight_map=weight_map, roots=roots)
+    except OSError as exc:
+        raise SourceError(f"{src}: cannot read ({exc.strerror or exc})") from exc
+    if is_link:
+        raise SourceError(f"{src}: no such folder (a broken symlink)")
+    hint = local_path_hint(src)
+    if hint is not None:
+        raise SourceError(f"{src}: no such folder ({hint})")
     return _open_hub(src, revision)
 
 
@@ -205,17 +573,20 @@ def _open_hub(repo_id: str, revision: str | None) -> Source:
     try:
         # Everything but the weights now (small files); weights shard by shard later.
         # local_files_only when offline: huggingface_hub 1.x would otherwise try to list a commit's tree.
-        root = Path(snapshot_download(repo_id, revision=revision, ignore_patterns=WEIGHT_PATTERNS,
+        root = Path(snapshot_download(repo_id, revision=revision, ignore_patterns=hub_ignore_patterns(),
                                       local_files_only=_offline()))
     except Exception as exc:
         hint = " (HF_HUB_OFFLINE is set and the repo is not in the cache)" if _offline() else ""
         raise SourceError(f"{repo_id}: cannot open on the Hub{hint}: {_one_line(exc)}") from exc
     commit = root.name  # snapshots/<commit>
-    if (root / INDEX_NAME).exists():
-        files = _weight_files_in(root, repo_id)
+    roots = _roots_for(root, True)
+    weight_map = None
+    if os.path.lexists(root / INDEX_NAME):
+        files, weight_map = _weight_files_in(root, repo_id, roots)
     else:
         files = _hub_listing(repo_id, commit, root)
-    return Source(repo_id, root, files, repo_id=repo_id, revision=revision, commit=commit)
+    return Source(repo_id, root, files, repo_id=repo_id, revision=revision, commit=commit, weight_map=weight_map,
+                  roots=roots)
 
 
 def _hub_listing(repo_id: str, commit: str, snapshot: Path) -> list[str]:
@@ -231,6 +602,8 @@ def _hub_listing(repo_id: str, commit: str, snapshot: Path) -> list[str]:
     if not names:
         names = sorted(p.name for p in snapshot.iterdir())
     st = [n for n in names if n.endswith(".safetensors") and "/" not in n]
+    for n in st:
+        check_relative(n, f"{repo_id}: weight file")
     if st:
         return sorted(st)
     pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]

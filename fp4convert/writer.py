@@ -410,10 +410,10 @@ def prepare_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: 
         raise
 
 
-def _planned_names(plan: Plan, source: Source) -> set[str]:
+def _planned_names(plan: Plan, source: Source, dst: Path) -> set[str]:
     """Every file (relative path) a run writes into DST."""
     names = {f for f, _ in plan.shards} | {INDEX_NAME, MANIFEST_NAME, PROGRESS_NAME, LOCK_NAME, *FORMAT_FILES}
-    names |= {p.relative_to(source.root).as_posix() for p in source.other_files()}
+    names |= {p.relative_to(source.root).as_posix() for p in source.other_files(exclude=dst)}
     return names
 
 
@@ -510,7 +510,7 @@ def _check_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: d
         elif (dst / name).exists():
             raise OutputError(f"{dst / name} is not a file; remove it or choose another DST")
     owned = _owned(dst, records, files)
-    planned = _planned_names(plan, source)
+    planned = _planned_names(plan, source, dst)
     foreign = []
     for f in existing:
         base = f[: -len(".partial")] if f.endswith(".partial") else f
@@ -549,7 +549,7 @@ def _check_space(dst: Path, plan: Plan, source: Source, done: dict) -> None:
     for f, entries in plan.shards:
         if f not in done:
             need += len(header_bytes(entries, {"format": "pt"})) + sum(e.nbytes for e in entries)
-    for p in source.other_files():
+    for p in source.other_files(exclude=dst):
         try:
             need += p.stat().st_size
         except OSError as exc:
@@ -823,7 +823,7 @@ def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: d
     try:
         _finish(source, plan, fmt, dst, identity)
     except BaseException as exc:
-        for name in _planned_names(plan, source) - {f for f, _ in plan.shards}:  # only our own temporary files
+        for name in _planned_names(plan, source, dst) - {f for f, _ in plan.shards}:  # only our own temporary files
             try:
                 (dst / (name + ".partial")).unlink(missing_ok=True)
             except OSError:
@@ -839,7 +839,7 @@ def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: d
 
 def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict) -> None:
     state = json.loads((dst / PROGRESS_NAME).read_text())
-    others = source.other_files()
+    others = source.other_files(exclude=dst)
     rels = [p.relative_to(source.root).as_posix() for p in others]
     # Name every file finish writes in the record first: --overwrite then knows they are ours.
     _save_progress(dst, identity, state["files"], state["tensors"], sorted({INDEX_NAME, *rels, *FORMAT_FILES}))
