@@ -23,7 +23,7 @@ import torch
 from .config import ConvertConfig
 from .errors import OutputError
 from .formats.base import OutputFormat
-from .manifest import MANIFEST_NAME, PROGRESS_NAME, build_manifest, file_digest
+from .manifest import MANIFEST_NAME, PROGRESS_NAME, build_manifest, file_digest, portable_description
 from .plan import Decision, Plan
 from .safetensors_io import StreamWriter, TensorInfo
 from .source import INDEX_NAME, Source
@@ -70,7 +70,7 @@ def source_mtimes(source: Source) -> dict[str, int]:
 
 def source_fingerprint(source: Source) -> dict:
     """What identifies the input: the Hub commit, or each local file's size and header hash."""
-    desc = source.describe()
+    desc = portable_description(source)
     if source.is_hub:
         return desc
     files = {}
@@ -223,8 +223,11 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
     """Stream every work unit's outputs into the planned shards; ``process`` makes a unit's tensors.
 
     ``start`` is told up front which units will be processed (those a resume does not skip), so
-    their reading can begin ahead of time.
+    their reading can begin ahead of time. ``progress`` is called once per unit, in ``plan.units()``
+    order, skipped units included (``hub.ShardReleaser`` relies on that to free source shards).
     """
+    for w in plan_warnings(plan):
+        log.warning("warning: %s", w)
     tensors_state: dict = dict(done.get("__tensors__", {}))
     files_state = {f: rec for f, rec in done.items() if not f.startswith("__")}
 
@@ -259,6 +262,18 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
     _save_progress(dst, identity, files_state, tensors_state)
 
 
+def plan_warnings(plan: Plan) -> list[str]:
+    """The plan's warnings and every --ignore/--only pattern that matches no tensor (a typo, usually)."""
+    from .plan import matches
+
+    out = list(plan.warnings)
+    for flag, patterns in (("--ignore", plan.config.ignore), ("--only", plan.config.only)):
+        for p in patterns:
+            if not any(matches(p, d.name) for d in plan.decisions):
+                out.append(f"{flag} {p} matches no tensor")
+    return out
+
+
 def _save_progress(dst: Path, identity: dict, files: dict, tensors: dict) -> None:
     state = {"identity": identity, "files": files, "tensors": tensors}
     atomic_write(dst / PROGRESS_NAME, json.dumps(state, indent=1, sort_keys=True))
@@ -291,6 +306,19 @@ def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: d
     total = sum(e.nbytes for _, entries in plan.shards for e in entries)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(shard_of.items()))}
     atomic_write(dst / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    written = _write_model_card(source, plan, fmt, dst, identity, state, written)
     manifest = build_manifest(plan, fmt, source, identity, state, dst, written)
     atomic_write(dst / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     (dst / PROGRESS_NAME).unlink()
+
+
+def _write_model_card(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict, state: dict,
+                      written: list[str]) -> list[str]:
+    """README.md: the generated card (from what the manifest will say) above the source's own card."""
+    from .modelcard import CARD_NAME, build_card, write_card
+
+    original = source.root / CARD_NAME
+    text = original.read_text(errors="replace") if original.is_file() else None
+    draft = build_manifest(plan, fmt, source, identity, state, dst, [w for w in written if w != CARD_NAME])
+    write_card(dst, build_card(draft, text))
+    return written if CARD_NAME in written else [*written, CARD_NAME]
