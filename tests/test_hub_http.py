@@ -29,12 +29,12 @@ from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert, plan_conversion
 
 from . import checkpoints as ck
-from .hubserver import FakeHub
+from .hubserver import FakeHub, hub_env
 
 REPO = "tiny-org/tiny-llama"
 COMMIT_A = hashlib.sha1(b"fp4convert test commit A").hexdigest()  # main: 3 shards + index
 COMMIT_B = hashlib.sha1(b"fp4convert test commit B").hexdigest()  # tag v1.0: one file, no index
-TOKEN = "hf_fp4convertTestTokenNotARealOne"
+TOKEN = "hf_fp4convertTestTokenNotARealOne"  # what hub_env sets as HF_TOKEN
 SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
 INDEX = "model.safetensors.index.json"
 ARGS = ("--device", "cpu", "--max-shard-size", "6KB")
@@ -57,17 +57,6 @@ class Run:
     def blobs(self, repo_id: str = REPO) -> set[str]:
         d = self.cache / ("models--" + repo_id.replace("/", "--")) / "blobs"
         return {p.name for p in d.iterdir()} if d.exists() else set()
-
-
-def hub_env(endpoint: str, home: Path) -> dict:
-    """What a user would set, and nothing from this machine's HF or proxy settings."""
-    drop = ("HF_", "HUGGINGFACE_", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(drop)}
-    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"), HF_TOKEN=TOKEN,
-               HF_HUB_DISABLE_XET="1", HF_HUB_ENABLE_HF_TRANSFER="0", HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="10",
-               NO_PROXY="127.0.0.1,localhost", OMP_NUM_THREADS="1")
-    return env
 
 
 @pytest.fixture(scope="module")
