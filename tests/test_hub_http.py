@@ -29,6 +29,8 @@ from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert, plan_conversion
 
 from . import checkpoints as ck
+from fp4convert.modelcard import original_body, split_card
+
 from .hubserver import FakeHub, hub_env
 
 REPO = "tiny-org/tiny-llama"
@@ -74,6 +76,8 @@ SCENARIOS = {
     "tag": ({}, [REPO, "--revision", "v1.0", "--device", "cpu", "-q", "--json"]),
     "missing_repo": ({}, ["tiny-org/not-there", *ARGS]),
     "shard_fails": ({"fail_full_get": {SHARDS[1]: 500}}, [REPO, *ARGS, "-q"]),
+    # {root}: this run's folder. Shards go to a cache of our choosing and leave it once converted.
+    "delete_shards": ({}, [REPO, *ARGS, "--delete-source-shards", "--cache-dir", "{root}/my_cache"]),
 }
 
 
@@ -90,6 +94,7 @@ def runs(files, tmp_path_factory) -> dict[str, Run]:
             hub.add(REPO, files["b"], COMMIT_B, refs=("v1.0",))
             stack.enter_context(hub)
             home, out = root / name / "hf_home", root / name / "out"
+            args = [a.replace("{root}", str(root / name)) for a in args]
             cmd = [sys.executable, "-m", "fp4convert", "quantize", args[0], str(out), *args[1:]]
             proc = subprocess.Popen(cmd, env=hub_env(hub.endpoint, home), stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
@@ -125,11 +130,17 @@ def sha256(path: Path) -> str:
 def compare_with_local(hub_out: Path, local_out: Path, commit: str, revision: str | None) -> None:
     got, want = ck.all_files(hub_out), ck.all_files(local_out)
     m_got, m_want = json.loads(got.pop("fp4convert.json")), json.loads(want.pop("fp4convert.json"))
+    card_got, card_want = got.pop("README.md").decode(), want.pop("README.md").decode()
     assert got == want  # every shard, the index, every copied file, byte for byte
+    # The model card names the Hub repo as base model (the local run names its folder); the rest is the same.
+    assert split_card(card_got)[0]["base_model"] == REPO
+    assert original_body(card_got) == original_body(card_want) == ck.OTHER_FILES["README.md"].strip()
     src = m_got["source"]
     assert src["type"] == "hub" and src["repo_id"] == REPO
     assert src["commit"] == commit and src["revision"] == revision
-    for k in ("tensors", "summary", "groups", "scheme", "format", "files"):
+    files_got = {f: r for f, r in m_got["files"].items() if f != "README.md"}
+    assert files_got == {f: r for f, r in m_want["files"].items() if f != "README.md"}
+    for k in ("tensors", "summary", "groups", "scheme", "format"):
         assert m_got[k] == m_want[k], k
 
 
@@ -249,3 +260,33 @@ def test_token_goes_to_the_hub_only(runs, name) -> None:
     assert hub_reqs and all(r.auth for r in hub_reqs)
     leaked = [(r.method, r.file, r.range) for r in cdn_reqs if r.auth]
     assert not leaked, f"token sent to the CDN: {leaked}"
+
+
+# --- cache options ------------------------------------------------------------------------------
+
+def test_delete_source_shards_and_cache_dir(runs, files, tmp_path) -> None:
+    """Every shard is fetched once into --cache-dir and removed from it once converted (before the
+    output's last shard is written, not at the end); the output is the same; the default cache is unused."""
+    run = runs["delete_shards"]
+    assert run.rc == 0, run.stderr
+    local = tmp_path / "local_out"
+    convert(files["a"], local, ConvertConfig(device="cpu", max_shard_size=6000))
+    compare_with_local(run.out, local, COMMIT_A, None)
+    cache = run.home.parent / "my_cache"
+    repo_dir = cache / "models--tiny-org--tiny-llama"
+    assert (repo_dir / "snapshots" / COMMIT_A / "config.json").exists()  # small files stay
+    shard_blobs = {sha256(files["a"] / s) for s in SHARDS}
+    assert not shard_blobs & {p.name for p in (repo_dir / "blobs").iterdir()}
+    assert not [p for p in (repo_dir / "snapshots").rglob("*.safetensors")]
+    assert not (run.cache / "models--tiny-org--tiny-llama").exists()  # HF_HUB_CACHE untouched
+    for shard in SHARDS:
+        assert run.hub.full_gets(shard) == 1
+    lines = run.stderr.splitlines()
+    removed = [i for i, ln in enumerate(lines) if ln.startswith("removed ") and "from the HF cache" in ln]
+    wrote = [i for i, ln in enumerate(lines) if ln.startswith("wrote model-")]
+    assert len(removed) == len(SHARDS) and removed[0] < wrote[-1], run.stderr
+
+
+def test_model_card_names_the_hub_repo(runs) -> None:
+    meta, body = split_card((runs["quantize"].out / "README.md").read_text())
+    assert meta["base_model"] == REPO and f"(https://huggingface.co/{REPO})" in body
