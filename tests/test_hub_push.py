@@ -23,8 +23,12 @@ from .hubserver import FakeHub, hub_env
 REPO = "me/tiny-llama-nvfp4"
 
 
-def cli(hub: FakeHub, home: Path, *args: str, token: str | None = "hf_fp4convertTestTokenNotARealOne"):
-    return subprocess.run([sys.executable, "-m", "fp4convert", *map(str, args)], env=hub_env(hub.endpoint, home, token),
+def cli(hub: FakeHub, home: Path, *args: str, token: str | None = "hf_fp4convertTestTokenNotARealOne",
+        bars: bool = False):
+    env = hub_env(hub.endpoint, home, token)
+    if bars:  # as a user has it: huggingface_hub's progress bars on unless fp4convert turns them off
+        del env["HF_HUB_DISABLE_PROGRESS_BARS"]
+    return subprocess.run([sys.executable, "-m", "fp4convert", *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -43,9 +47,9 @@ def test_quantize_and_push(src, tmp_path) -> None:
     dst = tmp_path / "out"
     with FakeHub() as hub:
         r = cli(hub, tmp_path / "home", "quantize", src, dst, "--device", "cpu", "--max-shard-size", "6KB",
-                "--push-to-hub", REPO, "--private", "-q")
+                "--push-to-hub", REPO, "--private", "-q", bars=True)
         assert r.returncode == 0, r.stderr
-        assert r.stderr == ""  # --quiet: nothing but errors
+        assert r.stderr == "" and r.stdout == ""  # --quiet: nothing but errors, no upload bars either
         assert hub.private[REPO] is True
         remote = hub.files(REPO)
         assert remote.pop(".gitattributes")
