@@ -174,18 +174,17 @@ def _manifest_state(source: Source, layout: CheckpointLayout) -> str:
     """'present', 'not expected' (a folder another tool wrote), or 'missing (...)' for an fp4convert output."""
     if layout.manifest is not None:
         return "present"
-    if source.is_hub:
-        hints = []
-    else:
-        hints = [why for why, hit in (
-            ("an interrupted conversion: its progress record is there; rerun with --resume",
-             (source.root / PROGRESS_NAME).exists()),
-            ("config.json names fp4convert", layout.format == "fp4convert"),
-            ("hf_quant_config.json names fp4convert as producer",
-             (read_json(source.root / "hf_quant_config.json").get("producer") or {}).get("name") == "fp4convert"),
-            ("README.md is an fp4convert model card",
-             (source.root / "README.md").is_file() and CARD_MARKER in (source.root / "README.md").read_text(errors="replace")),
-        ) if hit]
+    # A Hub source's root is its snapshot of the small files: the same signs apply.
+    hints = [why for why, hit in (
+        ("an interrupted conversion: its progress record is there; rerun with --resume",
+         (source.root / PROGRESS_NAME).exists()),
+        ("config.json names fp4convert",
+         (source.config().get("quantization_config") or {}).get("quant_method") == "fp4convert"),
+        ("hf_quant_config.json names fp4convert as producer",
+         (read_json(source.root / "hf_quant_config.json").get("producer") or {}).get("name") == "fp4convert"),
+        ("README.md is an fp4convert model card",
+         (source.root / "README.md").is_file() and CARD_MARKER in (source.root / "README.md").read_text(errors="replace")),
+    ) if hit]
     if layout.format == "fp4convert" and not hints:
         hints = ["the native format is described by its manifest"]
     return f"missing ({'; '.join(hints)})" if hints else "not expected (not an fp4convert output)"
@@ -343,7 +342,7 @@ def _check_engine_config(source: Source, layout: CheckpointLayout) -> list[str]:
                     break
         out += _ignore_agrees(qc.get("ignore", []), layout, _matches_ct, "quantization_config.ignore")
     elif layout.format == "modelopt":
-        hq = read_json(source.root / "hf_quant_config.json").get("quantization") if not source.is_hub else None
+        hq = read_json(source.root / "hf_quant_config.json").get("quantization")  # a Hub snapshot has it too
         section = hq or qc
         if section is None:
             return ["neither hf_quant_config.json nor config.json's quantization_config describes the weights"]

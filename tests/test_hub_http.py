@@ -78,6 +78,8 @@ SCENARIOS = {
     "shard_fails": ({"fail_full_get": {SHARDS[1]: 500}}, [REPO, *ARGS, "-q"]),
     # {root}: this run's folder. Shards go to a cache of our choosing and leave it once converted.
     "delete_shards": ({}, [REPO, *ARGS, "--delete-source-shards", "--cache-dir", "{root}/my_cache"]),
+    # No HF_TOKEN in the environment: the token comes from --token only.
+    "token_option": ({"_token": None}, [REPO, "--revision", "v1.0", "--device", "cpu", "-q", "--token", TOKEN]),
 }
 
 
@@ -89,6 +91,8 @@ def runs(files, tmp_path_factory) -> dict[str, Run]:
     with contextlib.ExitStack() as stack:
         procs = {}
         for name, (options, args) in SCENARIOS.items():
+            options = dict(options)
+            token = options.pop("_token", TOKEN)
             hub = FakeHub(lifetime=TIMEOUT_S + 30, **options)
             hub.add(REPO, files["a"], COMMIT_A, refs=("main",))
             hub.add(REPO, files["b"], COMMIT_B, refs=("v1.0",))
@@ -96,7 +100,7 @@ def runs(files, tmp_path_factory) -> dict[str, Run]:
             home, out = root / name / "hf_home", root / name / "out"
             args = [a.replace("{root}", str(root / name)) for a in args]
             cmd = [sys.executable, "-m", "fp4convert", "quantize", args[0], str(out), *args[1:]]
-            proc = subprocess.Popen(cmd, env=hub_env(hub.endpoint, home), stdout=subprocess.PIPE,
+            proc = subprocess.Popen(cmd, env=hub_env(hub.endpoint, home, token), stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
             stack.callback(_reap, proc)
             procs[name] = (hub, home, out, proc)
@@ -250,7 +254,7 @@ def test_shard_failure_stops_at_that_shard(runs) -> None:
 
 # --- the token ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["quantize", "dry_run", "tag"])
+@pytest.mark.parametrize("name", ["quantize", "dry_run", "tag", "token_option"])
 def test_token_goes_to_the_hub_only(runs, name) -> None:
     """The user's token authenticates Hub calls but never reaches the CDN origin of a signed URL
     (huggingface_hub drops it there itself; S3-style signed URLs reject requests that carry one)."""
