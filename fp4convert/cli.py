@@ -6,9 +6,13 @@ code (the table is ``fp4convert.errors.EXIT_CODES``, printed at the end of ``--h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from functools import wraps
 
@@ -53,9 +57,6 @@ class _LineProgress:
     """Progress for logs and pipes: one line every N seconds (a ticker thread, so long downloads show too)."""
 
     def __init__(self, total: int, desc: str, interval: float) -> None:
-        import threading
-        import time
-
         self.total, self.desc, self.interval = total, desc, interval
         self.done = 0
         self._clock = time.monotonic
@@ -87,13 +88,15 @@ class _LineProgress:
         self._thread.join(timeout=5)
 
 
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+
 def _progress(total: int, desc: str, quiet: bool):
     """A tqdm bar on a terminal, a line every N seconds otherwise, nothing with --quiet/--json."""
-    import contextlib
-    import os
-
     if quiet:
-        return contextlib.nullcontext(type("_Null", (), {"update": staticmethod(lambda n: None)})())
+        return contextlib.nullcontext(_NoProgress())
     if sys.stderr.isatty():
         return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr)
     try:

@@ -24,12 +24,12 @@ import torch
 from .errors import SourceError
 from .formats import all_formats, get_format, quantized_tensor_names
 from .formats.base import QuantizedModule, read_json
-from .layout import UNQUANTIZED, CheckpointLayout, load_quantized, read_global, read_layout
+from .layout import CheckpointLayout, load_quantized, read_global, read_layout
 from .manifest import MANIFEST_NAME, PROGRESS_NAME, file_digest
 from .plan import fused_group
 from .safetensors_io import read_tensor
 from .scheme import SCHEMES, get_scheme
-from .source import INDEX_NAME, Source, open_source
+from .source import Source, open_source
 from .swizzle import padded_shape
 from .tensor import dequantize
 
@@ -613,7 +613,7 @@ def write_plot(report: dict, path: str) -> str:
             plt.close(fig)
             return path
     width, bar_h, label_w = 900, 14, 420
-    scale = (width - label_w - 60) / max(max(e for _, e in rows), v["max_error"]) 
+    scale = (width - label_w - 60) / max(max(e for _, e in rows), v["max_error"])
     svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{(len(rows) + 2) * bar_h + 20}" '
            'font-family="monospace" font-size="11">']
     for i, (m, e) in enumerate(rows):

@@ -8,7 +8,6 @@ upload is simulated by a CDN that refuses one object; the rerun must upload only
 from __future__ import annotations
 
 import hashlib
-import json
 import subprocess
 import sys
 from pathlib import Path
