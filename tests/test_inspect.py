@@ -414,3 +414,31 @@ def test_modelopt_config_disagrees(engine_outputs, tmp_path, edit, words) -> Non
     edit_json(dst / "hf_quant_config.json", edit)
     probs = inspect_checkpoint(str(dst))["checks"]["problems"]
     assert any(words in p for p in probs), probs
+
+
+def test_verify_an_export_against_the_original_source(converted, src, tmp_path) -> None:
+    """An exported folder's manifest names the native folder as its source; --verify checks the original
+    fingerprint it carries (identity.exported_from) instead."""
+    from fp4convert.export import export
+
+    out = tmp_path / "ct"
+    export(str(converted["nvfp4"][0]), out, ConvertConfig(format="compressed-tensors"))
+    r = inspect_checkpoint(str(out), verify=str(src))
+    assert r["ok"] and r["verify"]["fingerprint"] == "matches (file sizes and header hashes)", r["checks"]
+    assert 0.09 <= r["verify"]["overall"]["worst_rel_error"] <= 0.11
+
+
+def test_verify_a_hub_conversion_against_a_folder(copy, src) -> None:
+    """A manifest that names a Hub commit cannot be compared file by file with a folder: the tensor names,
+    shapes and dtypes are (and pass here), and the report says so."""
+    dst = copy()
+    path = dst / "fp4convert.json"
+    m = json.loads(path.read_text())
+    m["identity"]["source"] = {"type": "hub", "repo_id": "org/model", "revision": None, "commit": "0" * 40}
+    path.write_text(json.dumps(m))
+    r = inspect_checkpoint(str(dst), verify=str(src))
+    assert r["verify"]["fingerprint"].startswith("not comparable") and r["ok"], r["checks"]["problems"]
+    m["tensors"]["model.layers.0.self_attn.o_proj.weight"]["shape"] = [64, 32]
+    path.write_text(json.dumps(m))
+    r = inspect_checkpoint(str(dst), verify=str(src))
+    assert not r["ok"] and any("differs from the converted one" in p and "o_proj" in p for p in r["checks"]["problems"])
