@@ -8,6 +8,12 @@ manifest (:mod:`fp4convert.convert`).
 
 from __future__ import annotations
 
+import warnings
+
+# torch warns "Failed to initialize NumPy" at import when numpy is absent; fp4convert never uses numpy
+# (it is not a dependency), so the warning would only confuse users of a fresh install.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
 from .errors import ConfigError, FP4ConvertError, NonFiniteError, QuantizationError, ShapeError
 from .scheme import MXFP4, NVFP4, SCHEMES, Scheme
 from .swizzle import swizzle_scales, unswizzle_scales

@@ -6,9 +6,13 @@ code (the table is ``fp4convert.errors.EXIT_CODES``, printed at the end of ``--h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sys
+import threading
+import time
 from collections.abc import Callable
 from functools import wraps
 
@@ -33,12 +37,75 @@ class _TqdmHandler(logging.Handler):
         tqdm.write(self.format(record), file=sys.stderr)
 
 
-def _setup_logging(quiet: bool) -> None:
+def _setup_logging(quiet: bool, status: bool = True) -> None:
+    """--quiet: errors only (huggingface_hub's bars too); --json: warnings and errors; else status lines."""
     handler = _TqdmHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     log.handlers[:] = [handler]
-    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    log.setLevel(logging.ERROR if quiet else logging.INFO if status else logging.WARNING)
     log.propagate = False
+    if quiet or not sys.stderr.isatty():
+        from .hub import disable_hub_progress_bars
+
+        disable_hub_progress_bars()
+    if quiet:
+        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+
+
+PROGRESS_ENV = "FP4CONVERT_PROGRESS_INTERVAL"  # seconds between progress lines when stderr is not a TTY
+
+
+class _LineProgress:
+    """Progress for logs and pipes: one line every N seconds (a ticker thread, so long downloads show too)."""
+
+    def __init__(self, total: int, desc: str, interval: float) -> None:
+        self.total, self.desc, self.interval = total, desc, interval
+        self.done = 0
+        self._clock = time.monotonic
+        self._t0 = self._clock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fp4convert-progress", daemon=True)
+
+    def update(self, n: int) -> None:
+        self.done += n
+
+    def line(self) -> str:
+        elapsed = self._clock() - self._t0
+        pct = 100 * self.done / self.total if self.total else 100.0
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        eta = f", ETA {(self.total - self.done) / rate:.0f} s" if rate > 0 and self.done < self.total else ""
+        return (f"{self.desc}: {_human_bytes(self.done)} of {_human_bytes(self.total)} ({pct:.0f}%), "
+                f"{elapsed:.0f} s, {_human_bytes(rate)}/s{eta}")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            click.echo(self.line(), err=True)
+
+    def __enter__(self) -> _LineProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+
+def _progress(total: int, desc: str, quiet: bool):
+    """A tqdm bar on a terminal, a line every N seconds otherwise, nothing with --quiet/--json."""
+    if quiet:
+        return contextlib.nullcontext(_NoProgress())
+    if sys.stderr.isatty():
+        return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr)
+    try:
+        interval = float(os.environ.get(PROGRESS_ENV, "10"))
+    except ValueError:
+        interval = 10.0
+    return _LineProgress(total, desc, max(interval, 0.01))
 
 
 def _library_errors(fn: Callable) -> Callable:
@@ -117,11 +184,30 @@ def _output_options(fn: Callable) -> Callable:
         click.option("--verify-source", is_flag=True,
                      help="Hash every source file in full (recorded; with --resume, compared with the interrupted "
                           "run's hashes) instead of the default sampled fingerprint."),
-        click.option("--quiet", "-q", is_flag=True, help="No progress bar or status lines."),
+        click.option("--quiet", "-q", is_flag=True, help="Errors only: no progress, status lines or warnings."),
         click.option("--json", "as_json", is_flag=True, help="Print the plan or the summary as JSON on stdout."),
     ]):
         fn = opt(fn)
     return fn
+
+
+def _push_options(fn: Callable) -> Callable:
+    """Publishing the output: --push-to-hub REPO [--private] (the token is the command's --token)."""
+    for opt in reversed([
+        click.option("--push-to-hub", "push_repo", metavar="REPO", default=None,
+                     help="Upload DST to this Hub repo when done (created if needed; rerun to resume an upload)."),
+        click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _push(dst, repo, private: bool, token, quiet: bool) -> None:
+    from .hub import push_to_hub
+
+    url = push_to_hub(dst, repo, private=private, token=token)
+    if not quiet:
+        click.echo(f"pushed {dst} to {repo} ({url})", err=True)
 
 
 EXIT_CODE_HELP = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code, text in EXIT_CODES.items())
@@ -157,42 +243,74 @@ def main() -> None:
               help="How block scales are chosen. NVFP4: max (default), 4over6, mse; MXFP4: floor (default, OCP), "
                    "rceil, mse. The search rules (4over6, mse) never give a block more error than the default.")
 @click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS)), default="fp4convert", show_default=True,
-              help="On-disk convention: fp4convert (native, swizzled scales), compressed-tensors or modelopt.")
+              help="On-disk convention: fp4convert (native, swizzled scales; export it for engines), "
+                   "compressed-tensors (vLLM, transformers) or modelopt (vLLM/SGLang/TensorRT-LLM, NVFP4).")
 @click.option("--device", default="auto", show_default=True,
               help="auto (a GPU if its kernels load, else the CPU), cpu, cuda or cuda:N.")
 @click.option("--ignore", multiple=True, metavar="PATTERN", help="Keep matching tensors unquantized (glob, or re:REGEX). Repeatable.")
 @click.option("--only", multiple=True, metavar="PATTERN", help="Quantize only matching tensors (glob, or re:REGEX). Repeatable.")
+@click.option("--allow-nothing-quantized", is_flag=True,
+              help="Write the output even when the plan quantizes no tensor (otherwise exit 2).")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) when SRC is a repo id.")
+@click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True,
+              help="Hub token for a gated/private SRC and for --push-to-hub (default: your huggingface-cli login).")
+@click.option("--cache-dir", default=None, type=click.Path(file_okay=False),
+              help="Hub cache folder for SRC's files (default: HF_HUB_CACHE).")
+@click.option("--delete-source-shards", is_flag=True,
+              help="Hub SRC: remove each source shard from the HF cache once it is converted (saves disk).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (decisions, sizes) and write nothing.")
 @_output_options
+@_push_options
 @_library_errors
-def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, ignore, only, revision, dry_run,
-             overwrite, resume, verify_source, quiet, as_json) -> None:
+def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, ignore, only, allow_nothing_quantized,
+             revision, token, cache_dir, delete_source_shards, dry_run, overwrite, resume, verify_source, quiet,
+             as_json, push_repo, private) -> None:
     """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST."""
     from .convert import convert, plan_conversion
+    from .errors import PlanError
+    from .source import open_source
+    from .writer import plan_warnings
 
     config = ConvertConfig(
         scheme=scheme, rotate=rotate, scale_rule=scale_rule, format=fmt, ignore=tuple(ignore), only=tuple(only),
         max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
         revision=revision, verify_source=verify_source,
     )
-    _setup_logging(quiet or as_json)
-    planned = plan_conversion(src, config)
+    _setup_logging(quiet, status=not as_json)
+    source = open_source(src, revision, token=token, cache_dir=cache_dir)
+    planned = plan_conversion(source, config)
     plan = planned[1]
+    nothing = plan.summary()["quantized"] == 0 and not allow_nothing_quantized
     if dry_run:
         if as_json:
             click.echo(json.dumps(plan.to_json(), indent=2))
         else:
-            _print_plan(plan)
+            _print_plan(plan, quiet)
+        if nothing:
+            raise PlanError("the plan quantizes no tensor (see the warnings); pass --allow-nothing-quantized "
+                            "to write an unquantized copy anyway")
         return
-    bar = tqdm(total=plan.summary()["bytes_in"], unit="B", unit_scale=True, desc="quantize",
-               disable=quiet or as_json or not sys.stderr.isatty(), file=sys.stderr)
-    with bar:
-        result = convert(src, dst, config, progress=bar.update, plan=planned)
+    if nothing:
+        for w in plan_warnings(plan):
+            log.warning("warning: %s", w)
+        raise PlanError("the plan quantizes no tensor: check --only / --ignore and the layer names "
+                        "(--dry-run shows every decision); --allow-nothing-quantized writes the copy anyway")
+    progress_fn = None
+    with _progress(plan.summary()["bytes_in"], "quantize", quiet or as_json) as bar:
+        progress_fn = bar.update
+        if delete_source_shards:
+            from .hub import ShardReleaser
+
+            progress_fn = ShardReleaser(source, plan, bar.update)
+        result = convert(source, dst, config, progress=progress_fn, plan=planned)
+    if push_repo:
+        _push(dst, push_repo, private, token, quiet)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
         return
     s = result.to_json()
+    if quiet:
+        return
     click.echo(
         f"{dst}: {s['quantized']} tensors quantized ({scheme}{', had16' if rotate else ''}), {s['kept']} kept; "
         f"{_human_bytes(s['bytes_in'])} -> {_human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s), "
@@ -209,31 +327,51 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, 
 @click.argument("dst", type=click.Path(file_okay=False))
 @click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS)), required=True,
               help="Target convention: compressed-tensors or modelopt (fp4convert re-shards).")
+@click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token for --push-to-hub.")
 @_output_options
+@_push_options
 @_library_errors
-def export(src, dst, fmt, max_shard_size, overwrite, resume, verify_source, quiet, as_json) -> None:
+def export(src, dst, fmt, token, max_shard_size, overwrite, resume, verify_source, quiet, as_json, push_repo,
+           private) -> None:
     """Re-layout a native fp4convert checkpoint SRC into an engine format in DST (lossless, no source weights)."""
     from .export import export as run_export
 
     config = ConvertConfig(format=fmt, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, resume=resume,
                            verify_source=verify_source)
-    _setup_logging(quiet or as_json)
+    _setup_logging(quiet, status=not as_json)
     result = run_export(src, dst, config)
+    if push_repo:
+        _push(dst, push_repo, private, token, quiet)
     s = result.to_json()
     if as_json:
         click.echo(json.dumps(s, indent=2))
-    else:
+    elif not quiet:
         click.echo(f"{dst}: {s['quantized']} quantized weights and {s['kept']} other tensors as {fmt}, "
                    f"{_human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s); {s['wall_s']:.1f} s")
 
 
-def _print_plan(plan) -> None:
+@main.command(epilog=EXIT_CODE_HELP)
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.argument("repo")
+@click.option("--private", is_flag=True, help="Create the repo private.")
+@click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token (default: your login).")
+@click.option("--quiet", "-q", is_flag=True, help="Errors only.")
+@_library_errors
+def push(folder, repo, private, token, quiet) -> None:
+    """Upload a finished output FOLDER to Hub repo REPO (rerun after an interruption: only what is missing goes)."""
+    _setup_logging(quiet)
+    _push(folder, repo, private, token, quiet)
+
+
+def _print_plan(plan, quiet: bool = False) -> None:
+    from .writer import plan_warnings
+
     s = plan.summary()
     width = max((len(d.name) for d in plan.decisions), default=10)
     for d in plan.decisions:
         shape = "x".join(map(str, d.info.shape))
         click.echo(f"{d.action:<8} {d.name:<{width}}  {d.info.dtype:<5} {shape:<12} {d.reason}")
-    for w in plan.warnings:
+    for w in [] if quiet else plan_warnings(plan):
         click.echo(f"warning: {w}", err=True)
     click.echo(
         f"\n{s['quantized']} to quantize ({s['fused_groups']} fused groups), {s['kept']} to keep; "
@@ -246,45 +384,40 @@ def _print_plan(plan) -> None:
 @click.argument("checkpoint")
 @click.option("--check-files", is_flag=True, help="Also read the data: sha256 against the manifest, every block scale.")
 @click.option("--verify", "verify_src", metavar="SRC", default=None,
-              help="Dequantize and compare with the original checkpoint SRC (relative error, SNR).")
+              help="Dequantize and compare with the original checkpoint SRC (after checking it is the one converted).")
+@click.option("--max-error", type=float, default=None, show_default=False,
+              help="With --verify: fail when a layer's relative error ||w - x|| / ||x|| exceeds this "
+                   "[default: 0.25; NVFP4 gives ~0.09-0.10, MXFP4 ~0.11-0.15, a wrong source ~1.4].")
+@click.option("--plot", "plot_path", metavar="FILE", default=None,
+              help="With --verify: write a per-layer error chart (FILE.png needs matplotlib; else an HTML report).")
 @click.option("--revision", default=None, help="Hub revision when CHECKPOINT is a repo id.")
+@click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token for Hub repos.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_library_errors
-def inspect(checkpoint, check_files, verify_src, revision, as_json) -> None:
-    """Summarize and check a quantized CHECKPOINT (folder or Hub repo id); reads headers only by default."""
-    from .inspect import inspect_checkpoint
+def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision, token, as_json) -> None:
+    """Check a quantized CHECKPOINT (folder or Hub repo id) and give a verdict (exit 0 only when it is OK).
 
-    report = inspect_checkpoint(checkpoint, check_files=check_files, verify=verify_src, revision=revision)
+    Reads headers, configs and global scales by default; --check-files reads all data; --verify SRC
+    compares every dequantized weight with the source.
+    """
+    from .inspect import DEFAULT_MAX_ERROR, inspect_checkpoint, render, write_plot
+
+    if plot_path and not verify_src:
+        raise click.UsageError("--plot needs --verify SRC")
+    report = inspect_checkpoint(checkpoint, check_files=check_files, verify=verify_src, revision=revision,
+                                max_error=DEFAULT_MAX_ERROR if max_error is None else max_error, token=token)
+    if plot_path:
+        try:
+            written = write_plot(report, plot_path)
+            report["plot"] = written
+            if written != plot_path:
+                click.echo(f"matplotlib is not installed: wrote {written} instead of {plot_path}", err=True)
+        except ValueError as exc:
+            click.echo(f"no plot: {exc}", err=True)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
     else:
-        _print_report(report)
+        for line in render(report):
+            click.echo(line)
     if not report["ok"]:
         sys.exit(InspectFailed.exit_code)
-
-
-def _print_report(r: dict) -> None:
-    click.echo(f"{r['path']}: format {r['format']}, scheme {r['scheme']}, rotation {r['rotate'] or 'none'}")
-    click.echo(
-        f"  {r['quantized']} quantized weights, {r['kept']} kept tensors, {r['fused_groups']} fused groups; "
-        f"{_human_bytes(r['bytes'])}, {r['params']:,} params, {r['bits_per_param']} bits/param "
-        f"({r['bits_per_param_quantized']} in quantized layers)"
-    )
-    click.echo(f"  {'layer':<28} {'quantized':>9} {'kept':>5} {'size':>10}")
-    for name, row in r["layers"].items():
-        click.echo(f"  {name:<28} {row['quantized']:>9} {row['kept']:>5} {_human_bytes(row['bytes']):>10}")
-    checks = r["checks"]
-    click.echo(f"  files: {checks['checksums']}; block scales {'checked' if checks['block_scales_checked'] else 'not read (use --check-files)'}")
-    if "verify" in r:
-        click.echo("  verify (dequantized vs source):")
-        for m, v in r["verify"].items():
-            if "error" in v:
-                click.echo(f"    {m}: {v['error']}")
-            else:
-                click.echo(f"    {m:<44} rel.err {v['rel_error']:.4f}  SNR {v['snr_db']:.1f} dB")
-    if checks["problems"]:
-        click.echo(f"  {len(checks['problems'])} problem(s):")
-        for p in checks["problems"]:
-            click.echo(f"    - {p}")
-    else:
-        click.echo("  checks: OK")

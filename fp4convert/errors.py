@@ -83,6 +83,10 @@ class OutputError(FP4ConvertError):
     exit_code = 5
 
 
+class PushError(OutputError):
+    """Uploading the output to the Hugging Face Hub failed (rerun to upload only what is missing)."""
+
+
 # -- 6: inspect -------------------------------------------------------------------------------
 
 class InspectFailed(FP4ConvertError):

@@ -1,27 +1,78 @@
-"""Reading quantized checkpoints back: recognise the format, check it, and compare with a source.
+"""Reading quantized checkpoints back: recognise the format, check it, and give a verdict.
 
-Default checks read headers and the tiny global-scale tensors only, so they are fast on a 100 GB
-checkpoint; ``check_files`` also reads the data (checksums, every block scale); ``verify``
-dequantizes every weight and compares it with the source model.
+Default checks read headers, config files and the tiny global-scale tensors only, so they are fast on
+a 100 GB checkpoint: tensor shapes and dtypes against the scheme, fused groups sharing one global
+scale, the engine config (compressed-tensors / ModelOpt / native ``quantization_config``) against the
+tensors, and the manifest against the files (every file listed, sizes, recorded scales and settings).
+``check_files`` also reads the data (sha256 of every file, every block scale); ``verify`` dequantizes
+every weight and compares it with the source model (per-layer and overall error, a threshold), after
+checking that the source is the one the manifest names.
+
+The verdict is ``ok`` (every check passed), ``failed`` (the report lists why) or ``not quantized``
+(no FP4 weights at all); only ``ok`` exits 0 in the CLI.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from collections import defaultdict
 
 import torch
 
-from .formats.base import QuantizedModule
+from .errors import SourceError
+from .formats import all_formats, get_format, quantized_tensor_names
+from .formats.base import QuantizedModule, read_json
 from .layout import CheckpointLayout, load_quantized, read_global, read_layout
-from .manifest import MANIFEST_NAME, file_digest
+from .manifest import MANIFEST_NAME, PROGRESS_NAME, file_digest
 from .plan import fused_group
 from .safetensors_io import read_tensor
-from .scheme import get_scheme
+from .scheme import SCHEMES, get_scheme
 from .source import Source, open_source
 from .swizzle import padded_shape
 from .tensor import dequantize
+
+# --verify fails when any layer's relative error ||w - x|| / ||x|| exceeds this. Measured (1024x1024,
+# bf16): NVFP4 0.088-0.102 and MXFP4 0.114-0.145 on Gaussian, Laplace, Student-t(3) and outlier-laden
+# weights, with or without had16; the example checkpoint gives 0.095 (NVFP4) and 0.114 (MXFP4). A wrong
+# source of the same shapes gives ~1.4 (independent weights: sqrt 2), zeroed weights 1.0. 0.25 is 1.7x
+# the worst MXFP4 figure and 4x below a wrong source.
+DEFAULT_MAX_ERROR = 0.25
+
+OK, FAILED, NOT_QUANTIZED = "ok", "failed", "not quantized"
+CARD_MARKER = "<!-- fp4convert:card-start -->"
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout (with a fallback for quantized tensors whose folder says nothing about its format)
+# ---------------------------------------------------------------------------------------------
+
+def _guess_layout(source: Source, layout: CheckpointLayout) -> CheckpointLayout | None:
+    """FP4 tensors in a folder with no manifest and no quantization config: find the format by names."""
+    if not quantized_tensor_names(list(layout.tensors.values())):
+        return None
+    best = None
+    for fmt in all_formats():
+        modules, problems = fmt.find_modules(layout.tensors, None)
+        if not modules:
+            continue
+        if fmt.name in ("fp4convert", "compressed-tensors"):  # same names: the scale shape tells
+            m = next(iter(modules.values()))
+            nb = m.shape[-1] // get_scheme(m.scheme).block_size
+            swizzled = tuple(m.scale.shape[-2:]) == padded_shape(m.shape[-2], nb) != (m.shape[-2], nb)
+            if swizzled != fmt.swizzled:
+                continue
+        if best is None or len(modules) > len(best[1]):
+            best = (fmt, modules, problems)
+    if best is None:
+        return None
+    fmt, modules, problems = best
+    used = {t.name for m in modules.values() for t in m.tensors}
+    schemes = {m.scheme for m in modules.values()}
+    return CheckpointLayout(fmt.name, schemes.pop() if len(schemes) == 1 else None, None, modules,
+                            [t for n, t in layout.tensors.items() if n not in used], layout.tensors, None,
+                            [*layout.problems, *problems])
 
 
 def _check_shapes(m: QuantizedModule) -> list[str]:
@@ -33,7 +84,7 @@ def _check_shapes(m: QuantizedModule) -> list[str]:
         return [f"{m.module}: K={k} is not a multiple of the {m.scheme} block size {bs}"]
     nb = k // bs
     want = (*lead, *padded_shape(rows, nb)) if m.swizzled else (*lead, rows, nb)
-    if m.scale.shape != want:
+    if tuple(m.scale.shape) != tuple(want):
         out.append(f"{m.module}: scale shape {list(m.scale.shape)}, expected {list(want)} for {m.scheme}")
     if get_scheme(m.scheme).global_scale:
         if m.global_ is None:
@@ -43,13 +94,26 @@ def _check_shapes(m: QuantizedModule) -> list[str]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+
 def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: str | None = None,
-                       revision: str | None = None) -> dict:
-    """Everything ``fp4convert inspect`` reports, as a dict (``ok`` is False when a check failed)."""
-    source = open_source(path_or_repo, revision)
+                       revision: str | None = None, max_error: float = DEFAULT_MAX_ERROR,
+                       verify_revision: str | None = None, token: str | None = None) -> dict:
+    """Everything ``fp4convert inspect`` reports, as a dict (``ok`` is True only for a sound quantized checkpoint)."""
+    source = open_source(path_or_repo, revision, token=token)
     layout = read_layout(source)
+    notes: list[str] = []
+    if not layout.quantized:
+        guessed = _guess_layout(source, layout)
+        if guessed is not None:
+            notes.append(f"no {MANIFEST_NAME} and no quantization config: format {guessed.format} recognised "
+                         "from the tensor names and scale shapes")
+            layout = guessed
     problems = list(layout.problems)
     globals_: dict[str, float] = {}
+    stored: dict[str, torch.Tensor] = {}  # the global tensors as stored (ModelOpt: 1/gs)
     for m in layout.modules.values():
         problems += _check_shapes(m)
         if get_scheme(m.scheme).global_scale and m.global_ is not None and m.global_.dtype == "F32":
@@ -58,6 +122,7 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
             if bool(bad.any()):
                 problems.append(f"{m.module}: global scale {g.flatten()[:4].tolist()} is not finite and positive")
             globals_[m.module] = g.flatten()[0].item() if g.numel() == 1 else float("nan")
+            stored[m.module] = read_tensor(source.local_path(m.global_.file), m.global_).flatten()
 
     # Fused groups must share one global scale (docs/numerics.md#fused-groups-share-one-global-scale).
     groups: dict[str, list[str]] = defaultdict(list)
@@ -65,32 +130,68 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
         g = fused_group(name + ".weight")
         if g:
             groups[g].append(name)
-    for g, members in sorted(groups.items()):
-        q = [m for m in members if m in layout.modules]
-        if q and len(q) != len(members):
-            problems.append(f"fused group {g} is partly quantized: {sorted(set(members) - set(q))} kept")
-        vals = {globals_.get(m) for m in q if m in globals_}
-        if len(vals) > 1:
-            problems.append(f"fused group {g} has {len(vals)} different global scales (engines need one)")
+    if layout.quantized:
+        for g, members in sorted(groups.items()):
+            q = [m for m in members if m in layout.modules]
+            if q and len(q) != len(members):
+                problems.append(f"fused group {g} is partly quantized: {sorted(set(members) - set(q))} kept")
+            vals = {globals_.get(m) for m in q if m in globals_}
+            if len(vals) > 1:
+                problems.append(f"fused group {g} has {len(vals)} different global scales (engines need one)")
 
     manifest = layout.manifest
+    manifest_state = _manifest_state(source, layout)
+    if manifest_state.startswith("missing"):
+        problems.append(f"{MANIFEST_NAME} is {manifest_state}")
     if manifest:
-        problems += _check_against_manifest(manifest, layout)
+        problems += _check_against_manifest(manifest, layout, stored)
+    engine = _check_engine_config(source, layout) if layout.quantized else []
+    problems += engine
     checksums = _check_files(source, manifest, layout, problems, full=check_files)
     report = _summary(source, layout, globals_, groups)
     report["checks"] = {
         "problems": problems,
-        "block_scales_checked": check_files,
+        "notes": notes,
+        "manifest": manifest_state,
+        "engine_config": ("agrees with the tensors" if not engine else f"{len(engine)} disagreement(s)")
+        if layout.quantized else "n/a",
+        "block_scales_checked": check_files and layout.quantized,
         "checksums": checksums,
     }
     if verify:
-        report["verify"] = verify_against(source, layout, verify)
-    report["ok"] = not problems
+        v = verify_against(source, layout, verify, max_error=max_error, revision=verify_revision, token=token)
+        report["verify"] = v
+        problems += v["problems"]
+    if not layout.quantized:
+        report["verdict"] = NOT_QUANTIZED
+    else:
+        report["verdict"] = FAILED if problems else OK
+    report["ok"] = report["verdict"] == OK
     return report
 
 
-def _check_against_manifest(manifest: dict, layout: CheckpointLayout) -> list[str]:
-    """Every tensor the manifest promises is on disk with its dtype and shape, and nothing else is."""
+def _manifest_state(source: Source, layout: CheckpointLayout) -> str:
+    """'present', 'not expected' (a folder another tool wrote), or 'missing (...)' for an fp4convert output."""
+    if layout.manifest is not None:
+        return "present"
+    # A Hub source's root is its snapshot of the small files: the same signs apply.
+    hints = [why for why, hit in (
+        ("an interrupted conversion: its progress record is there; rerun with --resume",
+         (source.root / PROGRESS_NAME).exists()),
+        ("config.json names fp4convert",
+         (source.config().get("quantization_config") or {}).get("quant_method") == "fp4convert"),
+        ("hf_quant_config.json names fp4convert as producer",
+         (read_json(source.root / "hf_quant_config.json").get("producer") or {}).get("name") == "fp4convert"),
+        ("README.md is an fp4convert model card",
+         (source.root / "README.md").is_file() and CARD_MARKER in (source.root / "README.md").read_text(errors="replace")),
+    ) if hit]
+    if layout.format == "fp4convert" and not hints:
+        hints = ["the native format is described by its manifest"]
+    return f"missing ({'; '.join(hints)})" if hints else "not expected (not an fp4convert output)"
+
+
+def _check_against_manifest(manifest: dict, layout: CheckpointLayout, stored: dict[str, torch.Tensor]) -> list[str]:
+    """Every tensor the manifest promises is on disk as promised, and the settings match the tensors."""
     out = []
     promised = {}
     for rec in manifest.get("tensors", {}).values():
@@ -101,9 +202,34 @@ def _check_against_manifest(manifest: dict, layout: CheckpointLayout) -> list[st
             out.append(f"{name}: listed in {MANIFEST_NAME} but not in any shard")
         elif got.dtype != want["dtype"] or list(got.shape) != want["shape"]:
             out.append(f"{name}: {got.dtype} {list(got.shape)} on disk, manifest says {want['dtype']} {want['shape']}")
+        elif want.get("file") and got.file != want["file"]:
+            out.append(f"{name}: in {got.file}, manifest says {want['file']}")
     extra = sorted(set(layout.tensors) - set(promised))
     if extra:
         out.append(f"{len(extra)} tensor(s) not in {MANIFEST_NAME}, e.g. {extra[0]}")
+    # Settings against the tensors.
+    scheme = manifest.get("scheme")
+    if layout.scheme and scheme and layout.scheme != scheme:
+        out.append(f"{MANIFEST_NAME} says scheme {scheme}, the block scales are {layout.scheme}")
+    if scheme in SCHEMES and manifest.get("block_size") not in (None, get_scheme(scheme).block_size):
+        out.append(f"{MANIFEST_NAME} says block size {manifest.get('block_size')}, {scheme} has {get_scheme(scheme).block_size}")
+    settings = manifest.get("settings") or {}
+    for key in ("scheme", "format", "rotate"):
+        if key in settings and settings[key] != manifest.get(key):
+            out.append(f"{MANIFEST_NAME}: settings.{key} is {settings[key]!r} but {key} is {manifest.get(key)!r}")
+    quantized = {n[: -len(".weight")] for n, r in manifest.get("tensors", {}).items() if r.get("action") == "quantize"}
+    if quantized != set(layout.modules):
+        diff = sorted(quantized ^ set(layout.modules))
+        out.append(f"{MANIFEST_NAME} lists {len(quantized)} quantized weights, the shards hold {len(layout.modules)} "
+                   f"(e.g. {diff[0]})")
+    fmt = get_format(layout.format)
+    for name, rec in sorted(manifest.get("tensors", {}).items()):
+        module = name[: -len(".weight")]
+        if "global_scale" in rec and module in stored:
+            want = fmt.global_value(torch.tensor(rec["global_scale"], dtype=torch.float32)).flatten()
+            if want.shape != stored[module].shape or not torch.equal(want, stored[module]):
+                out.append(f"{module}: global scale {stored[module].tolist()} on disk, {MANIFEST_NAME} records "
+                           f"{rec['global_scale']!r} (stored as {want.tolist()})")
     return out
 
 
@@ -120,18 +246,123 @@ def _check_files(source: Source, manifest: dict | None, layout: CheckpointLayout
                     problems.append(f"{m.module}: negative block scale")
             elif bool((s == 0xFF).any()):
                 problems.append(f"{m.module}: E8M0 block scale 0xFF is NaN")
-    if manifest is None or source.is_hub:
-        return "no manifest" if manifest is None else "not checked (Hub source)"
-    for rel, rec in sorted(manifest.get("files", {}).items()):
+    if manifest is None:
+        return "no manifest"
+    if source.is_hub:
+        return "not checked (Hub source)"
+    bad = 0
+    listed = manifest.get("files", {})
+    for rel, rec in sorted(listed.items()):
         p = source.root / rel
         if not p.exists():
             problems.append(f"{rel}: listed in {MANIFEST_NAME} but missing")
+            bad += 1
         elif p.stat().st_size != rec["size"]:
             problems.append(f"{rel}: size {p.stat().st_size}, manifest says {rec['size']}")
+            bad += 1
         elif full and file_digest(p) != rec["sha256"]:
             problems.append(f"{rel}: sha256 differs from {MANIFEST_NAME}")
+            bad += 1
+    for p in sorted(source.root.rglob("*")):
+        rel = p.relative_to(source.root).as_posix()
+        if p.is_file() and rel not in listed and rel != MANIFEST_NAME and not _hidden(rel):
+            problems.append(f"{rel}: not listed in {MANIFEST_NAME} (added after the conversion?)")
+            bad += 1
+    what = "sha256" if full else "size"
+    if bad:
+        return f"{bad} of {len(listed)} file(s) fail the {what} check"
     return "sha256 verified" if full else "sizes verified (sha256 with --check-files)"
 
+
+def _hidden(rel: str) -> bool:
+    return rel.startswith(".") or "/." in rel
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine configs against the tensors
+# ---------------------------------------------------------------------------------------------
+
+def _matches_ct(pattern: str, module: str) -> bool:
+    """compressed-tensors' ignore entries: exact module names, or ``re:`` regexes (matched in full)."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return pattern == module
+
+
+def _kept_2d(layout: CheckpointLayout) -> list[str]:
+    return sorted(t.name[: -len(".weight")] for t in layout.kept
+                  if t.name.endswith(".weight") and len(t.shape) == 2 and t.dtype in ("BF16", "F16", "F32"))
+
+
+def _ignore_agrees(ignore: list, layout: CheckpointLayout, match, key: str) -> list[str]:
+    out = []
+    if not isinstance(ignore, list):
+        return [f"{key} is not a list"]
+    missing = [m for m in _kept_2d(layout) if not any(match(p, m) for p in ignore)]
+    if missing:
+        out.append(f"{key} misses {len(missing)} kept 2-D weight(s), e.g. {missing[0]}: an engine would load it as FP4")
+    wrong = sorted(m for m in layout.modules if any(match(p, m) for p in ignore))
+    if wrong:
+        out.append(f"{key} names {len(wrong)} quantized weight(s), e.g. {wrong[0]}: an engine would load it unquantized")
+    return out
+
+
+def _check_engine_config(source: Source, layout: CheckpointLayout) -> list[str]:
+    cfg = source.config()
+    qc = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else None
+    out: list[str] = []
+    scheme = get_scheme(layout.scheme) if layout.scheme else None
+    if layout.format == "compressed-tensors":
+        if qc is None:
+            return ["config.json has no quantization_config: engines will not read the weights as compressed-tensors"]
+        groups = qc.get("config_groups") or {}
+        if not groups:
+            out.append("quantization_config has no config_groups")
+        for gname, g in groups.items():
+            w = (g or {}).get("weights") or {}
+            where = f"quantization_config.config_groups.{gname}.weights"
+            if w.get("num_bits") != 4 or w.get("type") != "float":
+                out.append(f"{where}: num_bits {w.get('num_bits')} type {w.get('type')}, FP4 is 4 / float")
+            if scheme is not None:
+                if w.get("group_size") != scheme.block_size:
+                    out.append(f"{where}.group_size is {w.get('group_size')}, the {scheme.name} scales are per {scheme.block_size}")
+                want = "tensor_group" if scheme.global_scale else "group"
+                if w.get("strategy") != want:
+                    out.append(f"{where}.strategy is {w.get('strategy')!r}, {scheme.name} tensors need {want!r}")
+                fmt = g.get("format") or qc.get("format")
+                if fmt != f"{scheme.name}-pack-quantized":
+                    out.append(f"quantization_config format {fmt!r} does not match the {scheme.name} tensors "
+                               f"({scheme.scale_dtype} block scales)")
+        gs = next((((g or {}).get("weights") or {}).get("group_size") for g in groups.values()), None)
+        if isinstance(gs, int) and gs > 0:
+            for m in layout.modules.values():
+                k = m.shape[-1]
+                if not m.swizzled and m.scale.shape[-1] * gs != k:
+                    out.append(f"{m.module}: {m.scale.shape[-1]} scales per row for K={k} disagree with group_size {gs}")
+                    break
+        out += _ignore_agrees(qc.get("ignore", []), layout, _matches_ct, "quantization_config.ignore")
+    elif layout.format == "modelopt":
+        hq = read_json(source.root / "hf_quant_config.json").get("quantization")  # a Hub snapshot has it too
+        section = hq or qc
+        if section is None:
+            return ["neither hf_quant_config.json nor config.json's quantization_config describes the weights"]
+        if section.get("quant_algo") != "NVFP4":
+            out.append(f"ModelOpt quant_algo is {section.get('quant_algo')!r}, the tensors are NVFP4")
+        if section.get("group_size", 16) != 16:
+            out.append(f"ModelOpt group_size is {section.get('group_size')}, NVFP4 scales are per 16")
+        exclude = section.get("exclude_modules", section.get("ignore", []))
+        out += _ignore_agrees(exclude, layout, lambda p, m: fnmatch.fnmatchcase(m, p), "exclude_modules")
+    elif layout.format == "fp4convert" and qc is not None:
+        if scheme is not None and qc.get("scheme") not in (None, scheme.name):
+            out.append(f"config.json's quantization_config says {qc.get('scheme')}, the tensors are {scheme.name}")
+        if scheme is not None and qc.get("block_size") not in (None, scheme.block_size):
+            out.append(f"config.json's quantization_config block_size {qc.get('block_size')}, {scheme.name} has {scheme.block_size}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary
+# ---------------------------------------------------------------------------------------------
 
 _LAYER = re.compile(r"^(.*?layers\.\d+)\.")
 
@@ -171,25 +402,234 @@ def _natural(s: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
-def verify_against(source: Source, layout: CheckpointLayout, src: str) -> dict:
-    """Dequantize every quantized weight and compare it with the original (relative error, SNR)."""
-    original = open_source(src)
+# ---------------------------------------------------------------------------------------------
+# --verify
+# ---------------------------------------------------------------------------------------------
+
+def _fingerprint_check(manifest: dict | None, original: Source) -> tuple[str, list[str]]:
+    """Is ``original`` the checkpoint the manifest was made from? (status, problems)"""
+    from .writer import source_fingerprint
+
+    if manifest is None:
+        return "not checked (no manifest)", []
+    identity = manifest.get("identity") or {}
+    recorded = (identity.get("exported_from") or {}).get("source") or identity.get("source") or {}
+    if recorded.get("type") == "hub" and original.is_hub:
+        got = source_fingerprint(original)
+        diffs = [f"{k} {got.get(k)!r}, the manifest names {recorded.get(k)!r}" for k in ("repo_id", "commit")
+                 if got.get(k) != recorded.get(k)]
+        return ("matches (repo id and commit)", []) if not diffs else (
+            "differs", [f"--verify source is not the converted one: {'; '.join(diffs)}"])
+    if recorded.get("type") == "local" and not original.is_hub and "files" in recorded:
+        got = source_fingerprint(original)["files"]
+        want = recorded["files"]
+        diffs = []
+        for f in sorted(set(want) | set(got)):
+            if f not in got:
+                diffs.append(f"{f} is missing")
+            elif f not in want:
+                diffs.append(f"{f} was not in the converted source")
+            elif got[f] != want[f]:
+                what = "size" if got[f].get("size") != want[f].get("size") else "header"
+                diffs.append(f"{f}: {what} differs")
+        if diffs:
+            return "differs", [f"--verify source does not match the manifest's source fingerprint: {'; '.join(diffs[:3])}"
+                               + (f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else "")]
+        return "matches (file sizes and header hashes)", []
+    return "not comparable (one is a Hub repo, the other a folder): tensor names, shapes and dtypes checked", []
+
+
+def _structure_check(manifest: dict | None, orig: dict) -> list[str]:
+    """The manifest's record of every source tensor (dtype, shape) against the --verify source's headers."""
+    if manifest is None:
+        return []
+    diffs = []
+    for name, rec in sorted(manifest.get("tensors", {}).items()):
+        info = orig.get(name)
+        if info is None:
+            diffs.append(f"{name} is missing")
+        elif info.dtype != rec.get("dtype") or list(info.shape) != rec.get("shape"):
+            diffs.append(f"{name} is {info.dtype} {list(info.shape)}, was {rec.get('dtype')} {rec.get('shape')}")
+    extra = sorted(set(orig) - set(manifest.get("tensors", {})))
+    if extra:
+        diffs.append(f"{len(extra)} tensor(s) the converted source did not have, e.g. {extra[0]}")
+    if not diffs:
+        return []
+    return [f"--verify source differs from the converted one: {'; '.join(diffs[:3])}"
+            + (f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else "")]
+
+
+def verify_against(source: Source, layout: CheckpointLayout, src: str, *, max_error: float = DEFAULT_MAX_ERROR,
+                   revision: str | None = None, token: str | None = None) -> dict:
+    """Dequantize every quantized weight and compare it with the original: per layer and overall.
+
+    Fails (``problems``) when SRC is not the source the manifest names, when a quantized weight is
+    missing from SRC or has another shape, or when a layer's relative error exceeds ``max_error``.
+    """
+    try:
+        original = open_source(src, revision, token=token)
+    except SourceError as exc:
+        return {"source": src, "max_error": max_error, "layers": {}, "overall": None, "fingerprint": "n/a",
+                "problems": [f"--verify: {exc}"], "passed": False}
     orig = {t.name: t for t in original.tensors()}
-    out = {}
+    fingerprint, problems = _fingerprint_check(layout.manifest, original)
+    problems += _structure_check(layout.manifest, orig)
+    layers: dict[str, dict] = {}
+    missing: list[str] = []
+    sum_err2 = sum_ref2 = 0.0
     for m in layout.modules.values():
         info = orig.get(m.module + ".weight")
         if info is None:
-            out[m.module] = {"error": "not in the source checkpoint"}
+            missing.append(m.module)
+            layers[m.module] = {"error": "not in the source checkpoint"}
             continue
         x = read_tensor(original.local_path(info.file), info).to(torch.float32)
         w = dequantize(load_quantized(source, layout, m), torch.float32)
         if w.shape != x.shape:
-            out[m.module] = {"error": f"shape {list(w.shape)} vs source {list(x.shape)}"}
+            layers[m.module] = {"error": f"shape {list(w.shape)} vs source {list(x.shape)}"}
+            problems.append(f"{m.module}: dequantized shape {list(w.shape)}, source {list(x.shape)}")
             continue
-        err = (w - x).norm().item()
-        ref = x.norm().item()
-        out[m.module] = {
-            "rel_error": err / ref if ref else 0.0,
-            "snr_db": 20 * math.log10(ref / err) if err and ref else math.inf,
+        err2 = float((w - x).double().pow(2).sum())
+        ref2 = float(x.double().pow(2).sum())
+        sum_err2 += err2
+        sum_ref2 += ref2
+        rel = math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf)
+        layers[m.module] = {"rel_error": rel, "snr_db": _snr(ref2, err2)}
+    if missing:
+        problems.append(f"{len(missing)} quantized weight(s) not in the --verify source, e.g. {missing[0]}")
+    measured = {k: v for k, v in layers.items() if "rel_error" in v}
+    overall = None
+    if measured:
+        worst = max(measured, key=lambda k: measured[k]["rel_error"])
+        overall = {
+            "layers": len(measured),
+            "mean_rel_error": sum(v["rel_error"] for v in measured.values()) / len(measured),
+            "worst_layer": worst,
+            "worst_rel_error": measured[worst]["rel_error"],
+            "snr_db": _snr(sum_ref2, sum_err2),
         }
-    return out
+        over = sorted((k for k, v in measured.items() if v["rel_error"] > max_error),
+                      key=lambda k: -measured[k]["rel_error"])
+        if over:
+            problems.append(f"{len(over)} layer(s) exceed --max-error {max_error}: worst {over[0]} "
+                            f"rel.err {measured[over[0]]['rel_error']:.4f}")
+    elif layout.modules:
+        problems.append("--verify compared no layer")
+    return {"source": src, "fingerprint": fingerprint, "max_error": max_error, "layers": layers,
+            "overall": overall, "problems": problems, "passed": not problems}
+
+
+def _snr(ref2: float, err2: float) -> float:
+    if err2 == 0:
+        return math.inf
+    if ref2 == 0:
+        return -math.inf
+    return 10 * math.log10(ref2 / err2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Text and pictures
+# ---------------------------------------------------------------------------------------------
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n} B"
+
+
+def render(r: dict) -> list[str]:
+    """The report as the lines ``fp4convert inspect`` prints."""
+    lines = []
+    if r["verdict"] == NOT_QUANTIZED:
+        lines.append(f"{r['path']}: not quantized (no FP4 weights; {r['kept']} tensors, {_bytes(r['bytes'])}, "
+                     f"{r['params']:,} params, {r['bits_per_param']} bits/param)")
+    else:
+        lines.append(f"{r['path']}: format {r['format']}, scheme {r['scheme']}, rotation {r['rotate'] or 'none'}")
+        lines.append(
+            f"  {r['quantized']} quantized weights, {r['kept']} kept tensors, {r['fused_groups']} fused groups; "
+            f"{_bytes(r['bytes'])}, {r['params']:,} params, {r['bits_per_param']} bits/param "
+            f"({r['bits_per_param_quantized']} in quantized layers)")
+    lines.append(f"  {'layer':<28} {'quantized':>9} {'kept':>5} {'size':>10}")
+    for name, row in r["layers"].items():
+        lines.append(f"  {name:<28} {row['quantized']:>9} {row['kept']:>5} {_bytes(row['bytes']):>10}")
+    c = r["checks"]
+    for note in c.get("notes", []):
+        lines.append(f"  note: {note}")
+    if r["verdict"] != NOT_QUANTIZED:
+        lines.append(f"  manifest: {c['manifest']}; engine config: {c['engine_config']}")
+        lines.append(f"  files: {c['checksums']}; block scales "
+                     f"{'checked' if c['block_scales_checked'] else 'not read (use --check-files)'}")
+    v = r.get("verify")
+    if v:
+        lines.append(f"  verify against {v['source']} (source fingerprint: {v['fingerprint']}):")
+        for m, e in v["layers"].items():
+            if "error" in e:
+                lines.append(f"    {m}: {e['error']}")
+            else:
+                flag = "  > max-error" if e["rel_error"] > v["max_error"] else ""
+                lines.append(f"    {m:<44} rel.err {e['rel_error']:.4f}  SNR {e['snr_db']:.1f} dB{flag}")
+        o = v["overall"]
+        if o:
+            lines.append(f"    overall: mean rel.err {o['mean_rel_error']:.4f}, worst {o['worst_rel_error']:.4f} "
+                         f"({o['worst_layer']}), SNR {o['snr_db']:.1f} dB over {o['layers']} layers; "
+                         f"threshold {v['max_error']}")
+    problems = c["problems"]
+    if problems:
+        lines.append(f"  {len(problems)} problem(s):")
+        lines += [f"    - {p}" for p in problems]
+    if r["verdict"] == OK:
+        lines.append("  verdict: OK" + (" (verified against the source)" if v else ""))
+    elif r["verdict"] == NOT_QUANTIZED:
+        lines.append("  verdict: NOT QUANTIZED (nothing to check; inspect expects an FP4 checkpoint)")
+    else:
+        lines.append(f"  verdict: FAILED ({len(problems)} problem(s))")
+    return lines
+
+
+def write_plot(report: dict, path: str) -> str:
+    """A per-layer error chart of ``--verify``: PNG through matplotlib if installed, else a standalone SVG/HTML."""
+    v = report.get("verify") or {}
+    rows = [(m, e["rel_error"]) for m, e in v.get("layers", {}).items() if "rel_error" in e]
+    if not rows:
+        raise ValueError("--plot needs --verify with at least one compared layer")
+    if path.endswith(".png"):
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            path = path[: -len(".png")] + ".html"
+        else:
+            fig, ax = plt.subplots(figsize=(10, max(3, 0.18 * len(rows))))
+            ax.barh([m for m, _ in rows][::-1], [e for _, e in rows][::-1])
+            ax.axvline(v["max_error"], color="red", linestyle="--", label=f"max-error {v['max_error']}")
+            ax.set_xlabel("relative error ||w - x|| / ||x||")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(path)
+            plt.close(fig)
+            return path
+    width, bar_h, label_w = 900, 14, 420
+    scale = (width - label_w - 60) / max(max(e for _, e in rows), v["max_error"])
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{(len(rows) + 2) * bar_h + 20}" '
+           'font-family="monospace" font-size="11">']
+    for i, (m, e) in enumerate(rows):
+        y = 10 + i * bar_h
+        color = "#c0392b" if e > v["max_error"] else "#2e86c1"
+        svg.append(f'<text x="0" y="{y + 10}">{m}</text><rect x="{label_w}" y="{y}" width="{e * scale:.1f}" '
+                   f'height="{bar_h - 3}" fill="{color}"/><text x="{label_w + e * scale + 4:.1f}" y="{y + 10}">{e:.4f}</text>')
+    x = label_w + v["max_error"] * scale
+    svg.append(f'<line x1="{x:.1f}" y1="5" x2="{x:.1f}" y2="{(len(rows) + 1) * bar_h}" stroke="red" stroke-dasharray="4"/>')
+    svg.append("</svg>")
+    o = v.get("overall") or {}
+    html = (f"<!doctype html><meta charset='utf-8'><title>fp4convert verify: {report['path']}</title>"
+            f"<h3>{report['path']}: {report['scheme']} ({report['format']}) against {v['source']}</h3>"
+            f"<p>mean rel.err {o.get('mean_rel_error', 0):.4f}, worst {o.get('worst_rel_error', 0):.4f} "
+            f"({o.get('worst_layer')}), SNR {o.get('snr_db', 0):.1f} dB; threshold {v['max_error']} (dashed)</p>"
+            + "".join(svg))
+    with open(path, "w") as fh:
+        fh.write(html)
+    return path

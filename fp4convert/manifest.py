@@ -76,7 +76,7 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
         "scale_dtype": "float8_e4m3fn" if scheme.scale_encoding == "e4m3" else "e8m0",
         "global_scale": "encode scale gs = 2688 / amax; w = e2m1 * scale / gs" if scheme.global_scale else None,
         "settings": cfg.identity(),
-        "source": {**source.describe(), "weight_files": list(source.weight_files)},
+        "source": {**portable_description(source), "weight_files": list(source.weight_files)},
         "identity": {k: v for k, v in identity.items() if k not in PROGRESS_ONLY},
         "summary": plan.summary(),
         "groups": {g: m for g, m in plan.groups.items()},
@@ -116,6 +116,14 @@ def manifest_problem(m: object) -> str | None:
     if not isinstance(m.get("groups", {}), dict):
         return "the manifest's 'groups' is not an object"
     return None
+
+
+def portable_description(source: Source) -> dict:
+    """The source as a published folder may name it: a local source by its folder name, never its path."""
+    desc = source.describe()
+    if desc.get("type") == "local":
+        desc = {**desc, "path": source.root.name}
+    return desc
 
 
 def load_manifest(root: Path) -> dict | None:

@@ -235,6 +235,8 @@ class Source:
     commit: str | None = None
     weight_map: dict[str, str] | None = None  # the index's tensor -> file, when there is an index
     roots: tuple[str, ...] = ()  # real paths every read must resolve inside (default: root's)
+    token: str | None = None  # Hub token for gated/private repos (None: huggingface_hub's own login)
+    cache_dir: str | None = None  # Hub cache folder (None: HF_HUB_CACHE)
     _header_cache: dict[str, tuple[list[TensorInfo], dict[str, str]]] = field(default_factory=dict, repr=False)
     _config: dict | None = field(default=None, repr=False)
 
@@ -360,7 +362,7 @@ class Source:
 
         try:
             path = Path(hf_hub_download(self.repo_id, file, revision=self.commit or self.revision,
-                                        local_files_only=_offline()))
+                                        local_files_only=_offline(), token=self.token, cache_dir=self.cache_dir))
         except Exception as exc:  # huggingface_hub raises many types; all mean "cannot fetch"
             raise SourceError(f"{self.repo_id}: cannot fetch {file} ({_one_line(exc)})") from exc
         real = os.path.realpath(path)
@@ -376,7 +378,7 @@ class Source:
 
     def _read_header(self, file: str) -> tuple[list[TensorInfo], dict[str, str]]:
         if self.is_hub and not _offline():
-            remote = _remote_header(self.repo_id, file, self.commit or self.revision)
+            remote = _remote_header(self.repo_id, file, self.commit or self.revision, self.token)
             if remote is not None:
                 return remote
         path = self.local_path(file)
@@ -431,7 +433,8 @@ def _offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _remote_header(repo_id: str, file: str, revision: str | None) -> tuple[list[TensorInfo], dict[str, str]] | None:
+def _remote_header(repo_id: str, file: str, revision: str | None, token: str | None = None
+                   ) -> tuple[list[TensorInfo], dict[str, str]] | None:
     """Header bytes by range request, validated like a local file's; None when fetching fails (the
     caller downloads instead). A malformed header raises at once (no download to find that out)."""
     from urllib.parse import urlsplit
@@ -441,8 +444,8 @@ def _remote_header(repo_id: str, file: str, revision: str | None) -> tuple[list[
 
     try:
         url = hf_hub_url(repo_id, file, revision=revision)
-        meta = get_hf_file_metadata(url)
-        headers = build_hf_headers()
+        meta = get_hf_file_metadata(url, token=token)
+        headers = build_hf_headers(token=token)
         if urlsplit(meta.location).netloc != urlsplit(url).netloc:
             headers.pop("authorization", None)  # a signed CDN URL: the token stays on the Hub (as in hf_hub_download)
         first = _range(meta.location, headers, 0, 7)
@@ -539,8 +542,10 @@ def local_path_hint(src: str) -> str | None:
     return None
 
 
-def open_source(src: str, revision: str | None = None) -> Source:
-    """A local folder if ``src`` is one; a Hub repo id only if it cannot be a mistyped local path."""
+def open_source(src: str, revision: str | None = None, *, token: str | None = None,
+                cache_dir: str | None = None) -> Source:
+    """A local folder if ``src`` is one; a Hub repo id only if it cannot be a mistyped local path
+    (``token``, ``cache_dir``: Hub only)."""
     src = str(src)
     if not src or "\0" in src:
         raise SourceError(f"{_q(src)}: not a folder or a Hub repo id")
@@ -564,17 +569,17 @@ def open_source(src: str, revision: str | None = None) -> Source:
     hint = local_path_hint(src)
     if hint is not None:
         raise SourceError(f"{src}: no such folder ({hint})")
-    return _open_hub(src, revision)
+    return _open_hub(src, revision, token, cache_dir)
 
 
-def _open_hub(repo_id: str, revision: str | None) -> Source:
+def _open_hub(repo_id: str, revision: str | None, token: str | None = None, cache_dir: str | None = None) -> Source:
     from huggingface_hub import snapshot_download
 
     try:
         # Everything but the weights now (small files); weights shard by shard later.
         # local_files_only when offline: huggingface_hub 1.x would otherwise try to list a commit's tree.
         root = Path(snapshot_download(repo_id, revision=revision, ignore_patterns=hub_ignore_patterns(),
-                                      local_files_only=_offline()))
+                                      local_files_only=_offline(), token=token, cache_dir=cache_dir))
     except Exception as exc:
         hint = " (HF_HUB_OFFLINE is set and the repo is not in the cache)" if _offline() else ""
         raise SourceError(f"{repo_id}: cannot open on the Hub{hint}: {_one_line(exc)}") from exc
@@ -584,19 +589,19 @@ def _open_hub(repo_id: str, revision: str | None) -> Source:
     if os.path.lexists(root / INDEX_NAME):
         files, weight_map = _weight_files_in(root, repo_id, roots)
     else:
-        files = _hub_listing(repo_id, commit, root)
+        files = _hub_listing(repo_id, commit, root, token)
     return Source(repo_id, root, files, repo_id=repo_id, revision=revision, commit=commit, weight_map=weight_map,
-                  roots=roots)
+                  roots=roots, token=token, cache_dir=cache_dir)
 
 
-def _hub_listing(repo_id: str, commit: str, snapshot: Path) -> list[str]:
+def _hub_listing(repo_id: str, commit: str, snapshot: Path, token: str | None = None) -> list[str]:
     """Weight files of a repo with no index: ask the Hub, or (offline) list the cached snapshot."""
     names: list[str] = []
     if not _offline():
         from huggingface_hub import HfApi
 
         try:
-            names = HfApi().list_repo_files(repo_id, revision=commit)
+            names = HfApi(token=token).list_repo_files(repo_id, revision=commit)
         except Exception as exc:
             log.debug("listing %s failed: %s", repo_id, exc)
     if not names:

@@ -36,7 +36,7 @@ from .config import ConvertConfig
 from .errors import FP4ConvertError, OutputError, SourceError
 from .formats.base import OutputFormat
 from .manifest import (LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, PROGRESS_ONLY, build_manifest, file_digest,
-                       manifest_problem)
+                       manifest_problem, portable_description)
 from .plan import Decision, Plan
 from .safetensors_io import StreamWriter, TensorInfo, header_bytes
 from .source import INDEX_NAME, Source
@@ -51,7 +51,7 @@ MTIMES = "source_mtimes"  # in the progress record only: the manifest stays the 
 FULL_HASHES = "source_sha256"  # --verify-source: every weight file's full sha256 (progress record only)
 SAMPLE_BLOCK = 64 << 10  # the content fingerprint: sha256 of this many bytes at SAMPLE_COUNT fixed offsets
 SAMPLE_COUNT = 16
-FORMAT_FILES = ("config.json", "hf_quant_config.json")  # what a format's finalize may write
+FORMAT_FILES = ("config.json", "hf_quant_config.json", "README.md")  # what finalize and the model card write
 _SHARD_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 _COPY_CHUNK = 16 << 20
 
@@ -160,7 +160,7 @@ def source_mtimes(source: Source) -> dict[str, int]:
 
 def source_fingerprint(source: Source) -> dict:
     """What identifies the input: the Hub commit, or each local file's size, header hash and sampled content."""
-    desc = source.describe()
+    desc = portable_description(source)
     if source.is_hub:
         return desc
     files = {}
@@ -742,6 +742,8 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
     their reading can begin ahead of time. On failure the open shards are removed and DST released.
     """
     session = _SESSIONS.get(_key(dst))
+    for w in plan_warnings(plan):
+        log.warning("warning: %s", w)
     tensors_state: dict = dict(done.get("__tensors__", {}))
     files_state = {f: rec for f, rec in done.items() if not f.startswith("__")}
 
@@ -796,6 +798,18 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
             w = nonfinite_warning(n, d.info.file if d else "?")
             if w not in plan.warnings:
                 plan.warnings.append(w)
+
+
+def plan_warnings(plan: Plan) -> list[str]:
+    """The plan's warnings and every --ignore/--only pattern that matches no tensor (a typo, usually)."""
+    from .plan import matches
+
+    out = list(plan.warnings)
+    for flag, patterns in (("--ignore", plan.config.ignore), ("--only", plan.config.only)):
+        for p in patterns:
+            if not any(matches(p, d.name) for d in plan.decisions):
+                out.append(f"{flag} {p} matches no tensor")
+    return out
 
 
 def _save_progress(dst: Path, identity: dict, files: dict, tensors: dict, pending: list[str] | None = None) -> None:
@@ -863,8 +877,21 @@ def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: 
         atomic_write(dst / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     _test_pause()
     with writing(dst / MANIFEST_NAME):
+        written = _write_model_card(source, plan, fmt, dst, identity, state, written)
         manifest = build_manifest(plan, fmt, source, identity, state, dst, written)
         atomic_write(dst / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     _test_pause()
     with writing(dst / PROGRESS_NAME):
         (dst / PROGRESS_NAME).unlink()
+
+
+def _write_model_card(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict, state: dict,
+                      written: list[str]) -> list[str]:
+    """README.md: the generated card (from what the manifest will say) above the source's own card."""
+    from .modelcard import CARD_NAME, build_card, write_card
+
+    original = source.root / CARD_NAME
+    text = original.read_text(errors="replace") if original.is_file() else None
+    draft = build_manifest(plan, fmt, source, identity, state, dst, [w for w in written if w != CARD_NAME])
+    write_card(dst, build_card(draft, text))
+    return written if CARD_NAME in written else [*written, CARD_NAME]

@@ -14,6 +14,19 @@ headers it relies on, the way huggingface.co answers them:
   ``X-Linked-Etag`` (sha256), ``X-Linked-Size`` and ``X-Repo-Commit``;
 * the CDN serves blobs with ``Range`` support (``206`` + ``Content-Range``), like S3/CloudFront.
 
+For uploads (``create_repo`` + ``upload_folder``, the legacy LFS path huggingface_hub takes with
+``HF_HUB_DISABLE_XET=1``; 1.x and 2.x call the same routes):
+
+* ``POST /api/validate-yaml`` (the README's front matter, checked before a commit that adds one);
+* ``POST /api/repos/create`` (409 when the repo exists, which ``exist_ok=True`` accepts);
+* ``POST /api/models/{repo}/preupload/{rev}``: ``uploadMode`` (lfs for ``*.safetensors``) and the remote
+  ``oid`` of each path (sha256 for LFS, git blob sha1 otherwise), so unchanged files stay out of a commit;
+* ``POST /{repo}.git/info/lfs/objects/batch``: an upload action (a signed ``PUT`` URL on the CDN and a
+  ``verify`` URL on the Hub) only for objects the server does not hold yet, the way an interrupted upload
+  resumes; ``PUT`` on the CDN checks the sha256;
+* ``POST /api/models/{repo}/commit/{rev}`` (NDJSON header / file / lfsFile / deletedFile lines): a new
+  commit on top of the branch; LFS objects must have been uploaded.
+
 Errors carry the ``X-Error-Code`` header huggingface_hub maps to its exceptions (``RepoNotFound``,
 ``RevisionNotFound``, ``EntryNotFound``). Hub and CDN listen on two loopback ports, so they are two
 origins (huggingface_hub strips the token when it follows a redirect off the Hub).
@@ -27,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,6 +48,21 @@ from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 LFS_SUFFIXES = (".safetensors",)
+GITATTRIBUTES = b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
+
+
+def hub_env(endpoint: str, home: Path, token: str | None = "hf_fp4convertTestTokenNotARealOne") -> dict:
+    """The environment a user would set for this stand-in, and nothing from this machine's HF or proxy
+    settings (huggingface_hub reads these at import, so CLI runs go to subprocesses)."""
+    drop = ("HF_", "HUGGINGFACE_", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(drop)}
+    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"),
+               HF_HUB_DISABLE_XET="1", HF_HUB_ENABLE_HF_TRANSFER="0", HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="10",
+               NO_PROXY="127.0.0.1,localhost", OMP_NUM_THREADS="1")
+    if token:
+        env["HF_TOKEN"] = token
+    return env
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -97,8 +126,13 @@ class FakeHub:
     """Hub + CDN on two free loopback ports; ``with FakeHub() as hub: ... hub.endpoint``."""
 
     def __init__(self, *, lifetime: float = 120.0, fail_full_get: dict[str, int] | None = None,
-                 fail_api: int | None = None, honor_range: bool = True) -> None:
+                 fail_api: int | None = None, honor_range: bool = True,
+                 fail_upload: dict[str, int] | None = None) -> None:
         self.repos: dict[str, Repo] = {}
+        self.private: dict[str, bool] = {}  # repos created through the API -> private flag
+        self.fail_upload = dict(fail_upload or {})  # sha256 -> status for the CDN PUT of that object
+        self.yaml_errors: list[str] = []  # README front matter the validate-yaml route refused
+        self.uploaded: dict[str, bytes] = {}  # LFS objects PUT on the CDN (sha256 -> data), committed or not
         self.log: list[Request] = []
         self.unrouted: list[str] = []  # requests for routes this stand-in does not know
         self.errors: list[str] = []  # exceptions in the server itself (client hang-ups excluded)
@@ -117,8 +151,7 @@ class FakeHub:
 
     def add(self, repo_id: str, folder: Path, commit: str, refs: tuple[str, ...] = ("main",)) -> str:
         """Publish every file of ``folder`` as ``commit`` of ``repo_id`` (plus a .gitattributes)."""
-        files = {".gitattributes": HubFile(".gitattributes", b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n",
-                                           False)}
+        files = {".gitattributes": HubFile(".gitattributes", GITATTRIBUTES, False)}
         for p in sorted(Path(folder).rglob("*")):
             if p.is_file():
                 rel = p.relative_to(folder).as_posix()
@@ -131,6 +164,21 @@ class FakeHub:
             if f.lfs:
                 self._blobs[f.sha256] = f
         return commit
+
+    def add_commit(self, repo_id: str, commit: str, files: dict[str, HubFile], ref: str = "main") -> None:
+        """A commit made through the API (the stand-in's commit route)."""
+        with self._lock:
+            repo = self.repos.setdefault(repo_id, Repo())
+            repo.commits[commit] = files
+            repo.refs[ref] = commit
+            for f in files.values():
+                if f.lfs:
+                    self._blobs[f.sha256] = f
+
+    def files(self, repo_id: str, rev: str = "main") -> dict[str, bytes]:
+        """What a branch of a repo holds now (path -> bytes)."""
+        repo = self.repos[repo_id]
+        return {p: f.data for p, f in repo.commits[repo.resolve(rev)].items()}
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -239,6 +287,26 @@ class _Handler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self._dispatch("HEAD")
 
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def _body(self) -> bytes:
+        """The request body: Content-Length, or chunked transfer encoding."""
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            out = b""
+            while True:
+                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    self.rfile.readline()
+                    return out
+                out += self.rfile.read(size)
+                self.rfile.readline()
+        n = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(n) if n else b""
+
     # --- plumbing -----------------------------------------------------------------------------
 
     def _dispatch(self, method: str) -> None:
@@ -264,7 +332,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         sent = 0
-        if method == "GET" and body:
+        if method != "HEAD" and body:
             try:
                 self.wfile.write(body)
                 sent = len(body)
@@ -288,6 +356,30 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _hub(self, method: str) -> None:
         parts = self._path.strip("/").split("/")
+        if method in ("POST", "PUT"):
+            body = self._body()
+            if self.fake.fail_api and parts[0] == "api":
+                return self._error(self.fake.fail_api, None, "the Hub is down", method)
+            if method == "POST" and parts[:2] == ["api", "validate-yaml"]:
+                return self._validate_yaml(json.loads(body or b"{}"), method)
+            if method == "POST" and parts[:3] == ["api", "repos", "create"]:
+                return self._create_repo(json.loads(body or b"{}"), method)
+            if method == "POST" and len(parts) >= 6 and parts[:2] == ["api", "models"] and parts[4] in ("preupload", "commit"):
+                repo_id, rev = "/".join(parts[2:4]), "/".join(parts[5:])
+                if parts[4] == "preupload":
+                    return self._preupload(repo_id, rev, json.loads(body or b"{}"), method)
+                return self._commit(repo_id, rev, body, method)
+            if method == "POST" and len(parts) == 6 and parts[1].endswith(".git") and parts[2:5] == ["info", "lfs", "objects"]:
+                repo_id = parts[0] + "/" + parts[1][: -len(".git")]
+                if parts[5] == "batch":
+                    return self._lfs_batch(repo_id, json.loads(body or b"{}"), method)
+                if parts[5] == "verify":
+                    oid = json.loads(body or b"{}").get("oid")
+                    if oid in self.fake.uploaded:
+                        return self._json({"success": True}, method)
+                    return self._error(404, None, f"object {oid} was not uploaded", method)
+            self.fake.unrouted.append(f"{method} {self.path}")
+            return self._error(404, None, f"no route {self._path}", method)
         if parts[0] == "api":
             if self.fake.fail_api:
                 return self._error(self.fake.fail_api, None, "the Hub is down", method)
@@ -369,9 +461,125 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(302, b"", method, {"Location": signed, "ETag": f'"{f.oid}"', "X-Repo-Commit": commit,
                                       "X-Linked-Etag": f'"{f.sha256}"', "X-Linked-Size": str(len(f.data))})
 
+    # --- uploads ------------------------------------------------------------------------------
+
+    def _validate_yaml(self, payload: dict, method: str) -> None:
+        """The README front matter must be YAML mapping (the Hub also checks known keys; we check types)."""
+        import yaml
+
+        text = payload.get("content", "")
+        try:
+            meta = yaml.safe_load(text.split("---")[1]) if text.startswith("---") else {}
+            if not isinstance(meta, dict):
+                raise ValueError("metadata is not a mapping")
+            for key in ("base_model", "library_name"):
+                if key in meta and not isinstance(meta[key], (str, list)):
+                    raise ValueError(f"{key} must be a string")
+            if not isinstance(meta.get("tags", []), list):
+                raise ValueError("tags must be a list")
+        except Exception as exc:
+            self.fake.yaml_errors.append(str(exc))
+            return self._send(400, json.dumps({"errors": [{"message": str(exc)}]}).encode(), method, None,
+                              "application/json")
+        self._json({"warnings": []}, method)
+
+    def _create_repo(self, payload: dict, method: str) -> None:
+        repo_id = f"{payload.get('organization')}/{payload.get('name')}"
+        url = f"{self.fake.hub_url}/{repo_id}"
+        if repo_id in self.fake.repos:
+            # Like the Hub: 409 with the repo's url in the body (create_repo(exist_ok=True) reads it).
+            return self._send(409, json.dumps({"error": "You already created this model repo", "url": url}).encode(),
+                              method, {"X-Error-Message": "You already created this model repo"}, "application/json")
+        repo = self.fake.repos.setdefault(repo_id, Repo())
+        commit = hashlib.sha1(f"initial {repo_id}".encode()).hexdigest()
+        repo.commits[commit] = {".gitattributes": HubFile(".gitattributes", GITATTRIBUTES, False)}
+        repo.refs["main"] = commit
+        self.fake.private[repo_id] = payload.get("visibility") == "private" or bool(payload.get("private"))
+        self._json({"url": url, "name": repo_id}, method)
+
+    def _preupload(self, repo_id: str, rev: str, payload: dict, method: str) -> None:
+        found = self._lookup(repo_id, rev, method)
+        if not found:
+            return
+        _, files = found
+        out = []
+        for f in payload.get("files", []):
+            lfs = f["path"].endswith(LFS_SUFFIXES)
+            remote = files.get(f["path"])
+            oid = None if remote is None else (remote.sha256 if remote.lfs else remote.oid)
+            out.append({"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False,
+                        "oid": oid})
+        self._json({"files": out, "commitOid": found[0]}, method)
+
+    def _lfs_batch(self, repo_id: str, payload: dict, method: str) -> None:
+        if repo_id not in self.fake.repos:
+            return self._error(404, "RepoNotFound", "Repository not found", method)
+        objects = []
+        for o in payload.get("objects", []):
+            entry = {"oid": o["oid"], "size": o["size"]}
+            if o["oid"] not in self.fake.uploaded and o["oid"] not in self.fake._blobs:
+                entry["actions"] = {
+                    "upload": {"href": f"{self.fake.cdn_url}/upload/{o['oid']}?Expires=9999999999&Signature=fake",
+                               "header": {}},
+                    "verify": {"href": f"{self.fake.hub_url}/{repo_id}.git/info/lfs/objects/verify", "header": {}},
+                }
+            objects.append(entry)
+        self._json({"transfer": "basic", "objects": objects}, method)
+
+    def _commit(self, repo_id: str, rev: str, body: bytes, method: str) -> None:
+        import base64
+
+        found = self._lookup(repo_id, rev, method)
+        if not found:
+            return
+        parent, files = found
+        files = dict(files)
+        summary = ""
+        for line in body.splitlines():
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            key, value = item["key"], item["value"]
+            if key == "header":
+                summary = value.get("summary", "")
+            elif key == "file":
+                data = base64.b64decode(value["content"])
+                files[value["path"]] = HubFile(value["path"], data, False)
+            elif key == "lfsFile":
+                data = self.fake.uploaded.get(value["oid"])
+                if data is None and value["oid"] in self.fake._blobs:
+                    data = self.fake._blobs[value["oid"]].data
+                if data is None:
+                    return self._error(400, None, f"LFS object {value['oid']} of {value['path']} was never uploaded",
+                                       method)
+                files[value["path"]] = HubFile(value["path"], data, True)
+            elif key in ("deletedFile", "deletedFolder"):
+                files = {p: f for p, f in files.items()
+                         if p != value["path"] and not p.startswith(value["path"].rstrip("/") + "/")}
+        commit = hashlib.sha1(f"{parent} {summary} {sorted((p, f.oid) for p, f in files.items())}".encode()).hexdigest()
+        self.fake.add_commit(repo_id, commit, files, ref=rev)
+        self._json({"commitUrl": f"{self.fake.hub_url}/{repo_id}/commit/{commit}", "commitOid": commit,
+                    "success": True}, method)
+
     # --- CDN ----------------------------------------------------------------------------------
 
+    def _cdn_upload(self, method: str) -> None:
+        oid = self._path.rsplit("/", 1)[-1]
+        self._file = oid
+        body = self._body()
+        if "Signature" not in self._query:
+            return self._send(403, b"AccessDenied", method)
+        status = self.fake.fail_upload.get(oid)
+        if status:
+            return self._send(status, b"injected upload failure", method)
+        if hashlib.sha256(body).hexdigest() != oid:
+            return self._send(400, b"sha256 mismatch", method)
+        self.fake.uploaded[oid] = body
+        self._send(200, b"", method, {"ETag": f'"{oid}"'})
+
     def _cdn(self, method: str) -> None:
+        if method == "PUT" and self._path.startswith("/upload/"):
+            return self._cdn_upload(method)
         f = self.fake._blobs.get(self._path.rsplit("/", 1)[-1])
         if f is None or "Signature" not in self._query:
             self.fake.unrouted.append(f"cdn {method} {self.path}")

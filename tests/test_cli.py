@@ -29,7 +29,7 @@ def src(tmp_path_factory) -> Path:
 
 
 def test_quantize_matches_the_library(src, tmp_path) -> None:
-    r = run("quantize", src, tmp_path / "cli", "--device", "cpu", "--max-shard-size", "6KB", "-q")
+    r = run("quantize", src, tmp_path / "cli", "--device", "cpu", "--max-shard-size", "6KB")
     assert r.exit_code == 0, r.output
     line = r.stdout.strip().splitlines()[-1]
     assert "14 tensors quantized (nvfp4)" in line and "bits/param" in line and "peak memory" in line
@@ -207,7 +207,17 @@ def test_version_and_help() -> None:
     assert r.exit_code == 0 and fp4convert.__version__ in r.stdout
     r = run("quantize", "--help")
     for opt in ("--scheme", "--rotate", "--device", "--max-shard-size", "--format", "--overwrite", "--resume",
-                "--quiet", "--json", "--dry-run", "--ignore", "--only", "--revision"):
+                "--quiet", "--json", "--dry-run", "--ignore", "--only", "--revision", "--token", "--cache-dir",
+                "--delete-source-shards", "--push-to-hub", "--private", "--allow-nothing-quantized"):
+        assert opt in r.stdout, opt
+    from fp4convert.errors import EXIT_CODES
+
+    for cmd in ([], ["quantize"], ["inspect"], ["export"], ["push"]):
+        text = " ".join(run(*cmd, "--help").stdout.split())
+        for code, meaning in EXIT_CODES.items():  # every command's --help lists the exit codes
+            assert f"{code} {' '.join(meaning.split())}" in text, (cmd, code)
+    r = run("inspect", "--help")
+    for opt in ("--verify", "--max-error", "--check-files", "--plot", "--json", "--token"):
         assert opt in r.stdout, opt
 
 
@@ -217,3 +227,145 @@ def test_parse_size(text, n) -> None:
     from fp4convert.config import parse_size
 
     assert parse_size(text) == n
+
+
+# --- plan warnings, nothing quantized -----------------------------------------------------------
+
+def test_plan_warnings_in_every_run(src, tmp_path) -> None:
+    r = run("quantize", src, tmp_path / "q", "--device", "cpu", "--ignore", "*.no_such_layer", "--only", "model.*")
+    assert r.exit_code == 0, r.output
+    assert "warning: --ignore *.no_such_layer matches no tensor" in r.stderr
+    assert "--only model.* matches" not in r.stderr
+    r = run("quantize", src, tmp_path / "q2", "--device", "cpu", "--ignore", "*.no_such_layer", "-q")
+    assert r.exit_code == 0 and r.stderr == "" and r.stdout == ""  # --quiet: errors only
+
+
+def test_nothing_quantized_is_an_error(src, tmp_path) -> None:
+    dst = tmp_path / "q"
+    r = run("quantize", src, dst, "--device", "cpu", "--only", "*.typo_proj")
+    assert_error(r, 2, "quantizes no tensor", "--allow-nothing-quantized")
+    assert "warning: no tensor is quantized" in r.stderr and "--only *.typo_proj matches no tensor" in r.stderr
+    assert not dst.exists()
+    r = run("quantize", src, dst, "--only", "*.typo_proj", "--dry-run")
+    assert r.exit_code == 2 and "keep" in r.stdout and "quantizes no tensor" in r.stderr  # the plan, then the error
+    r = run("quantize", src, dst, "--device", "cpu", "--only", "*.typo_proj", "--allow-nothing-quantized", "-q")
+    assert r.exit_code == 0, r.output
+    assert (dst / "fp4convert.json").exists()
+    assert json.loads((dst / "fp4convert.json").read_text())["summary"]["quantized"] == 0
+
+
+def test_delete_source_shards_refused_for_a_local_folder(src, tmp_path) -> None:
+    assert_error(run("quantize", src, tmp_path / "q", "--device", "cpu", "--delete-source-shards"), 2,
+                 "Hub sources", "never deletes")
+    assert not (tmp_path / "q").exists()
+
+
+# --- exit codes 7 and 130 -------------------------------------------------------------------------
+
+def test_exit_7_no_gpu_for_device_cuda(src, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert_error(run("quantize", src, tmp_path / "q", "--device", "cuda"), 7, "no CUDA GPU", "--device cpu")
+    assert_error(run("quantize", src, tmp_path / "q", "--device", "cuda:1"), 7, "--device cpu")
+    assert not (tmp_path / "q").exists()
+
+
+def test_ctrl_c_exits_130_with_a_resume_hint(src, tmp_path, monkeypatch) -> None:
+    import fp4convert.convert as conv
+
+    real, calls = conv._quantize_unit, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    dst = tmp_path / "q"
+    monkeypatch.setattr(conv, "_quantize_unit", interrupted)
+    r = run("quantize", src, dst, "--device", "cpu", "--max-shard-size", "6KB", "-q")
+    assert_error(r, 130, "interrupted", "--resume")
+    assert "Aborted" not in r.output
+    assert not (dst / "fp4convert.json").exists() and not list(dst.glob("*.partial"))
+    monkeypatch.setattr(conv, "_quantize_unit", real)
+    r = run("quantize", src, dst, "--device", "cpu", "--max-shard-size", "6KB", "--resume")
+    assert r.exit_code == 0 and "reused" in r.stdout, r.output
+    run("quantize", src, tmp_path / "clean", "--device", "cpu", "--max-shard-size", "6KB", "-q")
+    assert ck.all_files(dst) == ck.all_files(tmp_path / "clean")
+
+
+def test_sigint_in_a_real_process(tmp_path) -> None:
+    """A real Ctrl-C (SIGINT) during a conversion: exit 130, the hint, finished shards kept."""
+    import signal
+    import subprocess
+    import sys
+
+    src = tmp_path / "big"
+    ck.big(src, layers=8, dim=512, shards=2)
+    dst = tmp_path / "q"
+    proc = subprocess.Popen([sys.executable, "-m", "fp4convert", "quantize", str(src), str(dst), "--device", "cpu",
+                             "--max-shard-size", "300KB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:  # status lines: interrupt once the first output shard is written
+            if line.startswith("wrote model-"):
+                proc.send_signal(signal.SIGINT)
+                break
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Error: interrupted" in err and "--resume" in err and "Traceback" not in err
+    assert list(dst.glob("model-*.safetensors")) and not (dst / "fp4convert.json").exists()
+
+
+# --- progress, quiet, numpy -----------------------------------------------------------------------
+
+def test_progress_lines_when_not_a_tty(src, tmp_path, monkeypatch) -> None:
+    import time
+
+    import fp4convert.convert as conv
+
+    real = conv._quantize_unit
+
+    def slow(*args, **kwargs):
+        time.sleep(0.03)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(conv, "_quantize_unit", slow)
+    monkeypatch.setenv("FP4CONVERT_PROGRESS_INTERVAL", "0.05")
+    r = run("quantize", src, tmp_path / "q", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("quantize: ")]
+    assert len(lines) >= 2, r.stderr  # ~14 units x 30 ms: several 50 ms ticks
+    assert all(" of " in ln and "%)" in ln and "/s" in ln for ln in lines), lines
+    assert "\r" not in r.stderr  # no bar redrawing into a log
+    r = run("quantize", src, tmp_path / "q2", "--device", "cpu", "-q")
+    assert r.exit_code == 0 and r.stderr == ""
+
+
+def test_no_numpy_warning_without_numpy(tmp_path) -> None:
+    """A fresh install has no numpy (not a dependency): torch's 'Failed to initialize NumPy' is silenced."""
+    import os
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NoNumpy:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'numpy' or name.startswith('numpy.'):\n"
+        "            raise ModuleNotFoundError(\"No module named 'numpy'\")\n"
+        "sys.meta_path.insert(0, _NoNumpy())\n")
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(repo)])}
+    check = subprocess.run([sys.executable, "-c", "import numpy"], env=env, capture_output=True, text=True)
+    assert check.returncode != 0  # numpy is really hidden
+    src = repo / "examples" / "tiny-llama"
+    for args in (["--help"], ["quantize", str(src), str(tmp_path / "q"), "--device", "cpu"],
+                 ["inspect", str(tmp_path / "q"), "--verify", str(src)]):
+        r = subprocess.run([sys.executable, "-W", "default", "-m", "fp4convert", *args], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "NumPy" not in r.stderr and "numpy" not in r.stderr.lower(), r.stderr

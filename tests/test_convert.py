@@ -211,9 +211,14 @@ def test_fp32_and_fp16_sources(tmp_path) -> None:
 # --- non-weight files, index, manifest ---------------------------------------------------------
 
 def test_other_files_copied(llama_src, llama_out) -> None:
+    from fp4convert.formats.native import restore_config
+
     dst, _ = llama_out
-    for rel in ["config.json", "generation_config.json", *ck.OTHER_FILES]:
-        assert (dst / rel).read_bytes() == (llama_src / rel).read_bytes(), rel
+    for rel in ["generation_config.json", *ck.OTHER_FILES]:
+        if rel != "README.md":  # README.md becomes the model card, the source's card kept below (test_modelcard.py)
+            assert (dst / rel).read_bytes() == (llama_src / rel).read_bytes(), rel
+    # config.json: the source's, plus the native quantization_config that makes loaders refuse it (test_native_config.py)
+    assert restore_config(json.loads((dst / "config.json").read_text())) == json.loads((llama_src / "config.json").read_text())
     names = {p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.is_file()}
     assert not [n for n in names if n.endswith(".partial") or n.startswith(".fp4convert")]
 
@@ -227,7 +232,8 @@ def test_manifest(llama_src, llama_out) -> None:
     assert m["format"] == "fp4convert" and m["scheme"] == "nvfp4" and m["rotate"] is None
     assert m["block_size"] == 16 and m["scale_layout"] == "128x4"
     assert m["settings"]["scheme"] == "nvfp4" and m["settings"]["max_shard_size"] == 6000
-    assert m["source"]["type"] == "local" and Path(m["source"]["path"]) == llama_src.resolve()
+    assert m["source"]["type"] == "local" and m["source"]["path"] == llama_src.name  # never the absolute path
+    assert str(llama_src.parent) not in (dst / "fp4convert.json").read_text()
     names = set()
     for f in llama_src.glob("*.safetensors"):
         start, h = ck.header(f)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import time
@@ -29,12 +28,14 @@ from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert, plan_conversion
 
 from . import checkpoints as ck
-from .hubserver import FakeHub
+from fp4convert.modelcard import original_body, split_card
+
+from .hubserver import FakeHub, hub_env
 
 REPO = "tiny-org/tiny-llama"
 COMMIT_A = hashlib.sha1(b"fp4convert test commit A").hexdigest()  # main: 3 shards + index
 COMMIT_B = hashlib.sha1(b"fp4convert test commit B").hexdigest()  # tag v1.0: one file, no index
-TOKEN = "hf_fp4convertTestTokenNotARealOne"
+TOKEN = "hf_fp4convertTestTokenNotARealOne"  # what hub_env sets as HF_TOKEN
 SHARDS = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
 INDEX = "model.safetensors.index.json"
 ARGS = ("--device", "cpu", "--max-shard-size", "6KB")
@@ -59,17 +60,6 @@ class Run:
         return {p.name for p in d.iterdir()} if d.exists() else set()
 
 
-def hub_env(endpoint: str, home: Path) -> dict:
-    """What a user would set, and nothing from this machine's HF or proxy settings."""
-    drop = ("HF_", "HUGGINGFACE_", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
-    env = {k: v for k, v in os.environ.items() if not k.upper().startswith(drop)}
-    env.update(HF_ENDPOINT=endpoint, HF_HOME=str(home), HF_HUB_CACHE=str(home / "hub"), HF_TOKEN=TOKEN,
-               HF_HUB_DISABLE_XET="1", HF_HUB_ENABLE_HF_TRANSFER="0", HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_ETAG_TIMEOUT="10", HF_HUB_DOWNLOAD_TIMEOUT="10",
-               NO_PROXY="127.0.0.1,localhost", OMP_NUM_THREADS="1")
-    return env
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hub_files")
@@ -85,6 +75,10 @@ SCENARIOS = {
     "tag": ({}, [REPO, "--revision", "v1.0", "--device", "cpu", "-q", "--json"]),
     "missing_repo": ({}, ["tiny-org/not-there", *ARGS]),
     "shard_fails": ({"fail_full_get": {SHARDS[1]: 500}}, [REPO, *ARGS, "-q"]),
+    # {root}: this run's folder. Shards go to a cache of our choosing and leave it once converted.
+    "delete_shards": ({}, [REPO, *ARGS, "--delete-source-shards", "--cache-dir", "{root}/my_cache"]),
+    # No HF_TOKEN in the environment: the token comes from --token only.
+    "token_option": ({"_token": None}, [REPO, "--revision", "v1.0", "--device", "cpu", "-q", "--token", TOKEN]),
 }
 
 
@@ -96,13 +90,16 @@ def runs(files, tmp_path_factory) -> dict[str, Run]:
     with contextlib.ExitStack() as stack:
         procs = {}
         for name, (options, args) in SCENARIOS.items():
+            options = dict(options)
+            token = options.pop("_token", TOKEN)
             hub = FakeHub(lifetime=TIMEOUT_S + 30, **options)
             hub.add(REPO, files["a"], COMMIT_A, refs=("main",))
             hub.add(REPO, files["b"], COMMIT_B, refs=("v1.0",))
             stack.enter_context(hub)
             home, out = root / name / "hf_home", root / name / "out"
+            args = [a.replace("{root}", str(root / name)) for a in args]
             cmd = [sys.executable, "-m", "fp4convert", "quantize", args[0], str(out), *args[1:]]
-            proc = subprocess.Popen(cmd, env=hub_env(hub.endpoint, home), stdout=subprocess.PIPE,
+            proc = subprocess.Popen(cmd, env=hub_env(hub.endpoint, home, token), stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
             stack.callback(_reap, proc)
             procs[name] = (hub, home, out, proc)
@@ -138,12 +135,18 @@ def compare_with_local(hub_out: Path, local_out: Path, commit: str, revision: st
     # The Hub repo has a .gitattributes the local folder lacks; it is copied like any metadata file.
     assert got.pop(".gitattributes") == b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
     m_got, m_want = json.loads(got.pop("fp4convert.json")), json.loads(want.pop("fp4convert.json"))
+    card_got, card_want = got.pop("README.md").decode(), want.pop("README.md").decode()
     assert got == want  # every shard, the index, every copied file, byte for byte
     assert m_got["files"].pop(".gitattributes")["size"] == 50
+    # The model card names the Hub repo as base model (the local run names its folder); the rest is the same.
+    assert split_card(card_got)[0]["base_model"] == REPO
+    assert original_body(card_got) == original_body(card_want) == ck.OTHER_FILES["README.md"].strip()
     src = m_got["source"]
     assert src["type"] == "hub" and src["repo_id"] == REPO
     assert src["commit"] == commit and src["revision"] == revision
-    for k in ("tensors", "summary", "groups", "scheme", "format", "files"):
+    files_got = {f: r for f, r in m_got["files"].items() if f != "README.md"}
+    assert files_got == {f: r for f, r in m_want["files"].items() if f != "README.md"}
+    for k in ("tensors", "summary", "groups", "scheme", "format"):
         assert m_got[k] == m_want[k], k
 
 
@@ -252,7 +255,7 @@ def test_shard_failure_stops_at_that_shard(runs) -> None:
 
 # --- the token ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["quantize", "dry_run", "tag"])
+@pytest.mark.parametrize("name", ["quantize", "dry_run", "tag", "token_option"])
 def test_token_goes_to_the_hub_only(runs, name) -> None:
     """The user's token authenticates Hub calls but never reaches the CDN origin of a signed URL
     (huggingface_hub drops it there itself; S3-style signed URLs reject requests that carry one)."""
@@ -262,3 +265,33 @@ def test_token_goes_to_the_hub_only(runs, name) -> None:
     assert hub_reqs and all(r.auth for r in hub_reqs)
     leaked = [(r.method, r.file, r.range) for r in cdn_reqs if r.auth]
     assert not leaked, f"token sent to the CDN: {leaked}"
+
+
+# --- cache options ------------------------------------------------------------------------------
+
+def test_delete_source_shards_and_cache_dir(runs, files, tmp_path) -> None:
+    """Every shard is fetched once into --cache-dir and removed from it once converted (before the
+    output's last shard is written, not at the end); the output is the same; the default cache is unused."""
+    run = runs["delete_shards"]
+    assert run.rc == 0, run.stderr
+    local = tmp_path / "local_out"
+    convert(files["a"], local, ConvertConfig(device="cpu", max_shard_size=6000))
+    compare_with_local(run.out, local, COMMIT_A, None)
+    cache = run.home.parent / "my_cache"
+    repo_dir = cache / "models--tiny-org--tiny-llama"
+    assert (repo_dir / "snapshots" / COMMIT_A / "config.json").exists()  # small files stay
+    shard_blobs = {sha256(files["a"] / s) for s in SHARDS}
+    assert not shard_blobs & {p.name for p in (repo_dir / "blobs").iterdir()}
+    assert not [p for p in (repo_dir / "snapshots").rglob("*.safetensors")]
+    assert not (run.cache / "models--tiny-org--tiny-llama").exists()  # HF_HUB_CACHE untouched
+    for shard in SHARDS:
+        assert run.hub.full_gets(shard) == 1
+    lines = run.stderr.splitlines()
+    removed = [i for i, ln in enumerate(lines) if ln.startswith("removed ") and "from the HF cache" in ln]
+    wrote = [i for i, ln in enumerate(lines) if ln.startswith("wrote model-")]
+    assert len(removed) == len(SHARDS) and removed[0] < wrote[-1], run.stderr
+
+
+def test_model_card_names_the_hub_repo(runs) -> None:
+    meta, body = split_card((runs["quantize"].out / "README.md").read_text())
+    assert meta["base_model"] == REPO and f"(https://huggingface.co/{REPO})" in body

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from fp4convert.cli import main
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert
-from fp4convert.inspect import inspect_checkpoint
+from fp4convert.inspect import DEFAULT_MAX_ERROR, inspect_checkpoint
 
 from . import checkpoints as ck
 
@@ -48,7 +48,8 @@ def test_summary_of_a_converted_checkpoint(converted, scheme) -> None:
     dst, res = converted[scheme]
     s = res.plan.summary()
     r = inspect_checkpoint(str(dst), check_files=True)
-    assert r["ok"] and r["checks"]["problems"] == []
+    assert r["ok"] and r["verdict"] == "ok" and r["checks"]["problems"] == []
+    assert r["checks"]["manifest"] == "present" and r["checks"]["engine_config"] == "agrees with the tensors"
     assert r["format"] == "fp4convert" and r["scheme"] == scheme and r["rotate"] is None
     assert r["quantized"] == s["quantized"] and r["kept"] == s["kept"]
     assert r["params"] == s["params"] and r["bytes"] == s["bytes_out"]
@@ -71,7 +72,7 @@ def test_cli_report_and_json(converted) -> None:
     dst, res = converted["nvfp4"]
     r = CliRunner().invoke(main, ["inspect", str(dst)])
     assert r.exit_code == 0, r.output
-    assert "format fp4convert, scheme nvfp4" in r.stdout and "checks: OK" in r.stdout
+    assert "format fp4convert, scheme nvfp4" in r.stdout and "verdict: OK" in r.stdout
     assert f"{res.plan.summary()['quantized']} quantized weights" in r.stdout
     assert "model.layers.1" in r.stdout
     r = CliRunner().invoke(main, ["inspect", str(dst), "--json"])
@@ -80,8 +81,13 @@ def test_cli_report_and_json(converted) -> None:
 
 
 def test_unquantized_checkpoint(src) -> None:
+    """A bf16 checkpoint is 'not quantized', never 'OK', and inspect exits 6 (it checks FP4 checkpoints)."""
     r = inspect_checkpoint(str(src))
     assert r["format"] == "unquantized" and r["quantized"] == 0 and r["kept"] > 0
+    assert r["verdict"] == "not quantized" and not r["ok"]
+    res = CliRunner().invoke(main, ["inspect", str(src)])
+    assert res.exit_code == 6
+    assert "not quantized" in res.stdout and "OK" not in res.stdout and "scheme None" not in res.stdout
 
 
 # --- corruption ----------------------------------------------------------------------------------
@@ -131,6 +137,10 @@ def test_modified_file_detected_by_checksum(copy) -> None:
     assert inspect_checkpoint(str(dst))["ok"]
     r = inspect_checkpoint(str(dst), check_files=True)
     assert r["checks"]["problems"] == [f"{f.name}: sha256 differs from fp4convert.json"]
+    assert r["checks"]["checksums"] == f"1 of {len(json.loads((dst / 'fp4convert.json').read_text())['files'])} file(s) fail the sha256 check"
+    res = CliRunner().invoke(main, ["inspect", str(dst), "--check-files"])
+    assert res.exit_code == 6 and "sha256 differs" in res.stdout and "sha256 verified" not in res.stdout
+    assert "verdict: FAILED" in res.stdout
     (dst / "tokenizer.json").write_text("{}")  # a copied file too
     r = inspect_checkpoint(str(dst))
     assert any("tokenizer.json" in p and "size" in p for p in r["checks"]["problems"])
@@ -187,14 +197,24 @@ def test_verify_reports_error_and_snr(converted, src) -> None:
     dst, res = converted["nvfp4"]
     r = inspect_checkpoint(str(dst), verify=str(src))
     v = r["verify"]
-    assert set(v) == {n[:-7] for n, d in res.plan.by_name.items() if d.action == "quantize"}
-    for m, e in v.items():
+    assert r["ok"] and v["passed"] and v["problems"] == []
+    assert v["fingerprint"] == "matches (file sizes and header hashes)"
+    assert set(v["layers"]) == {n[:-7] for n, d in res.plan.by_name.items() if d.action == "quantize"}
+    for m, e in v["layers"].items():
         assert 0.09 <= e["rel_error"] <= 0.11, (m, e)  # NVFP4 on Gaussian weights: ~0.095
         assert 19.0 <= e["snr_db"] <= 21.0, (m, e)
+    o = v["overall"]
+    errs = [e["rel_error"] for e in v["layers"].values()]
+    assert o["layers"] == len(errs) and o["worst_rel_error"] == max(errs)
+    assert o["mean_rel_error"] == pytest.approx(sum(errs) / len(errs))
+    assert v["layers"][o["worst_layer"]]["rel_error"] == max(errs) and 19.0 <= o["snr_db"] <= 21.0
+    assert v["max_error"] == DEFAULT_MAX_ERROR
     out = CliRunner().invoke(main, ["inspect", str(dst), "--verify", str(src)])
     assert out.exit_code == 0 and "rel.err 0.09" in out.stdout and "SNR 20." in out.stdout
+    assert "overall: mean rel.err 0.09" in out.stdout and "worst 0." in out.stdout and "verdict: OK" in out.stdout
     j = json.loads(CliRunner().invoke(main, ["inspect", str(dst), "--verify", str(src), "--json"]).stdout)
-    assert j["verify"].keys() == v.keys()
+    assert j["verify"]["layers"].keys() == v["layers"].keys() and j["verify"]["overall"]["worst_layer"] == o["worst_layer"]
+    assert j["verdict"] == "ok" and j["checks"]["manifest"] == "present"
 
 
 def test_verify_with_rotation(src, tmp_path) -> None:
@@ -202,12 +222,223 @@ def test_verify_with_rotation(src, tmp_path) -> None:
     convert(src, dst, ConvertConfig(device="cpu", rotate="had16", only=("*.experts.*",)))
     r = inspect_checkpoint(str(dst), verify=str(src))
     assert r["rotate"] == "had16" and r["ok"]
-    for m, e in r["verify"].items():
+    for m, e in r["verify"]["layers"].items():
         assert 0.08 <= e["rel_error"] <= 0.12 and 18.5 <= e["snr_db"] <= 22.0, (m, e)
 
 
-def test_verify_against_the_wrong_source_shows_it(converted, tmp_path) -> None:
+def test_verify_threshold(converted, src) -> None:
+    """--max-error: NVFP4 (~0.095) passes the default 0.25 and fails 0.05; MXFP4 (~0.12) sits between."""
+    nv, mx = str(converted["nvfp4"][0]), str(converted["mxfp4"][0])
+    worst_mx = inspect_checkpoint(mx, verify=str(src))["verify"]["overall"]["worst_rel_error"]
+    assert 0.10 < worst_mx < 0.16 and inspect_checkpoint(mx, verify=str(src))["ok"]
+    r = inspect_checkpoint(nv, verify=str(src), max_error=0.05)
+    assert not r["ok"] and r["verdict"] == "failed"
+    assert any("exceed --max-error 0.05" in p for p in r["checks"]["problems"])
+    res = CliRunner().invoke(main, ["inspect", nv, "--verify", str(src), "--max-error", "0.05"])
+    assert res.exit_code == 6 and "> max-error" in res.stdout and "verdict: FAILED" in res.stdout
+    res = CliRunner().invoke(main, ["inspect", mx, "--verify", str(src), "--max-error", "0.1"])
+    assert res.exit_code == 6
+    assert CliRunner().invoke(main, ["inspect", mx, "--verify", str(src), "--max-error", "0.2"]).exit_code == 0
+
+
+def test_verify_against_the_wrong_source_fails(converted, tmp_path) -> None:
+    """Same names and shapes, other weights: the fingerprint matches (headers are equal) but the error
+    (~1.4, independent weights) fails the threshold; another shard layout fails the fingerprint too."""
     other = tmp_path / "other"
-    ck.moe(other, experts=2, shards=1, seed=9)
-    r = inspect_checkpoint(str(converted["nvfp4"][0]), verify=str(other))
-    assert all(e["rel_error"] > 0.5 for e in r["verify"].values())
+    ck.moe(other, experts=2, shards=2, seed=9)
+    dst = str(converted["nvfp4"][0])
+    r = inspect_checkpoint(dst, verify=str(other))
+    assert not r["ok"] and all(e["rel_error"] > 0.5 for e in r["verify"]["layers"].values())
+    assert any("exceed --max-error" in p for p in r["checks"]["problems"])
+    res = CliRunner().invoke(main, ["inspect", dst, "--verify", str(other)])
+    assert res.exit_code == 6 and "verdict: FAILED" in res.stdout
+    one = tmp_path / "one_shard"
+    ck.moe(one, experts=2, shards=1)  # the converted model's weights, in one file
+    r = inspect_checkpoint(dst, verify=str(one))
+    assert r["verify"]["fingerprint"] == "differs" and not r["ok"]
+    assert any("does not match the manifest's source fingerprint" in p and "model.safetensors" in p
+               for p in r["checks"]["problems"]), r["checks"]["problems"]
+    assert all(e["rel_error"] < 0.11 for e in r["verify"]["layers"].values())  # same data: only the fingerprint fails
+    smaller = tmp_path / "smaller"
+    ck.moe(smaller, experts=1, shards=2)
+    r = inspect_checkpoint(dst, verify=str(smaller))
+    assert not r["ok"] and any("not in the --verify source" in p for p in r["checks"]["problems"])
+
+
+def test_verify_against_a_quantized_folder_fails(converted) -> None:
+    """Every layer 'not in the source' is a failure, not 'OK'."""
+    r = inspect_checkpoint(str(converted["nvfp4"][0]), verify=str(converted["mxfp4"][0]))
+    assert not r["ok"]
+    assert all(e == {"error": "not in the source checkpoint"} for e in r["verify"]["layers"].values())
+    assert any("not in the --verify source" in p for p in r["checks"]["problems"])
+    res = CliRunner().invoke(main, ["inspect", str(converted["nvfp4"][0]), "--verify", str(converted["mxfp4"][0])])
+    assert res.exit_code == 6 and "OK" not in res.stdout
+
+
+def test_plot_without_matplotlib_writes_html(converted, src, tmp_path) -> None:
+    out = tmp_path / "err.png"
+    res = CliRunner().invoke(main, ["inspect", str(converted["nvfp4"][0]), "--verify", str(src), "--plot", str(out)])
+    assert res.exit_code == 0, res.output
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        html = tmp_path / "err.html"
+        assert "matplotlib is not installed" in res.stderr and html.exists() and not out.exists()
+        text = html.read_text()
+        assert "<svg" in text and "model.layers.1.mlp.experts.0.up_proj" in text and "threshold 0.25" in text
+    else:
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert CliRunner().invoke(main, ["inspect", str(converted["nvfp4"][0]), "--plot", str(out)]).exit_code == 2
+
+
+# --- the manifest against the files -------------------------------------------------------------
+
+def test_missing_manifest_in_an_output_folder_fails(copy) -> None:
+    dst = copy()
+    (dst / "fp4convert.json").unlink()
+    r = inspect_checkpoint(str(dst))
+    assert r["format"] == "fp4convert" and r["quantized"] > 0  # still recognised (config.json names fp4convert)
+    assert not r["ok"] and r["checks"]["manifest"].startswith("missing")
+    assert any("fp4convert.json is missing" in p and "config.json names fp4convert" in p for p in r["checks"]["problems"])
+    # Without the native quantization_config either: the tensors are recognised by their names and scale shapes.
+    c = json.loads((dst / "config.json").read_text())
+    del c["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(c))
+    r = inspect_checkpoint(str(dst))
+    assert r["format"] == "fp4convert" and r["scheme"] == "nvfp4" and r["quantized"] > 0
+    assert any("recognised from the tensor names" in n for n in r["checks"]["notes"])
+    assert not r["ok"] and any("model card" in p for p in r["checks"]["problems"])
+    assert CliRunner().invoke(main, ["inspect", str(dst)]).exit_code == 6
+
+
+def test_interrupted_conversion_is_named(copy) -> None:
+    dst = copy()
+    (dst / "fp4convert.json").rename(dst / ".fp4convert-progress.json")
+    r = inspect_checkpoint(str(dst))
+    assert not r["ok"] and any("--resume" in p for p in r["checks"]["problems"])
+
+
+def test_engine_folder_without_manifest_is_fine(src, tmp_path) -> None:
+    """A compressed-tensors folder another tool wrote has no manifest: that is not a problem."""
+    dst = tmp_path / "ct"
+    convert(src, dst, ConvertConfig(device="cpu", format="compressed-tensors"))
+    (dst / "fp4convert.json").unlink()
+    (dst / "README.md").write_text("# someone else's card\n")
+    r = inspect_checkpoint(str(dst))
+    assert r["ok"] and r["checks"]["manifest"] == "not expected (not an fp4convert output)", r["checks"]
+
+
+def test_files_not_in_the_manifest(copy) -> None:
+    dst = copy()
+    (dst / "notes.txt").write_text("added later")
+    r = inspect_checkpoint(str(dst))
+    assert not r["ok"] and "notes.txt: not listed in fp4convert.json (added after the conversion?)" in r["checks"]["problems"]
+    assert "sha256 verified" not in r["checks"]["checksums"]
+
+
+def test_manifest_scales_and_settings_must_match_the_tensors(copy) -> None:
+    dst = copy()
+    path = dst / "fp4convert.json"
+    m = json.loads(path.read_text())
+    name = "model.layers.0.self_attn.o_proj.weight"
+    m["tensors"][name]["global_scale"] *= 1.5
+    m["scheme"] = "mxfp4"
+    path.write_text(json.dumps(m))
+    probs = inspect_checkpoint(str(dst))["checks"]["problems"]
+    assert any(p.startswith("model.layers.0.self_attn.o_proj: global scale") and "records" in p for p in probs), probs
+    assert any("says scheme mxfp4, the block scales are nvfp4" in p for p in probs), probs
+    assert any("settings.scheme is 'nvfp4' but scheme is 'mxfp4'" in p for p in probs), probs
+
+
+# --- engine configs against the tensors -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine_outputs(src, tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for fmt, scheme in (("compressed-tensors", "nvfp4"), ("compressed-tensors", "mxfp4"), ("modelopt", "nvfp4")):
+        dst = tmp_path_factory.mktemp(f"{fmt}-{scheme}") / "q"
+        convert(src, dst, ConvertConfig(device="cpu", format=fmt, scheme=scheme))
+        out[f"{fmt}-{scheme}"] = dst
+    return out
+
+
+def edit_json(path: Path, fn) -> None:
+    obj = json.loads(path.read_text())
+    fn(obj)
+    path.write_text(json.dumps(obj))
+
+
+@pytest.mark.parametrize("key", ["compressed-tensors-nvfp4", "compressed-tensors-mxfp4", "modelopt-nvfp4"])
+def test_engine_config_agrees(engine_outputs, key) -> None:
+    r = inspect_checkpoint(str(engine_outputs[key]), check_files=True)
+    assert r["ok"] and r["checks"]["engine_config"] == "agrees with the tensors", r["checks"]
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size=32), "group_size is 32"),
+    (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(strategy="group"), "strategy is 'group'"),
+    (lambda c: c["quantization_config"]["config_groups"]["group_0"].update(format="mxfp4-pack-quantized"), "does not match the nvfp4"),
+    (lambda c: c["quantization_config"].update(ignore=[]), "ignore misses"),
+    (lambda c: c["quantization_config"]["ignore"].append("model.layers.0.self_attn.q_proj"), "names 1 quantized weight"),
+    (lambda c: c["quantization_config"]["ignore"].append("re:.*experts.*"), "would load it unquantized"),
+    (lambda c: c.pop("quantization_config"), "no quantization_config"),
+])
+def test_compressed_tensors_config_disagrees(engine_outputs, tmp_path, edit, words) -> None:
+    dst = tmp_path / "ct"
+    shutil.copytree(engine_outputs["compressed-tensors-nvfp4"], dst)
+    (dst / "fp4convert.json").unlink()  # as a third-party folder: only config.json describes it
+    edit_json(dst / "config.json", edit)
+    r = inspect_checkpoint(str(dst))
+    if words == "no quantization_config":  # nothing says compressed-tensors any more: guessed by names
+        assert any("recognised from the tensor names" in n for n in r["checks"]["notes"])
+    assert not r["ok"] and any(words in p for p in r["checks"]["problems"]), r["checks"]["problems"]
+
+
+def test_mxfp4_config_disagrees(engine_outputs, tmp_path) -> None:
+    dst = tmp_path / "ct"
+    shutil.copytree(engine_outputs["compressed-tensors-mxfp4"], dst)
+    edit_json(dst / "config.json", lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size=16))
+    probs = inspect_checkpoint(str(dst))["checks"]["problems"]
+    assert any("group_size is 16, the mxfp4 scales are per 32" in p for p in probs), probs
+    assert any("disagree with group_size 16" in p for p in probs), probs
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda h: h["quantization"].update(group_size=32), "group_size is 32"),
+    (lambda h: h["quantization"].update(exclude_modules=["lm_head"]), "exclude_modules misses"),
+    (lambda h: h["quantization"].update(exclude_modules=["*"]), "exclude_modules names"),
+])
+def test_modelopt_config_disagrees(engine_outputs, tmp_path, edit, words) -> None:
+    dst = tmp_path / "mo"
+    shutil.copytree(engine_outputs["modelopt-nvfp4"], dst)
+    edit_json(dst / "hf_quant_config.json", edit)
+    probs = inspect_checkpoint(str(dst))["checks"]["problems"]
+    assert any(words in p for p in probs), probs
+
+
+def test_verify_an_export_against_the_original_source(converted, src, tmp_path) -> None:
+    """An exported folder's manifest names the native folder as its source; --verify checks the original
+    fingerprint it carries (identity.exported_from) instead."""
+    from fp4convert.export import export
+
+    out = tmp_path / "ct"
+    export(str(converted["nvfp4"][0]), out, ConvertConfig(format="compressed-tensors"))
+    r = inspect_checkpoint(str(out), verify=str(src))
+    assert r["ok"] and r["verify"]["fingerprint"] == "matches (file sizes and header hashes)", r["checks"]
+    assert 0.09 <= r["verify"]["overall"]["worst_rel_error"] <= 0.11
+
+
+def test_verify_a_hub_conversion_against_a_folder(copy, src) -> None:
+    """A manifest that names a Hub commit cannot be compared file by file with a folder: the tensor names,
+    shapes and dtypes are (and pass here), and the report says so."""
+    dst = copy()
+    path = dst / "fp4convert.json"
+    m = json.loads(path.read_text())
+    m["identity"]["source"] = {"type": "hub", "repo_id": "org/model", "revision": None, "commit": "0" * 40}
+    path.write_text(json.dumps(m))
+    r = inspect_checkpoint(str(dst), verify=str(src))
+    assert r["verify"]["fingerprint"].startswith("not comparable") and r["ok"], r["checks"]["problems"]
+    m["tensors"]["model.layers.0.self_attn.o_proj.weight"]["shape"] = [64, 32]
+    path.write_text(json.dumps(m))
+    r = inspect_checkpoint(str(dst), verify=str(src))
+    assert not r["ok"] and any("differs from the converted one" in p and "o_proj" in p for p in r["checks"]["problems"])

@@ -101,12 +101,19 @@ def offline(hub, monkeypatch):
 
 def compare_with_local(hub_out: Path, local_out: Path, commit: str, revision: str | None) -> None:
     got, want = ck.all_files(hub_out), ck.all_files(local_out)
+    from fp4convert.modelcard import original_body, split_card
+
     m_got, m_want = json.loads(got.pop("fp4convert.json")), json.loads(want.pop("fp4convert.json"))
+    card_got, card_want = got.pop("README.md").decode(), want.pop("README.md").decode()
     assert got == want  # every shard, the index, every copied file
+    # The model card names the Hub repo as base model (the local run: its folder); the source card is kept.
+    assert split_card(card_got)[0]["base_model"] == REPO and original_body(card_got) == original_body(card_want)
     assert m_got["source"]["type"] == "hub" and m_got["source"]["repo_id"] == REPO
     assert m_got["source"]["commit"] == commit and m_got["source"]["revision"] == revision
-    for k in ("tensors", "summary", "groups", "scheme", "format", "files"):
+    for k in ("tensors", "summary", "groups", "scheme", "format"):
         assert m_got[k] == m_want[k], k
+    assert {f: r for f, r in m_got["files"].items() if f != "README.md"} == \
+        {f: r for f, r in m_want["files"].items() if f != "README.md"}
 
 
 def test_quantize_from_the_hub_cache_offline(hub, tmp_path) -> None:

@@ -222,7 +222,9 @@ def write_json(path: Path, obj: dict) -> None:
 
 def update_config(dst: Path, key: str, value: dict) -> None:
     """Set one key of DST's config.json (copied from the source earlier), keeping the rest."""
+    from .native import restore_config  # export copies a native config.json: give back the source's model type
+
     path = dst / CONFIG_NAME
-    cfg = read_json(path)
+    cfg = restore_config(read_json(path))
     cfg[key] = value
     write_json(path, cfg)
