@@ -21,7 +21,7 @@ from .errors import ConfigError, OutputError, PushError
 from .manifest import MANIFEST_NAME, PROGRESS_NAME, file_digest
 from .modelcard import CARD_NAME, PLACEHOLDER, build_card
 from .plan import Plan
-from .source import Source, _one_line
+from .source import Source, one_line
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, toke
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     except Exception as exc:  # huggingface_hub raises many types; all mean "cannot create"
-        raise PushError(f"{repo_id}: cannot create the repo on the Hub ({_one_line(exc)})") from exc
+        raise PushError(f"{repo_id}: cannot create the repo on the Hub ({one_line(exc)})") from exc
     retarget_card(folder, repo_id)
     manifest = json.loads((folder / MANIFEST_NAME).read_text())
     message = commit_message or (f"fp4convert {manifest.get('producer', {}).get('version', '')}: "
@@ -82,7 +82,7 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, toke
         info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", revision=revision,
                                  commit_message=message, ignore_patterns=IGNORE_ON_PUSH)
     except Exception as exc:
-        raise PushError(f"{repo_id}: upload failed ({_one_line(exc)}); run the same command again to upload "
+        raise PushError(f"{repo_id}: upload failed ({one_line(exc)}); run the same command again to upload "
                         "only what is missing") from exc
     return str(getattr(info, "commit_url", info))
 

@@ -47,7 +47,7 @@ MAX_JSON_FILE = 100_000_000  # bytes; an index or config.json larger than this i
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
-def _one_line(exc: BaseException, limit: int = 300) -> str:
+def one_line(exc: BaseException, limit: int = 300) -> str:
     """huggingface_hub's multi-line messages (and signed URLs) folded into one short line."""
     text = " ".join(str(exc).split())
     text = re.sub(r"(https?://[^\s?]+)\?\S+", r"\1?...", text)  # drop signed query strings
@@ -364,7 +364,7 @@ class Source:
             path = Path(hf_hub_download(self.repo_id, file, revision=self.commit or self.revision,
                                         local_files_only=_offline(), token=self.token, cache_dir=self.cache_dir))
         except Exception as exc:  # huggingface_hub raises many types; all mean "cannot fetch"
-            raise SourceError(f"{self.repo_id}: cannot fetch {file} ({_one_line(exc)})") from exc
+            raise SourceError(f"{self.repo_id}: cannot fetch {file} ({one_line(exc)})") from exc
         real = os.path.realpath(path)
         if not _inside(real, self.roots):
             raise OutsideSourceError(f"{self.repo_id}: {file} resolves to {real}, outside the repo's cache folder")
@@ -582,7 +582,7 @@ def _open_hub(repo_id: str, revision: str | None, token: str | None = None, cach
                                       local_files_only=_offline(), token=token, cache_dir=cache_dir))
     except Exception as exc:
         hint = " (HF_HUB_OFFLINE is set and the repo is not in the cache)" if _offline() else ""
-        raise SourceError(f"{repo_id}: cannot open on the Hub{hint}: {_one_line(exc)}") from exc
+        raise SourceError(f"{repo_id}: cannot open on the Hub{hint}: {one_line(exc)}") from exc
     commit = root.name  # snapshots/<commit>
     roots = _roots_for(root, True)
     weight_map = None

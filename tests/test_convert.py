@@ -211,7 +211,7 @@ def test_fp32_and_fp16_sources(tmp_path) -> None:
 # --- non-weight files, index, manifest ---------------------------------------------------------
 
 def test_other_files_copied(llama_src, llama_out) -> None:
-    from fp4convert.formats.native import restore_config
+    from fp4convert.formats.base import restore_config
 
     dst, _ = llama_out
     for rel in ["generation_config.json", *ck.OTHER_FILES]:

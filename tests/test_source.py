@@ -568,7 +568,7 @@ def test_plausible_repo_id_still_goes_to_the_hub(tmp_path, monkeypatch) -> None:
     ck.llama(tmp_path / "examples" / "tiny-llama", layers=1, single=True)
     monkeypatch.chdir(tmp_path)
     asked = []
-    monkeypatch.setattr(source_mod, "_open_hub", lambda repo, rev: asked.append(repo))
+    monkeypatch.setattr(source_mod, "_open_hub", lambda repo, rev, *rest: asked.append(repo))
     open_source("tiny-org/tiny-llama")
     open_source("meta-llama/Llama-3.1-8B")
     assert asked == ["tiny-org/tiny-llama", "meta-llama/Llama-3.1-8B"]

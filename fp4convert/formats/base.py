@@ -220,10 +220,27 @@ def write_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def update_config(dst: Path, key: str, value: dict) -> None:
-    """Set one key of DST's config.json (copied from the source earlier), keeping the rest."""
-    from .native import restore_config  # export copies a native config.json: give back the source's model type
+# The native format marks its config.json with this quant_method (so loaders refuse it) and keeps the
+# source's model_type inside its quantization_config; restore_config undoes both.
+NATIVE_QUANT_METHOD = "fp4convert"
 
+
+def restore_config(cfg: dict) -> dict:
+    """A native config.json as the source had it: the model type back, the native quantization_config gone."""
+    qc = cfg.get("quantization_config")
+    if not (isinstance(qc, dict) and qc.get("quant_method") == NATIVE_QUANT_METHOD):
+        return cfg
+    out = dict(cfg)
+    if qc.get("model_type") is not None:
+        out["model_type"] = qc["model_type"]
+    del out["quantization_config"]
+    return out
+
+
+def update_config(dst: Path, key: str, value: dict) -> None:
+    """Set one key of DST's config.json (copied from the source earlier), keeping the rest.
+
+    ``export`` copies a native config.json: the source's model type comes back first."""
     path = dst / CONFIG_NAME
     cfg = restore_config(read_json(path))
     cfg[key] = value

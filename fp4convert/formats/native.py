@@ -10,7 +10,7 @@ source model (transformers would otherwise load it with every quantized linear l
 initialised). It gets a ``quantization_config`` with ``quant_method: fp4convert`` (vLLM refuses an
 unknown method by name) and ``model_type: fp4convert``: transformers 5 only *warns* about an unknown
 quant_method and then loads random weights, but it refuses a model type it does not know. The
-source's model type is kept in ``quantization_config["model_type"]``; :func:`restore_config` puts it
+source's model type is kept in ``quantization_config["model_type"]``; :func:`~fp4convert.formats.base.restore_config` puts it
 back when ``export`` writes an engine format.
 """
 
@@ -20,9 +20,8 @@ from pathlib import Path
 
 from ..scheme import get_scheme
 from ..version import __version__
-from .base import CONFIG_NAME, OutputFormat, OutputInfo, read_json, write_json
+from .base import CONFIG_NAME, NATIVE_QUANT_METHOD, OutputFormat, OutputInfo, read_json, write_json
 
-QUANT_METHOD = "fp4convert"
 MODEL_TYPE = "fp4convert"  # what config.json's model_type becomes (loaders refuse it)
 NOTE = ("fp4convert native layout (128x4 swizzled block scales): no engine loads it as is. "
         "Run `fp4convert export DIR OUT --format compressed-tensors` (or modelopt) for vLLM / transformers.")
@@ -35,7 +34,7 @@ class NativeFormat(OutputFormat):
     def quantization_config(self, info: OutputInfo) -> dict:
         s = get_scheme(info.scheme)
         return {
-            "quant_method": QUANT_METHOD,
+            "quant_method": NATIVE_QUANT_METHOD,
             "producer": {"name": "fp4convert", "version": __version__},
             "format": self.name,
             "scheme": s.name,
@@ -67,19 +66,7 @@ class NativeFormat(OutputFormat):
     def detect(self, root: Path, config: dict) -> bool:
         """A native folder is known by its manifest, or (manifest lost) by config.json's quant_method."""
         qc = config.get("quantization_config")
-        return isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD
-
-
-def restore_config(cfg: dict) -> dict:
-    """A native config.json as the source had it: the model type back, the native quantization_config gone."""
-    qc = cfg.get("quantization_config")
-    if not (isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD):
-        return cfg
-    out = dict(cfg)
-    if qc.get("model_type") is not None:
-        out["model_type"] = qc["model_type"]
-    del out["quantization_config"]
-    return out
+        return isinstance(qc, dict) and qc.get("quant_method") == NATIVE_QUANT_METHOD
 
 
 FORMAT = NativeFormat()
