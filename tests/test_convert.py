@@ -446,3 +446,26 @@ def test_resume_into_a_missing_destination_just_converts(llama_src, llama_out, t
     dst = tmp_path / "new"
     res = convert(llama_src, dst, cfg(max_shard_size=6000, resume=True))
     assert res.reused_files == [] and ck.all_files(dst) == ck.all_files(llama_out[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("variant,rule", [("gpt_oss", "mse"), ("llama4", "4over6"), ("fp8", "max"), ("mxfp4", "max")])
+def test_cuda_families_and_inputs_give_the_same_bytes(tmp_path, variant, rule) -> None:
+    """Stacked experts (batched per expert part), FP8 and MXFP4 inputs (decoded by the kernels) and the
+    search rules: the GPU route writes the CPU route's bytes."""
+    from . import zoo
+
+    family = {"fp8": "deepseek_v3", "mxfp4": "gpt_oss"}.get(variant, variant)
+    src = zoo.build(family, tmp_path / "bf16")
+    if variant == "fp8":
+        zoo.fp8_block_variant(src, tmp_path / "in", block=(128, 128))
+        src = tmp_path / "in"
+    elif variant == "mxfp4":
+        zoo.mxfp4_variant(src, tmp_path / "in")
+        src = tmp_path / "in"
+    outs = {}
+    for device in ("cpu", "cuda"):
+        outs[device] = tmp_path / device
+        convert(src, outs[device], ConvertConfig(device=device, scale_rule=rule, format="compressed-tensors"))
+    assert ck.all_files(outs["cpu"]) == ck.all_files(outs["cuda"])
