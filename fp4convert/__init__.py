@@ -16,9 +16,26 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category
 
 from .errors import ConfigError, FP4ConvertError, NonFiniteError, QuantizationError, ShapeError
 from .scheme import MXFP4, NVFP4, SCHEMES, Scheme
-from .swizzle import swizzle_scales, unswizzle_scales
-from .tensor import QuantizedTensor, amax, dequantize, quantize
 from .version import __version__
+
+# The tensor API needs torch; it is imported on first use, so the command line (``--help``,
+# ``--version``, option errors, Ctrl-C during start-up) answers without paying torch's start-up.
+_LAZY = {
+    "QuantizedTensor": "tensor", "amax": "tensor", "dequantize": "tensor", "quantize": "tensor",
+    "swizzle_scales": "swizzle", "unswizzle_scales": "swizzle",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fp4convert' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "MXFP4",

@@ -369,3 +369,17 @@ def test_no_numpy_warning_without_numpy(tmp_path) -> None:
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert "NumPy" not in r.stderr and "numpy" not in r.stderr.lower(), r.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["quantize", "--help"], ["quantize", "x", "y", "--scheme", "int4"]])
+def test_start_up_without_torch(args) -> None:
+    """--help, --version and option errors answer without importing torch (issue 10: lean start-up)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, runpy; sys.argv = ['fp4convert'] + sys.argv[1:]\n"
+            "try:\n    runpy.run_module('fp4convert', run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    assert out.stderr.strip().splitlines()[-1] == "NO-TORCH", out.stderr
