@@ -1,47 +1,70 @@
-"""The converter: source -> plan -> quantize -> write -> manifest, one work unit at a time.
+"""The converter: source -> plan -> quantize -> write -> manifest, in an overlapped pipeline.
 
-A work unit is one tensor or one fused group. Its tensors are read with plain file reads (the next
-unit's in a background thread, see :mod:`fp4convert.readahead`), quantized (pass 1: amax of every
-member, pass 2: block quantization with the group's global scale) and streamed into output shards
-whose headers the plan fixed in advance, so host memory holds at most two units whatever the model
-or shard size. Files are written under ``.partial`` names and renamed
-when complete; the manifest is written last and marks a finished conversion.
+A work unit is one tensor or one fused group. Planning reads headers only; then the kernel is
+asked to start reading the source in plan order (``posix_fadvise``) while torch and CUDA
+initialise. Units are read ahead in a background thread (:mod:`fp4convert.readahead`), quantized
+in batches (pass 1: amax of every member, pass 2: block quantization with the unit's global scale;
+on CUDA several units share one launch per shape, see :mod:`fp4convert.pipeline`) and written by a
+writer thread into output shards whose headers the plan fixed in advance, so host memory holds a
+few batches whatever the model or shard size. Files are written under ``.partial`` names and
+renamed when complete; the manifest is written last and marks a finished conversion.
+
+Under ``torchrun`` each rank writes its share of the shards (:mod:`fp4convert.distributed`).
+Importing this module imports no torch: ``--dry-run`` and argument errors never pay for it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import time
-from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .config import ConvertConfig
-from .errors import ConfigError, CUDAUnavailableError, NonFiniteError, PlanError, QuantizationError
-from .formats import detect, get_format
-from .formats.base import OutputFormat
-from .manifest import MANIFEST_NAME, load_manifest
-from .plan import QUANTIZE, Decision, Plan, make_plan
-from .readahead import ReadAhead
-from .scheme import get_scheme
-from .source import Source, open_source
-from .tensor import amax as tensor_amax
-from .tensor import quantize
-from .writer import ConvertResult, Progress, ShardWriters, finish, prepare_destination, run_identity, write_outputs
+from .distributed import World, assign, run_writes
+from .errors import ConfigError, CUDAUnavailableError, PlanError
+from .readahead import advise
+
+if TYPE_CHECKING:
+    import torch
+
+    from .formats.base import OutputFormat
+    from .plan import Decision, Plan
+    from .source import Source
+    from .writer import ConvertResult, Progress
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ConvertResult", "convert", "plan_conversion", "resolve_device"]
 
 
-def resolve_device(device: str) -> torch.device:
-    """'auto' is the first GPU whose kernels load, else the CPU (with one warning); 'cuda' must work."""
+def __getattr__(name: str):
+    if name == "ConvertResult":  # re-exported lazily: writer imports torch
+        from .writer import ConvertResult
+
+        return ConvertResult
+    raise AttributeError(name)
+
+
+def resolve_device(device: str, world: World | None = None) -> torch.device:
+    """'auto' is the first GPU whose kernels load, else the CPU (with one warning); 'cuda' must work.
+
+    Under torchrun, 'auto' and 'cuda' mean this rank's GPU (LOCAL_RANK, modulo the visible GPUs).
+    """
+    import torch
+
+    world = world or World()
+
+    def local_gpu() -> torch.device:
+        n = torch.cuda.device_count()
+        return torch.device("cuda", world.local_rank % n) if world.distributed and n else torch.device("cuda")
+
     if device == "auto":
         if not torch.cuda.is_available():
             return torch.device("cpu")
-        dev = torch.device("cuda")
+        dev = local_gpu()
         try:
             from .cuda import ops
 
@@ -59,11 +82,18 @@ def resolve_device(device: str) -> torch.device:
         raise ConfigError(f"--device {device}: only cpu and cuda are supported")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CUDAUnavailableError(f"--device {device}: no CUDA GPU is visible here; use --device cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = local_gpu()
     return dev
 
 
 def plan_conversion(src: str | Source, config: ConvertConfig) -> tuple[Source, Plan, OutputFormat]:
     """Open the source and plan it from headers alone (what ``--dry-run`` shows)."""
+    from .formats import detect, get_format
+    from .manifest import MANIFEST_NAME, load_manifest
+    from .plan import make_plan
+    from .source import Source, open_source
+
     source = src if isinstance(src, Source) else open_source(src, config.revision)
     manifest = load_manifest(source.root)
     found = detect(source.root, source.config(), manifest)
@@ -73,6 +103,18 @@ def plan_conversion(src: str | Source, config: ConvertConfig) -> tuple[Source, P
     fmt = get_format(config.format)
     plan = make_plan(source.tensors(), config, fmt, source.config())
     return source, plan, fmt
+
+
+def _advise_source(source: Source, plan: Plan, mine: set[str]) -> None:
+    """Start the kernel reading what this rank will read, in plan order (before torch/CUDA start)."""
+    if source.is_hub:
+        return  # files arrive shard by shard from the Hub; nothing local to advise yet
+    shard_of = plan.shard_of()
+    ranges = []
+    for unit in plan.units():
+        if any(shard_of[e.name] in mine for d in unit for e in d.outputs):
+            ranges += [(source.root / d.info.file, d.info.begin, d.info.end) for d in unit]
+    advise(ranges)
 
 
 def convert(
@@ -86,68 +128,86 @@ def convert(
     """Convert checkpoint ``src`` (folder or Hub repo id) into ``dst``.
 
     ``plan``: the result of :func:`plan_conversion` when the caller already planned (the CLI prints
-    the plan's warnings first), so the source is planned once.
+    the plan's warnings first), so the source is planned once. Under torchrun (WORLD_SIZE > 1)
+    every rank calls this with the same arguments.
     """
     t0 = time.perf_counter()
     dst = Path(dst)
+    world = World.from_env()
     source, plan_, fmt = plan if plan is not None else plan_conversion(src, config)
-    device = resolve_device(config.device)
+    _advise_source(source, plan_, assign(plan_, world))
+
+    import torch  # noqa: F401 - from here on the work needs it (the source is being read meanwhile)
+
+    from .pipeline import CUDA_BATCH_BYTES, CUDA_BATCH_UNITS, Batch, CpuBackend, CudaBackend, Settings, \
+        WriteBehind, make_batches, write_batch
+    from .plan import QUANTIZE
+    from .readahead import ReadAhead
+    from .scheme import get_scheme
+    from .writer import ConvertResult, run_identity
+
+    world.init()
+    device = resolve_device(config.device, world)
+    if world.distributed and device.type == "cpu" and world.local_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_size))
     identity = run_identity(config, source)
-    done = prepare_destination(dst, plan_, config, identity, source)
+    settings = Settings(get_scheme(config.scheme), config.rotate, fmt.swizzled, _scale_rule(config))
+    backend = CudaBackend(device) if device.type == "cuda" else CpuBackend()
+    cuda = device.type == "cuda"
+    limits = (CUDA_BATCH_UNITS, CUDA_BATCH_BYTES) if cuda else (1, 0)
 
     reader: ReadAhead | None = None
+    behind = WriteBehind()
+    batch_of: dict[int, Batch] = {}  # id(first unit) -> its batch
 
     def start(pending: list[list[Decision]]) -> None:
         nonlocal reader
-        units = [[d.info for d in u] for u in pending if u[0].action == QUANTIZE]
-        reader = ReadAhead(units, source.local_path, pinned=device.type == "cuda")
+        batches = [Batch(b) for b in make_batches(pending, *limits)]
+        batch_of.update({id(b.units[0]): b for b in batches})
+        reader = ReadAhead([[d.info for d in b.members] for b in batches], source.local_path, pinned=cuda)
 
-    def process(unit: list[Decision], writers: ShardWriters) -> dict[str, dict]:
-        if unit[0].action == QUANTIZE:
-            hosts = reader.next()
-            try:
-                xs = [h.to(device, non_blocking=True) for h in hosts]
-                return _quantize_unit(unit, xs, config, fmt, writers)
-            finally:
-                reader.release()  # outputs are on the host now: every copy from these buffers is done
-        d = unit[0]
-        writers.raw(d.name, source.local_path(d.info.file), d.info)
-        return {d.name: {}}
+    def process(unit: list[Decision], writers) -> dict[str, dict]:
+        if unit[0].action != QUANTIZE:
+            d = unit[0]
+            behind.submit(lambda: writers.raw(d.name, source.local_path(d.info.file), d.info))
+            return {d.name: {}}
+        batch = batch_of.get(id(unit))
+        if batch is None:
+            return {}  # a later unit of a batch: quantized and queued with its first unit
+        hosts = reader.next()
+        records = {d.name: {} for d in batch.members}
+        try:
+            result = _quantize_unit(batch, hosts, backend, settings)
+        finally:
+            # CPU: the inputs are no longer needed. CUDA: refilled once their copies completed.
+            reader.release(backend.h2d_done if cuda else None)
+        behind.submit(write_batch(batch, result, settings, fmt, writers, records))
+        return records
 
     try:
-        write_outputs(plan_, dst, identity, done, progress or (lambda n: None), process, start)
+        done = run_writes(world, plan_, dst, config, identity, source, fmt, progress or (lambda n: None), process,
+                          start, behind.drain)
     finally:
         if reader is not None:
             reader.close()
-    finish(source, plan_, fmt, dst, identity)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan_.shards))
     wait = reader.wait_s if reader is not None else 0.0
     return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait)
 
 
-def _quantize_unit(unit: list[Decision], xs: list[torch.Tensor], config: ConvertConfig, fmt: OutputFormat,
-                   writers: ShardWriters) -> dict[str, dict]:
-    """Pass 1 (amax of every member), then pass 2 (quantize each with the group's global scale)."""
-    group_amax = None
-    records: dict[str, dict] = {}
-    if get_scheme(config.scheme).global_scale:
-        amaxes = [tensor_amax(x, rotate=config.rotate) for x in xs]
-        for d, a in zip(unit, amaxes):
-            if not bool(torch.isfinite(a).all()):
-                raise NonFiniteError(f"{d.name} (in {d.info.file}) holds NaN or Inf; fix the source or --ignore it")
-        group_amax = torch.stack(amaxes).amax(0)
-    for d, x in zip(unit, xs):
-        try:
-            q = quantize(x, config.scheme, rotate=config.rotate, global_amax=group_amax,
-                         scale_layout="swizzled" if fmt.swizzled else "linear")
-        except QuantizationError as exc:
-            raise type(exc)(f"{d.name} (in {d.info.file}): {exc}") from exc
-        for name, t in fmt.tensors(d.module, q):
-            writers.tensor(name, t)
-        rec: dict = {}
-        if q.global_scale is not None:
-            rec["global_scale"] = float(q.global_scale)
-            rec["amax"] = float(group_amax)
-        records[d.name] = rec
-    return records
+def _scale_rule(config: ConvertConfig) -> dict:
+    """A non-default block-scale rule, when the config carries one (the backend's keyword)."""
+    rule = getattr(config, "scale_rule", None)
+    if rule is None:
+        return {}
+    from .scheme import get_scheme
+
+    s = get_scheme(config.scheme)
+    rule = s.check_rule(rule)
+    return {} if rule == s.default_rule else {"scale_rule": rule}
+
+
+def _quantize_unit(batch, hosts, backend, settings):
+    """Pass 1 and pass 2 of one batch (one unit on the CPU); returns the writer's result function."""
+    return backend.run(batch, hosts, settings)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,21 +131,46 @@ def _remove_outputs(dst: Path) -> None:
             names.update(json.loads(manifest.read_text()).get("files", {}))
         except json.JSONDecodeError:
             pass
+    records = set(progress_records(dst))
     for p in dst.iterdir():
-        if p.is_file() and (p.name in names or p.suffix == ".safetensors" or p.name.endswith(".partial")):
+        if p.is_file() and (p.name in names or p.suffix == ".safetensors" or p.name.endswith(".partial")
+                            or p in records):
             p.unlink()
+
+
+def rank_progress_name(rank: int) -> str:
+    """Under torchrun each rank keeps its own progress record (no write race); rank 0 merges them."""
+    return PROGRESS_NAME.replace(".json", f".rank{rank}.json")
+
+
+def progress_records(dst: Path) -> list[Path]:
+    """The progress record of an interrupted run: one file, or one per rank (any number of ranks)."""
+    stem = PROGRESS_NAME[: -len(".json")]
+    return sorted(p for p in dst.glob(stem + "*.json") if p.name == PROGRESS_NAME or p.name.startswith(stem + ".rank"))
+
+
+def merge_states(states: list[dict]) -> dict:
+    """Several progress records (ranks) as one; they must share one identity."""
+    merged: dict = {"identity": states[0].get("identity", {}), "files": {}, "tensors": {}}
+    for st in states:
+        if st.get("identity", {}) != merged["identity"]:
+            merged["identity"] = {"mismatch": True}  # refused below: other settings somewhere
+        merged["files"].update(st.get("files", {}))
+        merged["tensors"].update(st.get("tensors", {}))
+    return merged
 
 
 def _resumable(dst: Path, identity: dict) -> dict:
     """Finished shards of an interrupted run with the same settings, re-verified by checksum."""
-    progress = dst / PROGRESS_NAME
+    records = progress_records(dst)
     manifest = dst / MANIFEST_NAME
-    path = progress if progress.exists() else manifest if manifest.exists() else None
-    if path is None:
+    if not records and manifest.exists():
+        records = [manifest]
+    if not records:
         if any(p.suffix == ".safetensors" for p in dst.iterdir()):
             raise OutputError(f"{dst}: has safetensors files but no fp4convert progress record; use --overwrite")
         return {}
-    state = json.loads(path.read_text())
+    state = merge_states([json.loads(p.read_text()) for p in records])
     stable = {k: v for k, v in identity.items() if k != MTIMES}
     if {k: v for k, v in state.get("identity", {}).items() if k != MTIMES} != stable:
         raise OutputError(
@@ -174,14 +200,17 @@ def _resumable(dst: Path, identity: dict) -> dict:
 class ShardWriters:
     """Open output shards (at most two at once: a unit can straddle a boundary)."""
 
-    def __init__(self, dst: Path, plan: Plan, done: dict, on_close: Callable[[str, dict], None]) -> None:
+    def __init__(self, dst: Path, plan: Plan, done: dict, on_close: Callable[[str, dict], None],
+                 owns: Callable[[str], bool] | None = None) -> None:
         self.dst, self.done, self.on_close = dst, done, on_close
+        self.owns = owns or (lambda f: True)  # under torchrun: the shards this rank writes
         self.entries = dict(plan.shards)
         self.shard_of = plan.shard_of()
         self.open: dict[str, StreamWriter] = {}
 
     def skip(self, name: str) -> bool:
-        return self.shard_of[name] in self.done
+        f = self.shard_of[name]
+        return f in self.done or not self.owns(f)
 
     def _writer(self, name: str) -> StreamWriter:
         f = self.shard_of[name]
@@ -219,24 +248,33 @@ class ShardWriters:
 
 
 def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: Progress, process: UnitFn,
-                  start: Callable[[list[list[Decision]]], None] | None = None) -> None:
+                  start: Callable[[list[list[Decision]]], None] | None = None, *,
+                  owns: Callable[[str], bool] | None = None, progress_name: str = PROGRESS_NAME,
+                  drain: Callable[[bool], None] | None = None) -> tuple[dict, dict]:
     """Stream every work unit's outputs into the planned shards; ``process`` makes a unit's tensors.
 
     ``start`` is told up front which units will be processed (those a resume does not skip), so
-    their reading can begin ahead of time.
+    their reading can begin ahead of time. Under torchrun, ``owns`` selects the shards this rank
+    writes and ``progress_name`` is this rank's own progress record. ``drain(True)`` waits for
+    writes ``process`` queued (a write-behind thread); ``drain(False)`` stops them before an abort.
+    Returns this run's (files, tensors) records.
     """
     tensors_state: dict = dict(done.get("__tensors__", {}))
     files_state = {f: rec for f, rec in done.items() if not f.startswith("__")}
+    lock = threading.Lock()  # on_close may run in a write-behind thread
 
     def on_close(f: str, rec: dict) -> None:
-        files_state[f] = rec
-        _save_progress(dst, identity, files_state, tensors_state)
+        with lock:
+            files_state[f] = rec
+            _save_progress(dst, identity, files_state, tensors_state, progress_name)
 
-    writers = ShardWriters(dst, plan, files_state, on_close)
+    writers = ShardWriters(dst, plan, files_state, on_close, owns)
+    shard_of = writers.shard_of
 
     def finished(unit: list[Decision]) -> bool:
         outputs = [e.name for d in unit for e in d.outputs]
-        return all(writers.skip(n) for n in outputs) and all(d.name in tensors_state for d in unit)
+        mine = [d for d in unit if any(writers.owns(shard_of[e.name]) for e in d.outputs)]
+        return all(writers.skip(n) for n in outputs) and all(d.name in tensors_state for d in mine)
 
     units = plan.units()
     pending = [u for u in units if not finished(u)]
@@ -248,20 +286,27 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
             if id(unit) not in pending_ids:
                 progress(sum(d.info.nbytes for d in unit))
                 continue
-            tensors_state.update(process(unit, writers))
+            records = process(unit, writers)
+            with lock:
+                tensors_state.update(records)
             progress(sum(d.info.nbytes for d in unit))
+        if drain is not None:
+            drain(True)
     except BaseException:
+        if drain is not None:
+            drain(False)
         writers.abort()
         raise
     if writers.open:  # the plan and the work disagree: never leave this silently
         writers.abort()
         raise RuntimeError("internal: output shards left incomplete")
-    _save_progress(dst, identity, files_state, tensors_state)
+    _save_progress(dst, identity, files_state, tensors_state, progress_name)
+    return files_state, tensors_state
 
 
-def _save_progress(dst: Path, identity: dict, files: dict, tensors: dict) -> None:
+def _save_progress(dst: Path, identity: dict, files: dict, tensors: dict, name: str = PROGRESS_NAME) -> None:
     state = {"identity": identity, "files": files, "tensors": tensors}
-    atomic_write(dst / PROGRESS_NAME, json.dumps(state, indent=1, sort_keys=True))
+    atomic_write(dst / name, json.dumps(state, indent=1, sort_keys=True))
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 import fp4convert
 import fp4convert.convert as convert_mod
+import fp4convert.pipeline as pipeline
 from fp4convert import reference as ref
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert
@@ -347,6 +348,9 @@ def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
         return real(*a, **kw)
 
     monkeypatch.setattr(convert_mod, "_quantize_unit", flaky)
+    # Writes in the calling thread, so "after a shard has been finished" is exact (tests/test_pipeline.py
+    # crashes the write-behind thread itself).
+    monkeypatch.setattr(pipeline.WriteBehind, "submit", lambda self, job: job())
     if hard:  # like a kill -9: no cleanup at all, .partial files stay behind
         monkeypatch.setattr(StreamWriter, "abort", lambda self: None)
 

@@ -1,0 +1,295 @@
+"""The overlapped work loop: read, quantize and write of successive batches run at the same time.
+
+Three stages, each in its own thread, joined by bounded queues (so host memory stays bounded):
+
+- reading (:class:`fp4convert.readahead.ReadAhead`): the next batch's source tensors, in pinned
+  buffers for CUDA;
+- quantizing (the calling thread): a *batch* is one work unit or, on CUDA, several consecutive
+  units (all experts of a layer); its tensors are grouped by shape and each group is one batched
+  ``[B, M, K]`` launch of pass 1 (amax per matrix) and pass 2 (quantize with the unit's global
+  amax). On CUDA the host-to-device copies run on a copy stream, the passes and the device-to-host
+  copies (into pinned memory) on a compute stream; nothing waits for the GPU here;
+- writing (:class:`WriteBehind`): waits for the batch's CUDA event (the one host sync per batch),
+  checks the non-finite flags, then streams the tensors into their shards in plan order (file
+  writes and sha256 release the GIL, so they overlap the next batch's quantization on the CPU too).
+
+The CPU path runs the same scheduling (batches, shape groups, deferred checks and writes); only
+the backend differs, so the CPU tests exercise it. The bytes never depend on how units are batched:
+amax and quantization are per matrix, and the global amax per unit.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import reference as ref
+from .errors import NonFiniteError
+from .plan import QUANTIZE, Decision
+from .scheme import Scheme
+from .tensor import QuantizedTensor
+
+Job = Callable[[], None]
+
+# CUDA batching: consecutive units share launches up to these limits (pinned memory: 2 sets).
+CUDA_BATCH_UNITS = 128
+CUDA_BATCH_BYTES = 256 << 20
+WRITE_DEPTH = 2  # batches whose writes may wait in the queue
+
+
+class WriteBehind:
+    """A writer thread running queued jobs in order; its first error stops it and is re-raised."""
+
+    def __init__(self, depth: int = WRITE_DEPTH) -> None:
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fp4convert-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            if self._error is not None:
+                continue  # drain the queue without running: the writer failed
+            try:
+                job()
+            except BaseException as exc:  # handed to the compute thread at its next submit/drain
+                self._error = exc
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, job: Job) -> None:
+        self._raise()
+        while True:
+            try:
+                self._q.put(job, timeout=0.1)
+                return
+            except queue.Full:
+                self._raise()
+                if not self._thread.is_alive():
+                    raise RuntimeError("internal: the writer thread stopped")
+
+    def drain(self, ok: bool) -> None:
+        """Run every queued job (they hold finished work: a shard they complete is kept for --resume),
+        then stop; ok: re-raise a writer error (else the caller is raising its own)."""
+        self._q.put(None)
+        self._thread.join()
+        if ok:
+            self._raise()
+
+
+def make_batches(pending: list[list[Decision]], max_units: int, max_bytes: int) -> list[list[list[Decision]]]:
+    """Consecutive pending quantize units, batched (each unit whole); a kept unit ends a batch."""
+    out: list[list[list[Decision]]] = []
+    cur: list[list[Decision]] = []
+    size = 0
+    for unit in pending:
+        if unit[0].action != QUANTIZE:
+            if cur:
+                out.append(cur)
+            cur, size = [], 0
+            continue
+        nbytes = sum(d.info.nbytes for d in unit)
+        if cur and (len(cur) >= max_units or size + nbytes > max_bytes):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(unit)
+        size += nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+@dataclass
+class Settings:
+    """What the quantize stage needs from the config and the format."""
+
+    scheme: Scheme
+    rotate: str | None
+    swizzle: bool
+    extra: dict  # e.g. a non-default scale rule for the backend
+
+
+class Batch:
+    """One batch's members in plan order, and their shape groups (one launch each)."""
+
+    def __init__(self, units: list[list[Decision]]) -> None:
+        self.units = units
+        self.members = [d for u in units for d in u]
+        self.unit_of = [i for i, u in enumerate(units) for _ in u]
+        groups: dict[tuple, list[int]] = {}
+        for i, d in enumerate(self.members):
+            groups.setdefault((d.info.dtype, tuple(d.info.shape)), []).append(i)
+        self.groups = list(groups.values())
+
+
+class CpuBackend:
+    """Same scheduling, host tensors: each member quantized as it is (no stacking copy)."""
+
+    def __init__(self) -> None:
+        from . import cpu
+
+        self.ops = cpu
+
+    def run(self, batch: Batch, hosts: list[torch.Tensor], s: Settings) -> Callable[[], tuple]:
+        n = len(batch.members)
+        amax = torch.zeros(n, dtype=torch.float32)
+        if s.scheme.global_scale:
+            for i, x in enumerate(hosts):
+                amax[i] = self.ops.amax(x.unsqueeze(0), s.rotate)[0]
+            ga = unit_amax(amax, batch)
+            gs = ref.global_scale(ga)
+        else:
+            ga = gs = None
+        packed, scale, flags = [], [], []
+        for i, x in enumerate(hosts):
+            p, sc, flag = self.ops.quantize(x.unsqueeze(0), s.scheme.name, None if gs is None else gs[i : i + 1],
+                                            s.rotate, s.swizzle, **s.extra)
+            packed.append(p[0])
+            scale.append(sc[0])
+            flags.append(bool(flag))
+        return lambda: (packed, scale, flags, amax, ga, gs, hosts)
+
+
+class CudaBackend:
+    """Copy stream for host-to-device, compute stream for the passes and the device-to-host copies."""
+
+    def __init__(self, device: torch.device) -> None:
+        from .cuda import ops
+
+        self.ops, self.device = ops, device
+        self.copy = torch.cuda.Stream(device)
+        self.compute = torch.cuda.Stream(device)
+        self.h2d_done: torch.cuda.Event | None = None  # the last batch's input copies (frees its pinned set)
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def run(self, batch: Batch, hosts: list[torch.Tensor], s: Settings) -> Callable[[], tuple]:
+        dev = self.device
+        n = len(batch.members)
+        with torch.cuda.stream(self.compute):
+            # Host-to-device: each shape group into one [B, M, K] tensor (no stacking copy).
+            xs = []
+            for g in batch.groups:
+                x = torch.empty((len(g), *hosts[g[0]].shape), dtype=hosts[g[0]].dtype, device=dev)
+                xs.append(x)
+            with torch.cuda.stream(self.copy):
+                for x, g in zip(xs, batch.groups):
+                    for j, i in enumerate(g):
+                        x[j].copy_(hosts[i], non_blocking=True)
+                    x.record_stream(self.copy)
+                self.h2d_done = torch.cuda.Event()
+                self.h2d_done.record(self.copy)
+            self.compute.wait_event(self.h2d_done)
+            # Member order <- group order, as one small index upload (pinned, asynchronous).
+            order = [i for g in batch.groups for i in g]
+            pos = [0] * n
+            for k, i in enumerate(order):
+                pos[i] = k
+            index = torch.tensor(pos + order, dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
+            to_member, to_group = index[:n], index[n:]
+            flags = []
+            if s.scheme.global_scale:
+                amax = torch.cat([self.ops.amax(x, s.rotate) for x in xs])[to_member]
+                ga = unit_amax(amax, batch)
+                gs = ref.global_scale(ga)
+                gs_grouped = gs[to_group]
+                flags.append((~torch.isfinite(amax)).any().to(torch.int32).reshape(1))
+            else:
+                amax = ga = gs = gs_grouped = None
+            outs, start = [], 0
+            for x, g in zip(xs, batch.groups):
+                gsg = None if gs_grouped is None else gs_grouped[start : start + len(g)]
+                start += len(g)
+                p, sc, flag = self.ops.quantize(x, s.scheme.name, gsg, s.rotate, s.swizzle, **s.extra)
+                flags.append(flag.reshape(1).to(torch.int32))
+                outs.append((self._pinned(p), self._pinned(sc.view(torch.uint8)), sc.dtype))
+            meta = [torch.cat(flags).to(torch.float32)]
+            if amax is not None:
+                meta += [amax, ga, gs]
+            meta_h = self._pinned(torch.cat(meta))
+            done = torch.cuda.Event()
+            done.record(self.compute)
+
+        def result() -> tuple:
+            done.synchronize()  # the batch's one host sync, in the writer thread
+            nflags = len(batch.groups) + (1 if amax is not None else 0)
+            bad = bool(meta_h[:nflags].any())
+            m = meta_h[nflags:]
+            amax_h, ga_h, gs_h = (m[:n], m[n : 2 * n], m[2 * n :]) if amax is not None else (None, None, None)
+            packed: list = [None] * n
+            scale: list = [None] * n
+            for (p, sc, dt), g in zip(outs, batch.groups):
+                for j, i in enumerate(g):
+                    packed[i], scale[i] = p[j], sc[j].view(dt)
+            flags_h = [bad] * n
+            if bad:
+                flags_h = _which_nonfinite(xs, batch, amax_h)
+            del xs  # device inputs may be reused now
+            return packed, scale, flags_h, amax_h, ga_h, gs_h, None
+
+        return result
+
+
+def _which_nonfinite(xs: list[torch.Tensor], batch: Batch, amax_h: torch.Tensor | None) -> list[bool]:
+    """The error path only: which members hold NaN/Inf (their amax, or a check on the device)."""
+    if amax_h is not None and not bool(torch.isfinite(amax_h).all()):
+        return [not bool(torch.isfinite(a)) for a in amax_h]
+    bad = [False] * len(batch.members)
+    for x, g in zip(xs, batch.groups):
+        per = (~torch.isfinite(x)).flatten(1).any(1).tolist()
+        for j, i in enumerate(g):
+            bad[i] = per[j]
+    return bad
+
+
+def unit_amax(amax: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Per member: the max amax over its unit (a fused group shares one global scale); NaN propagates."""
+    if all(len(u) == 1 for u in batch.units):
+        return amax
+    width = max(len(u) for u in batch.units)
+    rows, start = [], 0
+    for u in batch.units:
+        idx = list(range(start, start + len(u)))
+        rows.append(idx + [idx[0]] * (width - len(u)))  # padding repeats a member: the max is unchanged
+        start += len(u)
+    index = torch.tensor(rows, dtype=torch.int64)
+    if amax.is_cuda:
+        index = index.pin_memory().to(amax.device, non_blocking=True)
+    per_unit = amax[index].amax(1)
+    unit_of = torch.tensor(batch.unit_of, dtype=torch.int64)
+    if amax.is_cuda:
+        unit_of = unit_of.pin_memory().to(amax.device, non_blocking=True)
+    return per_unit[unit_of]
+
+
+def write_batch(batch: Batch, result: Callable[[], tuple], s: Settings, fmt, writers, records: dict) -> Job:
+    """The writer-thread job of a batch: wait for its results, refuse NaN/Inf, fill records, write."""
+
+    def job() -> None:
+        packed, scale, bad, amax, ga, gs, _ = result()
+        for i, d in enumerate(batch.members):
+            if bad[i]:
+                raise NonFiniteError(f"{d.name} (in {d.info.file}) holds NaN or Inf; fix the source or --ignore it")
+        for i, d in enumerate(batch.members):
+            g = None if gs is None else gs[i].clone().reshape(())
+            q = QuantizedTensor(packed[i], scale[i], g, s.scheme.name, s.rotate,
+                                "swizzled" if s.swizzle else "linear", s.extra.get("scale_rule"))
+            if g is not None:
+                records[d.name]["global_scale"] = float(g)
+                records[d.name]["amax"] = float(ga[i])
+            for name, t in fmt.tensors(d.module, q):
+                writers.tensor(name, t)
+
+    return job
