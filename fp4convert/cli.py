@@ -16,7 +16,7 @@ import click
 from tqdm import tqdm
 
 from .config import ConvertConfig, parse_size
-from .errors import EXIT_CODES, FP4ConvertError, InspectFailed, Interrupted
+from .errors import EXIT_CODES, FP4ConvertError, InspectFailed, Interrupted, RankFailed
 from .formats import OUTPUT_FORMATS
 from .scheme import SCHEMES
 from .version import __version__
@@ -39,6 +39,13 @@ def _setup_logging(quiet: bool) -> None:
     log.propagate = False
 
 
+def _rank() -> int:
+    """This process's rank under torchrun (0 otherwise): only rank 0 prints plans and summaries."""
+    import os
+
+    return int(os.environ.get("RANK", "0") or 0) if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else 0
+
+
 def _library_errors(fn: Callable) -> Callable:
     """FP4ConvertError -> 'Error: ...' on stderr and the error's exit code (no traceback)."""
 
@@ -51,7 +58,8 @@ def _library_errors(fn: Callable) -> Callable:
             click.echo(f"Error: {exc}", err=True)
             sys.exit(exc.exit_code)
         except FP4ConvertError as exc:
-            click.echo(f"Error: {exc}", err=True)
+            if not (isinstance(exc, RankFailed) and _rank() > 0):  # under torchrun rank 0 names the failing rank
+                click.echo(f"Error: {exc}", err=True)
             sys.exit(exc.exit_code)
 
     return wrapper
@@ -120,10 +128,16 @@ def quantize(src, dst, scheme, rotate, fmt, device, max_shard_size, ignore, only
         max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
         revision=revision,
     )
+    if _rank() > 0:  # torchrun: one voice (rank 0); the others only report their own errors
+        quiet, as_json, dry_run_out = True, False, False
+    else:
+        dry_run_out = True
     _setup_logging(quiet or as_json)
     planned = plan_conversion(src, config)
     plan = planned[1]
     if dry_run:
+        if not dry_run_out:
+            return
         if as_json:
             click.echo(json.dumps(plan.to_json(), indent=2))
         else:
@@ -133,6 +147,8 @@ def quantize(src, dst, scheme, rotate, fmt, device, max_shard_size, ignore, only
                disable=quiet or as_json or not sys.stderr.isatty(), file=sys.stderr)
     with bar:
         result = convert(src, dst, config, progress=bar.update, plan=planned)
+    if _rank() > 0:
+        return
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))
         return
@@ -158,8 +174,10 @@ def export(src, dst, fmt, max_shard_size, overwrite, resume, quiet, as_json) -> 
     from .export import export as run_export
 
     config = ConvertConfig(format=fmt, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, resume=resume)
-    _setup_logging(quiet or as_json)
+    _setup_logging(quiet or as_json or _rank() > 0)
     result = run_export(src, dst, config)
+    if _rank() > 0:
+        return
     s = result.to_json()
     if as_json:
         click.echo(json.dumps(s, indent=2))

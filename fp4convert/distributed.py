@@ -174,8 +174,8 @@ def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, sour
 
     One process: exactly prepare_destination -> write_outputs -> finish.
     """
-    from .writer import PROGRESS_NAME, atomic_write, finish, prepare_destination, progress_records, \
-        rank_progress_name, write_outputs
+    from .writer import PROGRESS_NAME, atomic_write, finish, merge_tensor_records, prepare_destination, \
+        progress_records, rank_progress_name, write_outputs
 
     done = world.from_rank0(lambda: prepare_destination(dst, plan, config, identity, source))
     if not world.distributed:
@@ -214,7 +214,7 @@ def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, sour
         state = {"identity": identity, "files": {}, "tensors": {}}
         for s in statuses:
             state["files"].update(s["files"])
-            state["tensors"].update(s["tensors"])
+            merge_tensor_records(state["tensors"], s["tensors"])
         atomic_write(dst / PROGRESS_NAME, json.dumps(state, indent=1, sort_keys=True))
         for p in progress_records(dst):
             if p.name != PROGRESS_NAME:

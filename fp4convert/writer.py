@@ -156,8 +156,15 @@ def merge_states(states: list[dict]) -> dict:
         if st.get("identity", {}) != merged["identity"]:
             merged["identity"] = {"mismatch": True}  # refused below: other settings somewhere
         merged["files"].update(st.get("files", {}))
-        merged["tensors"].update(st.get("tensors", {}))
+        merge_tensor_records(merged["tensors"], st.get("tensors", {}))
     return merged
+
+
+def merge_tensor_records(into: dict, more: dict) -> None:
+    """A unit's record is empty until its results are in (write-behind): never let one hide a full one."""
+    for name, rec in more.items():
+        if rec or name not in into:
+            into[name] = rec
 
 
 def _resumable(dst: Path, identity: dict) -> dict:
