@@ -139,8 +139,8 @@ def convert(
 
     import torch  # noqa: F401 - from here on the work needs it (the source is being read meanwhile)
 
-    from .pipeline import CUDA_BATCH_BYTES, CUDA_BATCH_UNITS, Batch, CpuBackend, CudaBackend, Settings, \
-        WriteBehind, make_batches, write_batch
+    from . import pipeline
+    from .pipeline import Batch, CpuBackend, Settings, StackedBackend, WriteBehind, make_batches, write_batch
     from .plan import QUANTIZE
     from .readahead import ReadAhead
     from .scheme import get_scheme
@@ -152,9 +152,11 @@ def convert(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_size))
     identity = run_identity(config, source)
     settings = Settings(get_scheme(config.scheme), config.rotate, fmt.swizzled, _scale_rule(config))
-    backend = CudaBackend(device) if device.type == "cuda" else CpuBackend()
     cuda = device.type == "cuda"
-    limits = (CUDA_BATCH_UNITS, CUDA_BATCH_BYTES) if cuda else (1, 0)
+    limits = (pipeline.CUDA_BATCH_UNITS, pipeline.CUDA_BATCH_BYTES) if cuda else (
+        pipeline.CPU_BATCH_UNITS, pipeline.CPU_BATCH_BYTES)
+    stacked = cuda or limits[0] > 1  # the tests run the CUDA scheduling on the CPU with larger batches
+    backend = StackedBackend(device) if stacked else CpuBackend()
 
     reader: ReadAhead | None = None
     behind = WriteBehind()
@@ -180,7 +182,7 @@ def convert(
             result = _quantize_unit(batch, hosts, backend, settings)
         finally:
             # CPU: the inputs are no longer needed. CUDA: refilled once their copies completed.
-            reader.release(backend.h2d_done if cuda else None)
+            reader.release(getattr(backend, "h2d_done", None))
         behind.submit(write_batch(batch, result, settings, fmt, writers, records))
         return records
 

@@ -20,6 +20,7 @@ amax and quantization are per matrix, and the global amax per unit.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -38,6 +39,8 @@ Job = Callable[[], None]
 # CUDA batching: consecutive units share launches up to these limits (pinned memory: 2 sets).
 CUDA_BATCH_UNITS = 128
 CUDA_BATCH_BYTES = 256 << 20
+# CPU: one unit per batch, each member quantized in place (stacking would only add a copy).
+CPU_BATCH_UNITS, CPU_BATCH_BYTES = 1, 0
 WRITE_DEPTH = 2  # batches whose writes may wait in the queue
 
 
@@ -159,50 +162,70 @@ class CpuBackend:
         return lambda: (packed, scale, flags, amax, ga, gs, hosts)
 
 
-class CudaBackend:
-    """Copy stream for host-to-device, compute stream for the passes and the device-to-host copies."""
+class StackedBackend:
+    """Each shape group stacked into one ``[B, M, K]`` launch; CUDA: streams, pinned memory, events.
+
+    On CUDA the host-to-device copies go on a copy stream, the passes and the device-to-host copies
+    on a compute stream, and the only host sync is the writer's wait for the batch's event. On the
+    CPU (``device='cpu'``: the tests) the same code runs with no streams, so it is checked there.
+    """
 
     def __init__(self, device: torch.device) -> None:
-        from .cuda import ops
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            from .cuda import ops
 
-        self.ops, self.device = ops, device
-        self.copy = torch.cuda.Stream(device)
-        self.compute = torch.cuda.Stream(device)
-        self.h2d_done: torch.cuda.Event | None = None  # the last batch's input copies (frees its pinned set)
+            self.copy = torch.cuda.Stream(device)
+            self.compute = torch.cuda.Stream(device)
+        else:
+            from . import cpu as ops
+        self.ops = ops
+        self.h2d_done = None  # CUDA: the last batch's input copies (its pinned set may be refilled after)
 
-    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+    def _stream(self, which: str):
+        return torch.cuda.stream(getattr(self, which)) if self.cuda else contextlib.nullcontext()
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return t
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         return host
 
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.int64)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t
+
     def run(self, batch: Batch, hosts: list[torch.Tensor], s: Settings) -> Callable[[], tuple]:
         dev = self.device
         n = len(batch.members)
-        with torch.cuda.stream(self.compute):
-            # Host-to-device: each shape group into one [B, M, K] tensor (no stacking copy).
-            xs = []
-            for g in batch.groups:
-                x = torch.empty((len(g), *hosts[g[0]].shape), dtype=hosts[g[0]].dtype, device=dev)
-                xs.append(x)
-            with torch.cuda.stream(self.copy):
+        with self._stream("compute"):
+            # Host-to-device: each shape group into one [B, M, K] tensor (no stacking copy on the host).
+            xs = [torch.empty((len(g), *hosts[g[0]].shape), dtype=hosts[g[0]].dtype, device=dev)
+                  for g in batch.groups]
+            with self._stream("copy"):
                 for x, g in zip(xs, batch.groups):
                     for j, i in enumerate(g):
-                        x[j].copy_(hosts[i], non_blocking=True)
-                    x.record_stream(self.copy)
-                self.h2d_done = torch.cuda.Event()
-                self.h2d_done.record(self.copy)
-            self.compute.wait_event(self.h2d_done)
-            # Member order <- group order, as one small index upload (pinned, asynchronous).
+                        x[j].copy_(hosts[i], non_blocking=self.cuda)
+                    if self.cuda:
+                        x.record_stream(self.copy)
+                if self.cuda:
+                    self.h2d_done = torch.cuda.Event()
+                    self.h2d_done.record(self.copy)
+            if self.cuda:
+                self.compute.wait_event(self.h2d_done)
+            # Member order <-> group order, as one small asynchronous index upload.
             order = [i for g in batch.groups for i in g]
             pos = [0] * n
             for k, i in enumerate(order):
                 pos[i] = k
-            index = torch.tensor(pos + order, dtype=torch.int64).pin_memory().to(dev, non_blocking=True)
+            index = self._upload(pos + order)
             to_member, to_group = index[:n], index[n:]
             flags = []
             if s.scheme.global_scale:
                 amax = torch.cat([self.ops.amax(x, s.rotate) for x in xs])[to_member]
-                ga = unit_amax(amax, batch)
+                ga = unit_amax(amax, batch, self._upload)
                 gs = ref.global_scale(ga)
                 gs_grouped = gs[to_group]
                 flags.append((~torch.isfinite(amax)).any().to(torch.int32).reshape(1))
@@ -210,20 +233,23 @@ class CudaBackend:
                 amax = ga = gs = gs_grouped = None
             outs, start = [], 0
             for x, g in zip(xs, batch.groups):
-                gsg = None if gs_grouped is None else gs_grouped[start : start + len(g)]
+                gsg = None if gs_grouped is None else gs_grouped[start : start + len(g)].contiguous()
                 start += len(g)
                 p, sc, flag = self.ops.quantize(x, s.scheme.name, gsg, s.rotate, s.swizzle, **s.extra)
                 flags.append(flag.reshape(1).to(torch.int32))
-                outs.append((self._pinned(p), self._pinned(sc.view(torch.uint8)), sc.dtype))
+                outs.append((self._to_host(p), self._to_host(sc.view(torch.uint8)), sc.dtype))
             meta = [torch.cat(flags).to(torch.float32)]
             if amax is not None:
                 meta += [amax, ga, gs]
-            meta_h = self._pinned(torch.cat(meta))
-            done = torch.cuda.Event()
-            done.record(self.compute)
+            meta_h = self._to_host(torch.cat(meta))
+            done = None
+            if self.cuda:
+                done = torch.cuda.Event()
+                done.record(self.compute)
 
         def result() -> tuple:
-            done.synchronize()  # the batch's one host sync, in the writer thread
+            if done is not None:
+                done.synchronize()  # the batch's one host sync, in the writer thread
             nflags = len(batch.groups) + (1 if amax is not None else 0)
             bad = bool(meta_h[:nflags].any())
             m = meta_h[nflags:]
@@ -233,10 +259,7 @@ class CudaBackend:
             for (p, sc, dt), g in zip(outs, batch.groups):
                 for j, i in enumerate(g):
                     packed[i], scale[i] = p[j], sc[j].view(dt)
-            flags_h = [bad] * n
-            if bad:
-                flags_h = _which_nonfinite(xs, batch, amax_h)
-            del xs  # device inputs may be reused now
+            flags_h = _which_nonfinite(xs, batch, amax_h) if bad else [False] * n
             return packed, scale, flags_h, amax_h, ga_h, gs_h, None
 
         return result
@@ -254,7 +277,7 @@ def _which_nonfinite(xs: list[torch.Tensor], batch: Batch, amax_h: torch.Tensor 
     return bad
 
 
-def unit_amax(amax: torch.Tensor, batch: Batch) -> torch.Tensor:
+def unit_amax(amax: torch.Tensor, batch: Batch, upload: Callable[[list], torch.Tensor] | None = None) -> torch.Tensor:
     """Per member: the max amax over its unit (a fused group shares one global scale); NaN propagates."""
     if all(len(u) == 1 for u in batch.units):
         return amax
@@ -264,14 +287,10 @@ def unit_amax(amax: torch.Tensor, batch: Batch) -> torch.Tensor:
         idx = list(range(start, start + len(u)))
         rows.append(idx + [idx[0]] * (width - len(u)))  # padding repeats a member: the max is unchanged
         start += len(u)
-    index = torch.tensor(rows, dtype=torch.int64)
-    if amax.is_cuda:
-        index = index.pin_memory().to(amax.device, non_blocking=True)
-    per_unit = amax[index].amax(1)
-    unit_of = torch.tensor(batch.unit_of, dtype=torch.int64)
-    if amax.is_cuda:
-        unit_of = unit_of.pin_memory().to(amax.device, non_blocking=True)
-    return per_unit[unit_of]
+    flat = upload([i for r in rows for i in r] + batch.unit_of) if upload else torch.tensor(
+        [i for r in rows for i in r] + batch.unit_of, dtype=torch.int64)
+    index, unit_of = flat[: len(rows) * width].reshape(len(rows), width), flat[len(rows) * width :]
+    return amax[index].amax(1)[unit_of]
 
 
 def write_batch(batch: Batch, result: Callable[[], tuple], s: Settings, fmt, writers, records: dict) -> Job:
