@@ -137,7 +137,7 @@ def convert(
     source, plan_, fmt = plan if plan is not None else plan_conversion(src, config)
     _advise_source(source, plan_, assign(plan_, world))
 
-    import torch  # noqa: F401 - from here on the work needs it (the source is being read meanwhile)
+    import torch  # from here on the work needs it (the kernel is reading the source meanwhile)
 
     from . import pipeline
     from .pipeline import Batch, CpuBackend, Settings, StackedBackend, WriteBehind, make_batches, write_batch
@@ -150,6 +150,8 @@ def convert(
     device = resolve_device(config.device, world)
     if world.distributed and device.type == "cpu" and world.local_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_size))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # under torchrun: this rank's GPU for every stream and buffer
     identity = run_identity(config, source)
     settings = Settings(get_scheme(config.scheme), config.rotate, fmt.swizzled, _scale_rule(config))
     cuda = device.type == "cuda"
@@ -159,14 +161,14 @@ def convert(
     backend = StackedBackend(device) if stacked else CpuBackend()
 
     reader: ReadAhead | None = None
-    behind = WriteBehind()
+    behind = WriteBehind(device=device)
     batch_of: dict[int, Batch] = {}  # id(first unit) -> its batch
 
     def start(pending: list[list[Decision]]) -> None:
         nonlocal reader
         batches = [Batch(b) for b in make_batches(pending, *limits)]
         batch_of.update({id(b.units[0]): b for b in batches})
-        reader = ReadAhead([[d.info for d in b.members] for b in batches], source.local_path, pinned=cuda)
+        reader = ReadAhead([[d.info for d in b.members] for b in batches], source.local_path, pinned=cuda, device=device)
 
     def process(unit: list[Decision], writers) -> dict[str, dict]:
         if unit[0].action != QUANTIZE:

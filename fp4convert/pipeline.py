@@ -47,13 +47,16 @@ WRITE_DEPTH = 2  # batches whose writes may wait in the queue
 class WriteBehind:
     """A writer thread running queued jobs in order; its first error stops it and is re-raised."""
 
-    def __init__(self, depth: int = WRITE_DEPTH) -> None:
+    def __init__(self, depth: int = WRITE_DEPTH, device: torch.device | None = None) -> None:
+        self._device = device  # CUDA: the thread works on this rank's GPU (event waits, error checks)
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="fp4convert-writer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
         while True:
             job = self._q.get()
             if job is None:

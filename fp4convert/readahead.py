@@ -64,7 +64,9 @@ class ReadAhead:
     ``units``: one list of tensor infos per batch (a work unit, or several units batched together).
     """
 
-    def __init__(self, units: list[list[TensorInfo]], locate: Callable[[str], Path], pinned: bool) -> None:
+    def __init__(self, units: list[list[TensorInfo]], locate: Callable[[str], Path], pinned: bool,
+                 device: torch.device | None = None) -> None:
+        self._device = device  # CUDA: this rank's GPU, so pinned memory never opens a context on GPU 0
         self._units = units
         self._locate = locate
         self._pinned = pinned
@@ -108,6 +110,10 @@ class ReadAhead:
 
     def _run(self) -> None:
         try:
+            if self._pinned and self._device is not None and self._device.type == "cuda":
+                import torch
+
+                torch.cuda.set_device(self._device)
             for i, unit in enumerate(self._units):
                 while not self._free.acquire(timeout=0.1):
                     if self._stop.is_set():
