@@ -148,8 +148,9 @@ def convert(
 
     world.init()
     device = resolve_device(config.device, world)
-    if world.distributed and device.type == "cpu" and world.local_size > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world.local_size))
+    threads = torch.get_num_threads()
+    cores = threads if not (world.distributed and world.local_size > 1) else max(
+        1, (os.cpu_count() or 1) // world.local_size)  # CPU ranks on one machine share its cores
     if device.type == "cuda":
         torch.cuda.set_device(device)  # under torchrun: this rank's GPU for every stream and buffer
     identity = run_identity(config, source)
@@ -158,7 +159,9 @@ def convert(
     limits = (pipeline.CUDA_BATCH_UNITS, pipeline.CUDA_BATCH_BYTES) if cuda else (
         pipeline.CPU_BATCH_UNITS, pipeline.CPU_BATCH_BYTES)
     stacked = cuda or limits[0] > 1  # the tests run the CUDA scheduling on the CPU with larger batches
-    backend = StackedBackend(device) if stacked else CpuBackend()
+    backend = StackedBackend(device) if stacked else CpuBackend(workers=cores)
+    if not stacked:
+        torch.set_num_threads(1)  # parallel over units instead (see CpuBackend); restored below
 
     reader: ReadAhead | None = None
     behind = WriteBehind(device=device)
@@ -194,6 +197,8 @@ def convert(
     finally:
         if reader is not None:
             reader.close()
+        backend.close()
+        torch.set_num_threads(threads)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan_.shards))
     wait = reader.wait_s if reader is not None else 0.0

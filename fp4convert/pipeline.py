@@ -138,14 +138,26 @@ class Batch:
 
 
 class CpuBackend:
-    """Same scheduling, host tensors: each member quantized as it is (no stacking copy)."""
+    """Same scheduling, host tensors: each member quantized as it is (no stacking copy).
 
-    def __init__(self) -> None:
+    Units are quantized by ``workers`` threads at once, each running torch single-threaded (the
+    caller sets one intra-op thread): torch ops release the GIL, so the cores are used without
+    OpenMP's spin-waiting, which under a concurrent reader and writer thread (or any other load)
+    burnt 2-3x the CPU time. The writer takes results in plan order, whatever order they finish in.
+    """
+
+    def __init__(self, workers: int = 1) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         from . import cpu
 
         self.ops = cpu
+        self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="fp4convert-quantize")
 
-    def run(self, batch: Batch, hosts: list[torch.Tensor], s: Settings) -> Callable[[], tuple]:
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _compute(self, batch: Batch, hosts: list[torch.Tensor], s: Settings) -> tuple:
         n = len(batch.members)
         amax = torch.zeros(n, dtype=torch.float32)
         if s.scheme.global_scale:
@@ -162,7 +174,11 @@ class CpuBackend:
             packed.append(p[0])
             scale.append(sc[0])
             flags.append(bool(flag))
-        return lambda: (packed, scale, flags, amax, ga, gs, hosts)
+        return packed, scale, flags, amax, ga, gs, hosts
+
+    def run(self, batch: Batch, hosts: list[torch.Tensor], s: Settings) -> Callable[[], tuple]:
+        future = self.pool.submit(self._compute, batch, hosts, s)
+        return future.result
 
 
 class StackedBackend:
@@ -185,6 +201,9 @@ class StackedBackend:
             from . import cpu as ops
         self.ops = ops
         self.h2d_done = None  # CUDA: the last batch's input copies (its pinned set may be refilled after)
+
+    def close(self) -> None:
+        pass
 
     def _stream(self, which: str):
         return torch.cuda.stream(getattr(self, which)) if self.cuda else contextlib.nullcontext()
