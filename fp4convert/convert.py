@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -183,11 +184,18 @@ def convert(
             return {}  # a later unit of a batch: quantized and queued with its first unit
         hosts = reader.next()
         records = {d.name: {} for d in batch.members}
+        freed = threading.Event()
+
+        def free(event=None) -> None:  # exactly once: the reader may refill this batch's buffer set
+            if not freed.is_set():
+                freed.set()
+                reader.release(event)
+
         try:
-            result = _quantize_unit(batch, hosts, backend, settings)
-        finally:
-            # CPU: the inputs are no longer needed. CUDA: refilled once their copies completed.
-            reader.release(getattr(backend, "h2d_done", None))
+            result = _quantize_unit(batch, hosts, backend, settings, free)
+        except BaseException:
+            free()
+            raise
         behind.submit(write_batch(batch, result, settings, fmt, writers, records))
         return records
 
@@ -217,6 +225,6 @@ def _scale_rule(config: ConvertConfig) -> dict:
     return {} if rule == s.default_rule else {"scale_rule": rule}
 
 
-def _quantize_unit(batch, hosts, backend, settings):
-    """Pass 1 and pass 2 of one batch (one unit on the CPU); returns the writer's result function."""
-    return backend.run(batch, hosts, settings)
+def _quantize_unit(batch, hosts, backend, settings, free):
+    """Pass 1 and pass 2 of one batch (one unit on the CPU), started; returns the writer's result function."""
+    return backend.run(batch, hosts, settings, free)

@@ -32,6 +32,7 @@ from . import reference as ref
 from .errors import NonFiniteError
 from .plan import QUANTIZE, Decision
 from .scheme import Scheme
+from .swizzle import swizzle_scales
 from .tensor import QuantizedTensor
 
 Job = Callable[[], None]
@@ -138,12 +139,14 @@ class Batch:
 
 
 class CpuBackend:
-    """Same scheduling, host tensors: each member quantized as it is (no stacking copy).
+    """Same scheduling on host tensors, each member split into row slices run by a thread pool.
 
-    Units are quantized by ``workers`` threads at once, each running torch single-threaded (the
-    caller sets one intra-op thread): torch ops release the GIL, so the cores are used without
-    OpenMP's spin-waiting, which under a concurrent reader and writer thread (or any other load)
-    burnt 2-3x the CPU time. The writer takes results in plan order, whatever order they finish in.
+    Every pool thread runs torch single-threaded (the caller sets one intra-op thread): torch ops
+    release the GIL, so the cores are used without OpenMP's spin-waiting, which beside the reader
+    and writer threads (or any other load) burnt 2-6x the CPU time. Slices hold ``CHUNK_ELEMS /
+    workers`` elements, so the pool's temporaries together stay those of one chunk, and one unit is
+    in work at a time (its amax slices first, then its quantize slices, while the next unit's amax
+    may start). Slices are quantized with linear scales and swizzled once, whole: the same bytes.
     """
 
     def __init__(self, workers: int = 1) -> None:
@@ -152,33 +155,67 @@ class CpuBackend:
         from . import cpu
 
         self.ops = cpu
-        self.pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="fp4convert-quantize")
+        self.workers = max(1, workers)
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fp4convert-quantize")
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def _compute(self, batch: Batch, hosts: list[torch.Tensor], s: Settings) -> tuple:
+    def _slices(self, x: torch.Tensor) -> list[tuple[int, int]]:
+        m, k = x.shape
+        rows = max(1, self.ops.CHUNK_ELEMS // self.workers // max(k, 1))
+        return [(r0, min(m, r0 + rows)) for r0 in range(0, m, rows)]
+
+    def run(self, batch: Batch, hosts: list[torch.Tensor], s: Settings, free: Callable) -> Callable[[], tuple]:
+        """Pass 1 here (waits for its slices), pass 2 started; ``free(None)`` once the inputs are done."""
         n = len(batch.members)
+        parts = [(i, r0, r1) for i, x in enumerate(hosts) for r0, r1 in self._slices(x)]
         amax = torch.zeros(n, dtype=torch.float32)
+        ga = gs = None
         if s.scheme.global_scale:
-            for i, x in enumerate(hosts):
-                amax[i] = self.ops.amax(x.unsqueeze(0), s.rotate)[0]
+            futs = [self.pool.submit(self.ops.amax, hosts[i][r0:r1].unsqueeze(0), s.rotate) for i, r0, r1 in parts]
+            for (i, _, _), f in zip(parts, futs):
+                amax[i] = torch.maximum(amax[i], f.result()[0])  # NaN propagates, as in cpu.amax
             ga = unit_amax(amax, batch)
             gs = ref.global_scale(ga)
-        else:
-            ga = gs = None
-        packed, scale, flags = [], [], []
-        for i, x in enumerate(hosts):
-            p, sc, flag = self.ops.quantize(x.unsqueeze(0), s.scheme.name, None if gs is None else gs[i : i + 1],
-                                            s.rotate, s.swizzle, **s.extra)
-            packed.append(p[0])
-            scale.append(sc[0])
-            flags.append(bool(flag))
-        return packed, scale, flags, amax, ga, gs, hosts
+        bs = s.scheme.block_size
+        packed = [torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.uint8) for x in hosts]
+        scale = [torch.empty(x.shape[0], x.shape[1] // bs, dtype=torch.uint8) for x in hosts]
 
-    def run(self, batch: Batch, hosts: list[torch.Tensor], s: Settings) -> Callable[[], tuple]:
-        future = self.pool.submit(self._compute, batch, hosts, s)
-        return future.result
+        def part(i: int, r0: int, r1: int) -> bool:
+            p, sc, flag = self.ops.quantize(hosts[i][r0:r1].unsqueeze(0), s.scheme.name,
+                                            None if gs is None else gs[i : i + 1], s.rotate, False, **s.extra)
+            packed[i][r0:r1] = p[0]
+            scale[i][r0:r1] = sc[0].view(torch.uint8)
+            return bool(flag)
+
+        futs = [self.pool.submit(part, i, r0, r1) for i, r0, r1 in parts]
+        left = [len(futs)]
+        lock = threading.Lock()
+
+        def one_done(_f) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                free(None)
+
+        for f in futs:
+            f.add_done_callback(one_done)
+        if not futs:
+            free(None)
+
+        def result() -> tuple:
+            flags = [False] * n
+            for (i, _, _), f in zip(parts, futs):
+                flags[i] |= f.result()
+            scales = []
+            for sc in scale:
+                sc = sc.view(torch.float8_e4m3fn) if s.scheme.name == "nvfp4" else sc
+                scales.append(swizzle_scales(sc.unsqueeze(0))[0] if s.swizzle else sc)
+            return packed, scales, flags, amax, ga, gs, None
+
+        return result
 
 
 class StackedBackend:
@@ -219,7 +256,8 @@ class StackedBackend:
         t = torch.tensor(values, dtype=torch.int64)
         return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t
 
-    def run(self, batch: Batch, hosts: list[torch.Tensor], s: Settings) -> Callable[[], tuple]:
+    def run(self, batch: Batch, hosts: list[torch.Tensor], s: Settings, free: Callable) -> Callable[[], tuple]:
+        """``free(event)``: the inputs' pinned set may be refilled once ``event`` (the copies) completed."""
         dev = self.device
         n = len(batch.members)
         with self._stream("compute"):
@@ -237,6 +275,7 @@ class StackedBackend:
                     self.h2d_done.record(self.copy)
             if self.cuda:
                 self.compute.wait_event(self.h2d_done)
+            free(self.h2d_done)
             # Member order <-> group order, as one small asynchronous index upload.
             order = [i for g in batch.groups for i in g]
             pos = [0] * n

@@ -10,6 +10,7 @@ import pytest
 
 import fp4convert.convert as convert_mod
 import fp4convert.pipeline as pipeline
+from fp4convert import cpu
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert, plan_conversion
 from fp4convert.errors import NonFiniteError
@@ -23,6 +24,7 @@ SCHEDULES = {
     "stacked-2": dict(units=2, nbytes=1 << 30, sync=False),  # the CUDA scheduling, small batches
     "stacked-64": dict(units=64, nbytes=1 << 30, sync=False),  # ... whole layers of experts in one launch
     "stacked-bytes": dict(units=64, nbytes=20000, sync=True),  # ... cut by bytes
+    "row-slices": dict(units=1, nbytes=0, sync=False, chunk=256),  # CPU: each matrix in slices of 1-4 rows
 }
 
 
@@ -33,6 +35,8 @@ def run(src: Path, dst: Path, schedule: str, monkeypatch, **cfg) -> dict[str, by
         mp.setattr(pipeline, "CPU_BATCH_BYTES", sched["nbytes"])
         if sched["sync"]:
             mp.setattr(pipeline.WriteBehind, "submit", lambda self, job: job())
+        if "chunk" in sched:
+            mp.setattr(cpu, "CHUNK_ELEMS", sched["chunk"])
         convert(src, dst, ConvertConfig(device="cpu", **cfg))
     return ck.all_files(dst)
 
@@ -51,9 +55,9 @@ CASES = [
 def test_every_schedule_writes_the_same_bytes(tmp_path, monkeypatch, name, make, cfg) -> None:
     src = tmp_path / "src"
     make(src)
-    want = run(src, tmp_path / "sync", "sync", monkeypatch, **cfg)
+    want = run(src, tmp_path / "stacked-64", "stacked-64", monkeypatch, **cfg)  # whole matrices per launch
     for schedule in SCHEDULES:
-        if schedule != "sync":
+        if schedule != "stacked-64":
             got = run(src, tmp_path / schedule, schedule, monkeypatch, **cfg)
             assert got == want, schedule
 
