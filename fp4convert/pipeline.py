@@ -8,13 +8,14 @@ Three stages, each in its own thread, joined by bounded queues (so host memory s
   units (all experts of a layer); its tensors are grouped by shape and each group is one batched
   ``[B, M, K]`` launch of pass 1 (amax per matrix) and pass 2 (quantize with the unit's global
   amax). On CUDA the host-to-device copies run on a copy stream, the passes and the device-to-host
-  copies (into pinned memory) on a compute stream; nothing waits for the GPU here;
+  copies (into pinned memory) on a compute stream; nothing waits for the GPU here. On the CPU each
+  matrix is cut into row slices that a pool of single-threaded-torch workers runs (:class:`CpuBackend`);
 - writing (:class:`WriteBehind`): waits for the batch's CUDA event (the one host sync per batch),
   checks the non-finite flags, then streams the tensors into their shards in plan order (file
   writes and sha256 release the GIL, so they overlap the next batch's quantization on the CPU too).
 
-The CPU path runs the same scheduling (batches, shape groups, deferred checks and writes); only
-the backend differs, so the CPU tests exercise it. The bytes never depend on how units are batched:
+The CPU path runs the same scheduling (batches, deferred checks, ordered write-behind), and the
+tests run the CUDA backend's stacking logic on the CPU (:class:`StackedBackend` with a CPU device). The bytes never depend on how units are batched:
 amax and quantization are per matrix, and the global amax per unit.
 """
 
