@@ -74,7 +74,7 @@ def warm(path: Path) -> None:
                 pass
 
 
-def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
+def run(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> tuple[float, int]:
     """(wall seconds, peak RSS bytes) of one child process.
 
     The peak is the child's own VmHWM, polled until it exits (VmHWM only grows, so the last reading
@@ -82,7 +82,8 @@ def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
     """
     log = tempfile.TemporaryFile()  # not a pipe: a chatty child must never block on it
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    # cwd: `python -m` puts it first on sys.path, so it must be the tree under test (or a neutral folder)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, cwd=cwd or tempfile.gettempdir())
     peak = 0
     status_file = Path(f"/proc/{proc.pid}/status")
     while proc.poll() is None:
@@ -158,8 +159,8 @@ def main() -> None:
     # machine's load (a shared 2-core box) hits all of them alike.
     jobs = []
 
-    def bench(label: str, cmd_for, out: Path, env: dict | None = None) -> None:
-        jobs.append((label, cmd_for, out, env, [], []))
+    def bench(label: str, cmd_for, out: Path, env: dict | None = None, cwd: Path | None = None) -> None:
+        jobs.append((label, cmd_for, out, (env, cwd), [], []))
 
     for tag, tree in trees:
         env = dict(os.environ, PYTHONPATH=str(tree))
@@ -169,7 +170,7 @@ def main() -> None:
                 bench(f"{name} --device {dev} --format {fmt}",
                       lambda o, d=dev, f=fmt: [sys.executable, "-m", "fp4convert", "quantize", str(src), str(o),
                                                "--device", d, "-q", "--format", f],
-                      args.workdir / f"ours{tag}-{fmt}-{dev}", env)
+                      args.workdir / f"ours{tag}-{fmt}-{dev}", env, tree)
     agreement = None
     peer = args.workdir / "peer"
     if args.peer_python:
@@ -179,7 +180,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for label, cmd_for, out, env, walls, rss in jobs:
             shutil.rmtree(out, ignore_errors=True)
-            w, r = run(cmd_for(out), env)
+            w, r = run(cmd_for(out), *env)
             walls.append(w)
             rss.append(r)
             print(f"{label}: {w:.2f} s, {r / 1e6:.0f} MB", file=sys.stderr, flush=True)

@@ -157,6 +157,7 @@ class CpuBackend:
 
         self.ops = cpu
         self.workers = max(1, workers)
+        _one_malloc_arena()
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="fp4convert-quantize")
 
     def close(self) -> None:
@@ -217,6 +218,21 @@ class CpuBackend:
             return packed, scales, flags, amax, ga, gs, None
 
         return result
+
+
+def _one_malloc_arena() -> None:
+    """glibc gives each new thread its own malloc arena, which keeps its freed chunk temporaries:
+    with the pool, reader and writer threads that was ~45 MB more peak RSS on a 317M-param model
+    (371 -> 323 MB, measured). One arena for threads created from now on; the lock costs nothing
+    at these allocation sizes. No-op where glibc's mallopt is absent."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-8, 1)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
 
 
 class StackedBackend:
