@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import fp4convert.convert as convert_mod
 import fp4convert.pipeline as pipeline
@@ -132,3 +133,16 @@ def test_crash_with_writes_in_flight_then_resume(tmp_path, monkeypatch) -> None:
     res = convert(src, dst, ConvertConfig(device="cpu", max_shard_size=6000, resume=True))
     assert res.reused_files == sorted(p.name for p in finished)
     assert ck.all_files(dst) == ck.all_files(ref_dst)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("units", [1, 64])
+def test_cuda_pipeline_writes_the_cpu_bytes(tmp_path, monkeypatch, units) -> None:
+    """Streams, pinned sets, batched [B, M, K] launches, one sync per batch: the CPU's bytes."""
+    src = tmp_path / "src"
+    ck.moe(src, experts=6, layers=2)
+    want = run(src, tmp_path / "cpu", "default", monkeypatch, max_shard_size=20000)
+    monkeypatch.setattr(pipeline, "CUDA_BATCH_UNITS", units)
+    convert(src, tmp_path / "gpu", ConvertConfig(device="cuda", max_shard_size=20000))
+    assert ck.all_files(tmp_path / "gpu") == want
