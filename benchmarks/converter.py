@@ -74,7 +74,7 @@ def warm(path: Path) -> None:
                 pass
 
 
-def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
+def run(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> tuple[float, int]:
     """(wall seconds, peak RSS bytes) of one child process.
 
     The peak is the child's own VmHWM, polled until it exits (VmHWM only grows, so the last reading
@@ -82,7 +82,8 @@ def run(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
     """
     log = tempfile.TemporaryFile()  # not a pipe: a chatty child must never block on it
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    # cwd: `python -m` puts it first on sys.path, so it must be the tree under test (or a neutral folder)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, cwd=cwd or tempfile.gettempdir())
     peak = 0
     status_file = Path(f"/proc/{proc.pid}/status")
     while proc.poll() is None:
@@ -139,8 +140,14 @@ def main() -> None:
     ap.add_argument("--peer-device", default="cpu")
     ap.add_argument("--peer-workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--formats", default="native,compressed-tensors",
+                    help="comma-separated fp4convert output formats to time (compressed-tensors is the peer's)")
+    ap.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
+                    help="also time fp4convert from another source tree (e.g. a baseline checkout); repeatable")
     args = ap.parse_args()
     devices = args.device or ["cpu"]
+    formats = args.formats.split(",")
+    trees = [("", ROOT)] + [(t.split("=", 1)[0], Path(t.split("=", 1)[1])) for t in args.tree]
 
     src = args.workdir / "src"
     params = make_checkpoint(src, args.layers, args.hidden, args.inter, args.vocab, args.shards)
@@ -148,39 +155,52 @@ def main() -> None:
     warm(src)
     rows = []
 
-    def bench(label: str, cmd_for, out: Path) -> None:
-        walls, rss = [], []
-        for _ in range(args.repeats):
-            shutil.rmtree(out, ignore_errors=True)
-            w, r = run(cmd_for(out))
-            walls.append(w)
-            rss.append(r)
-        med = statistics.median(walls)
-        rows.append({"tool": label, "wall_s": med, "min_s": min(walls), "mparams_per_s": params / med / 1e6,
-                     "peak_rss_mb": max(rss) / 1e6, "runs": len(walls)})
+    # Interleaved: repeat r of every converter runs before repeat r+1 of any, so a change in the
+    # machine's load (a shared 2-core box) hits all of them alike.
+    jobs = []
 
-    for dev in devices:
-        bench(f"fp4convert --device {dev} (native)",
-              lambda o, d=dev: [sys.executable, "-m", "fp4convert", "quantize", str(src), str(o), "--device", d, "-q"],
-              args.workdir / f"ours-{dev}")
-        bench(f"fp4convert --device {dev} --format compressed-tensors",
-              lambda o, d=dev: [sys.executable, "-m", "fp4convert", "quantize", str(src), str(o), "--device", d, "-q",
-                                "--format", "compressed-tensors"],
-              args.workdir / f"ours-ct-{dev}")
+    def bench(label: str, cmd_for, out: Path, env: dict | None = None, cwd: Path | None = None) -> None:
+        jobs.append((label, cmd_for, out, (env, cwd), [], []))
+
+    for tag, tree in trees:
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        name = f"fp4convert{f' [{tag}]' if tag else ''}"
+        for dev in devices:
+            for fmt in formats:
+                bench(f"{name} --device {dev} --format {fmt}",
+                      lambda o, d=dev, f=fmt: [sys.executable, "-m", "fp4convert", "quantize", str(src), str(o),
+                                               "--device", d, "-q", "--format", f],
+                      args.workdir / f"ours{tag}-{fmt}-{dev}", env, tree)
     agreement = None
+    peer = args.workdir / "peer"
     if args.peer_python:
-        peer = args.workdir / "peer"
         bench(f"llm-compressor model_free_ptq ({args.peer_device}, {args.peer_workers} workers)",
               lambda o: [args.peer_python, "-c", PEER_SNIPPET, str(src), str(o), str(args.peer_workers), args.peer_device],
               peer)
-        agreement = same_fraction(args.workdir / f"ours-ct-{devices[0]}", peer)
+    for _ in range(args.repeats):
+        for label, cmd_for, out, env, walls, rss in jobs:
+            shutil.rmtree(out, ignore_errors=True)
+            w, r = run(cmd_for(out), *env)
+            walls.append(w)
+            rss.append(r)
+            print(f"{label}: {w:.2f} s, {r / 1e6:.0f} MB", file=sys.stderr, flush=True)
+    for label, _, _, _, walls, rss in jobs:
+        med = statistics.median(walls)
+        rows.append({"tool": label, "wall_s": med, "min_s": min(walls), "mparams_per_s": params / med / 1e6,
+                     "peak_rss_mb": max(rss) / 1e6, "runs": len(walls), "runs_s": [round(w, 2) for w in walls]})
+    if args.peer_python and "compressed-tensors" in formats:
+        agreement = same_fraction(args.workdir / f"ours-compressed-tensors-{devices[0]}", peer)
 
     print(f"\ncheckpoint: {params / 1e6:.1f}M params, {size / 1e9:.2f} GB bf16 in {args.shards} shards; "
           f"median of {args.repeats} runs, warm page cache\n")
-    print("| converter | wall s (median) | min s | M params/s | peak RSS MB |")
-    print("|---|---|---|---|---|")
+    peer_row = rows[-1] if args.peer_python else None
+    print("| converter | wall s (median) | runs s | M params/s | peak RSS MB | x peer throughput | / peer memory |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tool']} | {r['wall_s']:.2f} | {r['min_s']:.2f} | {r['mparams_per_s']:.1f} | {r['peak_rss_mb']:.0f} |")
+        vs = (f"{peer_row['wall_s'] / r['wall_s']:.2f}x | {r['peak_rss_mb'] / peer_row['peak_rss_mb']:.2f}"
+              if peer_row else "- | -")
+        print(f"| {r['tool']} | {r['wall_s']:.2f} | {', '.join(map(str, r['runs_s']))} | {r['mparams_per_s']:.1f} | "
+              f"{r['peak_rss_mb']:.0f} | {vs} |")
     if agreement:
         print("\nidentical bytes, ours vs peer (compressed-tensors NVFP4): "
               + ", ".join(f"{k} {v:.6f}" for k, v in agreement.items() if v is not None))

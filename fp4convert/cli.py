@@ -20,7 +20,7 @@ import click
 from tqdm import tqdm
 
 from .config import ConvertConfig, parse_size
-from .errors import EXIT_CODES, FP4ConvertError, InspectFailed, Interrupted
+from .errors import EXIT_CODES, FP4ConvertError, InspectFailed, Interrupted, RankFailed
 from .formats import OUTPUT_FORMATS
 from .scheme import SCHEMES
 
@@ -108,6 +108,13 @@ def _progress(total: int, desc: str, quiet: bool):
     return _LineProgress(total, desc, max(interval, 0.01))
 
 
+def _rank() -> int:
+    """This process's rank under torchrun (0 otherwise): only rank 0 prints plans and summaries."""
+    import os
+
+    return int(os.environ.get("RANK", "0") or 0) if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else 0
+
+
 def _library_errors(fn: Callable) -> Callable:
     """The error boundary: every failure becomes one line on stderr and its exit code (errors.EXIT_CODES);
     ``--debug`` adds the full traceback. OS errors name the file (DST: 5, SRC: 4); anything unexpected
@@ -129,6 +136,8 @@ def _library_errors(fn: Callable) -> Callable:
         except BaseException as exc:  # noqa: BLE001 - the boundary: classify, one line, exit code
             if isinstance(exc, SystemExit):
                 raise
+            if isinstance(exc, RankFailed) and _rank() > 0:  # under torchrun rank 0 names the failing rank
+                sys.exit(exc.exit_code)
             err = _classify(exc, kwargs.get("src"), kwargs.get("dst"))
             if debug:
                 import traceback
@@ -276,12 +285,22 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, 
         max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
         revision=revision, verify_source=verify_source,
     )
+    dry_run_out = True
+    if _rank() > 0:  # torchrun: one voice (rank 0); the others only report their own errors
+        quiet, as_json, dry_run_out = True, False, False
+    if delete_source_shards and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        from .errors import ConfigError
+
+        raise ConfigError("--delete-source-shards cannot be used under torchrun (another rank may still read a "
+                          "shard); convert with one process, or keep the source shards")
     _setup_logging(quiet, status=not as_json)
     source = open_source(src, revision, token=token, cache_dir=cache_dir)
     planned = plan_conversion(source, config)
     plan = planned[1]
     nothing = plan.summary()["quantized"] == 0 and not allow_nothing_quantized
     if dry_run:
+        if not dry_run_out:
+            return
         if as_json:
             click.echo(json.dumps(plan.to_json(), indent=2))
         else:
@@ -303,6 +322,8 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, 
 
             progress_fn = ShardReleaser(source, plan, bar.update)
         result = convert(source, dst, config, progress=progress_fn, plan=planned)
+    if _rank() > 0:
+        return
     if push_repo:
         _push(dst, push_repo, private, token, quiet)
     if as_json:
@@ -338,8 +359,12 @@ def export(src, dst, fmt, token, max_shard_size, overwrite, resume, verify_sourc
 
     config = ConvertConfig(format=fmt, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, resume=resume,
                            verify_source=verify_source)
+    if _rank() > 0:
+        quiet, as_json = True, False
     _setup_logging(quiet, status=not as_json)
     result = run_export(src, dst, config)
+    if _rank() > 0:
+        return
     if push_repo:
         _push(dst, push_repo, private, token, quiet)
     s = result.to_json()

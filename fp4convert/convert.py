@@ -1,47 +1,72 @@
-"""The converter: source -> plan -> quantize -> write -> manifest, one work unit at a time.
+"""The converter: source -> plan -> quantize -> write -> manifest, in an overlapped pipeline.
 
-A work unit is one tensor or one fused group. Its tensors are read with plain file reads (the next
-unit's in a background thread, see :mod:`fp4convert.readahead`), quantized (pass 1: amax of every
-member, pass 2: block quantization with the group's global scale) and streamed into output shards
-whose headers the plan fixed in advance, so host memory holds at most two units whatever the model
-or shard size. Files are written under ``.partial`` names and renamed
-when complete; the manifest is written last and marks a finished conversion.
+A work unit is one tensor or one fused group. Planning reads headers only; then the kernel is
+asked to start reading the source in plan order (``posix_fadvise``) while torch and CUDA
+initialise. Units are read ahead in a background thread (:mod:`fp4convert.readahead`), quantized
+in batches (pass 1: amax of every member, pass 2: block quantization with the unit's global scale;
+on CUDA several units share one launch per shape, see :mod:`fp4convert.pipeline`) and written by a
+writer thread into output shards whose headers the plan fixed in advance, so host memory holds a
+few batches whatever the model or shard size. Files are written under ``.partial`` names and
+renamed when complete; the manifest is written last and marks a finished conversion.
+
+Under ``torchrun`` each rank writes its share of the shards (:mod:`fp4convert.distributed`).
+Importing this module imports no torch: ``--dry-run`` and argument errors never pay for it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import resource
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .config import ConvertConfig
-from .errors import ConfigError, CUDAUnavailableError, FP4ConvertError, NonFiniteError, PlanError, QuantizationError
-from .formats import detect, get_format
-from .formats.base import OutputFormat
-from .manifest import MANIFEST_NAME, load_manifest
-from .plan import QUANTIZE, Decision, Matrix, Plan, make_plan
-from .readahead import ReadAhead
-from .scheme import get_scheme
-from .source import Source, open_source
-from .tensor import QuantizedTensor, dequantize_input, quantize
-from .tensor import amax as tensor_amax
-from .writer import ConvertResult, Progress, ShardWriters, finish, prepare_destination, run_identity, write_outputs
+from .distributed import World, assign, run_writes
+from .errors import ConfigError, CUDAUnavailableError, PlanError
+from .readahead import advise
+
+if TYPE_CHECKING:
+    import torch
+
+    from .formats.base import OutputFormat
+    from .plan import Decision, Matrix, Plan
+    from .source import Source
+    from .writer import ConvertResult, Progress
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ConvertResult", "convert", "plan_conversion", "resolve_device"]
 
 
-def resolve_device(device: str) -> torch.device:
-    """'auto' is the first GPU whose kernels load, else the CPU (with one warning); 'cuda' must work."""
+def __getattr__(name: str):
+    if name == "ConvertResult":  # re-exported lazily: writer imports torch
+        from .writer import ConvertResult
+
+        return ConvertResult
+    raise AttributeError(name)
+
+
+def resolve_device(device: str, world: World | None = None) -> torch.device:
+    """'auto' is the first GPU whose kernels load, else the CPU (with one warning); 'cuda' must work.
+
+    Under torchrun, 'auto' and 'cuda' mean this rank's GPU (LOCAL_RANK, modulo the visible GPUs).
+    """
+    import torch
+
+    world = world or World()
+
+    def local_gpu() -> torch.device:
+        n = torch.cuda.device_count()
+        return torch.device("cuda", world.local_rank % n) if world.distributed and n else torch.device("cuda")
+
     if device == "auto":
         if not torch.cuda.is_available():
             return torch.device("cpu")
-        dev = torch.device("cuda")
+        dev = local_gpu()
         try:
             from .cuda import ops
 
@@ -59,11 +84,18 @@ def resolve_device(device: str) -> torch.device:
         raise ConfigError(f"--device {device}: only cpu and cuda are supported")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CUDAUnavailableError(f"--device {device}: no CUDA GPU is visible here; use --device cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = local_gpu()
     return dev
 
 
 def plan_conversion(src: str | Source, config: ConvertConfig) -> tuple[Source, Plan, OutputFormat]:
     """Open the source and plan it from headers alone (what ``--dry-run`` shows)."""
+    from .formats import detect, get_format
+    from .manifest import MANIFEST_NAME, load_manifest
+    from .plan import make_plan
+    from .source import Source, open_source
+
     source = src if isinstance(src, Source) else open_source(src, config.revision)
     manifest = load_manifest(source.root)
     found = detect(source.root, source.config(), manifest)
@@ -73,6 +105,18 @@ def plan_conversion(src: str | Source, config: ConvertConfig) -> tuple[Source, P
     fmt = get_format(config.format)
     plan = make_plan(source.tensors(), config, fmt, source.config())
     return source, plan, fmt
+
+
+def _advise_source(source: Source, plan: Plan, mine: set[str]) -> None:
+    """Start the kernel reading what this rank will read, in plan order (before torch/CUDA start)."""
+    if source.is_hub:
+        return  # files arrive shard by shard from the Hub; nothing local to advise yet
+    shard_of = plan.shard_of()
+    ranges = []
+    for unit in plan.units():
+        if any(shard_of[e.name] in mine for d in unit for e in d.outputs):
+            ranges += [(source.root / d.info.file, d.info.begin, d.info.end) for d in unit]
+    advise(ranges)
 
 
 def convert(
@@ -86,44 +130,108 @@ def convert(
     """Convert checkpoint ``src`` (folder or Hub repo id) into ``dst``.
 
     ``plan``: the result of :func:`plan_conversion` when the caller already planned (the CLI prints
-    the plan's warnings first), so the source is planned once.
+    the plan's warnings first), so the source is planned once. Under torchrun (WORLD_SIZE > 1)
+    every rank calls this with the same arguments.
     """
     t0 = time.perf_counter()
     dst = Path(dst)
+    world = World.from_env()
     source, plan_, fmt = plan if plan is not None else plan_conversion(src, config)
-    device = resolve_device(config.device)
+    _advise_source(source, plan_, assign(plan_, world))
+
+    import torch  # from here on the work needs it (the kernel is reading the source meanwhile)
+
+    from . import pipeline
+    from .pipeline import Batch, CpuBackend, Settings, StackedBackend, WriteBehind, make_batches, write_batch
+
+    def _complex_item(unit: list[Decision]) -> _Complex:
+        return _Complex(unit, device, config, fmt)
+    from .plan import QUANTIZE
+    from .readahead import ReadAhead
+    from .scheme import get_scheme
+    from .writer import ConvertResult, run_identity
+
+    world.init()
+    device = resolve_device(config.device, world)
+    threads = torch.get_num_threads()
+    cores = threads if not (world.distributed and world.local_size > 1) else max(
+        1, (os.cpu_count() or 1) // world.local_size)  # CPU ranks on one machine share its cores
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # under torchrun: this rank's GPU for every stream and buffer
     identity = run_identity(config, source)
-    done = prepare_destination(dst, plan_, config, identity, source)
+    settings = Settings(get_scheme(config.scheme), config.rotate, fmt.swizzled, {"scale_rule": config.rule})
+    cuda = device.type == "cuda"
+    limits = (pipeline.CUDA_BATCH_UNITS, pipeline.CUDA_BATCH_BYTES) if cuda else (
+        pipeline.CPU_BATCH_UNITS, pipeline.CPU_BATCH_BYTES)
+    stacked = cuda or limits[0] > 1  # the tests run the CUDA scheduling on the CPU with larger batches
+    backend = StackedBackend(device) if stacked else CpuBackend(workers=cores)
+    if not stacked:
+        torch.set_num_threads(1)  # parallel over units instead (see CpuBackend); restored below
 
     reader: ReadAhead | None = None
+    behind = WriteBehind(device=device)
+    item_of: dict[int, Batch | _Complex] = {}  # id(first unit) -> its batch
 
     def start(pending: list[list[Decision]]) -> None:
         nonlocal reader
-        units = [[t for d in u for t in d.reads] for u in pending if u[0].action == QUANTIZE or u[0].decode]
-        reader = ReadAhead(units, source.local_path, pinned=device.type == "cuda")
+        items: list[Batch | _Complex] = []
+        run: list[list[Decision]] = []
 
-    def process(unit: list[Decision], writers: ShardWriters) -> dict[str, dict]:
+        def flush() -> None:
+            items.extend(Batch(b) for b in make_batches(run, *limits))
+            run.clear()
+
+        for u in pending:
+            if u[0].action != QUANTIZE and u[0].decode is None:
+                flush()  # a kept tensor: copied by the writer thread, nothing to read here
+            elif _simple(u):
+                run.append(u)
+            else:
+                flush()
+                items.append(_complex_item(u))
+        flush()
+        item_of.update({id(b.units[0]): b for b in items})
+        reader = ReadAhead([b.reads() for b in items], source.local_path, pinned=cuda, device=device)
+
+    def process(unit: list[Decision], writers) -> dict[str, dict]:
         d = unit[0]
         if d.action != QUANTIZE and d.decode is None:
-            writers.raw(d.name, source.local_path(d.info.file), d.info)
+            behind.submit(lambda: writers.raw(d.name, source.local_path(d.info.file), d.info))
             return {d.name: {}}
+        item = item_of.get(id(unit))
+        if item is None:
+            return {}  # a later unit of a batch: quantized and queued with its first unit
         hosts = reader.next()
+        records = {d.name: {} for d in item.members}
+        freed = threading.Event()
+
+        def free(event=None) -> None:  # exactly once: the reader may refill this batch's buffer set
+            if not freed.is_set():
+                freed.set()
+                reader.release(event)
+
         try:
-            on_device = iter([h.to(device, non_blocking=True) for h in hosts])
-            xs = [weight_of(d, [next(on_device) for _ in d.reads]) for d in unit]
-            if d.action != QUANTIZE:  # a kept quantized input: written as the fp32 weight it encodes
-                writers.tensor(d.name, xs[0].contiguous())
-                return {d.name: {}}
-            return _quantize_unit(unit, xs, config, fmt, writers)
-        finally:
-            reader.release()  # outputs are on the host now: every copy from these buffers is done
+            result = _quantize_unit(item, hosts, backend, settings, free)
+        except BaseException:
+            free()
+            raise
+        if isinstance(item, _Complex):
+            behind.submit(_write_complex(result, writers, records))
+        else:
+            behind.submit(write_batch(item, result, settings, fmt, writers, records))
+        return records
 
     try:
-        write_outputs(plan_, dst, identity, done, progress or (lambda n: None), process, start)
+        report = progress or (lambda n: None)
+        # Progress follows the unit's writes (in the writer thread): a Hub source shard it lets go of
+        # (--delete-source-shards) has then been read for the last time.
+        done = run_writes(world, plan_, dst, config, identity, source, fmt,
+                          lambda n: behind.submit(lambda: report(n), light=True), process, start, behind.drain)
     finally:
         if reader is not None:
             reader.close()
-    finish(source, plan_, fmt, dst, identity)
+        backend.close()
+        torch.set_num_threads(threads)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan_.shards))
     wait = reader.wait_s if reader is not None else 0.0
@@ -134,6 +242,9 @@ def weight_of(d: Decision, tensors: list[torch.Tensor]) -> torch.Tensor:
     """The weight a decision works on: the tensor itself, or the fp32 weight a quantized input encodes."""
     if d.decode is None:
         return tensors[0]
+    from .errors import FP4ConvertError
+    from .tensor import dequantize_input
+
     try:
         w = dequantize_input(d.decode.kind, tensors, block=d.decode.block)
     except FP4ConvertError as exc:
@@ -159,9 +270,79 @@ def _batches(d: Decision, x: torch.Tensor) -> list[tuple[list[Matrix], torch.Ten
     return out
 
 
-def _quantize_unit(unit: list[Decision], xs: list[torch.Tensor], config: ConvertConfig, fmt: OutputFormat,
-                   writers: ShardWriters) -> dict[str, dict]:
+def _simple(unit: list[Decision]) -> bool:
+    """Every member quantizes its whole 2-D tensor as one matrix (the batched pipeline's case)."""
+    from .plan import QUANTIZE
+
+    for d in unit:
+        if d.action != QUANTIZE or d.decode is not None or len(d.matrices) != 1 or len(d.info.shape) != 2:
+            return False
+        m = d.matrices[0]
+        if (m.expert is not None or m.rows is not None or m.transpose or m.module != d.module
+                or (m.group or d.group) != d.group or tuple(m.shape) != tuple(d.info.shape)):
+            return False
+    return True
+
+
+class _Complex:
+    """A unit the batched pipeline does not run (stacked experts, decoded quantized inputs, a kept
+    decoded input): its own read batch, computed synchronously, written by the write-behind thread."""
+
+    def __init__(self, unit: list[Decision], device, config: ConvertConfig, fmt: OutputFormat) -> None:
+        self.units = [unit]
+        self.members = list(unit)
+        self.device, self.config, self.fmt = device, config, fmt
+
+    def reads(self) -> list:
+        return [t for d in self.members for t in d.reads]
+
+    def run(self, hosts: list[torch.Tensor], free: Callable) -> Callable[[], tuple]:
+        from .plan import QUANTIZE
+
+        unit, device = self.members, self.device
+        try:
+            on_device = iter([h.to(device, non_blocking=True) for h in hosts])
+            xs = [weight_of(d, [next(on_device) for _ in d.reads]) for d in unit]
+            if unit[0].action != QUANTIZE:  # a kept quantized input: written as the fp32 weight it encodes
+                out = [(unit[0].name, xs[0].contiguous().cpu())]
+                recs: dict[str, dict] = {unit[0].name: {}}
+            else:
+                recs, out = _matrices_unit(unit, xs, self.config, self.fmt)
+        finally:
+            free(None)  # synchronous: outputs are on the host, every copy from these buffers is done
+        return lambda: (recs, out)
+
+
+def _quantize_unit(item, hosts, backend, settings, free):
+    """Pass 1 and pass 2 of one batch (one unit on the CPU), started; returns the writer's result function."""
+    if isinstance(item, _Complex):
+        return item.run(hosts, free)
+    return backend.run(item, hosts, settings, free)
+
+
+def _write_complex(result: Callable[[], tuple], writers, records: dict) -> Callable[[], None]:
+    """The writer-thread job of a complex unit: records first (a finished shard's record is complete), then the tensors."""
+
+    def job() -> None:
+        recs, out = result()
+        for name, rec in recs.items():
+            records[name].update(rec)
+        for name, t in out:
+            writers.tensor(name, t)
+
+    return job
+
+
+def _matrices_unit(unit: list[Decision], xs: list[torch.Tensor], config: ConvertConfig,
+                   fmt: OutputFormat) -> tuple[dict[str, dict], list[tuple[str, torch.Tensor]]]:
     """Pass 1 (amax of every matrix, max per shared-scale group), then pass 2 (quantize, batched per part)."""
+    import torch
+
+    from .errors import NonFiniteError, QuantizationError
+    from .scheme import get_scheme
+    from .tensor import QuantizedTensor, quantize
+    from .tensor import amax as tensor_amax
+
     scheme = get_scheme(config.scheme)
     batches = [(d, ms, t) for d, x in zip(unit, xs) for ms, t in _batches(d, x)]
     group_amax: list[torch.Tensor | None] = [None] * len(batches)
@@ -192,14 +373,15 @@ def _quantize_unit(unit: list[Decision], xs: list[torch.Tensor], config: Convert
         for i, m in enumerate(ms):
             results[m.module] = q.matrix(i)
     records: dict[str, dict] = {}
+    outputs: list[tuple[str, torch.Tensor]] = []
     for d in unit:
         per: dict[str, dict] = {}
         for m in d.matrices:
             q = results[m.module]
             for name, tensor in fmt.tensors(m.module, q):
-                writers.tensor(name, tensor)
+                outputs.append((name, tensor.cpu()))
             if q.global_scale is not None:
                 per[m.module] = {"global_scale": float(q.global_scale), "amax": amax_of[m.module]}
         records[d.name] = next(iter(per.values())) if len(d.matrices) == 1 and per else (
             {"matrices": per} if per else {})
-    return records
+    return records, outputs

@@ -119,3 +119,18 @@ class Interrupted(FP4ConvertError):
     """The run was interrupted (Ctrl-C or SIGTERM); what was finished is kept for --resume."""
 
     exit_code = 130
+
+
+# -- under torchrun: another rank's error -----------------------------------------------------
+
+class RankFailed(FP4ConvertError):
+    """Another rank of a torchrun conversion failed; carries its one-line error and exit code."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.exit_code))

@@ -21,7 +21,8 @@ from .manifest import MANIFEST_NAME, file_digest, manifest_problem
 from .plan import QUANTIZE, Decision, Plan, check_collisions, layout_shards
 from .safetensors_io import ITEMSIZE, OutEntry, TensorInfo
 from .source import open_source
-from .writer import ConvertResult, Progress, finish, prepare_destination, run_identity, write_outputs
+from .distributed import World, run_writes
+from .writer import ConvertResult, Progress, run_identity
 
 
 def plan_export(src: str, config: ConvertConfig):
@@ -108,7 +109,6 @@ def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress 
     source, layout, manifest, plan, fmt = plan_export(src, config)
     verify_files(source.root, manifest, source.weight_files)
     identity = run_identity(plan.config, source, exported_from=manifest.get("identity"))
-    done = prepare_destination(dst, plan, plan.config, identity, source)
 
     def process(unit: list[Decision], writers) -> dict[str, dict]:
         records = {}
@@ -125,7 +125,8 @@ def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress 
                 records[d.name] = {}
         return records
 
-    write_outputs(plan, dst, identity, done, progress or (lambda n: None), process)
-    finish(source, plan, fmt, dst, identity)
+    world = World.from_env()  # under torchrun each rank writes its share of the shards
+    world.init()
+    done = run_writes(world, plan, dst, plan.config, identity, source, fmt, progress or (lambda n: None), process)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return ConvertResult(dst, plan, time.perf_counter() - t0, peak, sorted(f for f in done if f in dict(plan.shards)))

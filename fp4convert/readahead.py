@@ -1,63 +1,126 @@
-"""Read-ahead: the next work unit's source tensors are read while the current one is quantized.
+"""Read-ahead: the next work units' source tensors are read while the current one is quantized.
 
 File reads release the GIL, so a background thread hides disk (or page-cache) time behind
-quantization and writing. Host memory holds at most two units (the one in work and the next).
-For CUDA the bytes land in pinned buffers, two sets used in turn, so host-to-device copies run
-asynchronously at full speed; a set is refilled only after the main thread released it.
+quantization and writing. Host memory holds at most ``SETS`` batches (the one in work and the
+next). For CUDA the bytes land in pinned buffers, two sets used in turn, so host-to-device copies
+run asynchronously at full speed; a set is refilled only after its copies completed (the consumer
+hands :meth:`ReadAhead.release` the CUDA event recorded after them, and the reader waits on it).
+
+:func:`advise` asks the kernel to start reading the source (``posix_fadvise(WILLNEED)``) in plan
+order: it imports nothing heavy, so the converter calls it before torch and CUDA initialise.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from .safetensors_io import DTYPES, TensorInfo, read_into, read_tensor
+    from .safetensors_io import TensorInfo
 
-SETS = 2  # buffer sets: the unit in work and the next one
+SETS = 2  # buffer sets: the batch in work and the next one
+ADVISE_LIMIT = 8 << 30  # never ask the kernel to cache more than this ahead of the work
+
+
+def advise(ranges: Iterable[tuple[Path, int, int]], limit: int = ADVISE_LIMIT) -> int:
+    """posix_fadvise(WILLNEED) on (path, begin, end) ranges, in order, up to ``limit`` bytes.
+
+    The kernel reads them asynchronously (cold cache: the disk starts working while Python and
+    CUDA start up; warm cache: a no-op). Returns the bytes advised; silently 0 where unsupported.
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return 0
+    done = 0
+    fds: dict[Path, int] = {}
+    try:
+        for path, begin, end in ranges:
+            if done >= limit:
+                break
+            n = min(end - begin, limit - done)
+            try:
+                fd = fds.get(path)
+                if fd is None:
+                    fd = fds[path] = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, begin, n, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                continue  # a missing or odd file is reported by the real read, with context
+            done += n
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return done
 
 
 class ReadAhead:
-    """Yields each unit's source tensors (host memory, in unit order) from a background reader."""
+    """Yields each batch's source tensors (host memory, in order) from a background reader.
 
-    def __init__(self, units: list[list[TensorInfo]], locate: Callable[[str], Path], pinned: bool) -> None:
+    ``units``: one list of tensor infos per batch (a work unit, or several units batched together).
+    """
+
+    def __init__(self, units: list[list[TensorInfo]], locate: Callable[[str], Path], pinned: bool,
+                 device: torch.device | None = None) -> None:
+        self._device = device  # CUDA: this rank's GPU, so pinned memory never opens a context on GPU 0
         self._units = units
         self._locate = locate
         self._pinned = pinned
-        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, object] = {}  # set -> CUDA event its last consumer recorded
+        self._lock = threading.Lock()
         self._ready: queue.Queue = queue.Queue(maxsize=1)
         self._free = threading.Semaphore(SETS)
         self._stop = threading.Event()
+        self._released = 0
         self.wait_s = 0.0  # how long the consumer waited for data: ~0 when reading is fully hidden
         self._thread = threading.Thread(target=self._run, name="fp4convert-readahead", daemon=True)
         self._thread.start()
 
-    def _host(self, info: TensorInfo, set_index: int, slot: int) -> torch.Tensor:
-        path = self._locate(info.file)
+    def _read_set(self, set_index: int, unit: list[TensorInfo]) -> list[torch.Tensor]:
+        from .safetensors_io import DTYPES, read_into, read_tensor
+
         if not self._pinned:
-            return read_tensor(path, info)
-        buf = self._buffers.get((set_index, slot))
-        if buf is None or buf.numel() < info.nbytes:
-            buf = torch.empty(max(info.nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
-            self._buffers[(set_index, slot)] = buf
-        host = buf[: info.nbytes]
-        read_into(path, info, host)
-        return host.view(DTYPES[info.dtype]).reshape(info.shape)
+            return [read_tensor(self._locate(info.file), info) for info in unit]
+        import torch
+
+        with self._lock:
+            event = self._pending.pop(set_index, None)
+        if event is not None:
+            event.synchronize()  # the host-to-device copies out of this set have finished
+        # One pinned buffer per set, tensors back to back at 256-byte aligned offsets.
+        offsets, total = [], 0
+        for info in unit:
+            offsets.append(total)
+            total += -(-info.nbytes // 256) * 256
+        buf = self._buffers.get(set_index)
+        if buf is None or buf.numel() < total:
+            buf = torch.empty(max(total, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            self._buffers[set_index] = buf
+        out = []
+        for info, off in zip(unit, offsets):
+            host = buf[off : off + info.nbytes]
+            read_into(self._locate(info.file), info, host)
+            out.append(host.view(DTYPES[info.dtype]).reshape(info.shape))
+        return out
 
     def _run(self) -> None:
         try:
+            if self._pinned and self._device is not None and self._device.type == "cuda":
+                import torch
+
+                torch.cuda.set_device(self._device)
             for i, unit in enumerate(self._units):
                 while not self._free.acquire(timeout=0.1):
                     if self._stop.is_set():
                         return
                 if self._stop.is_set():
                     return
-                tensors = [self._host(info, i % SETS, slot) for slot, info in enumerate(unit)]
-                self._put(("ok", tensors))
+                self._put(("ok", self._read_set(i % SETS, unit)))
         except BaseException as exc:  # handed to the consumer, which raises it with its context
             self._put(("error", exc))
 
@@ -70,7 +133,7 @@ class ReadAhead:
                 continue
 
     def next(self) -> list[torch.Tensor]:
-        """The next unit's tensors; call :meth:`release` once they are no longer needed."""
+        """The next batch's tensors; call :meth:`release` once they are no longer needed."""
         t0 = time.perf_counter()
         kind, value = self._ready.get()
         self.wait_s += time.perf_counter() - t0
@@ -78,8 +141,12 @@ class ReadAhead:
             raise value
         return value
 
-    def release(self) -> None:
-        """The last unit's buffers may be refilled (for CUDA: its copies have completed)."""
+    def release(self, after: object | None = None) -> None:
+        """The oldest batch's buffers may be refilled: now, or (CUDA) once event ``after`` completed."""
+        if after is not None:
+            with self._lock:
+                self._pending[self._released % SETS] = after
+        self._released += 1
         self._free.release()
 
     def close(self) -> None:

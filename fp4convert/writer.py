@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,6 +54,7 @@ SAMPLE_BLOCK = 64 << 10  # the content fingerprint: sha256 of this many bytes at
 SAMPLE_COUNT = 16
 FORMAT_FILES = ("config.json", "hf_quant_config.json", "README.md")  # what finalize and the model card write
 _SHARD_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+_RANK_RECORD = re.compile(r"^" + re.escape(PROGRESS_NAME[: -len(".json")]) + r"\.rank\d+\.json$")
 _COPY_CHUNK = 16 << 20
 
 
@@ -472,7 +474,7 @@ def _owned(dst: Path, records: list[dict], files: list[str]) -> set[str]:
     ours_by_name = {MANIFEST_NAME, PROGRESS_NAME, INDEX_NAME, LOCK_NAME}
 
     def is_ours(name: str) -> bool:
-        if name in ours_by_name or (_SHARD_NAME.match(name) and name in listed):
+        if name in ours_by_name or _RANK_RECORD.match(name) or (_SHARD_NAME.match(name) and name in listed):
             return True
         if name not in listed:
             return False
@@ -499,17 +501,21 @@ def _check_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: d
     done: dict = {}
     if existing and not (config.overwrite or config.resume):
         raise OutputError(f"{dst} exists and is not empty; pass --overwrite to replace it or --resume to continue")
-    records, damaged = [], []
-    for name, kind in ((MANIFEST_NAME, "manifest"), (PROGRESS_NAME, "progress")):
+    records, damaged, progress = [], [], []
+    names = [(MANIFEST_NAME, "manifest"), (PROGRESS_NAME, "progress")]
+    names += [(p.name, "progress") for p in progress_records(dst) if p.name != PROGRESS_NAME]  # torchrun ranks
+    for name, kind in names:
         if (dst / name).is_file():
             rec, why = _read_record(dst / name, kind)
             if rec is not None:
-                records.append(rec)
+                (records if kind == "manifest" else progress).append(rec)
             else:
                 damaged.append(why)
         elif (dst / name).exists():
             raise OutputError(f"{dst / name} is not a file; remove it or choose another DST")
-    owned = _owned(dst, records, files)
+    owned = _owned(dst, records + progress, files)
+    if progress:  # one record, or the merged records of an interrupted torchrun's ranks
+        records.append(progress[0] if len(progress) == 1 else merge_states(progress))
     planned = _planned_names(plan, source, dst)
     foreign = []
     for f in existing:
@@ -566,6 +572,41 @@ def _check_space(dst: Path, plan: Plan, source: Source, done: dict) -> None:
     if need > free:
         raise OutputError(f"{dst}: needs {human_bytes(need)} for the output, only {human_bytes(free)} free; "
                           "free some space or choose another folder")
+
+
+def rank_progress_name(rank: int) -> str:
+    """Under torchrun each rank keeps its own progress record (no write race); rank 0 merges them."""
+    return PROGRESS_NAME.replace(".json", f".rank{rank}.json")
+
+
+def progress_records(dst: Path) -> list[Path]:
+    """The progress record of an interrupted run: one file, and/or one per rank (any number of ranks)."""
+    try:
+        return sorted(p for p in dst.iterdir() if p.name == PROGRESS_NAME or _RANK_RECORD.match(p.name))
+    except OSError as exc:
+        raise output_error(exc, dst, resumable=False) from exc
+
+
+def merge_states(states: list[dict]) -> dict:
+    """Several progress records (ranks) as one; they must share one identity."""
+    merged: dict = {"identity": states[0].get("identity", {}), "files": {}, "tensors": {}}
+    pending: list[str] = []
+    for st in states:
+        if st.get("identity", {}) != merged["identity"]:
+            merged["identity"] = {"mismatch": True}  # refused by --resume: other settings somewhere
+        merged["files"].update(st.get("files", {}))
+        merge_tensor_records(merged["tensors"], st.get("tensors", {}))
+        pending += [n for n in st.get("pending", []) if n not in pending]
+    if pending:
+        merged["pending"] = pending
+    return merged
+
+
+def merge_tensor_records(into: dict, more: dict) -> None:
+    """A unit's record is empty until its results are in (write-behind): never let one hide a full one."""
+    for name, rec in more.items():
+        if rec or name not in into:
+            into[name] = rec
 
 
 def _resumable(dst: Path, records: list[dict], identity: dict, config: ConvertConfig) -> dict:
@@ -640,15 +681,18 @@ def _nonfinite(dtype: str, block: bytes | bytearray) -> bool:
 class ShardWriters:
     """Open output shards (at most two at once: a unit can straddle a boundary)."""
 
-    def __init__(self, dst: Path, plan: Plan, done: dict, on_close: Callable[[str, dict], None]) -> None:
+    def __init__(self, dst: Path, plan: Plan, done: dict, on_close: Callable[[str, dict], None],
+                 owns: Callable[[str], bool] | None = None) -> None:
         self.dst, self.done, self.on_close = dst, done, on_close
+        self.owns = owns or (lambda f: True)  # under torchrun: the shards this rank writes
         self.entries = dict(plan.shards)
         self.shard_of = plan.shard_of()
         self.open: dict[str, StreamWriter] = {}
         self.nonfinite: dict[str, str] = {}  # kept tensors copied with NaN/Inf: name -> source file
 
     def skip(self, name: str) -> bool:
-        return self.shard_of[name] in self.done
+        f = self.shard_of[name]
+        return f in self.done or not self.owns(f)
 
     def _writer(self, name: str) -> StreamWriter:
         f = self.shard_of[name]
@@ -666,6 +710,9 @@ class ShardWriters:
         if w.complete:
             # Record the finished shard (checksum, size) first, then rename it: an interruption
             # in between leaves a record that --resume can use (it checks the file either way).
+            # Flushed first, so a killed process leaves the whole .partial for --resume to rename.
+            with writing(w.partial):
+                w._f.flush()
             self.on_close(f, {"sha256": w.sha256.hexdigest(), "size": w.size})
             _test_pause()
             with writing(self.dst / f):
@@ -688,7 +735,8 @@ class ShardWriters:
         w = None if self.skip(name) else self._writer(name)
         if w is not None:
             w._expect(name, info.nbytes)
-        elif info.dtype not in ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"):
+        elif not self.owns(self.shard_of[name]) or info.dtype not in ("F64", "F32", "F16", "BF16", "F8_E4M3",
+                                                                        "F8_E5M2"):
             return
         bad = False
         try:
@@ -735,30 +783,56 @@ def nonfinite_warning(name: str, file: str) -> str:
 
 
 def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: Progress, process: UnitFn,
-                  start: Callable[[list[list[Decision]]], None] | None = None) -> None:
+                  start: Callable[[list[list[Decision]]], None] | None = None, *,
+                  owns: Callable[[str], bool] | None = None, progress_name: str = PROGRESS_NAME,
+                  drain: Callable[[bool], None] | None = None) -> tuple[dict, dict]:
     """Stream every work unit's outputs into the planned shards; ``process`` makes a unit's tensors.
 
     ``start`` is told up front which units will be processed (those a resume does not skip), so
     their reading can begin ahead of time. On failure the open shards are removed and DST released.
+    Under torchrun, ``owns`` selects the shards this rank writes and ``progress_name`` is this rank's
+    own progress record. ``drain(True)`` waits for the writes ``process`` queued (a write-behind
+    thread); ``drain(False)`` runs what is queued, then stops, before an abort. Returns this run's
+    (files, tensors) records.
     """
     session = _SESSIONS.get(_key(dst))
     for w in plan_warnings(plan):
         log.warning("warning: %s", w)
     tensors_state: dict = dict(done.get("__tensors__", {}))
     files_state = {f: rec for f, rec in done.items() if not f.startswith("__")}
+    lock = threading.RLock()  # on_close and the NaN/Inf flags may come from a write-behind thread
+    warned: set[str] = set()
+
+    def flag_nonfinite() -> None:
+        """Kept tensors found holding NaN/Inf (the copy may run in the writer thread): flag their records."""
+        with lock:
+            for n, file in list(writers.nonfinite.items()):
+                if n in tensors_state and not tensors_state[n].get("nonfinite"):
+                    tensors_state[n] = {**tensors_state[n], "nonfinite": True}
+                if n not in warned:
+                    warned.add(n)
+                    log.warning("warning: %s", nonfinite_warning(n, file))
+
+    def save() -> None:
+        with lock:
+            flag_nonfinite()
+            _save_progress(dst, identity, files_state, tensors_state, None, progress_name)
 
     def on_close(f: str, rec: dict) -> None:
-        files_state[f] = rec
-        _save_progress(dst, identity, files_state, tensors_state)
+        with lock:
+            files_state[f] = rec
+            save()
 
-    writers = ShardWriters(dst, plan, files_state, on_close)
+    writers = ShardWriters(dst, plan, files_state, on_close, owns)
+    shard_of = writers.shard_of
 
     def finished(unit: list[Decision]) -> bool:
         outputs = [e.name for d in unit for e in d.outputs]
-        return all(writers.skip(n) for n in outputs) and all(d.name in tensors_state for d in unit)
+        mine = [d for d in unit if any(writers.owns(shard_of[e.name]) for e in d.outputs)]
+        return all(writers.skip(n) for n in outputs) and all(d.name in tensors_state for d in mine)
 
     try:
-        _save_progress(dst, identity, files_state, tensors_state)  # a record exists before any shard does
+        save()  # a record exists before any shard does
         units = plan.units()
         pending = [u for u in units if not finished(u)]
         if start is not None:
@@ -769,21 +843,24 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
                 progress(sum(d.info.nbytes for d in unit))
                 continue
             records = process(unit, writers)
-            for n, file in writers.nonfinite.items():
-                if n in records:
-                    records[n] = {**records[n], "nonfinite": True}
-                    log.warning("warning: %s", nonfinite_warning(n, file))
-            tensors_state.update(records)
+            with lock:
+                for n, rec in records.items():
+                    tensors_state[n] = {**rec, "nonfinite": True} if n in writers.nonfinite else rec
+                flag_nonfinite()
             progress(sum(d.info.nbytes for d in unit))
             _test_pause()
+        if drain is not None:
+            drain(True)
         if writers.open:  # the plan and the work disagree: never leave this silently
             raise RuntimeError("internal: output shards left incomplete")
-        _save_progress(dst, identity, files_state, tensors_state)
+        save()
     except BaseException as exc:
+        if drain is not None:
+            drain(False)
         writers.abort()
         if not files_state:  # nothing finished: nothing to resume, leave no trace
-            (dst / PROGRESS_NAME).unlink(missing_ok=True)
-        (dst / (PROGRESS_NAME + ".partial")).unlink(missing_ok=True)
+            (dst / progress_name).unlink(missing_ok=True)
+        (dst / (progress_name + ".partial")).unlink(missing_ok=True)
         if session is not None:
             session.fail()
         if isinstance(exc, OSError) and not isinstance(exc, FP4ConvertError):
@@ -798,6 +875,14 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
             w = nonfinite_warning(n, d.info.file if d else "?")
             if w not in plan.warnings:
                 plan.warnings.append(w)
+    return files_state, tensors_state
+
+
+def release(dst: Path, failed: bool = True) -> None:
+    """Drop this process's hold on DST (a torchrun rank 0 whose other rank failed before finish)."""
+    session = _SESSIONS.get(_key(Path(dst)))
+    if session is not None:
+        session.fail() if failed else session.release()
 
 
 def plan_warnings(plan: Plan) -> list[str]:
@@ -812,12 +897,13 @@ def plan_warnings(plan: Plan) -> list[str]:
     return out
 
 
-def _save_progress(dst: Path, identity: dict, files: dict, tensors: dict, pending: list[str] | None = None) -> None:
+def _save_progress(dst: Path, identity: dict, files: dict, tensors: dict, pending: list[str] | None = None,
+                   name: str = PROGRESS_NAME) -> None:
     state = {"identity": identity, "files": files, "tensors": tensors}
     if pending:
         state["pending"] = pending
-    with writing(dst / PROGRESS_NAME):
-        atomic_write(dst / PROGRESS_NAME, json.dumps(state, indent=1, sort_keys=True))
+    with writing(dst / name):
+        atomic_write(dst / name, json.dumps(state, indent=1, sort_keys=True))
 
 
 def atomic_write(path: Path, text: str) -> None:

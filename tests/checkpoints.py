@@ -324,6 +324,7 @@ def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
     """Make a convert() die at the first quantized unit after a shard has been finished; ``hard``: like a
     kill -9, no cleanup at all (.partial files stay behind)."""
     import fp4convert.convert as convert_mod
+    import fp4convert.pipeline as pipeline
     from fp4convert.safetensors_io import StreamWriter
 
     real = convert_mod._quantize_unit
@@ -334,5 +335,8 @@ def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
         return real(*a, **kw)
 
     monkeypatch.setattr(convert_mod, "_quantize_unit", flaky)
+    # Writes in the calling thread, so "after a shard has been finished" is exact (tests/test_pipeline.py
+    # crashes the write-behind thread itself).
+    monkeypatch.setattr(pipeline.WriteBehind, "submit", lambda self, job, light=False: job())
     if hard:
         monkeypatch.setattr(StreamWriter, "abort", lambda self: None)

@@ -1,0 +1,218 @@
+"""fp4convert beside `cp -r` + `sync` of the same checkpoint, one run, one table (issue 10's yardstick).
+
+Creates two bf16 checkpoints (a dense Llama-3-8B-shaped one with ``--layers`` layers and a
+many-expert MoE), warms the page cache, then for each runs ``--repeats`` times, side by side:
+``cp -r SRC DST && sync``; fp4convert on one GPU; on N GPUs (torchrun) when more are visible; on one
+GPU with ``--procs-per-gpu`` torchrun ranks (parallel host work); and ``--device cpu``. Every
+fp4convert run is followed by ``sync`` too and is byte-compared with the first GPU run. Writes
+``e2e_vs_copy.json`` and ``e2e_vs_copy.md`` into ``--out``.
+
+    python benchmarks/e2e_vs_copy.py --work /tmp/e2e --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _save_shards(path: Path, named: list[tuple[str, tuple[int, ...]]], shards: int, config: dict, seed: int) -> None:
+    """Generate and write tensors shard by shard (never the whole model in memory)."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    total = sum(int(torch.Size(s).numel()) for _, s in named)
+    per, cur, part, idx, weight_map = total / shards, 0, {}, 1, {}
+
+    def flush() -> None:
+        nonlocal part, idx
+        fname = f"model-{idx:05d}-of-{shards:05d}.safetensors"
+        save_file(part, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
+        part, idx = {}, idx + 1
+
+    for name, shape in named:
+        if "norm" in name:
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+        part[name] = t
+        cur += t.numel()
+        if cur >= per * idx and idx < shards:
+            flush()
+    if part:
+        flush()
+    n = idx - 1
+    if n != shards:  # rename to the real count
+        for i in range(1, n + 1):
+            old = path / f"model-{i:05d}-of-{shards:05d}.safetensors"
+            new = path / f"model-{i:05d}-of-{n:05d}.safetensors"
+            old.rename(new)
+        weight_map = {k: v.replace(f"-of-{shards:05d}", f"-of-{n:05d}") for k, v in weight_map.items()}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def dense(path: Path, layers: int) -> None:
+    h, inter, vocab, kv = 4096, 14336, 128256, 1024
+    named = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        named += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (h, h)),
+                  (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.v_proj.weight", (kv, h)),
+                  (p + "self_attn.o_proj.weight", (h, h)), (p + "post_attention_layernorm.weight", (h,)),
+                  (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                  (p + "mlp.down_proj.weight", (h, inter))]
+    named += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h, "intermediate_size": inter,
+           "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+           "vocab_size": vocab, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    _save_shards(path, named, 4, cfg, 0)
+
+
+def moe(path: Path, layers: int, experts: int) -> None:
+    h, inter, vocab = 2048, 384, 32000
+    named = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        named += [(p + "input_layernorm.weight", (h,))]
+        named += [(p + f"self_attn.{x}_proj.weight", (h, h)) for x in "qkvo"]
+        named += [(p + "post_attention_layernorm.weight", (h,)), (p + "mlp.gate.weight", (experts, h))]
+        for e in range(experts):
+            q = p + f"mlp.experts.{e}."
+            named += [(q + "gate_proj.weight", (inter, h)), (q + "up_proj.weight", (inter, h)),
+                      (q + "down_proj.weight", (h, inter))]
+    named += [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+    cfg = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": h,
+           "num_hidden_layers": layers, "num_experts": experts, "moe_intermediate_size": inter,
+           "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": vocab, "tie_word_embeddings": False}
+    _save_shards(path, named, 4, cfg, 1)
+
+
+def warm(path: Path) -> int:
+    n = 0
+    for p in path.glob("*"):
+        with open(p, "rb") as f:
+            while b := f.read(64 << 20):
+                n += len(b)
+    return n
+
+
+def digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            h.update(p.relative_to(path).as_posix().encode())
+            h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def timed(cmd: str, env: dict) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    r = subprocess.run(["bash", "-c", cmd + " && sync"], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if r.returncode:
+        raise RuntimeError(f"{cmd} failed:\n{r.stderr[-3000:]}")
+    return wall, r.stderr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/e2e"))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/out")))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--moe-layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--procs-per-gpu", type=int, default=4, help="0 to skip the one-GPU torchrun row")
+    ap.add_argument("--no-cpu", action="store_true")
+    ap.add_argument("--only", choices=["dense", "moe"], default=None)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        gpus = 0
+    py = sys.executable
+    results = {"gpus": gpus, "cpus": os.cpu_count(), "cases": {}}
+    cases = {"dense": lambda p: dense(p, args.layers), "moe": lambda p: moe(p, args.moe_layers, args.experts)}
+    for case, make in cases.items():
+        if args.only and case != args.only:
+            continue
+        src = args.work / case
+        if not (src / "config.json").exists():
+            t0 = time.perf_counter()
+            make(src)
+            print(f"{case}: created in {time.perf_counter() - t0:.1f} s", flush=True)
+        size = warm(src)
+        dst = args.work / "dst"
+        shard = {"dense": "512MB", "moe": "256MB"}[case]  # several output shards, so ranks can split them
+        q = f"{py} -m fp4convert quantize {src} {dst} -q --max-shard-size {shard}"
+        tr = f"{py} -m torch.distributed.run --standalone"
+        rows = [("cp -r + sync", f"cp -r {src} {dst}")]
+        if gpus:
+            rows.append(("fp4convert, 1 GPU", f"{q} --device cuda"))
+            if gpus > 1:
+                rows.append((f"fp4convert, {gpus} GPUs (torchrun)",
+                             f"{tr} --nproc-per-node {gpus} -m fp4convert quantize {src} {dst} -q --device cuda "
+                             f"--max-shard-size {shard}"))
+            if args.procs_per_gpu > 1:
+                rows.append((f"fp4convert, 1 GPU x {args.procs_per_gpu} processes (torchrun)",
+                             f"CUDA_VISIBLE_DEVICES=0 {tr} --nproc-per-node {args.procs_per_gpu} -m fp4convert quantize "
+                             f"{src} {dst} -q --device cuda --max-shard-size {shard}"))
+        if not args.no_cpu:
+            rows.append((f"fp4convert --device cpu ({os.cpu_count()} cores)", f"{q} --device cpu"))
+        out_rows, ref_digest = [], None
+        for label, cmd in rows:
+            walls = []
+            same = None
+            for _ in range(args.repeats):
+                shutil.rmtree(dst, ignore_errors=True)
+                subprocess.run(["sync"])
+                w, _ = timed(cmd, env)
+                walls.append(w)
+            if label.startswith("fp4convert"):
+                d = digest(dst)
+                ref_digest = ref_digest or d
+                same = d == ref_digest
+            out_bytes = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
+            row = {"what": label, "cmd": cmd, "median_s": statistics.median(walls), "runs_s": walls,
+                   "out_bytes": out_bytes, "same_bytes_as_first_fp4convert_run": same}
+            out_rows.append(row)
+            print(f"{case}: {label}: median {row['median_s']:.2f} s, runs {[round(x, 2) for x in walls]}", flush=True)
+            shutil.rmtree(dst, ignore_errors=True)
+        cp = out_rows[0]["median_s"]
+        for r in out_rows:
+            r["vs_cp"] = r["median_s"] / cp
+        results["cases"][case] = {"bytes_in": size, "rows": out_rows}
+    (args.out / "e2e_vs_copy.json").write_text(json.dumps(results, indent=2))
+    lines = [f"GPUs: {gpus}, CPU cores: {os.cpu_count()}; median of {args.repeats}; warm page cache; each command "
+             "followed by `sync`", ""]
+    for case, c in results["cases"].items():
+        lines += [f"### {case}: {c['bytes_in'] / 1e9:.2f} GB in", "",
+                  "| what | median s | runs s | x cp | out GB | bytes = first fp4convert row |", "|---|---|---|---|---|---|"]
+        for r in c["rows"]:
+            lines.append(f"| {r['what']} | {r['median_s']:.2f} | {', '.join(f'{x:.2f}' for x in r['runs_s'])} | "
+                         f"{r['vs_cp']:.2f} | {r['out_bytes'] / 1e9:.2f} | {r['same_bytes_as_first_fp4convert_run']} |")
+        lines.append("")
+    (args.out / "e2e_vs_copy.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The overlapped pipeline: the bytes never depend on the schedule (write-behind or not, one unit or many
+per batch, per-member or stacked [B, M, K] launches: the CUDA scheduling run on the CPU), errors from
+the writer thread reach the caller, and a crash with writes in flight still resumes to the same bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp4convert.convert as convert_mod
+import fp4convert.pipeline as pipeline
+from fp4convert import cpu
+from fp4convert.config import ConvertConfig
+from fp4convert.convert import convert, plan_conversion
+from fp4convert.errors import NonFiniteError, OutputError
+from fp4convert.plan import QUANTIZE
+
+from . import checkpoints as ck
+
+SCHEDULES = {
+    "sync": dict(units=1, nbytes=0, sync=True),  # the simple path: one unit at a time, writes inline
+    "default": dict(units=1, nbytes=0, sync=False),
+    "stacked-2": dict(units=2, nbytes=1 << 30, sync=False),  # the CUDA scheduling, small batches
+    "stacked-64": dict(units=64, nbytes=1 << 30, sync=False),  # ... whole layers of experts in one launch
+    "stacked-bytes": dict(units=64, nbytes=20000, sync=True),  # ... cut by bytes
+    "row-slices": dict(units=1, nbytes=0, sync=False, chunk=256),  # CPU: each matrix in slices of 1-4 rows
+}
+
+
+def run(src: Path, dst: Path, schedule: str, monkeypatch, **cfg) -> dict[str, bytes]:
+    sched = SCHEDULES[schedule]
+    with monkeypatch.context() as mp:
+        mp.setattr(pipeline, "CPU_BATCH_UNITS", sched["units"])
+        mp.setattr(pipeline, "CPU_BATCH_BYTES", sched["nbytes"])
+        if sched["sync"]:
+            mp.setattr(pipeline.WriteBehind, "submit", lambda self, job, light=False: job())
+        if "chunk" in sched:
+            mp.setattr(cpu, "CHUNK_ELEMS", sched["chunk"])
+        convert(src, dst, ConvertConfig(device="cpu", **cfg))
+    return ck.all_files(dst)
+
+
+CASES = [
+    ("llama-zoo", lambda p: ck.llama(p, layers=3, zoo=True), dict(max_shard_size=6000)),
+    ("llama-had16", lambda p: ck.llama(p, layers=2), dict(rotate="had16", format="compressed-tensors")),
+    ("llama-mxfp4", lambda p: ck.llama(p, layers=2), dict(scheme="mxfp4", max_shard_size=9000)),
+    ("moe", lambda p: ck.moe(p, experts=6, layers=2), dict(max_shard_size=20000)),
+    ("moe-modelopt", lambda p: ck.moe(p, experts=4, layers=2), dict(format="modelopt")),
+    ("deepseek", lambda p: ck.deepseek(p), dict()),
+]
+
+
+@pytest.mark.parametrize("name,make,cfg", CASES, ids=[c[0] for c in CASES])
+def test_every_schedule_writes_the_same_bytes(tmp_path, monkeypatch, name, make, cfg) -> None:
+    src = tmp_path / "src"
+    make(src)
+    want = run(src, tmp_path / "stacked-64", "stacked-64", monkeypatch, **cfg)  # whole matrices per launch
+    for schedule in SCHEDULES:
+        if schedule != "stacked-64":
+            got = run(src, tmp_path / schedule, schedule, monkeypatch, **cfg)
+            assert got == want, schedule
+
+
+def test_batches_keep_plan_order_and_break_at_kept_units(tmp_path) -> None:
+    src = tmp_path / "src"
+    ck.moe(src, experts=5, layers=2)
+    _, plan, _ = plan_conversion(str(src), ConvertConfig())
+    units = plan.units()
+    for max_units, max_bytes in [(1, 0), (3, 1 << 30), (64, 1 << 30), (64, 10000)]:
+        batches = pipeline.make_batches(units, max_units, max_bytes)
+        flat = [u for b in batches for u in b]
+        assert flat == [u for u in units if u[0].action == QUANTIZE]  # every quantized unit once, in order
+        for b in batches:
+            assert len(b) <= max_units
+            assert len(b) == 1 or sum(d.info.nbytes for u in b for d in u) <= max_bytes
+            first, last = units.index(b[0]), units.index(b[-1])
+            assert all(u[0].action == QUANTIZE for u in units[first : last + 1])  # no kept unit inside
+    experts = pipeline.make_batches(units, 64, 1 << 30)
+    assert max(len(pipeline.Batch(b).members) for b in experts) >= 15  # a layer's experts share launches
+    assert any(len(g) >= 5 for b in experts for g in pipeline.Batch(b).groups)
+
+
+@pytest.mark.parametrize("schedule", ["default", "stacked-64"])
+def test_nan_found_in_a_batch_names_the_tensor_and_leaves_no_manifest(tmp_path, monkeypatch, schedule) -> None:
+    src = tmp_path / "src"
+    ck.moe(src, experts=4, layers=2)
+    victim = "model.layers.1.mlp.experts.2.up_proj.weight"
+    ck.patch_tensor(ck.shard_with(src, victim), victim, b"\x80\x7f", at=6)  # bf16 -Inf
+    with pytest.raises(NonFiniteError, match=victim.replace(".", r"\.")):
+        run(src, tmp_path / "q", schedule, monkeypatch)
+    assert not (tmp_path / "q" / "fp4convert.json").exists()
+    assert not list((tmp_path / "q").glob("*.partial"))
+
+
+def test_writer_errors_reach_the_caller(tmp_path, monkeypatch) -> None:
+    src = tmp_path / "src"
+    ck.llama(src)
+
+    def full(*a, **k):  # an OS error on a DST file, raised in the writer thread
+        raise OSError(28, "No space left on device", str(tmp_path / "q" / "model.safetensors.partial"))
+
+    monkeypatch.setattr(pipeline, "write_batch", lambda *a, **k: full)
+    with pytest.raises(OutputError, match="no space left on the device"):
+        convert(src, tmp_path / "q", ConvertConfig(device="cpu"))
+    assert not list((tmp_path / "q").glob("*.partial"))
+
+
+def test_crash_with_writes_in_flight_then_resume(tmp_path, monkeypatch) -> None:
+    src = tmp_path / "src"
+    ck.llama(src, layers=3)
+    ref_dst = tmp_path / "ref"
+    convert(src, ref_dst, ConvertConfig(device="cpu", max_shard_size=6000))
+    dst = tmp_path / "q"
+    real = convert_mod._quantize_unit
+    calls = []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 12:
+            raise RuntimeError("simulated crash")
+        return real(*a, **k)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(convert_mod, "_quantize_unit", flaky)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            convert(src, dst, ConvertConfig(device="cpu", max_shard_size=6000))
+    finished = sorted(dst.glob("*.safetensors"))
+    assert finished and not list(dst.glob("*.partial"))
+    for p in finished:
+        assert p.read_bytes() == (ref_dst / p.name).read_bytes()
+    res = convert(src, dst, ConvertConfig(device="cpu", max_shard_size=6000, resume=True))
+    assert res.reused_files == sorted(p.name for p in finished)
+    assert ck.all_files(dst) == ck.all_files(ref_dst)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("units", [1, 64])
+def test_cuda_pipeline_writes_the_cpu_bytes(tmp_path, monkeypatch, units) -> None:
+    """Streams, pinned sets, batched [B, M, K] launches, one sync per batch: the CPU's bytes."""
+    src = tmp_path / "src"
+    ck.moe(src, experts=6, layers=2)
+    want = run(src, tmp_path / "cpu", "default", monkeypatch, max_shard_size=20000)
+    monkeypatch.setattr(pipeline, "CUDA_BATCH_UNITS", units)
+    convert(src, tmp_path / "gpu", ConvertConfig(device="cuda", max_shard_size=20000))
+    assert ck.all_files(tmp_path / "gpu") == want
