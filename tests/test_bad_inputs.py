@@ -758,7 +758,7 @@ def io_error_writing_shard(c: Ctx) -> None:
 
 @case
 def io_error_reading_source(c: Ctx) -> None:
-    import fp4convert.readahead as readahead
+    import fp4convert.safetensors_io as readahead  # the read-ahead thread imports read_tensor from here lazily
 
     bad = c.src / "model-00002-of-00003.safetensors"
     real = readahead.read_tensor
