@@ -386,6 +386,9 @@ def _summary(source: Source, layout: CheckpointLayout, globals_: dict[str, float
         "format": layout.format,
         "scheme": layout.scheme,
         "rotate": layout.rotate,
+        # The block-scale rule the error below was achieved with (recorded by fp4convert; None if unknown).
+        "scale_rule": (layout.manifest or {}).get("scale_rule") or ((layout.manifest or {}).get("settings") or {}).get(
+            "scale_rule"),
         "quantized": len(layout.modules),
         "kept": len(layout.kept),
         "fused_groups": len(groups),
@@ -546,7 +549,8 @@ def render(r: dict) -> list[str]:
         lines.append(f"{r['path']}: not quantized (no FP4 weights; {r['kept']} tensors, {_bytes(r['bytes'])}, "
                      f"{r['params']:,} params, {r['bits_per_param']} bits/param)")
     else:
-        lines.append(f"{r['path']}: format {r['format']}, scheme {r['scheme']}, rotation {r['rotate'] or 'none'}")
+        lines.append(f"{r['path']}: format {r['format']}, scheme {r['scheme']}, rotation {r['rotate'] or 'none'}"
+                     + (f", scale rule {r['scale_rule']}" if r.get("scale_rule") else ""))
         lines.append(
             f"  {r['quantized']} quantized weights, {r['kept']} kept tensors, {r['fused_groups']} fused groups; "
             f"{_bytes(r['bytes'])}, {r['params']:,} params, {r['bits_per_param']} bits/param "
