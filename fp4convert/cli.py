@@ -19,7 +19,7 @@ from functools import wraps
 import click
 from tqdm import tqdm
 
-from .config import ConvertConfig, parse_size
+from .config import ConvertConfig, human_bytes, parse_size
 from .errors import EXIT_CODES, FP4ConvertError, InspectFailed, Interrupted, RankFailed
 from .formats import OUTPUT_FORMATS
 from .scheme import SCHEMES
@@ -74,8 +74,8 @@ class _LineProgress:
         pct = 100 * self.done / self.total if self.total else 100.0
         rate = self.done / elapsed if elapsed > 0 else 0.0
         eta = f", ETA {(self.total - self.done) / rate:.0f} s" if rate > 0 and self.done < self.total else ""
-        return (f"{self.desc}: {_human_bytes(self.done)} of {_human_bytes(self.total)} ({pct:.0f}%), "
-                f"{elapsed:.0f} s, {_human_bytes(rate)}/s{eta}")
+        return (f"{self.desc}: {human_bytes(self.done)} of {human_bytes(self.total)} ({pct:.0f}%), "
+                f"{elapsed:.0f} s, {human_bytes(rate)}/s{eta}")
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -222,14 +222,6 @@ def _push(dst, repo, private: bool, token, quiet: bool) -> None:
 EXIT_CODE_HELP = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code, text in EXIT_CODES.items())
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n} B"
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODE_HELP)
 @click.version_option(__version__, prog_name="fp4convert")
 def main() -> None:
@@ -334,9 +326,9 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, 
         return
     click.echo(
         f"{dst}: {s['quantized']} tensors quantized ({scheme}{', had16' if rotate else ''}), {s['kept']} kept; "
-        f"{_human_bytes(s['bytes_in'])} -> {_human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s), "
+        f"{human_bytes(s['bytes_in'])} -> {human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s), "
         f"{s['bits_per_param']} bits/param ({s['bits_per_param_quantized']} in quantized layers); "
-        f"{s['wall_s']:.1f} s, peak memory {_human_bytes(s['peak_rss_bytes'])}"
+        f"{s['wall_s']:.1f} s, peak memory {human_bytes(s['peak_rss_bytes'])}"
         + (f"; reused {len(s['reused_files'])} finished shard(s)" if s["reused_files"] else "")
     )
     for w in s.get("warnings", []):
@@ -372,7 +364,7 @@ def export(src, dst, fmt, token, max_shard_size, overwrite, resume, verify_sourc
         click.echo(json.dumps(s, indent=2))
     elif not quiet:
         click.echo(f"{dst}: {s['quantized']} quantized weights and {s['kept']} other tensors as {fmt}, "
-                   f"{_human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s); {s['wall_s']:.1f} s")
+                   f"{human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s); {s['wall_s']:.1f} s")
 
 
 @main.command(epilog=EXIT_CODE_HELP)
@@ -400,7 +392,7 @@ def _print_plan(plan, quiet: bool = False) -> None:
         click.echo(f"warning: {w}", err=True)
     click.echo(
         f"\n{s['quantized']} to quantize ({s['fused_groups']} fused groups), {s['kept']} to keep; "
-        f"{_human_bytes(s['bytes_in'])} -> {_human_bytes(s['bytes_out'])} projected in {s['shards_out']} shard(s); "
+        f"{human_bytes(s['bytes_in'])} -> {human_bytes(s['bytes_out'])} projected in {s['shards_out']} shard(s); "
         f"{s['bits_per_param']} bits/param ({s['bits_per_param_quantized']} in quantized layers)"
     )
 

@@ -80,3 +80,12 @@ def parse_size(text: str) -> int:
     base = 1024 if "I" in unit else 1000
     power = {"B": 0, "KB": 1, "MB": 2, "GB": 3, "TB": 4}[unit.replace("I", "")]
     return int(num * base**power)
+
+
+def human_bytes(n: float) -> str:
+    """1234567 -> '1.2 MB' (decimal units, as parse_size reads them)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n} B"

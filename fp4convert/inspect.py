@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import torch
 
+from .config import human_bytes
 from .errors import SourceError
 from .formats import all_formats, get_format, quantized_tensor_names
 from .formats.base import QuantizedModule, read_json
@@ -386,6 +387,9 @@ def _summary(source: Source, layout: CheckpointLayout, globals_: dict[str, float
         "format": layout.format,
         "scheme": layout.scheme,
         "rotate": layout.rotate,
+        # The block-scale rule the error below was achieved with (recorded by fp4convert; None if unknown).
+        "scale_rule": (layout.manifest or {}).get("scale_rule") or ((layout.manifest or {}).get("settings") or {}).get(
+            "scale_rule"),
         "quantized": len(layout.modules),
         "kept": len(layout.kept),
         "fused_groups": len(groups),
@@ -531,29 +535,23 @@ def _snr(ref2: float, err2: float) -> float:
 # Text and pictures
 # ---------------------------------------------------------------------------------------------
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n} B"
-
 
 def render(r: dict) -> list[str]:
     """The report as the lines ``fp4convert inspect`` prints."""
     lines = []
     if r["verdict"] == NOT_QUANTIZED:
-        lines.append(f"{r['path']}: not quantized (no FP4 weights; {r['kept']} tensors, {_bytes(r['bytes'])}, "
+        lines.append(f"{r['path']}: not quantized (no FP4 weights; {r['kept']} tensors, {human_bytes(r['bytes'])}, "
                      f"{r['params']:,} params, {r['bits_per_param']} bits/param)")
     else:
-        lines.append(f"{r['path']}: format {r['format']}, scheme {r['scheme']}, rotation {r['rotate'] or 'none'}")
+        lines.append(f"{r['path']}: format {r['format']}, scheme {r['scheme']}, rotation {r['rotate'] or 'none'}"
+                     + (f", scale rule {r['scale_rule']}" if r.get("scale_rule") else ""))
         lines.append(
             f"  {r['quantized']} quantized weights, {r['kept']} kept tensors, {r['fused_groups']} fused groups; "
-            f"{_bytes(r['bytes'])}, {r['params']:,} params, {r['bits_per_param']} bits/param "
+            f"{human_bytes(r['bytes'])}, {r['params']:,} params, {r['bits_per_param']} bits/param "
             f"({r['bits_per_param_quantized']} in quantized layers)")
     lines.append(f"  {'layer':<28} {'quantized':>9} {'kept':>5} {'size':>10}")
     for name, row in r["layers"].items():
-        lines.append(f"  {name:<28} {row['quantized']:>9} {row['kept']:>5} {_bytes(row['bytes']):>10}")
+        lines.append(f"  {name:<28} {row['quantized']:>9} {row['kept']:>5} {human_bytes(row['bytes']):>10}")
     c = r["checks"]
     for note in c.get("notes", []):
         lines.append(f"  note: {note}")

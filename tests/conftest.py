@@ -18,6 +18,7 @@ import pytest
 _ZYGOTE = r"""
 import json, os, resource, signal, sys, time
 import fp4convert.cli
+import fp4convert.convert, fp4convert.export, fp4convert.inspect  # torch and the work modules, before the forks
 from fp4convert.cli import main
 out = sys.stdout
 for line in sys.stdin:

@@ -290,11 +290,15 @@ def test_non_weight_symlink_outside_is_skipped_with_a_warning(three, tmp_path) -
     (three / "linked_dir").symlink_to(tmp_path, target_is_directory=True)
     s = open_source(str(three))
     handler = ListHandler()  # on the logger itself: the CLI's setup may stop propagation to pytest's
-    logging.getLogger("fp4convert.source").addHandler(handler)
+    logger = logging.getLogger("fp4convert.source")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)  # an earlier --quiet CLI run in this process may have raised the parent's level
     try:
         files = s.other_files()
     finally:
-        logging.getLogger("fp4convert.source").removeHandler(handler)
+        logger.removeHandler(handler)
+        logger.setLevel(level)
     assert three / "tokenizer.model" not in files
     assert not [p for p in files if "linked_dir" in str(p)]
     assert [m for m in handler.lines if "tokenizer.model" in m and "outside the checkpoint folder" in m]
