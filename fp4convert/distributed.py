@@ -20,6 +20,7 @@ shards stay recorded, so the same command with ``--resume`` (any number of ranks
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import logging
@@ -72,6 +73,15 @@ class World:
 
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=TIMEOUT)
+            atexit.register(self.close)  # gloo's threads must stop before the interpreter exits
+
+    def close(self) -> None:
+        if not self.distributed:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def gather(self, obj) -> list:
         if not self.distributed:
@@ -228,4 +238,5 @@ def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, sour
         finish(source, plan, fmt, dst, identity)
 
     world.from_rank0(finish_on_rank0)
+    world.close()
     return done
