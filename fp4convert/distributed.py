@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import FP4ConvertError, RankFailed
+from .errors import FP4ConvertError, RankFailed, RankStopped
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -140,11 +140,7 @@ class World:
         except Exception:  # noqa: BLE001
             return
         if failed:
-            raise _Stopped()
-
-
-class _Stopped(Exception):
-    """Another rank failed: stop working and report at the final gather."""
+            raise RankStopped()
 
 
 def describe(exc: BaseException) -> tuple[str, int]:
@@ -205,7 +201,7 @@ def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, sour
         files, tensors = write_outputs(plan, dst, identity, done, progress, checked, start, owns=mine.__contains__,
                                        progress_name=rank_progress_name(world.rank), drain=drain)
         status.update(files={f: r for f, r in files.items() if f in mine}, tensors=tensors)
-    except _Stopped:
+    except RankStopped:
         status["stopped"] = True
     except Exception as exc:
         error = exc

@@ -134,3 +134,7 @@ class RankFailed(FP4ConvertError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.exit_code))
+
+
+class RankStopped(Exception):
+    """Under torchrun: another rank failed, so this one stops and reports at the final gather (internal)."""
