@@ -6,7 +6,10 @@ initialise. Units are read ahead in a background thread (:mod:`fp4convert.readah
 in batches (pass 1: amax of every member, pass 2: block quantization with the unit's global scale;
 on CUDA several units share one launch per shape, see :mod:`fp4convert.pipeline`) and written by a
 writer thread into output shards whose headers the plan fixed in advance, so host memory holds a
-few batches whatever the model or shard size. Files are written under ``.partial`` names and
+few batches whatever the model or shard size. Units whose tensors are not one whole matrix each
+(3-D stacked experts, gate/up halves, FP8 or MXFP4 inputs decoded first) are computed one at a time
+as their own read batch (:class:`_Complex`); their writes join the same ordered write-behind queue.
+Files are written under ``.partial`` names and
 renamed when complete; the manifest is written last and marks a finished conversion.
 
 Under ``torchrun`` each rank writes its share of the shards (:mod:`fp4convert.distributed`).
@@ -143,9 +146,6 @@ def convert(
 
     from . import pipeline
     from .pipeline import Batch, CpuBackend, Settings, StackedBackend, WriteBehind, make_batches, write_batch
-
-    def _complex_item(unit: list[Decision]) -> _Complex:
-        return _Complex(unit, device, config, fmt)
     from .plan import QUANTIZE
     from .readahead import ReadAhead
     from .scheme import get_scheme
@@ -170,7 +170,7 @@ def convert(
 
     reader: ReadAhead | None = None
     behind = WriteBehind(device=device)
-    item_of: dict[int, Batch | _Complex] = {}  # id(first unit) -> its batch
+    item_of: dict[int, Batch | _Complex] = {}  # id(first unit) -> its batch (or its own, for a complex unit)
 
     def start(pending: list[list[Decision]]) -> None:
         nonlocal reader
@@ -188,7 +188,7 @@ def convert(
                 run.append(u)
             else:
                 flush()
-                items.append(_complex_item(u))
+                items.append(_Complex(u, device, config, fmt))
         flush()
         item_of.update({id(b.units[0]): b for b in items})
         reader = ReadAhead([b.reads() for b in items], source.local_path, pinned=cuda, device=device)
@@ -228,6 +228,7 @@ def convert(
         done = run_writes(world, plan_, dst, config, identity, source, fmt,
                           lambda n: behind.submit(lambda: report(n), light=True), process, start, behind.drain)
     finally:
+        behind.drain(False)  # stops the writer thread when the run failed before the writes began (else a no-op)
         if reader is not None:
             reader.close()
         backend.close()
