@@ -18,6 +18,7 @@ from fp4convert.errors import NonFiniteError, OutputError
 from fp4convert.plan import QUANTIZE
 
 from . import checkpoints as ck
+from . import zoo
 
 SCHEDULES = {
     "sync": dict(units=1, nbytes=0, sync=True),  # the simple path: one unit at a time, writes inline
@@ -49,6 +50,13 @@ CASES = [
     ("moe", lambda p: ck.moe(p, experts=6, layers=2), dict(max_shard_size=20000)),
     ("moe-modelopt", lambda p: ck.moe(p, experts=4, layers=2), dict(format="modelopt")),
     ("deepseek", lambda p: ck.deepseek(p), dict()),
+    # Units the batched path does not run (3-D stacked experts, gate/up halves, decoded FP8/MXFP4
+    # inputs) go one at a time between batches of plain units, their writes in the same ordered queue.
+    ("gpt-oss-stacked", lambda p: zoo.build("gpt_oss", p), dict(max_shard_size=200000)),
+    ("llama4-stacked", lambda p: zoo.build("llama4", p), dict(scheme="mxfp4")),
+    ("gpt-oss-mxfp4-input", lambda p: zoo.mxfp4_variant(zoo.build("gpt_oss", p.parent / "base"), p), dict()),
+    ("deepseek-fp8-input", lambda p: zoo.fp8_block_variant(zoo.build("deepseek_v3", p.parent / "base"), p),
+     dict(max_shard_size=200000)),
 ]
 
 
@@ -146,3 +154,23 @@ def test_cuda_pipeline_writes_the_cpu_bytes(tmp_path, monkeypatch, units) -> Non
     monkeypatch.setattr(pipeline, "CUDA_BATCH_UNITS", units)
     convert(src, tmp_path / "gpu", ConvertConfig(device="cuda", max_shard_size=20000))
     assert ck.all_files(tmp_path / "gpu") == want
+
+
+def test_light_jobs_take_no_slot_and_run_after_the_writes_before_them() -> None:
+    """Progress updates ride the writer queue (a Hub shard is deleted only after its last copy) without
+    using up the write-behind depth."""
+    import threading
+    import time
+
+    behind = pipeline.WriteBehind(depth=1)
+    gate, order = threading.Event(), []
+    behind.submit(lambda: (gate.wait(5), order.append("write 1")))  # holds the one slot while it runs
+    t0 = time.monotonic()
+    for i in range(5):
+        behind.submit(lambda i=i: order.append(f"progress {i}"), light=True)
+    waited = time.monotonic() - t0
+    gate.set()
+    behind.submit(lambda: order.append("write 2"))
+    behind.drain(True)
+    assert waited < 2, waited
+    assert order == ["write 1", *(f"progress {i}" for i in range(5)), "write 2"]
