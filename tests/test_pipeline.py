@@ -156,6 +156,28 @@ def test_cuda_pipeline_writes_the_cpu_bytes(tmp_path, monkeypatch, units) -> Non
     assert ck.all_files(tmp_path / "gpu") == want
 
 
+GPU_CASES = [
+    ("had16-mse", lambda p: ck.llama(p, layers=2), dict(rotate="had16", scale_rule="mse")),
+    ("mxfp4-rceil", lambda p: ck.moe(p, experts=4, layers=2), dict(scheme="mxfp4", scale_rule="rceil")),
+    ("gpt-oss-mxfp4-input", lambda p: zoo.mxfp4_variant(zoo.build("gpt_oss", p.parent / "base"), p), dict()),
+    ("deepseek-fp8-input", lambda p: zoo.fp8_block_variant(zoo.build("deepseek_v3", p.parent / "base"), p),
+     dict(scale_rule="4over6")),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,make,cfg", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_cuda_pipeline_rules_and_complex_units_write_the_cpu_bytes(tmp_path, monkeypatch, name, make, cfg) -> None:
+    """Scale rules reach the batched kernels (amax in, gs from the kernel); stacked experts and decoded
+    inputs run between batches on the GPU: the CPU's bytes."""
+    src = tmp_path / "src"
+    make(src)
+    want = run(src, tmp_path / "cpu", "default", monkeypatch, max_shard_size=200000, **cfg)
+    convert(src, tmp_path / "gpu", ConvertConfig(device="cuda", max_shard_size=200000, **cfg))
+    assert ck.all_files(tmp_path / "gpu") == want
+
+
 def test_light_jobs_take_no_slot_and_run_after_the_writes_before_them() -> None:
     """Progress updates ride the writer queue (a Hub shard is deleted only after its last copy) without
     using up the write-behind depth."""
