@@ -188,7 +188,7 @@ def convert(
                 run.append(u)
             else:
                 flush()
-                items.append(_Complex(u, device, config, fmt))
+                items.append(_Complex(u, device, config, fmt, cores))
         flush()
         item_of.update({id(b.units[0]): b for b in items})
         reader = ReadAhead([b.reads() for b in items], source.local_path, pinned=cuda, device=device)
@@ -289,10 +289,12 @@ class _Complex:
     """A unit the batched pipeline does not run (stacked experts, decoded quantized inputs, a kept
     decoded input): its own read batch, computed synchronously, written by the write-behind thread."""
 
-    def __init__(self, unit: list[Decision], device, config: ConvertConfig, fmt: OutputFormat) -> None:
+    def __init__(self, unit: list[Decision], device, config: ConvertConfig, fmt: OutputFormat,
+                 threads: int = 0) -> None:
         self.units = [unit]
         self.members = list(unit)
         self.device, self.config, self.fmt = device, config, fmt
+        self.threads = threads  # CPU: torch's intra-op threads for this unit (the pool's workers run with one)
 
     def reads(self) -> list:
         return [t for d in self.members for t in d.reads]
@@ -300,7 +302,12 @@ class _Complex:
     def run(self, hosts: list[torch.Tensor], free: Callable) -> Callable[[], tuple]:
         from .plan import QUANTIZE
 
+        import torch
+
         unit, device = self.members, self.device
+        before = torch.get_num_threads()
+        if device.type == "cpu" and self.threads:
+            torch.set_num_threads(self.threads)
         try:
             on_device = iter([h.to(device, non_blocking=True) for h in hosts])
             xs = [weight_of(d, [next(on_device) for _ in d.reads]) for d in unit]
@@ -310,6 +317,7 @@ class _Complex:
             else:
                 recs, out = _matrices_unit(unit, xs, self.config, self.fmt)
         finally:
+            torch.set_num_threads(before)
             free(None)  # synchronous: outputs are on the host, every copy from these buffers is done
         return lambda: (recs, out)
 
