@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from .errors import CheckpointFormatError
 from .scheme import get_scheme
-from .version import __version__
+from .version import producer
 
 if TYPE_CHECKING:
     from .formats.base import OutputFormat
@@ -66,7 +66,7 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
         files[rel] = {"sha256": file_digest(p), "size": p.stat().st_size}
     return {
         "manifest_version": MANIFEST_VERSION,
-        "producer": {"name": "fp4convert", "version": __version__},
+        "producer": producer(),
         "format": fmt.name,
         "scheme": cfg.scheme,
         "rotate": cfg.rotate,
@@ -90,8 +90,8 @@ def manifest_problem(m: object) -> str | None:
     trusts what it lists (export reads it, --overwrite deletes the files it names)."""
     if not isinstance(m, dict):
         return "the manifest is not a JSON object"
-    producer = m.get("producer")
-    if not isinstance(producer, dict) or producer.get("name") != "fp4convert":
+    made_by = m.get("producer")
+    if not isinstance(made_by, dict) or made_by.get("name") != "fp4convert":
         return "the manifest was not written by fp4convert (producer.name)"
     if not isinstance(m.get("manifest_version"), int):
         return "the manifest has no integer manifest_version"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..version import __version__
+from ..version import producer as version_producer
 from ..errors import ConfigError
 from .base import OutputFormat, OutputInfo, read_json, update_config, write_json
 
@@ -47,7 +47,7 @@ class ModelOptFormat(OutputFormat):
         return {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": exclude}
 
     def finalize(self, dst: Path, info: OutputInfo) -> list[str]:
-        producer = {"name": "fp4convert", "version": __version__}
+        producer = version_producer()
         quant = self.quant_section(info)
         write_json(dst / HF_QUANT_CONFIG, {"producer": producer, "quantization": quant})
         # ModelOpt's own config.json shape. vLLM reads exclusions from "ignore" in this flat form (and

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..scheme import get_scheme
-from ..version import __version__
+from ..version import producer
 from .base import CONFIG_NAME, NATIVE_QUANT_METHOD, OutputFormat, OutputInfo, read_json, write_json
 
 MODEL_TYPE = "fp4convert"  # what config.json's model_type becomes (loaders refuse it)
@@ -35,7 +35,7 @@ class NativeFormat(OutputFormat):
         s = get_scheme(info.scheme)
         return {
             "quant_method": NATIVE_QUANT_METHOD,
-            "producer": {"name": "fp4convert", "version": __version__},
+            "producer": producer(),
             "format": self.name,
             "scheme": s.name,
             "block_size": s.block_size,
