@@ -63,8 +63,10 @@ def resolve_device(device: str, world: World | None = None) -> torch.device:
     world = world or World()
 
     def local_gpu() -> torch.device:
+        # Always with an index: torch.cuda.set_device and the worker threads need one.
         n = torch.cuda.device_count()
-        return torch.device("cuda", world.local_rank % n) if world.distributed and n else torch.device("cuda")
+        index = world.local_rank % n if world.distributed and n else torch.cuda.current_device()
+        return torch.device("cuda", index)
 
     if device == "auto":
         if not torch.cuda.is_available():

@@ -469,3 +469,25 @@ def test_cuda_families_and_inputs_give_the_same_bytes(tmp_path, variant, rule) -
         outs[device] = tmp_path / device
         convert(src, outs[device], ConvertConfig(device=device, scale_rule=rule, format="compressed-tensors"))
     assert ck.all_files(outs["cpu"]) == ck.all_files(outs["cuda"])
+
+
+@pytest.mark.parametrize("world,current,want", [
+    (None, 1, 1),  # one process: the current GPU, with its index
+    ((3, 4, 3, 4), 0, 1),  # torchrun local rank 3 on 2 visible GPUs: GPU 3 % 2
+])
+def test_cuda_device_always_has_an_index(monkeypatch, world, current, want) -> None:
+    """torch.cuda.set_device and the worker threads refuse a bare 'cuda': resolve_device names the GPU."""
+    from fp4convert.distributed import World
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    w = World(*world) if world else World()
+    for name in ("cuda", "auto"):
+        if name == "auto":
+            from fp4convert.cuda import ops
+
+            monkeypatch.setattr(ops, "ensure_loaded", lambda dev: None)
+        dev = convert_mod.resolve_device(name, w)
+        assert (dev.type, dev.index) == ("cuda", want)
+    assert convert_mod.resolve_device("cuda:0", w).index == 0
