@@ -417,10 +417,10 @@ def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision,
     Reads headers, configs and global scales by default; --check-files reads all data; --verify SRC
     compares every dequantized weight with the source.
     """
-    from .inspect import DEFAULT_MAX_ERROR, inspect_checkpoint, render, write_plot
-
     if plot_path and not verify_src:
         raise click.UsageError("--plot needs --verify SRC")
+    from .inspect import DEFAULT_MAX_ERROR, inspect_checkpoint, render, write_plot  # imports torch
+
     report = inspect_checkpoint(checkpoint, check_files=check_files, verify=verify_src, revision=revision,
                                 max_error=DEFAULT_MAX_ERROR if max_error is None else max_error, token=token)
     if plot_path:

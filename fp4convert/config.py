@@ -40,6 +40,9 @@ class ConvertConfig:
         check_rotation(self.rotate)
         if self.format not in OUTPUT_FORMATS:
             raise ConfigError(f"unknown format {self.format!r}; choose one of {', '.join(OUTPUT_FORMATS)}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|(cpu|cuda)(:\d+)?", self.device):
+            # checked here, without torch (resolve_device, at run time, finds whether the GPU is there)
+            raise ConfigError(f"--device {self.device!r} is not supported; use auto, cpu or cuda[:N]")
         if self.max_shard_size <= 0:
             raise ConfigError("--max-shard-size must be positive")
         if self.overwrite and self.resume:

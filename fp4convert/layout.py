@@ -6,15 +6,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from .formats import detect, get_format
 from .formats.base import QuantizedModule
 from .manifest import load_manifest
 from .safetensors_io import TensorInfo, read_tensor
 from .source import Source
-from .tensor import QuantizedTensor
+
+if TYPE_CHECKING:  # the layout is read from headers; only loading a module's data needs torch
+    import torch
+
+    from .tensor import QuantizedTensor
 
 UNQUANTIZED = "unquantized"
 

@@ -7,9 +7,12 @@ Row ``m`` and block-column ``k`` of a scale matrix land at
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import ShapeError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def padded_shape(rows: int, cols: int) -> tuple[int, int]:
@@ -19,6 +22,8 @@ def padded_shape(rows: int, cols: int) -> tuple[int, int]:
 
 def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
     """[..., M, nb] linear scales -> [..., Mp, nbp] in the 128x4 layout, zero padding; dtype kept."""
+    import torch  # here, not at the top: planning asks padded_shape only
+
     if scale.dim() < 2:
         raise ShapeError(f"expected scales of shape [..., M, nb], got {tuple(scale.shape)}")
     dtype = scale.dtype
@@ -35,6 +40,8 @@ def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
 
 def unswizzle_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """[..., Mp, nbp] 128x4 layout -> [..., rows, cols] linear scales; dtype kept."""
+    import torch
+
     dtype = swizzled.dtype
     s = swizzled.view(torch.uint8) if dtype == torch.float8_e4m3fn else swizzled
     *lead, mp, nbp = s.shape

@@ -30,8 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .config import ConvertConfig
 from .errors import FP4ConvertError, OutputError, SourceError
@@ -39,9 +38,12 @@ from .formats.base import OutputFormat
 from .manifest import (LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME, PROGRESS_ONLY, build_manifest, file_digest,
                        manifest_problem, portable_description)
 from .plan import Decision, Plan
-from .safetensors_io import StreamWriter, TensorInfo, header_bytes
+from .safetensors_io import StreamWriter, TensorInfo, header_bytes, torch_dtypes
 from .source import INDEX_NAME, Source
 from .version import __version__
+
+if TYPE_CHECKING:  # planning and the destination policy need no torch; only the NaN/Inf check imports it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -666,9 +668,10 @@ def _copy_file(src: Path, dst: Path) -> None:
 
 def _nonfinite(dtype: str, block: bytes | bytearray) -> bool:
     """Does this chunk of a kept tensor's bytes hold NaN or Inf? (cheap: one vectorized pass)."""
+    import torch
+
     if dtype in ("F64", "F32", "F16", "BF16"):
-        tdt = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[dtype]
-        t = torch.frombuffer(block, dtype=tdt)
+        t = torch.frombuffer(block, dtype=torch_dtypes()[dtype])
         return not bool(torch.isfinite(t).all())
     if dtype in ("F8_E4M3", "F8_E5M2"):
         u = torch.frombuffer(block, dtype=torch.uint8)

@@ -340,3 +340,36 @@ def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
     monkeypatch.setattr(pipeline.WriteBehind, "submit", lambda self, job, light=False: job())
     if hard:
         monkeypatch.setattr(StreamWriter, "abort", lambda self: None)
+
+
+# `python -m fp4convert ARGS` in a fresh interpreter that watches for torch: a meta-path finder
+# records the stack of the first `import torch` (then lets the import go ahead), and the record is
+# written to the file named by the first argument however the command exits (SystemExit included).
+_WATCH_TORCH = """\
+import runpy, sys, traceback
+record, sys.argv = sys.argv[1], ["fp4convert"] + sys.argv[2:]
+class WatchTorch:
+    stack = ""
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "torch" and not WatchTorch.stack:
+            WatchTorch.stack = "".join(traceback.format_stack())
+        return None
+sys.meta_path.insert(0, WatchTorch())
+try:
+    runpy.run_module("fp4convert", run_name="__main__", alter_sys=True)
+finally:
+    with open(record, "w") as f:
+        f.write(WatchTorch.stack or ("torch imported" if "torch" in sys.modules else ""))
+"""
+
+
+def cli_watching_torch(tmp: Path, *args, env: dict | None = None):
+    """Run the CLI in a subprocess; returns (CompletedProcess, the stack that imported torch or "")."""
+    import subprocess
+    import sys
+
+    record = tmp / "torch-import.txt"
+    record.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, "-c", _WATCH_TORCH, str(record), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    return proc, record.read_text() if record.exists() else "no record: the interpreter died"

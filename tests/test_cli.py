@@ -371,15 +371,61 @@ def test_no_numpy_warning_without_numpy(tmp_path) -> None:
         assert "NumPy" not in r.stderr and "numpy" not in r.stderr.lower(), r.stderr
 
 
-@pytest.mark.parametrize("args", [["--help"], ["--version"], ["quantize", "--help"], ["quantize", "x", "y", "--scheme", "int4"]])
-def test_start_up_without_torch(args) -> None:
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["quantize", "--help"], ["inspect", "--help"],
+                                  ["export", "--help"], ["quantize", "x", "y", "--scheme", "int4"]])
+def test_start_up_without_torch(args, tmp_path) -> None:
     """--help, --version and option errors answer without importing torch (issue 10: lean start-up)."""
-    import subprocess
-    import sys
+    r, torch_stack = ck.cli_watching_torch(tmp_path, *args)
+    assert r.returncode in (0, 2), r.stderr
+    assert not torch_stack, torch_stack
 
-    code = ("import sys, runpy; sys.argv = ['fp4convert'] + sys.argv[1:]\n"
-            "try:\n    runpy.run_module('fp4convert', run_name='__main__')\n"
-            "except SystemExit:\n    pass\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)")
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
-    assert out.stderr.strip().splitlines()[-1] == "NO-TORCH", out.stderr
+
+# (extra arguments, exit code, words of the error): planning reads headers only, so none needs torch.
+DRY_RUNS = [
+    (["--dry-run", "--json"], 0, []),
+    (["--dry-run"], 0, []),
+    (["--dry-run", "--json", "--format", "compressed-tensors", "--scheme", "mxfp4", "--rotate", "had16"], 0, []),
+    (["--dry-run", "--format", "modelopt", "--scale-rule", "4over6", "--ignore", "re:mlp"], 0, []),
+    (["--dry-run", "--format", "modelopt", "--rotate", "had16"], 2, ["modelopt", "rotation"]),
+    (["--dry-run", "--scheme", "mxfp4", "--scale-rule", "4over6"], 2, ["4over6", "mxfp4"]),
+    (["--dry-run", "--only", "no.such.layer"], 2, ["quantizes no tensor"]),
+    (["--dry-run", "--ignore", "re:("], 2, ["bad regex"]),
+    (["--overwrite", "--resume"], 2, ["--overwrite", "--resume"]),
+    (["--max-shard-size", "lots"], 2, ["lots"]),
+    (["--max-shard-size", "0"], 2, ["positive"]),
+    (["--device", "tpu"], 2, ["tpu"]),
+    (["--device", "mps"], 2, ["mps"]),
+    (["--format", "gguf"], 2, ["gguf"]),
+]
+
+
+@pytest.mark.parametrize("extra, code, words", DRY_RUNS, ids=[" ".join(a) for a, _, _ in DRY_RUNS])
+def test_dry_run_and_argument_errors_without_torch(extra, code, words, tmp_path) -> None:
+    """``quantize --dry-run [--json]`` and every refusal of the settings answer without importing torch."""
+    dst = tmp_path / "q"
+    r, torch_stack = ck.cli_watching_torch(tmp_path, "quantize", ck.EXAMPLES / "tiny-llama", dst, *extra)
+    assert r.returncode == code, r.stderr
+    assert not torch_stack, torch_stack
+    assert "Traceback" not in r.stderr and all(w in r.stderr for w in words), r.stderr
+    if extra[:2] == ["--dry-run", "--json"]:
+        assert json.loads(r.stdout)["summary"]["quantized"] > 0
+    assert not dst.exists()
+
+
+def test_source_refusals_without_torch(tmp_path) -> None:
+    """A missing source, a non-checkpoint and an FP4 (already converted) input are refused without torch."""
+    done = tmp_path / "done"
+    convert(ck.EXAMPLES / "tiny-llama", done, ConvertConfig(device="cpu"))
+    for src, code, word in [(tmp_path / "nope", 4, "nope"), ("not a repo id!", 4, "Hub repo id"),
+                            (tmp_path, 4, "no *.safetensors"), (done, 2, "already quantized")]:
+        r, torch_stack = ck.cli_watching_torch(tmp_path, "quantize", src, tmp_path / "q", "--dry-run", "--json")
+        assert r.returncode == code and word in r.stderr, (src, r.stderr)
+        assert not torch_stack, torch_stack
+
+
+@pytest.mark.parametrize("args", [["inspect"], ["inspect", "x", "--max-error", "much"], ["inspect", "x", "--plot", "p.png"],
+                                  ["export", "x", "y"]])
+def test_inspect_argument_errors_without_torch(args, tmp_path) -> None:
+    r, torch_stack = ck.cli_watching_torch(tmp_path, *args)
+    assert r.returncode == 2, r.stderr
+    assert not torch_stack, torch_stack

@@ -325,5 +325,16 @@ def test_depth_scan_ignores_brackets_in_strings() -> None:
     infos, _ = parse_header(data[8:8 + struct.unpack("<Q", data[:8])[0]], FILE, len(data))
     assert infos[0].name == name
     assert sio.json_depth(b'{"a": [[["]]]]]]"]]]}') == 4
-    deep = b"[" * 70_000 + b"]" * 70_000  # the vectorised path
+    deep = b"[" * 70_000 + b"]" * 70_000
     assert sio.json_depth(deep) == 70_000 and sio.json_depth(b"[]" * 70_000) == 1
+    assert sio.json_depth(b"") == 0 and sio.json_depth(b"]]}[") == 0 and sio.json_depth(b"{}][[[") == 2
+
+
+def test_torch_dtypes_cover_what_torch_holds() -> None:
+    """The lazily built torch table: every name torch can hold, with the byte size ITEMSIZE says."""
+    import torch
+
+    assert sio.DTYPES is sio.torch_dtypes() and set(sio.DTYPES) <= set(sio.ITEMSIZE)
+    for name, dtype in sio.DTYPES.items():
+        assert isinstance(dtype, torch.dtype) and torch.empty(0, dtype=dtype).element_size() == sio.ITEMSIZE[name]
+    assert all(sio.DTYPES[n].is_floating_point for n in sio.FLOAT_DTYPES)

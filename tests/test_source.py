@@ -128,6 +128,20 @@ def test_quantize_from_the_hub_cache_offline(hub, tmp_path) -> None:
     assert (out / "special/chat_template.jinja").read_text() == ck.OTHER_FILES["special/chat_template.jinja"]
 
 
+def test_dry_run_from_the_hub_cache_without_torch(hub, tmp_path) -> None:
+    """Planning a Hub repo from the HF cache (and refusing an unknown revision) needs no torch."""
+    r, torch_stack = ck.cli_watching_torch(tmp_path, "quantize", REPO, tmp_path / "q", "--dry-run", "--json",
+                                           env=offline_env(hub))
+    assert r.returncode == 0, r.stderr
+    assert not torch_stack, torch_stack
+    assert json.loads(r.stdout)["summary"]["quantized"] == 14
+    r, torch_stack = ck.cli_watching_torch(tmp_path, "quantize", REPO, tmp_path / "q", "--dry-run",
+                                           "--revision", "no-such-branch", env=offline_env(hub))
+    assert r.returncode == 4 and "not in the cache" in r.stderr, r.stderr
+    assert not torch_stack, torch_stack
+    assert not (tmp_path / "q").exists()
+
+
 def test_revision_commit_hash_plain_file_cache(hub, tmp_path) -> None:
     out = tmp_path / "hub_out"
     r = cli(hub, "quantize", REPO, out, "--revision", COMMIT_B, "--device", "cpu", "-q", "--json")

@@ -14,14 +14,17 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 from ..safetensors_io import OutEntry, TensorInfo
 from ..scheme import SCHEMES, get_scheme
 from ..swizzle import padded_shape
-from ..tensor import QuantizedTensor
+
+if TYPE_CHECKING:  # the names and shapes (what planning asks) need no torch; the tensor methods import it
+    import torch
+
+    from ..tensor import QuantizedTensor
 
 CONFIG_NAME = "config.json"
 
@@ -113,10 +116,14 @@ class OutputFormat:
 
     def global_value(self, gs: torch.Tensor) -> torch.Tensor:
         """The stored global tensor from the encode scale gs."""
+        import torch
+
         return gs.to(torch.float32).reshape(self.global_shape(tuple(gs.shape)))
 
     def encode_scale(self, stored: torch.Tensor) -> torch.Tensor:
         """Back from the stored global tensor to the encode scale gs (inverse of global_value)."""
+        import torch
+
         return stored.to(torch.float32)
 
     def entries(self, module: str, shape: tuple[int, ...], scheme: str, rotate: str | None = None) -> list[OutEntry]:
@@ -195,6 +202,8 @@ class OutputFormat:
     def load(self, m: QuantizedModule, read: Callable[[TensorInfo], torch.Tensor], rotate: str | None
              ) -> QuantizedTensor:
         """A quantized module's data as a QuantizedTensor (scales in the layout they are stored in)."""
+        from ..tensor import QuantizedTensor
+
         gs = None
         if get_scheme(m.scheme).global_scale and m.global_ is not None:
             gs = self.encode_scale(read(m.global_)).reshape(m.packed.shape[:-2])

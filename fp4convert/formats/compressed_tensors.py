@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..safetensors_io import OutEntry
 from ..scheme import get_scheme
-from ..tensor import QuantizedTensor
 from .base import OutputFormat, OutputInfo, update_config
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..tensor import QuantizedTensor
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,8 @@ FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
 
 def sylvester_hadamard(n: int) -> torch.Tensor:
     """The unnormalized +-1 Sylvester Hadamard matrix in natural order."""
+    import torch
+
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -48,6 +53,8 @@ class CompressedTensorsFormat(OutputFormat):
         return out
 
     def tensors(self, module: str, q: QuantizedTensor):
+        import torch
+
         out = super().tensors(module, q)
         if q.rotate == "had16":
             out.append((self._transform_name(module), sylvester_hadamard(16).to(torch.bfloat16)))

@@ -8,12 +8,14 @@ for one).
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..version import producer as version_producer
 from ..errors import ConfigError
 from .base import OutputFormat, OutputInfo, read_json, update_config, write_json
+
+if TYPE_CHECKING:
+    import torch
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
@@ -37,9 +39,13 @@ class ModelOptFormat(OutputFormat):
         return lead  # a scalar per matrix
 
     def global_value(self, gs: torch.Tensor) -> torch.Tensor:
+        import torch
+
         return (1.0 / gs.to(torch.float32)).reshape(self.global_shape(tuple(gs.shape)))  # the DECODE scale
 
     def encode_scale(self, stored: torch.Tensor) -> torch.Tensor:
+        import torch
+
         return 1.0 / stored.to(torch.float32)
 
     def quant_section(self, info: OutputInfo) -> dict:
