@@ -186,31 +186,32 @@ __device__ __forceinline__ float e2m1_value_spec(uint32_t idx) {
 // is exact with ties to even because the running sum it lands on is even whenever the new term is
 // non-zero (R1 = 4 once a > 2, R1 + R2 = 6 once a > 4). This equals SPEC.md's predicate sum on every
 // fp32 input (checked exhaustively by fp4c_e2m1_selftest). Seven FP32-pipe operations, no compares.
-// The running sums t1 = 2^23 + R1, t2 = t1 + R2, t3 = t2 + R3 are returned; t3's bits are
-// 0x4B000000 + idx.
-struct E2m1Terms {
-  float t1, t2, t3;
-};
-__device__ __forceinline__ E2m1Terms e2m1_terms_sw(float y2) {
-  E2m1Terms t;
+// The result's bits are 0x4B000000 + idx.
+__device__ __forceinline__ uint32_t e2m1_mag_sw(float y2) {
   const float u1 = __saturatef(y2);
-  t.t1 = __fmaf_rn(u1, 4.0f, 8388608.0f);
+  const float t1 = __fmaf_rn(u1, 4.0f, 8388608.0f);
   const float u2 = __saturatef(__fadd_rn(y2, -1.0f));
-  t.t2 = __fmaf_rn(u2, 2.0f, t.t1);
+  const float t2 = __fmaf_rn(u2, 2.0f, t1);
   const float u3 = __saturatef(__fadd_rn(y2, -2.0f));
-  t.t3 = __fadd_rn(t.t2, u3);
-  return t;
+  return __float_as_uint(__fadd_rn(t2, u3));
 }
 
-__device__ __forceinline__ uint32_t e2m1_mag_sw(float y2) { return __float_as_uint(e2m1_terms_sw(y2).t3); }
-
-// value(code) of the magnitude the terms encode: R1/2 + R2 + 2 R3 (idx 0..4 -> 0..2 by halves, 5, 6
-// -> 3, 4, 7 -> 6) = 2 t3 - t2 - t1/2 - 2^22. Every step is exact: 2 t3 - t2 is an integer below
-// 2^24, the next result lies in [2^22, 2^23) on the half-integer grid, and the last is Sterbenz.
-__device__ __forceinline__ float e2m1_value_sw(const E2m1Terms& t) {
-  const float a = __fmaf_rn(2.0f, t.t3, -t.t2);
-  const float b = __fmaf_rn(-0.5f, t.t1, a);
-  return __fadd_rn(b, -4194304.0f);
+// value(E2M1(y)) for y >= 0, without the code: what a search rule needs to score a candidate (the
+// winner alone is encoded, by encode8). With y' = min(y, 6), let c = 2^max(0, floor(log2 y')), the
+// exponent bits of max(y', 1): in c's binade (and in [0, 1), where c = 1) E2M1's grid is the
+// multiples of c/2. t = RN(y' + 2^22 c) rounds y' to a multiple of ulp(2^22 c) = c/2, since
+// y' + 2^22 c stays in that binade (y' <= 6 < 2^22); ties go to an even multiple because 2^22 c is
+// an even one (2^23 of them), which is E2M1's tie rule (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
+// 2.5 -> 2, 3.5 -> 4, 5 -> 4); the top of a binade rounds up into the next (1.9 -> 2). q = t - 2^22 c
+// is exact. Six FP32-pipe operations (five without CLAMP, which the caller may drop only where
+// every y < 7: there y and min(y, 6) have the same value, 6 for y in [5, 7)). The self test checks it
+// against the predicate sum on all 2^32 inputs.
+template <bool CLAMP>
+__device__ __forceinline__ float e2m1_value_of(float y) {
+  if constexpr (CLAMP) y = fminf(y, 6.0f);
+  const float c = __uint_as_float(__float_as_uint(fmaxf(y, 1.0f)) & 0x7F800000u);
+  const float t = __fmaf_rn(c, 4194304.0f, y);
+  return __fmaf_rn(c, -4194304.0f, t);
 }
 #endif
 
@@ -277,148 +278,101 @@ __device__ __forceinline__ uint32_t encode8(const float* v, float r) {
 #endif
 }
 
-// CONTRACT.md, the block error of one candidate over eight values, accumulated into err in element
-// order: code_i = E2M1(x_i * r); e = value(code_i) * d - x_i; err = err + e * e. Also returns the
-// eight packed codes (signs included), so the winner needs no second encode.
-//   Software path: everything on magnitudes. value(code) has x's sign, so e = +-(value * d - |x|)
-// and e * e is the same; y2 = |x| * (r/2) as in encode8. FAST (d < 2^100, so -2^22 d is exact):
-// value * d = fma(value + 2^22, d, -2^22 d), one rounding of the same real, saving the subtraction
-// of 2^22 from e2m1_value_sw.
-//   Hardware path: the cvt codes, decoded back by the hardware (exact), signed arithmetic.
-template <bool FAST>
-__device__ __forceinline__ uint32_t err8(const float* v, float r, float d, float& err) {
+// CONTRACT.md, the block error of one candidate (multiplier r, step d) over N values, in element
+// order: e = value(E2M1(x_i * r)) * d - x_i; err = err + e * e (each a separate fp32 operation).
+// Magnitudes only on the software path: value(code) carries x's sign, so e = +-(value * d - |x|) and
+// e * e is the same. CLAMP: see e2m1_value_of (the hardware conversion saturates by itself).
+template <int N, bool CLAMP>
+__device__ __forceinline__ float block_err(const float* v, float r, float d) {
+  float err = 0.0f;
 #if FP4C_HW_E2M1
-  float y[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(v[i], r);
-  const uint32_t codes = e2m1x8_hw(y);
+  for (int j = 0; j < N; j += 8) {
+    float y[8];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 q = e2m1x2_values_hw(codes >> (8 * j));
-    const float e0 = __fsub_rn(__fmul_rn(q.x, d), v[2 * j]);
-    err = __fadd_rn(err, __fmul_rn(e0, e0));
-    const float e1 = __fsub_rn(__fmul_rn(q.y, d), v[2 * j + 1]);
-    err = __fadd_rn(err, __fmul_rn(e1, e1));
-  }
-  return codes;
-#else
-  const float h = __fmul_rn(r, 0.5f);
-  const float nd22 = FAST ? -__fmul_rn(d, 4194304.0f) : 0.0f;
-  uint32_t acc = 0;
+    for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(v[j + i], r);
+    const uint32_t codes = e2m1x8_hw(y);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float a = fabsf(v[i]);
-    const E2m1Terms t = e2m1_terms_sw(__fmul_rn(a, h));
-    acc += __float_as_uint(t.t3) << (4 * i);
-    float w;
-    if constexpr (FAST) {
-      const float b = __fmaf_rn(-0.5f, t.t1, __fmaf_rn(2.0f, t.t3, -t.t2));  // value + 2^22, exact
-      w = __fmaf_rn(b, d, nd22);
-    } else {
-      w = __fmul_rn(e2m1_value_sw(t), d);
+    for (int i = 0; i < 4; ++i) {
+      const float2 q = e2m1x2_values_hw(codes >> (8 * i));
+      const float e0 = __fsub_rn(__fmul_rn(q.x, d), v[j + 2 * i]);
+      err = __fadd_rn(err, __fmul_rn(e0, e0));
+      const float e1 = __fsub_rn(__fmul_rn(q.y, d), v[j + 2 * i + 1]);
+      err = __fadd_rn(err, __fmul_rn(e1, e1));
     }
-    const float e = __fsub_rn(w, a);
+  }
+#else
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float a = fabsf(v[i]);
+    const float e = __fsub_rn(__fmul_rn(e2m1_value_of<CLAMP>(__fmul_rn(a, r)), d), a);
     err = __fadd_rn(err, __fmul_rn(e, e));
   }
-  acc -= 0xFB000000u;
-  return acc;  // magnitudes: the caller ors in e2m1_signs8 once for all candidates
 #endif
-}
-
-// Sign bits to OR into err8's codes: none on the hardware path (its codes carry them).
-__device__ __forceinline__ uint32_t err8_signs(const float* v) {
-#if FP4C_HW_E2M1
-  (void)v;
-  return 0u;
-#else
-  return e2m1_signs8(v);
-#endif
+  return err;
 }
 
 // ------------------------------------------------------------------------------------------------
 // Scale-rule block steps (CONTRACT.md). v: the block's values after the rotation (exact v, not the
-// folded u); bmax_bits: max|v| as a bit pattern. Out: the packed codes and the chosen scale byte.
+// folded u); bmax_bits: max|v| as a bit pattern. Each candidate is scored by block_err alone; the
+// winner is encoded once. Out: the packed codes and the chosen scale byte.
 // ------------------------------------------------------------------------------------------------
 
-// NVFP4 4over6 / mse for one block of 16.
-template <int RULE, bool FAST>
-__device__ __forceinline__ void nvfp4_block_search_impl(const float v[16], float gs, uint32_t bmax_bits,
-                                                        uint32_t codes[2], uint32_t& byte) {
-  uint32_t b6;
-  const float r6 = nvfp4_scale(gs, bmax_bits, b6);
-  const float d6 = __fdiv_rn(f32_from_e4m3(b6), gs);
+// NVFP4 candidate multipliers and steps per E4M3 byte for the matrix's gs, (r, d) =
+// (sf > 0 ? min(gs / sf, FLT_MAX) : 0, sf / gs): a search kernel fills a shared table of these once
+// per matrix (the same IEEE divisions, done once instead of twice per candidate and block).
+__device__ __forceinline__ float2 nvfp4_candidate(float gs, uint32_t byte) {
+  const float sf = f32_from_e4m3(byte);
+  return make_float2(sf > 0.0f ? fminf(__fdiv_rn(gs, sf), FLT_MAX) : 0.0f, __fdiv_rn(sf, gs));
+}
+
+// NVFP4 4over6 / mse for one block of 16; rd: the (r, d) table above. 4over6: b6 unless b4 has a
+// strictly lower error. mse: the lowest error among {b6, b4, b6 - 1} (b6 - 1 of byte 0 is 0), ties
+// to the larger byte. Clamping: b4's values stay below 7 (its scale rounds to within 1.5x of
+// bmax / 4, so y <= 6 up to rounding) and so do b6's once b6 >= 4 (within 1.125x of bmax / 6);
+// b6 <= 3 (subnormal scales, rare) and b6 - 1 may reach 7 and clamp.
+template <int RULE>
+__device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, uint32_t bmax_bits,
+                                                   const float2* rd, uint32_t codes[2], uint32_t& byte) {
+  const uint32_t b6 = e4m3_from_f32(__fdiv_rn(__fmul_rn(gs, __uint_as_float(bmax_bits)), 6.0f));
   const uint32_t b4 = nvfp4_byte4(gs, bmax_bits);
-  const uint32_t s0 = err8_signs(v), s1 = err8_signs(v + 8);
-  float err = 0.0f;
-  uint32_t c0 = err8<FAST>(v, r6, d6, err), c1 = err8<FAST>(v + 8, r6, d6, err);
+  const float2 k6 = rd[b6], k4 = rd[b4];
+  const float err6 = b6 <= 3u ? block_err<16, true>(v, k6.x, k6.y) : block_err<16, false>(v, k6.x, k6.y);
+  const float err4 = block_err<16, false>(v, k4.x, k4.y);
   uint32_t best = b6;
-  auto consider = [&](uint32_t c) {
-    float r, d, e = 0.0f;
-    nvfp4_candidate(gs, c, r, d);
-    const uint32_t k0 = err8<FAST>(v, r, d, e), k1 = err8<FAST>(v + 8, r, d, e);
-    // 4over6: strictly lower error wins (ties -> b6). mse: lower error, or equal error and a larger
-    // byte (b6 is considered first, so the order of the others does not matter).
-    const bool take = RULE == RULE_MSE ? (e < err || (e == err && c > best)) : e < err;
-    if (take) {
-      err = e;
-      best = c;
-      c0 = k0;
-      c1 = k1;
-    }
-  };
-  consider(b4);
+  float r = k6.x;
   if constexpr (RULE == RULE_MSE) {
-    consider(b6 > 0u ? b6 - 1u : 0u);
-    consider(b6 < 0x7Eu ? b6 + 1u : 0x7Eu);
+    float best_err = err6;
+    if (err4 <= best_err) {  // b4 >= b6: an equal error goes to the larger byte
+      best = b4, r = k4.x, best_err = err4;
+    }
+    const uint32_t bm = b6 > 0u ? b6 - 1u : 0u;
+    const float2 km = rd[bm];
+    const float errm = block_err<16, true>(v, km.x, km.y);
+    if (errm < best_err || (errm == best_err && bm > best)) best = bm, r = km.x;
+  } else {
+    if (err4 < err6) best = b4, r = k4.x;  // ties keep the /6 scale
   }
-  codes[0] = c0 | s0;
-  codes[1] = c1 | s1;
+  codes[0] = encode8(v, r);
+  codes[1] = encode8(v + 8, r);
   byte = best;
 }
 
-// Every candidate's d = sf / gs <= 448 / gs is below 2^100 when gs >= 2^-90 (amax <= ~2^101): the
-// FAST error path. gs is per matrix, so the branch is uniform over a matrix.
-template <int RULE>
-__device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, uint32_t bmax_bits,
-                                                   uint32_t codes[2], uint32_t& byte) {
-#if FP4C_HW_E2M1
-  nvfp4_block_search_impl<RULE, false>(v, gs, bmax_bits, codes, byte);
-#else
-  if (gs >= 0x1p-90f) nvfp4_block_search_impl<RULE, true>(v, gs, bmax_bits, codes, byte);
-  else nvfp4_block_search_impl<RULE, false>(v, gs, bmax_bits, codes, byte);
-#endif
-}
-
-// MXFP4 mse for one block of 32: e (floor) against min(e + 1, 254), ties to e.
-template <bool FAST>
-__device__ __forceinline__ void mxfp4_block_mse_impl(const float v[32], uint32_t e, uint32_t codes[4],
-                                                     uint32_t& byte) {
-  const uint32_t e1 = min(e + 1u, 254u);
-  const float r = pow2i(127 - (int)e), d = pow2i((int)e - 127);
-  const float r1 = pow2i(127 - (int)e1), d1 = pow2i((int)e1 - 127);
-  float err = 0.0f, err1 = 0.0f;
-  uint32_t k[4], k1[4];
-#pragma unroll
-  for (int w = 0; w < 4; ++w) k[w] = err8<FAST>(v + 8 * w, r, d, err);
-#pragma unroll
-  for (int w = 0; w < 4; ++w) k1[w] = err8<FAST>(v + 8 * w, r1, d1, err1);
-  const bool up = err1 < err;
-#pragma unroll
-  for (int w = 0; w < 4; ++w) codes[w] = (up ? k1[w] : k[w]) | err8_signs(v + 8 * w);
-  byte = up ? e1 : e;
-}
-
-// FAST where both steps are <= 2^100 (e + 1 <= 227): every block below ~2^102.
+// MXFP4 mse for one block of 32: e (floor) against min(e + 1, 254), ties to e. With e + 1 the values
+// stay below 4 (bmax * 2^(127 - e) < 8), so only e's error clamps.
 __device__ __forceinline__ void mxfp4_block_mse(const float v[32], uint32_t bmax_bits, uint32_t codes[4],
                                                 uint32_t& byte) {
   uint32_t e;
-  (void)mxfp4_scale(bmax_bits, e);
-#if FP4C_HW_E2M1
-  mxfp4_block_mse_impl<false>(v, e, codes, byte);
-#else
-  if (e < 227u) mxfp4_block_mse_impl<true>(v, e, codes, byte);
-  else mxfp4_block_mse_impl<false>(v, e, codes, byte);
-#endif
+  const float r0 = mxfp4_scale(bmax_bits, e);
+  const uint32_t e1 = min(e + 1u, 254u);
+  const float r1 = pow2i(127 - (int)e1);
+  const float err0 = block_err<32, true>(v, r0, pow2i((int)e - 127));
+  const float err1 = e1 == e ? err0 : block_err<32, false>(v, r1, pow2i((int)e1 - 127));
+  const bool up = err1 < err0;
+  const float r = up ? r1 : r0;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) codes[w] = encode8(v + 8 * w, r);
+  byte = up ? e1 : e;
 }
 
 }  // namespace fp4c

@@ -46,12 +46,24 @@ __device__ __forceinline__ float matrix_gs(const float* amax, float* gs_out, int
   }
 }
 
+// NVFP4 search rules: the (r, d) of every E4M3 byte for this matrix's gs, in shared memory (see
+// nvfp4_candidate). Every thread of the CTA must call it (two barriers); a no-op for other rules.
+template <int FMT, int RULE>
+__device__ __forceinline__ void fill_candidates(float2* rd, float gs) {
+  if constexpr (FMT == FMT_NVFP4 && RULE != RULE_PLAIN) {
+    static_assert(THREADS >= 128, "one thread per E4M3 byte");
+    __syncthreads();  // the previous matrix's table is no longer read
+    if (threadIdx.x < 128) rd[threadIdx.x] = nvfp4_candidate(gs, threadIdx.x);
+    __syncthreads();
+  }
+}
+
 // One group (raw data loaded): its two 16-element chunks (one if !full), rotated if ROT, scaled and
 // encoded. Out: codes[4] (16 bytes), the scale byte(s) (NVFP4: one per chunk; MXFP4: sb[0]).
 // Returns true when a block held NaN/Inf.
 template <int DT, int FMT, bool ROT, int RULE>
-__device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, float gs, uint32_t codes[4],
-                                             uint32_t sb[2]) {
+__device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, float gs, const float2* rd,
+                                             uint32_t codes[4], uint32_t sb[2]) {
   bool bad = false;
   if constexpr (FMT == FMT_NVFP4) {
 #pragma unroll
@@ -75,7 +87,7 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
         codes[2 * c + 1] = encode8(v + 8, r);
       } else {
         if constexpr (ROT) scale16(v, 0.25f);  // the errors need v = RN(0.25 u) itself
-        nvfp4_block_search<RULE>(v, gs, mb, codes + 2 * c, sb[c]);
+        nvfp4_block_search<RULE>(v, gs, mb, rd, codes + 2 * c, sb[c]);
       }
     }
   } else {
@@ -133,14 +145,18 @@ __device__ __forceinline__ void store_codes(uint8_t* op, bool full, const uint32
 template <int DT, int FMT, bool ROT, int RULE>
 __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_kernel(const QuantArgs a) {
   const int64_t g = (int64_t)blockIdx.x * THREADS + threadIdx.x;
-  if (g >= a.groups) return;
+  constexpr bool TABLE = FMT == FMT_NVFP4 && RULE != RULE_PLAIN;
+  __shared__ float2 rd[TABLE ? 128 : 1];
+  if (!TABLE && g >= a.groups) return;  // (with a table every thread takes part in its barriers)
   for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
     const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, g == 0);
+    fill_candidates<FMT, RULE>(rd, gs);
+    if (TABLE && g >= a.groups) continue;
     Raw<DT> raw;
     load_group<DT>(a.x + b * a.n * Elem<DT>::size, g, a.n, raw);
     const bool full = g * GROUP + GROUP <= a.n;  // else only the first 16 (NVFP4, n % 32 == 16)
     uint32_t codes[4], sb[2];
-    if (encode_group<DT, FMT, ROT, RULE>(raw, full, gs, codes, sb)) *(volatile int*)a.flag = 1;
+    if (encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb)) *(volatile int*)a.flag = 1;
     uint8_t* sp = a.so.base + b * a.so.mstride;
     if constexpr (FMT == FMT_NVFP4) {
       sp[2 * g] = (uint8_t)sb[0];
@@ -177,9 +193,11 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs 
   const int64_t kb0 = kt * 4 + 2 * (threadIdx.x & 1);
   const int off = (r & 31) * 16 + (r >> 5) * 4 + 2 * (threadIdx.x & 1);
   const int64_t n = a.M * a.K;
+  __shared__ float2 rd[FMT == FMT_NVFP4 && RULE != RULE_PLAIN ? 128 : 1];
   for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
     const uint8_t* xb = a.x + b * n * Elem<DT>::size;
     const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, blockIdx.x == 0 && threadIdx.x == 0);
+    fill_candidates<FMT, RULE>(rd, gs);
     uint32_t s2[2] = {0, 0};
     bool bad = false;
     constexpr int NG = FMT == FMT_NVFP4 ? 1 : 2;  // groups per thread
@@ -195,7 +213,7 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs 
         for (int j = 0; j < Raw<DT>::NV; ++j)
           if (j < Raw<DT>::NV / 2 || full) raw.q[j] = ldg16(p + 16 * j);
         uint32_t codes[4], sb[2] = {0, 0};
-        bad |= encode_group<DT, FMT, ROT, RULE>(raw, full, gs, codes, sb);
+        bad |= encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb);
         if constexpr (FMT == FMT_NVFP4) {
           s2[0] = sb[0];
           s2[1] = full ? sb[1] : 0u;

@@ -94,8 +94,7 @@ def _nvfp4_search(a: torch.Tensor, gsb: torch.Tensor, s: torch.Tensor, rule: str
     best, best_err = b6, _block_error(a, *_nvfp4_r_d(b6, gsb))
     if rule == "4over6":
         return torch.where(_block_error(a, *_nvfp4_r_d(b4, gsb)) < best_err, b4, b6)
-    b6i = b6.to(torch.int32)
-    for c in (b4, (b6i - 1).clamp(min=0).to(torch.uint8), (b6i + 1).clamp(max=ref.E4M3_MAX_CODE).to(torch.uint8)):
+    for c in (b4, (b6.to(torch.int32) - 1).clamp(min=0).to(torch.uint8)):
         e = _block_error(a, *_nvfp4_r_d(c, gsb))
         take = (e < best_err) | ((e == best_err) & (c > best))
         best, best_err = torch.where(take, c, best), torch.where(take, e, best_err)

@@ -302,11 +302,10 @@ def _nvfp4_choose(blocks: torch.Tensor, gsb: torch.Tensor, bmax: torch.Tensor, r
     best, best_err = b6, err(b6)
     if rule == "4over6":
         return torch.where(err(b4) < best_err, b4, b6)  # ties keep the /6 scale
-    # mse: {b6, b4, b6 - 1, b6 + 1} on the byte, clamped to [0, 0x7E]; the lowest error wins, and
-    # among equal errors the larger byte (= larger scale). That pair order does not depend on the
-    # order the candidates are tried in.
-    b6i = b6.to(torch.int32)
-    for c in (b4, (b6i - 1).clamp(min=0).to(torch.uint8), (b6i + 1).clamp(max=E4M3_MAX_CODE).to(torch.uint8)):
+    # mse: {b6, b4, b6 - 1} (b6 - 1 on the byte, 0 stays 0); the lowest error wins, and among equal
+    # errors the larger byte (= larger scale). That pair order does not depend on the order the
+    # candidates are tried in.
+    for c in (b4, (b6.to(torch.int32) - 1).clamp(min=0).to(torch.uint8)):
         e = err(c)
         take = (e < best_err) | ((e == best_err) & (c > best))
         best, best_err = torch.where(take, c, best), torch.where(take, e, best_err)

@@ -165,7 +165,10 @@ def _quantize_batched(
     amax_b = None
     if s.global_scale and global_amax is not None:
         amax_b = torch.as_tensor(global_amax, dtype=torch.float32).to(x.device, non_blocking=True)
-        amax_b = amax_b.expand(lead).reshape(-1).contiguous()
+        if amax_b.numel() != 1 or xb.shape[0] != 1:
+            amax_b = amax_b.expand(lead).reshape(-1).contiguous()
+        elif amax_b.dim() != 1:
+            amax_b = amax_b.reshape(1)  # one matrix, one amax: a view, no copy
     swizzle = scale_layout == "swizzled"
     if x.is_cuda:
         # The kernels compute gs from the amax and flag a non-finite amax or block themselves.
@@ -179,13 +182,12 @@ def _quantize_batched(
             gs = ref.global_scale(group_amax)
         packed, scale, nonfinite = ops.quantize(xb, s.name, gs, rotate, swizzle, rule)
         bad = nonfinite if bad is None else nonfinite | bad
+    # The bookkeeping runs while the kernel does; then the one host sync.
+    q = QuantizedTensor(packed.reshape(*lead, *packed.shape[-2:]), scale.reshape(*lead, *scale.shape[-2:]),
+                        None if gs is None else gs.reshape(lead), s.name, rotate, scale_layout, rule)
     if bool(bad):
         raise NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")
-    packed = packed.reshape(*lead, *packed.shape[-2:])
-    scale = scale.reshape(*lead, *scale.shape[-2:])
-    if gs is not None:
-        gs = gs.reshape(lead)
-    return QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
+    return q
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16, *, backend: Backend = "auto") -> torch.Tensor:

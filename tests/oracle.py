@@ -98,7 +98,7 @@ def nvfp4_choose(blk: list[float], gs: float, rule: str = "max") -> int:
     if rule == "4over6":
         return b4 if nvfp4_candidate(blk, gs, b4)[1] < nvfp4_candidate(blk, gs, b6)[1] else b6
     assert rule == "mse"
-    cands = {b6, b4, max(b6 - 1, 0), min(b6 + 1, 0x7E)}
+    cands = {b6, b4, max(b6 - 1, 0)}
     return min(cands, key=lambda c: (nvfp4_candidate(blk, gs, c)[1], -c))
 
 

@@ -84,19 +84,19 @@ NV_GOLDEN_BLOCKS = [
     [4.0],  # b6 = E4M3(0.667) = 0.6875 (0x33): 4/0.6875 -> 6, err 0.125^2; b4 = 1.0 (0x38) exact
     [6.0, 3.0],  # b6 = 1.0 (0x38) and b4 = 1.5 (0x3C) both exact: 4over6 ties to b6, mse to the larger byte
     [-7.75, 8.75, -3.5],  # b6 = 1.5 (0x3C), b4 = 2.25 (0x41); mse: b6 - 1 = 1.375 (err 0.890625), 8.75 saturates at 6
-    [4.75, 8.5, 6.25],  # b6 = 1.375 (0x3B), b4 = 2.0 (0x40, tie 2.125 to even); mse: b6 + 1 = 1.5 (err 0.375)
-    [4.75, 8.25, 4.75],  # b6 = 1.375 exactly; b6 - 1 and b6 + 1 both err 0.6875 (the lowest): mse takes 0x3C
-    [-0.0, 0.0, -0.0],  # all zero: every candidate err 0; mse's tie goes to b6 + 1 = 0x01 (codes stay 0 / 8)
+    [4.75, 8.5, 6.25],  # b6 = 1.375 (0x3B), b4 = 2.0 (0x40, tie 2.125 to even); mse: b4 (b6 - 1 = 1.25 errs 2.625)
+    [4.75, 8.25, 4.75],  # b6 = 1.375 exactly; b6 - 1 = 1.25 (0x3A) errs 0.6875, the lowest: mse takes it
+    [-0.0, 0.0, -0.0],  # all zero: b6 = b4 = 0 and b6 - 1 of byte 0 stays 0 (codes stay 0 / 8)
 ]
 NV_GOLDEN_BYTES = {
     "max": [0x7E, 0x33, 0x38, 0x3C, 0x3B, 0x3B, 0x00],
     "4over6": [0x7E, 0x38, 0x38, 0x41, 0x40, 0x3B, 0x00],  # block 4: err(b4) 0.875 < err(b6) 1.015625
-    "mse": [0x7E, 0x38, 0x3C, 0x3B, 0x3C, 0x3C, 0x01],
+    "mse": [0x7E, 0x38, 0x3C, 0x3B, 0x40, 0x3A, 0x00],
 }
 NV_GOLDEN_CODES = {  # the first three codes of blocks 1.. in the chosen scale
     "max": [[7, 0, 0], [7, 5, 0], [0xF, 7, 0xC], [5, 7, 6], [5, 7, 5], [8, 0, 8]],
     "4over6": [[6, 0, 0], [7, 5, 0], [0xD, 6, 0xB], [4, 6, 5], [5, 7, 5], [8, 0, 8]],
-    "mse": [[6, 0, 0], [6, 4, 0], [0xF, 7, 0xD], [5, 7, 6], [5, 7, 5], [8, 0, 8]],
+    "mse": [[6, 0, 0], [6, 4, 0], [0xF, 7, 0xD], [4, 6, 5], [6, 7, 6], [8, 0, 8]],
 }
 
 
@@ -117,17 +117,17 @@ def test_nvfp4_golden_block_errors() -> None:
     errs = {r: ref.nvfp4_block_errors(x, *ref.nvfp4_quantize(x, scale_rule=r)).reshape(-1).tolist() for r in NV_RULES}
     assert errs["max"][1:] == [0.015625, 0.0, 1.875, 1.015625, 0.78125, 0.0]
     assert errs["4over6"][1:] == [0.0, 0.0, 1.078125, 0.875, 0.78125, 0.0]
-    assert errs["mse"][1:] == [0.0, 0.0, 0.890625, 0.375, 0.6875, 0.0]
+    assert errs["mse"][1:] == [0.0, 0.0, 0.890625, 0.875, 0.6875, 0.0]
 
 
 # Subnormal E4M3 scales: gs = 2^20, so y = 2^20 x and the byte is E4M3(y / 6) in units of 2^-9.
 NV_SUB_BLOCKS = [
     [0.05322265625, 0.009033203125],  # b6 = 5 (s = 4.54 * 2^-9), b4 = 7: both search rules take 7 (0x07)
     [0.00537109375],  # s6 = 0.46 * 2^-9 rounds to 0, s4 = 0.69 * 2^-9 to 1: a zero scale only for max
-    [-0.001220703125],  # b6 = b4 = 0; mse's b6 + 1 = 0x01 codes 0.625 -> 0.5 (err 6e-8 < y^2): 0x01
-    [2.0**-12],  # b6 = b4 = 0; at 0x01 y * 512 = 0.125 -> 0, so err ties with the zero scale: larger byte
+    [-0.001220703125],  # b6 = b4 = 0 (and b6 - 1 stays 0): every rule writes a zero scale, the code a signed zero
+    [2.0**-12],  # likewise, with a positive zero
 ]
-NV_SUB_BYTES = {"max": [0x7E, 5, 0, 0, 0], "4over6": [0x7E, 7, 1, 0, 0], "mse": [0x7E, 7, 1, 1, 1]}
+NV_SUB_BYTES = {"max": [0x7E, 5, 0, 0, 0], "4over6": [0x7E, 7, 1, 0, 0], "mse": [0x7E, 7, 1, 0, 0]}
 
 
 @pytest.mark.parametrize("rule", NV_RULES)
@@ -137,15 +137,15 @@ def test_nvfp4_subnormal_and_zero_scales_clamp_at_zero(rule: str) -> None:
     assert gs.item() == 2.0**20
     assert scale_bytes(scale) == NV_SUB_BYTES[rule]
     codes = codes_of(packed)
-    assert codes[48] == (0x9 if rule == "mse" else 0x8)  # -0.0012: -0.5 at 0x01, a signed zero at 0x00
-    assert codes[64] == 0  # on the tie the codes are 0 either way
+    assert codes[48] == 0x8  # -0.0012 under a zero scale: a signed zero
+    assert codes[64] == 0
     check_oracle_nv(x, rule)
 
 
 @pytest.mark.parametrize("rule", NV_RULES)
 def test_nvfp4_saturation_at_448_never_writes_nan(rule: str) -> None:
-    # A fused-group amax of 100 below the row's own 2688: gs = 26.88 and gs * 2688 / 6 saturates; b6 + 1
-    # of 0x7E must clamp to 0x7E (0x7F is NaN) and the codes saturate at 6.
+    # A fused-group amax of 100 below the row's own 2688: gs = 26.88 and gs * 2688 / 6 saturates: b6 and
+    # b4 are 0x7E (never 0x7F, which is NaN) and the codes saturate at 6.
     x = nv_row(0, [[-2000.0, 900.0], [6.0]])
     packed, scale, gs = ref.nvfp4_quantize(x, global_amax=100.0, scale_rule=rule)
     b = scale_bytes(scale)
