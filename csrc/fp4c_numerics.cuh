@@ -286,6 +286,7 @@ template <int N, bool CLAMP>
 __device__ __forceinline__ float block_err(const float* v, float r, float d) {
   float err = 0.0f;
 #if FP4C_HW_E2M1
+  // (the codes come from encode8 for the winner: the hardware conversion is cheap)
 #pragma unroll
   for (int j = 0; j < N; j += 8) {
     float y[8];
@@ -306,11 +307,36 @@ __device__ __forceinline__ float block_err(const float* v, float r, float d) {
   for (int i = 0; i < N; ++i) {
     const float a = fabsf(v[i]);
     const float e = __fsub_rn(__fmul_rn(e2m1_value_of<CLAMP>(__fmul_rn(a, r)), d), a);
-    err = __fadd_rn(err, __fmul_rn(e, e));
+    err = i == 0 ? __fmul_rn(e, e) : __fadd_rn(err, __fmul_rn(e, e));  // 0 + e*e is e*e exactly
   }
 #endif
   return err;
 }
+
+#if !FP4C_HW_E2M1
+// block_err that also packs the candidate's magnitude codes (eight per word, element 0 in the low
+// nibble; the caller ors in the signs): q * 2^-126 puts value 1 at the smallest normal, so its bits
+// are exactly idx << 22 for every E2M1 value q (0.5 is the subnormal 2^-127 = 1 << 22, 6 is
+// 1.5 * 2^-124 = 7 << 22): one multiply and one shift-add per element instead of encoding the
+// winner again.
+template <int N, bool CLAMP>
+__device__ __forceinline__ float block_err_codes(const float* v, float r, float d, uint32_t* codes) {
+  float err = 0.0f;
+#pragma unroll
+  for (int w = 0; w < N / 8; ++w) codes[w] = 0u;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float a = fabsf(v[i]);
+    const float q = e2m1_value_of<CLAMP>(__fmul_rn(a, r));
+    const uint32_t idx22 = __float_as_uint(__fmul_rn(q, 0x1p-126f));
+    const int j = 4 * (i % 8);
+    codes[i / 8] += j <= 22 ? idx22 >> (22 - j) : idx22 << (j - 22);
+    const float e = __fsub_rn(__fmul_rn(q, d), a);
+    err = i == 0 ? __fmul_rn(e, e) : __fadd_rn(err, __fmul_rn(e, e));
+  }
+  return err;
+}
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Scale-rule block steps (CONTRACT.md). v: the block's values after the rotation (exact v, not the
@@ -328,24 +354,21 @@ __device__ __forceinline__ float2 nvfp4_candidate(float gs, uint32_t byte) {
 
 // NVFP4 4over6 / mse for one block of 16; rd: the (r, d) table above. 4over6: b6 unless b4 has a
 // strictly lower error. mse: the lowest error among {b6, b4, b6 - 1} (b6 - 1 of byte 0 is 0), ties
-// to the larger byte. Clamping: b4's values stay below 7 (its scale rounds to within 1.5x of
-// bmax / 4, so y <= 6 up to rounding) and so do b6's once b6 >= 4 (within 1.125x of bmax / 6);
-// b6 <= 3 (subnormal scales, rare) and b6 - 1 may reach 7 and clamp.
+// to the larger byte.
 template <int RULE>
 __device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, uint32_t bmax_bits,
                                                    const float2* rd, uint32_t codes[2], uint32_t& byte) {
   const uint32_t b6 = e4m3_from_f32(__fdiv_rn(__fmul_rn(gs, __uint_as_float(bmax_bits)), 6.0f));
   const uint32_t b4 = nvfp4_byte4(gs, bmax_bits);
   const float2 k6 = rd[b6], k4 = rd[b4];
-  const float err6 = b6 <= 3u ? block_err<16, true>(v, k6.x, k6.y) : block_err<16, false>(v, k6.x, k6.y);
+#if FP4C_HW_E2M1
+  const float err6 = block_err<16, true>(v, k6.x, k6.y);
   const float err4 = block_err<16, false>(v, k4.x, k4.y);
   uint32_t best = b6;
   float r = k6.x;
   if constexpr (RULE == RULE_MSE) {
     float best_err = err6;
-    if (err4 <= best_err) {  // b4 >= b6: an equal error goes to the larger byte
-      best = b4, r = k4.x, best_err = err4;
-    }
+    if (err4 <= best_err) best = b4, r = k4.x, best_err = err4;  // b4 >= b6: a tie goes to the larger byte
     const uint32_t bm = b6 > 0u ? b6 - 1u : 0u;
     const float2 km = rd[bm];
     const float errm = block_err<16, true>(v, km.x, km.y);
@@ -355,6 +378,32 @@ __device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, 
   }
   codes[0] = encode8(v, r);
   codes[1] = encode8(v + 8, r);
+#else
+  // The clamp only where a value can reach 7: y_max = RN(bmax * r) >= 7 (RN is monotone). With the
+  // matrix's own amax that is rare for b6 (subnormal scales) and never happens for b4; a given
+  // group amax below the matrix's own saturates at 448 and needs it. b6 - 1 often needs it (about
+  // 1 block in 40 on real weights, so most warps would take both paths): always clamped.
+  const float bmax = __uint_as_float(bmax_bits);
+  uint32_t c6[2], c4[2];
+  const float err6 = __fmul_rn(bmax, k6.x) >= 7.0f ? block_err_codes<16, true>(v, k6.x, k6.y, c6)
+                                                    : block_err_codes<16, false>(v, k6.x, k6.y, c6);
+  const float err4 = __fmul_rn(bmax, k4.x) >= 7.0f ? block_err_codes<16, true>(v, k4.x, k4.y, c4)
+                                                    : block_err_codes<16, false>(v, k4.x, k4.y, c4);
+  uint32_t best = b6, k0 = c6[0], k1 = c6[1];
+  if constexpr (RULE == RULE_MSE) {
+    float best_err = err6;
+    if (err4 <= best_err) best = b4, k0 = c4[0], k1 = c4[1], best_err = err4;  // a tie: the larger byte
+    const uint32_t bm = b6 > 0u ? b6 - 1u : 0u;
+    const float2 km = rd[bm];
+    uint32_t cm[2];
+    const float errm = block_err_codes<16, true>(v, km.x, km.y, cm);
+    if (errm < best_err || (errm == best_err && bm > best)) best = bm, k0 = cm[0], k1 = cm[1];
+  } else {
+    if (err4 < err6) best = b4, k0 = c4[0], k1 = c4[1];  // ties keep the /6 scale
+  }
+  codes[0] = k0 | e2m1_signs8(v);
+  codes[1] = k1 | e2m1_signs8(v + 8);
+#endif
   byte = best;
 }
 
@@ -366,12 +415,22 @@ __device__ __forceinline__ void mxfp4_block_mse(const float v[32], uint32_t bmax
   const float r0 = mxfp4_scale(bmax_bits, e);
   const uint32_t e1 = min(e + 1u, 254u);
   const float r1 = pow2i(127 - (int)e1);
+#if FP4C_HW_E2M1
   const float err0 = block_err<32, true>(v, r0, pow2i((int)e - 127));
   const float err1 = e1 == e ? err0 : block_err<32, false>(v, r1, pow2i((int)e1 - 127));
   const bool up = err1 < err0;
   const float r = up ? r1 : r0;
 #pragma unroll
   for (int w = 0; w < 4; ++w) codes[w] = encode8(v + 8 * w, r);
+#else
+  uint32_t k0[4], k1[4];
+  const float err0 = block_err_codes<32, true>(v, r0, pow2i((int)e - 127), k0);
+  // e + 1 keeps every value below 4 (bmax * 2^(127 - e) < 8); e == 254 has no e + 1 (same candidate)
+  const float err1 = e1 == e ? err0 : block_err_codes<32, false>(v, r1, pow2i((int)e1 - 127), k1);
+  const bool up = err1 < err0;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) codes[w] = (up ? k1[w] : k0[w]) | e2m1_signs8(v + 8 * w);
+#endif
   byte = up ? e1 : e;
 }
 

@@ -38,6 +38,13 @@ __global__ void e2m1_selftest_kernel(uint64_t start, uint64_t count, unsigned lo
     const bool check_err = fabsf(want_err) <= FLT_MAX;
     bad += (got != want) + (check_err && __float_as_uint(err) != __float_as_uint(want_err)) +
            (check_err && __float_as_uint(err_unclamped) != __float_as_uint(want_err));
+#if !FP4C_HW_E2M1
+    uint32_t k, k_unclamped = want;  // the search rules' packed codes (magnitudes; signs added here)
+    const float err2 = block_err_codes<8, true>(v, 1.0f, 1.0f, &k);
+    if (vmax < 7.0f) (void)block_err_codes<8, false>(v, 1.0f, 1.0f, &k_unclamped), k_unclamped |= e2m1_signs8(v);
+    bad += ((k | e2m1_signs8(v)) != want) + (k_unclamped != want) +
+           (check_err && __float_as_uint(err2) != __float_as_uint(want_err));
+#endif
   }
   if (bad) atomicAdd(mismatches, bad);
 }

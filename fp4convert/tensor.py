@@ -164,7 +164,9 @@ def _quantize_batched(
     lead = x.shape[:-2]
     amax_b = None
     if s.global_scale and global_amax is not None:
-        amax_b = torch.as_tensor(global_amax, dtype=torch.float32).to(x.device, non_blocking=True)
+        amax_b = global_amax
+        if not (isinstance(amax_b, torch.Tensor) and amax_b.dtype == torch.float32 and amax_b.device == x.device):
+            amax_b = torch.as_tensor(global_amax, dtype=torch.float32).to(x.device, non_blocking=True)
         if amax_b.numel() != 1 or xb.shape[0] != 1:
             amax_b = amax_b.expand(lead).reshape(-1).contiguous()
         elif amax_b.dim() != 1:
