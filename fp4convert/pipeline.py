@@ -291,14 +291,20 @@ class StackedBackend:
         n = len(batch.members)
         with self._stream("compute"):
             # Host-to-device: each shape group into one [B, M, K] tensor (no stacking copy on the host).
-            xs = [torch.empty((len(g), *hosts[g[0]].shape), dtype=hosts[g[0]].dtype, device=dev)
-                  for g in batch.groups]
+            # The inputs are allocated on the copy stream, which writes them: a block the caching
+            # allocator hands out there is free of every earlier copy-stream use, and of the compute
+            # kernels that read earlier inputs (record_stream below). Allocated on the compute stream,
+            # a block last used by the previous batch's still-queued kernels (its packed outputs)
+            # could be overwritten by this batch's copies before those kernels ran (seen on the H100:
+            # a 64-expert MoE refused for NaN that was not in the source).
             with self._stream("copy"):
+                xs = [torch.empty((len(g), *hosts[g[0]].shape), dtype=hosts[g[0]].dtype, device=dev)
+                      for g in batch.groups]
                 for x, g in zip(xs, batch.groups):
                     for j, i in enumerate(g):
                         x[j].copy_(hosts[i], non_blocking=self.cuda)
                     if self.cuda:
-                        x.record_stream(self.copy)
+                        x.record_stream(self.compute)
                 if self.cuda:
                     self.h2d_done = torch.cuda.Event()
                     self.h2d_done.record(self.copy)
