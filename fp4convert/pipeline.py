@@ -177,8 +177,12 @@ class CpuBackend:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     def _slices(self, x: torch.Tensor) -> list[tuple[int, int]]:
+        # CHUNK_ELEMS / workers elements per slice, but never below a quarter chunk: each slice is a few
+        # dozen torch calls whose dispatch holds the GIL, and 16 threads on 64K-element slices likely
+        # queue on it (suspected, not yet measured, cause of the 16-core H100 host's --device cpu row
+        # falling from 22.9 s to 80 s; a 2-4 core machine keeps its slices, and its memory, as before).
         m, k = x.shape
-        rows = max(1, self.ops.CHUNK_ELEMS // self.workers // max(k, 1))
+        rows = max(1, max(self.ops.CHUNK_ELEMS // self.workers, self.ops.CHUNK_ELEMS // 4) // max(k, 1))
         return [(r0, min(m, r0 + rows)) for r0 in range(0, m, rows)]
 
     def run(self, batch: Batch, hosts: list[torch.Tensor], s: Settings, free: Callable) -> Callable[[], tuple]:
