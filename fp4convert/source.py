@@ -581,8 +581,10 @@ def _open_hub(repo_id: str, revision: str | None, token: str | None = None, cach
         root = Path(snapshot_download(repo_id, revision=revision, ignore_patterns=hub_ignore_patterns(),
                                       local_files_only=_offline(), token=token, cache_dir=cache_dir))
     except Exception as exc:
-        hint = " (HF_HUB_OFFLINE is set and the repo is not in the cache)" if _offline() else ""
-        raise SourceError(f"{repo_id}: cannot open on the Hub{hint}: {one_line(exc)}") from exc
+        what = f"{repo_id}@{revision}" if revision else repo_id
+        hint = (f" (HF_HUB_OFFLINE is set and {'this revision of ' if revision else ''}the repo is not in the cache)"
+                if _offline() else "")
+        raise SourceError(f"{what}: cannot open on the Hub{hint}: {one_line(exc)}") from exc
     commit = root.name  # snapshots/<commit>
     roots = _roots_for(root, True)
     weight_map = None

@@ -137,7 +137,7 @@ def test_dry_run_from_the_hub_cache_without_torch(hub, tmp_path) -> None:
     assert json.loads(r.stdout)["summary"]["quantized"] == 14
     r, torch_stack = ck.cli_watching_torch(tmp_path, "quantize", REPO, tmp_path / "q", "--dry-run",
                                            "--revision", "no-such-branch", env=offline_env(hub))
-    assert r.returncode == 4 and "not in the cache" in r.stderr, r.stderr
+    assert r.returncode == 4 and f"{REPO}@no-such-branch" in r.stderr and "this revision" in r.stderr, r.stderr
     assert not torch_stack, torch_stack
     assert not (tmp_path / "q").exists()
 
