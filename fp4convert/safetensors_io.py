@@ -442,6 +442,16 @@ def header_bytes(entries: list[OutEntry], metadata: dict[str, str] | None = None
     return struct.pack("<Q", len(raw)) + raw
 
 
+_OVERLAP_BYTES = 1 << 20  # chunks from here up hash beside their write
+
+
+@cache
+def _hash_pool():
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(1, thread_name_prefix="fp4convert-sha256")
+
+
 class StreamWriter:
     """Writes one safetensors file tensor by tensor, in the order its header fixed in advance.
 
@@ -460,9 +470,16 @@ class StreamWriter:
         self.write(header_bytes(entries, metadata))
 
     def write(self, data: bytes | memoryview) -> None:
-        """Every byte goes through here, so the checksum costs no second read."""
-        self._f.write(data)
-        self.sha256.update(data)
+        """Every byte goes through here, so the checksum costs no second read. A large chunk is
+        hashed on a helper thread while this one writes it (both release the GIL); the call returns
+        once both are done, so the caller may reuse its buffer and the hash sees chunks in order."""
+        if len(data) >= _OVERLAP_BYTES:
+            hashed = _hash_pool().submit(self.sha256.update, data)
+            self._f.write(data)
+            hashed.result()
+        else:
+            self._f.write(data)
+            self.sha256.update(data)
         self.size += len(data)
 
     @property

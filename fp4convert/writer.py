@@ -666,13 +666,20 @@ def _copy_file(src: Path, dst: Path) -> None:
                 fout.flush()
 
 
-def _nonfinite(dtype: str, block: bytes | bytearray) -> bool:
-    """Does this chunk of a kept tensor's bytes hold NaN or Inf? (cheap: one vectorized pass)."""
+def _nonfinite(dtype: str, block: bytes | bytearray | memoryview) -> bool:
+    """Does this chunk of a kept tensor's bytes hold NaN or Inf? One vectorized min/max pass: a NaN
+    propagates into both, an Inf is the min or the max. (``isfinite().all()`` was 44x slower on
+    bf16 and took 30% of the writer thread on a checkpoint with large kept embeddings.)"""
+    import math
+
     import torch
 
     if dtype in ("F64", "F32", "F16", "BF16"):
-        t = torch.frombuffer(block, dtype=torch_dtypes()[dtype])
-        return not bool(torch.isfinite(t).all())
+        t = torch.frombuffer(block, dtype=torch_dtypes()[dtype]) if len(block) else None
+        if t is None:
+            return False
+        lo, hi = torch.aminmax(t)
+        return not (math.isfinite(lo.item()) and math.isfinite(hi.item()))
     if dtype in ("F8_E4M3", "F8_E5M2"):
         u = torch.frombuffer(block, dtype=torch.uint8)
         if dtype == "F8_E4M3":

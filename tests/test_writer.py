@@ -231,6 +231,27 @@ def test_nonfinite_detection(dtype, values, bad) -> None:
     assert writer._nonfinite(dtype, raw) is bad
 
 
+@pytest.mark.parametrize("dtype", ["F64", "F32", "F16", "BF16"])
+def test_nonfinite_detection_anywhere_in_a_long_chunk(dtype) -> None:
+    """The min/max pass sees one NaN or Inf at any position of a vectorized reduction (start, end,
+    a lane in the middle, an odd-length tail), and nothing in finite data up to the dtype's max."""
+    tdt = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[dtype]
+    seed = int(torch.randint(0, 2**31, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    for n in (1, 7, 4099, 65537):
+        x = torch.randn(n, generator=g).to(tdt)
+        x[0] = torch.finfo(tdt).max
+        x[-1] = -torch.finfo(tdt).max
+        raw = lambda t: bytearray(t.view(torch.uint8).numpy().tobytes())  # noqa: E731
+        assert writer._nonfinite(dtype, raw(x)) is False, (n, seed)
+        for pos in {0, n - 1, n // 2, int(torch.randint(0, n, (), generator=g))}:
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                y = x.clone()
+                y[pos] = bad
+                assert writer._nonfinite(dtype, raw(y)) is True, (n, pos, bad, seed)
+    assert writer._nonfinite(dtype, bytearray()) is False
+
+
 def test_kept_nan_recorded_in_manifest_and_kept_across_resume(tmp_path, monkeypatch) -> None:
     src = tmp_path / "nan"
     t = ck.llama(src, layers=2)
