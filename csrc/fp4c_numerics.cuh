@@ -196,8 +196,8 @@ __device__ __forceinline__ uint32_t e2m1_mag_sw(float y2) {
   return __float_as_uint(__fadd_rn(t2, u3));
 }
 
-// value(E2M1(y)) for y >= 0, without the code: what a search rule needs to score a candidate (the
-// winner alone is encoded, by encode8). With y' = min(y, 6), let c = 2^max(0, floor(log2 y')), the
+// value(E2M1(y)) for y >= 0, without the code: what a search rule needs to score a candidate (its
+// codes are packed from the value, see block_err_codes). With y' = min(y, 6), let c = 2^max(0, floor(log2 y')), the
 // exponent bits of max(y', 1): in c's binade (and in [0, 1), where c = 1) E2M1's grid is the
 // multiples of c/2. t = RN(y' + 2^22 c) rounds y' to a multiple of ulp(2^22 c) = c/2, since
 // y' + 2^22 c stays in that binade (y' <= 6 < 2^22); ties go to an even multiple because 2^22 c is
@@ -279,23 +279,27 @@ __device__ __forceinline__ uint32_t encode8(const float* v, float r) {
 }
 
 // CONTRACT.md, the block error of one candidate (multiplier r, step d) over N values, in element
-// order: e = value(E2M1(x_i * r)) * d - x_i; err = err + e * e (each a separate fp32 operation).
-// Magnitudes only on the software path: value(code) carries x's sign, so e = +-(value * d - |x|) and
-// e * e is the same. CLAMP: see e2m1_value_of (the hardware conversion saturates by itself).
+// order: e = value(E2M1(x_i * r)) * d - x_i; err = err + e * e (each a separate fp32 operation);
+// also the candidate's packed codes (eight per word, element 0 in the low nibble), so the winner
+// needs no second encode. CLAMP: see e2m1_value_of (the hardware conversion saturates by itself).
+//   Software path: magnitudes only (value(code) carries x's sign, so e = +-(value * d - |x|) and
+// e * e is the same), and the codes without their signs (search_signs8 adds them): q * 2^-126 puts
+// value 1 at the smallest normal, so its bits are exactly idx << 22 for every E2M1 value q (0.5 is
+// the subnormal 2^-127 = 1 << 22, 6 is 1.5 * 2^-124 = 7 << 22): one multiply and one shift-add.
+//   Hardware path: the cvt's codes (signs included), decoded back by the hardware (exact).
 template <int N, bool CLAMP>
-__device__ __forceinline__ float block_err(const float* v, float r, float d) {
+__device__ __forceinline__ float block_err_codes(const float* v, float r, float d, uint32_t* codes) {
   float err = 0.0f;
 #if FP4C_HW_E2M1
-  // (the codes come from encode8 for the winner: the hardware conversion is cheap)
 #pragma unroll
   for (int j = 0; j < N; j += 8) {
     float y[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(v[j + i], r);
-    const uint32_t codes = e2m1x8_hw(y);
+    codes[j / 8] = e2m1x8_hw(y);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float2 q = e2m1x2_values_hw(codes >> (8 * i));
+      const float2 q = e2m1x2_values_hw(codes[j / 8] >> (8 * i));
       const float e0 = __fsub_rn(__fmul_rn(q.x, d), v[j + 2 * i]);
       err = __fadd_rn(err, __fmul_rn(e0, e0));
       const float e1 = __fsub_rn(__fmul_rn(q.y, d), v[j + 2 * i + 1]);
@@ -303,25 +307,6 @@ __device__ __forceinline__ float block_err(const float* v, float r, float d) {
     }
   }
 #else
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const float a = fabsf(v[i]);
-    const float e = __fsub_rn(__fmul_rn(e2m1_value_of<CLAMP>(__fmul_rn(a, r)), d), a);
-    err = i == 0 ? __fmul_rn(e, e) : __fadd_rn(err, __fmul_rn(e, e));  // 0 + e*e is e*e exactly
-  }
-#endif
-  return err;
-}
-
-#if !FP4C_HW_E2M1
-// block_err that also packs the candidate's magnitude codes (eight per word, element 0 in the low
-// nibble; the caller ors in the signs): q * 2^-126 puts value 1 at the smallest normal, so its bits
-// are exactly idx << 22 for every E2M1 value q (0.5 is the subnormal 2^-127 = 1 << 22, 6 is
-// 1.5 * 2^-124 = 7 << 22): one multiply and one shift-add per element instead of encoding the
-// winner again.
-template <int N, bool CLAMP>
-__device__ __forceinline__ float block_err_codes(const float* v, float r, float d, uint32_t* codes) {
-  float err = 0.0f;
 #pragma unroll
   for (int w = 0; w < N / 8; ++w) codes[w] = 0u;
 #pragma unroll
@@ -332,16 +317,26 @@ __device__ __forceinline__ float block_err_codes(const float* v, float r, float 
     const int j = 4 * (i % 8);
     codes[i / 8] += j <= 22 ? idx22 >> (22 - j) : idx22 << (j - 22);
     const float e = __fsub_rn(__fmul_rn(q, d), a);
-    err = i == 0 ? __fmul_rn(e, e) : __fadd_rn(err, __fmul_rn(e, e));
+    err = i == 0 ? __fmul_rn(e, e) : __fadd_rn(err, __fmul_rn(e, e));  // 0 + e*e is e*e exactly
   }
+#endif
   return err;
 }
+
+// The sign bits to or into block_err_codes' codes: none on the hardware path (its codes carry them).
+__device__ __forceinline__ uint32_t search_signs8(const float* v) {
+#if FP4C_HW_E2M1
+  (void)v;
+  return 0u;
+#else
+  return e2m1_signs8(v);
 #endif
+}
 
 // ------------------------------------------------------------------------------------------------
 // Scale-rule block steps (CONTRACT.md). v: the block's values after the rotation (exact v, not the
-// folded u); bmax_bits: max|v| as a bit pattern. Each candidate is scored by block_err alone; the
-// winner is encoded once. Out: the packed codes and the chosen scale byte.
+// folded u); bmax_bits: max|v| as a bit pattern. Each candidate is scored, and its codes packed, by
+// block_err_codes; the winner's codes are kept. Out: the packed codes and the chosen scale byte.
 // ------------------------------------------------------------------------------------------------
 
 // NVFP4 candidate multipliers and steps per E4M3 byte for the matrix's gs, (r, d) =
@@ -361,24 +356,6 @@ __device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, 
   const uint32_t b6 = e4m3_from_f32(__fdiv_rn(__fmul_rn(gs, __uint_as_float(bmax_bits)), 6.0f));
   const uint32_t b4 = nvfp4_byte4(gs, bmax_bits);
   const float2 k6 = rd[b6], k4 = rd[b4];
-#if FP4C_HW_E2M1
-  const float err6 = block_err<16, true>(v, k6.x, k6.y);
-  const float err4 = block_err<16, false>(v, k4.x, k4.y);
-  uint32_t best = b6;
-  float r = k6.x;
-  if constexpr (RULE == RULE_MSE) {
-    float best_err = err6;
-    if (err4 <= best_err) best = b4, r = k4.x, best_err = err4;  // b4 >= b6: a tie goes to the larger byte
-    const uint32_t bm = b6 > 0u ? b6 - 1u : 0u;
-    const float2 km = rd[bm];
-    const float errm = block_err<16, true>(v, km.x, km.y);
-    if (errm < best_err || (errm == best_err && bm > best)) best = bm, r = km.x;
-  } else {
-    if (err4 < err6) best = b4, r = k4.x;  // ties keep the /6 scale
-  }
-  codes[0] = encode8(v, r);
-  codes[1] = encode8(v + 8, r);
-#else
   // The clamp only where a value can reach 7: y_max = RN(bmax * r) >= 7 (RN is monotone). With the
   // matrix's own amax that is rare for b6 (subnormal scales) and never happens for b4; a given
   // group amax below the matrix's own saturates at 448 and needs it. b6 - 1 often needs it (about
@@ -401,9 +378,8 @@ __device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, 
   } else {
     if (err4 < err6) best = b4, k0 = c4[0], k1 = c4[1];  // ties keep the /6 scale
   }
-  codes[0] = k0 | e2m1_signs8(v);
-  codes[1] = k1 | e2m1_signs8(v + 8);
-#endif
+  codes[0] = k0 | search_signs8(v);
+  codes[1] = k1 | search_signs8(v + 8);
   byte = best;
 }
 
@@ -415,22 +391,13 @@ __device__ __forceinline__ void mxfp4_block_mse(const float v[32], uint32_t bmax
   const float r0 = mxfp4_scale(bmax_bits, e);
   const uint32_t e1 = min(e + 1u, 254u);
   const float r1 = pow2i(127 - (int)e1);
-#if FP4C_HW_E2M1
-  const float err0 = block_err<32, true>(v, r0, pow2i((int)e - 127));
-  const float err1 = e1 == e ? err0 : block_err<32, false>(v, r1, pow2i((int)e1 - 127));
-  const bool up = err1 < err0;
-  const float r = up ? r1 : r0;
-#pragma unroll
-  for (int w = 0; w < 4; ++w) codes[w] = encode8(v + 8 * w, r);
-#else
   uint32_t k0[4], k1[4];
   const float err0 = block_err_codes<32, true>(v, r0, pow2i((int)e - 127), k0);
   // e + 1 keeps every value below 4 (bmax * 2^(127 - e) < 8); e == 254 has no e + 1 (same candidate)
   const float err1 = e1 == e ? err0 : block_err_codes<32, false>(v, r1, pow2i((int)e1 - 127), k1);
   const bool up = err1 < err0;
 #pragma unroll
-  for (int w = 0; w < 4; ++w) codes[w] = (up ? k1[w] : k0[w]) | e2m1_signs8(v + 8 * w);
-#endif
+  for (int w = 0; w < 4; ++w) codes[w] = (up ? k1[w] : k0[w]) | search_signs8(v + 8 * w);
   byte = up ? e1 : e;
 }
 

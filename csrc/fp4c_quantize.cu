@@ -10,8 +10,9 @@ using namespace fp4c;
 
 namespace {
 
-// sm_120's ptxas otherwise caps a 256-thread kernel at 64 registers, and the search rules spill.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1200
+// Blackwell's ptxas (sm_100a, sm_120a) otherwise caps a 256-thread kernel at 64 registers, and the
+// search rules (three candidates' codes held at once) spill.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 #define FP4C_QUANT_BOUNDS(RULE) __launch_bounds__(THREADS, (RULE) == RULE_PLAIN ? 4 : 1)
 #else
 #define FP4C_QUANT_BOUNDS(RULE) __launch_bounds__(THREADS)

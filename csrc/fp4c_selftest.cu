@@ -9,7 +9,7 @@ using namespace fp4c;
 namespace {
 
 // Over fp32 bit patterns [start, start + count) (NaN patterns skipped), eight at a time: encode8's
-// codes = the predicate sum's; the search rules' block error with r = d = 1 = the error from
+// codes = the predicate sum's; the search rules' codes and block error with r = d = 1 = those from
 // reference.E2M1_VALUES, with the clamp, and without it where every |v| < 7 (compared where finite:
 // a huge input's square overflows and would hide a wrong value, and its batch neighbours are
 // within ~1/32 octave).
@@ -33,18 +33,19 @@ __global__ void e2m1_selftest_kernel(uint64_t start, uint64_t count, unsigned lo
       want_err = __fadd_rn(want_err, __fmul_rn(e, e));
     }
     const uint32_t got = encode8(v, 1.0f);
-    const float err = block_err<8, true>(v, 1.0f, 1.0f);
-    const float err_unclamped = vmax < 7.0f ? block_err<8, false>(v, 1.0f, 1.0f) : want_err;
+    // The search rules' block error and packed codes, with the clamp and (where every |v| < 7)
+    // without it.
+    uint32_t k, k_unclamped = want;
+    const float err = block_err_codes<8, true>(v, 1.0f, 1.0f, &k);
+    float err_unclamped = want_err;
+    if (vmax < 7.0f) {
+      err_unclamped = block_err_codes<8, false>(v, 1.0f, 1.0f, &k_unclamped);
+      k_unclamped |= search_signs8(v);
+    }
     const bool check_err = fabsf(want_err) <= FLT_MAX;
-    bad += (got != want) + (check_err && __float_as_uint(err) != __float_as_uint(want_err)) +
+    bad += (got != want) + ((k | search_signs8(v)) != want) + (k_unclamped != want) +
+           (check_err && __float_as_uint(err) != __float_as_uint(want_err)) +
            (check_err && __float_as_uint(err_unclamped) != __float_as_uint(want_err));
-#if !FP4C_HW_E2M1
-    uint32_t k, k_unclamped = want;  // the search rules' packed codes (magnitudes; signs added here)
-    const float err2 = block_err_codes<8, true>(v, 1.0f, 1.0f, &k);
-    if (vmax < 7.0f) (void)block_err_codes<8, false>(v, 1.0f, 1.0f, &k_unclamped), k_unclamped |= e2m1_signs8(v);
-    bad += ((k | e2m1_signs8(v)) != want) + (k_unclamped != want) +
-           (check_err && __float_as_uint(err2) != __float_as_uint(want_err));
-#endif
   }
   if (bad) atomicAdd(mismatches, bad);
 }
