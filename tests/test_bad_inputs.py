@@ -896,17 +896,22 @@ def ctrl_c_in_process(c: Ctx) -> None:
     assert not list(dst.glob("*.partial")) and not (dst / LOCK).exists()
 
 
-@case
-def ctrl_c_real_process_then_resume(c: Ctx) -> None:
+def _signal_real_process_then_resume(c: Ctx, sig: int) -> None:
+    """A real converter process, signalled after its second shard: exit 130, one line, resumable."""
     dst = c.tmp / "q"
     pid, log = c.procs.start("quantize", c.src, dst, *ARGS, env={"FP4CONVERT_TEST_DELAY": "0.02"})
     deadline = time.monotonic() + 30
     while len(list(dst.glob("*.safetensors"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.005)
-    os.kill(pid, signal.SIGINT)
+    os.kill(pid, sig)
     assert c.procs.wait(pid) == 130
     one_line(log.read_text(), 130, "interrupted", "--resume")
     resume_completes(c, dst)
+
+
+@case
+def ctrl_c_real_process_then_resume(c: Ctx) -> None:
+    _signal_real_process_then_resume(c, signal.SIGINT)
 
 
 @case
@@ -944,15 +949,7 @@ def ctrl_c_while_finishing(c: Ctx) -> None:
 
 @case
 def sigterm_real_process_then_resume(c: Ctx) -> None:
-    dst = c.tmp / "q"
-    pid, log = c.procs.start("quantize", c.src, dst, *ARGS, env={"FP4CONVERT_TEST_DELAY": "0.02"})
-    deadline = time.monotonic() + 30
-    while len(list(dst.glob("*.safetensors"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    os.kill(pid, signal.SIGTERM)
-    assert c.procs.wait(pid) == 130
-    one_line(log.read_text(), 130, "interrupted", "--resume")
-    resume_completes(c, dst)
+    _signal_real_process_then_resume(c, signal.SIGTERM)
 
 
 @case
