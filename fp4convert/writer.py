@@ -636,6 +636,7 @@ def _resumable(dst: Path, records: list[dict], identity: dict, config: ConvertCo
             raise output_error(exc, p) from exc
         log.info("resume: %s is missing or differs, rewriting it", f)
     done["__tensors__"] = state.get("tensors", {})
+    done["__pending__"] = list(state.get("pending", []))  # files an interrupted finish may have written
     return done
 
 
@@ -810,6 +811,9 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
         log.warning("warning: %s", w)
     tensors_state: dict = dict(done.get("__tensors__", {}))
     files_state = {f: rec for f, rec in done.items() if not f.startswith("__")}
+    # A resumed run keeps naming the files an interrupted finish wrote, until its own finish does:
+    # without them, a run killed before reaching finish left files no record claimed.
+    finish_files = list(done.get("__pending__", [])) or None
     lock = threading.RLock()  # on_close and the NaN/Inf flags may come from a write-behind thread
     warned: set[str] = set()
 
@@ -826,7 +830,7 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
     def save() -> None:
         with lock:
             flag_nonfinite()
-            _save_progress(dst, identity, files_state, tensors_state, None, progress_name)
+            _save_progress(dst, identity, files_state, tensors_state, finish_files, progress_name)
 
     def on_close(f: str, rec: dict) -> None:
         with lock:
@@ -952,7 +956,8 @@ def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: 
     others = source.other_files(exclude=dst)
     rels = [p.relative_to(source.root).as_posix() for p in others]
     # Name every file finish writes in the record first: --overwrite then knows they are ours.
-    _save_progress(dst, identity, state["files"], state["tensors"], sorted({INDEX_NAME, *rels, *FORMAT_FILES}))
+    _save_progress(dst, identity, state["files"], state["tensors"],
+                   sorted({*state.get("pending", []), INDEX_NAME, *rels, *FORMAT_FILES}))
     written = [INDEX_NAME]
     for p, rel in zip(others, rels):
         written.append(rel)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,38 @@ def test_containment_uses_resolved_paths(src, tmp_path) -> None:
     with pytest.raises(OutputError, match="is the source folder"):
         convert(src, link, cfg(overwrite=True))
     assert not (src / "sub").exists()
+
+
+def test_a_resume_interrupted_before_finish_keeps_owning_the_files_finish_wrote(src, tmp_path, monkeypatch) -> None:
+    """Run 1 dies inside finish, after copying some of the source's other files (named in its progress
+    record as pending); run 2 (--resume) dies before reaching finish. Its records must still name those
+    files, or run 3's --resume refuses them as files fp4convert did not write (seen once in
+    test_crash's random kills under CI load)."""
+    dst = tmp_path / "q"
+    real_copy = writer._copy_file
+    copies = []
+
+    def copy_then_die(a, b):
+        if copies:
+            raise RuntimeError("simulated crash inside finish")
+        copies.append(b)
+        real_copy(a, b)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(writer, "_copy_file", copy_then_die)
+        with pytest.raises(RuntimeError, match="inside finish"):
+            convert(src, dst, cfg())
+    assert copies and json.loads((dst / writer.PROGRESS_NAME).read_text()).get("pending")
+    real_units = writer.Plan.units
+
+    def units_then_die_in_write_outputs(self):  # right after write_outputs' first progress record
+        if sys._getframe(1).f_code.co_name == "write_outputs":
+            raise RuntimeError("simulated crash at start")
+        return real_units(self)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(writer.Plan, "units", units_then_die_in_write_outputs)
+        with pytest.raises(RuntimeError, match="at start"):
+            convert(src, dst, cfg(resume=True))
+    convert(src, dst, cfg(resume=True))
+    assert (dst / writer.MANIFEST_NAME).is_file() and not (dst / writer.PROGRESS_NAME).exists()
