@@ -120,12 +120,22 @@ def digest(path: Path) -> str:
 
 
 def timed(cmd: str, env: dict) -> tuple[float, str]:
+    """Wall time of ``cmd && sync``; and its stdout (fp4convert's --json summary, with stages_s)."""
     t0 = time.perf_counter()
     r = subprocess.run(["bash", "-c", cmd + " && sync"], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if r.returncode:
         raise RuntimeError(f"{cmd} failed:\n{r.stderr[-3000:]}")
-    return wall, r.stderr
+    return wall, r.stdout
+
+
+def summary(stdout: str) -> dict:
+    """The --json summary's timing fields (the last JSON object printed; {} for other commands)."""
+    try:
+        s = json.loads(stdout[stdout.index("{"):])
+    except ValueError:
+        return {}
+    return {k: s[k] for k in ("wall_s", "read_wait_s", "stages_s") if k in s}
 
 
 def main() -> None:
@@ -162,39 +172,43 @@ def main() -> None:
         size = warm(src)
         dst = args.work / "dst"
         shard = {"dense": "512MB", "moe": "256MB"}[case]  # several output shards, so ranks can split them
-        q = f"{py} -m fp4convert quantize {src} {dst} -q --max-shard-size {shard}"
+        q = f"{py} -m fp4convert quantize {src} {dst} --json --max-shard-size {shard}"
         tr = f"{py} -m torch.distributed.run --standalone"
         rows = [("cp -r + sync", f"cp -r {src} {dst}")]
         if gpus:
             rows.append(("fp4convert, 1 GPU", f"{q} --device cuda"))
             if gpus > 1:
                 rows.append((f"fp4convert, {gpus} GPUs (torchrun)",
-                             f"{tr} --nproc-per-node {gpus} -m fp4convert quantize {src} {dst} -q --device cuda "
+                             f"{tr} --nproc-per-node {gpus} -m fp4convert quantize {src} {dst} --json --device cuda "
                              f"--max-shard-size {shard}"))
             if args.procs_per_gpu > 1:
                 rows.append((f"fp4convert, 1 GPU x {args.procs_per_gpu} processes (torchrun)",
                              f"CUDA_VISIBLE_DEVICES=0 {tr} --nproc-per-node {args.procs_per_gpu} -m fp4convert quantize "
-                             f"{src} {dst} -q --device cuda --max-shard-size {shard}"))
+                             f"{src} {dst} --json --device cuda --max-shard-size {shard}"))
         if not args.no_cpu:
             rows.append((f"fp4convert --device cpu ({os.cpu_count()} cores)", f"{q} --device cpu"))
         out_rows, ref_digest = [], None
         for label, cmd in rows:
-            walls = []
+            walls, inside = [], []
             same = None
             for _ in range(args.repeats):
                 shutil.rmtree(dst, ignore_errors=True)
                 subprocess.run(["sync"])
-                w, _ = timed(cmd, env)
+                w, out = timed(cmd, env)
                 walls.append(w)
+                inside.append(summary(out))
             if label.startswith("fp4convert"):
                 d = digest(dst)
                 ref_digest = ref_digest or d
                 same = d == ref_digest
             out_bytes = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
             row = {"what": label, "cmd": cmd, "median_s": statistics.median(walls), "runs_s": walls,
-                   "out_bytes": out_bytes, "same_bytes_as_first_fp4convert_run": same}
+                   "out_bytes": out_bytes, "same_bytes_as_first_fp4convert_run": same, "inside": inside}
             out_rows.append(row)
             print(f"{case}: {label}: median {row['median_s']:.2f} s, runs {[round(x, 2) for x in walls]}", flush=True)
+            for x in inside:
+                if x:
+                    print(f"    convert() {x['wall_s']} s; stages {x.get('stages_s')}", flush=True)
             shutil.rmtree(dst, ignore_errors=True)
         cp = out_rows[0]["median_s"]
         for r in out_rows:

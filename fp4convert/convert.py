@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import stages
 from .config import ConvertConfig
 from .distributed import World, assign, run_writes
 from .errors import ConfigError, CUDAUnavailableError, PlanError
@@ -139,11 +140,14 @@ def convert(
     every rank calls this with the same arguments.
     """
     t0 = time.perf_counter()
+    stages.reset()
     dst = Path(dst)
     world = World.from_env()
-    source, plan_, fmt = plan if plan is not None else plan_conversion(src, config)
+    with stages.timed("plan"):
+        source, plan_, fmt = plan if plan is not None else plan_conversion(src, config)
     _advise_source(source, plan_, assign(plan_, world))
 
+    t_start = time.perf_counter()
     import torch  # from here on the work needs it (the kernel is reading the source meanwhile)
 
     from . import pipeline
@@ -155,6 +159,7 @@ def convert(
 
     world.init()
     device = resolve_device(config.device, world)
+    stages.add("startup", time.perf_counter() - t_start)
     threads = torch.get_num_threads()
     cores = threads if not (world.distributed and world.local_size > 1) else max(
         1, (os.cpu_count() or 1) // world.local_size)  # CPU ranks on one machine share its cores
@@ -213,7 +218,8 @@ def convert(
                 reader.release(event)
 
         try:
-            result = _quantize_unit(item, hosts, backend, settings, free)
+            with stages.timed("quantize"):
+                result = _quantize_unit(item, hosts, backend, settings, free)
         except BaseException:
             free()
             raise
@@ -238,7 +244,7 @@ def convert(
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan_.shards))
     wait = reader.wait_s if reader is not None else 0.0
-    return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait)
+    return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, stages.snapshot())
 
 
 def weight_of(d: Decision, tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -24,12 +24,14 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from . import reference as ref
+from . import stages
 from .errors import NonFiniteError
 from .plan import QUANTIZE, Decision
 from .scheme import Scheme
@@ -72,7 +74,8 @@ class WriteBehind:
             job, light = item
             try:
                 if self._error is None:  # else drain the queue without running: the writer failed
-                    job()
+                    with stages.timed("writer_busy"):
+                        job()
             except BaseException as exc:  # handed to the compute thread at its next submit/drain
                 self._error = exc
             finally:
@@ -86,10 +89,12 @@ class WriteBehind:
     def submit(self, job: Job, light: bool = False) -> None:
         self._raise()
         if not light:
+            t0 = time.perf_counter()
             while not self._slots.acquire(timeout=0.1):
                 self._raise()
                 if not self._thread.is_alive():
                     raise RuntimeError("internal: the writer thread stopped")
+            stages.add("quantize_waits_writer", time.perf_counter() - t0)
         self._q.put((job, light))
 
     def drain(self, ok: bool) -> None:
@@ -356,7 +361,8 @@ class StackedBackend:
 
         def result() -> tuple:
             if done is not None:
-                done.synchronize()  # the batch's one host sync, in the writer thread
+                with stages.timed("write_waits_gpu"):
+                    done.synchronize()  # the batch's one host sync, in the writer thread
             nflags = len(batch.groups) + (1 if amax is not None else 0)
             bad = bool(meta_h[:nflags].any())
             m = meta_h[nflags:]

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import stages
+
 if TYPE_CHECKING:
     import torch
 
@@ -85,13 +87,15 @@ class ReadAhead:
         from .safetensors_io import DTYPES, read_into, read_tensor
 
         if not self._pinned:
-            return [read_tensor(self._locate(info.file), info) for info in unit]
+            with stages.timed("read"):
+                return [read_tensor(self._locate(info.file), info) for info in unit]
         import torch
 
         with self._lock:
             event = self._pending.pop(set_index, None)
         if event is not None:
-            event.synchronize()  # the host-to-device copies out of this set have finished
+            with stages.timed("read_wait_copies"):
+                event.synchronize()  # the host-to-device copies out of this set have finished
         # One pinned buffer per set, tensors back to back at 256-byte aligned offsets.
         offsets, total = [], 0
         for info in unit:
@@ -99,7 +103,8 @@ class ReadAhead:
             total += -(-info.nbytes // 256) * 256
         buf = self._buffers.get(set_index)
         if buf is None or buf.numel() < total:
-            buf = torch.empty(max(total, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            with stages.timed("pin_alloc"):
+                buf = torch.empty(max(total, 1 << 20), dtype=torch.uint8, pin_memory=True)
             self._buffers[set_index] = buf
         out = []
         for info, off in zip(unit, offsets):
@@ -137,6 +142,7 @@ class ReadAhead:
         t0 = time.perf_counter()
         kind, value = self._ready.get()
         self.wait_s += time.perf_counter() - t0
+        stages.add("quantize_waits_read", time.perf_counter() - t0)
         if kind == "error":
             raise value
         return value

@@ -29,11 +29,13 @@ import os
 import re
 import stat
 import struct
+import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from . import stages
 from .errors import CheckpointFormatError
 
 if TYPE_CHECKING:
@@ -373,7 +375,8 @@ def read_bytes(path: Path, info: TensorInfo) -> bytearray:
 
 def read_into(path: Path, info: TensorInfo, out: torch.Tensor) -> None:
     """Read the tensor's bytes into ``out`` (a contiguous uint8 CPU tensor, e.g. pinned memory)."""
-    _read_exact(path, info, tensor_memoryview(out))
+    with stages.timed("read"):
+        _read_exact(path, info, tensor_memoryview(out))
 
 
 def _read_exact(path: Path, info: TensorInfo, buf) -> None:
@@ -473,13 +476,18 @@ class StreamWriter:
         """Every byte goes through here, so the checksum costs no second read. A large chunk is
         hashed on a helper thread while this one writes it (both release the GIL); the call returns
         once both are done, so the caller may reuse its buffer and the hash sees chunks in order."""
+        t0 = time.perf_counter()
         if len(data) >= _OVERLAP_BYTES:
             hashed = _hash_pool().submit(self.sha256.update, data)
             self._f.write(data)
+            t1 = time.perf_counter()
             hashed.result()
         else:
             self._f.write(data)
+            t1 = time.perf_counter()
             self.sha256.update(data)
+        stages.add("write", t1 - t0)
+        stages.add("hash_wait", time.perf_counter() - t1)  # the hash outlasting its write
         self.size += len(data)
 
     @property
@@ -509,8 +517,9 @@ class StreamWriter:
     def close(self) -> None:
         if self._next != len(self._entries):
             raise RuntimeError(f"{self.path.name}: closed after {self._next} of {len(self._entries)} tensors")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        with stages.timed("fsync"):
+            self._f.flush()
+            os.fsync(self._f.fileno())
         self._f.close()
         os.replace(self.partial, self.path)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import stages
 from .config import ConvertConfig
 from .errors import FP4ConvertError, OutputError, SourceError
 from .formats.base import OutputFormat
@@ -79,6 +80,7 @@ class ConvertResult:
     peak_rss_bytes: int
     reused_files: list[str] = field(default_factory=list)
     read_wait_s: float = 0.0  # time the work loop waited for source reads (0: reading fully hidden)
+    stages_s: dict[str, float] = field(default_factory=dict)  # busy seconds per stage (fp4convert.stages)
 
     def to_json(self) -> dict:
         return {
@@ -89,6 +91,7 @@ class ConvertResult:
             "wall_s": round(self.wall_s, 3),
             "read_wait_s": round(self.read_wait_s, 3),
             "peak_rss_bytes": self.peak_rss_bytes,
+            "stages_s": self.stages_s,
         }
 
 
@@ -741,6 +744,10 @@ class ShardWriters:
 
     def raw(self, name: str, path: Path, info: TensorInfo) -> None:
         """Copy a kept tensor's bytes unchanged, checking floats for NaN/Inf as they stream."""
+        with stages.timed("copy_kept"):
+            self._raw(name, path, info)
+
+    def _raw(self, name: str, path: Path, info: TensorInfo) -> None:
         # A unit re-done on resume (its shard was finished, its record was not saved yet) is read again
         # for the NaN/Inf check only, so its warning is the same as in an uninterrupted run.
         w = None if self.skip(name) else self._writer(name)
@@ -935,7 +942,8 @@ def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: d
     """Other files, the index, then the manifest (last: its presence means 'finished'); releases DST."""
     session = _SESSIONS.get(_key(dst))
     try:
-        _finish(source, plan, fmt, dst, identity)
+        with stages.timed("finish"):
+            _finish(source, plan, fmt, dst, identity)
     except BaseException as exc:
         for name in _planned_names(plan, source, dst) - {f for f, _ in plan.shards}:  # only our own temporary files
             try:

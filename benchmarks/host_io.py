@@ -1,0 +1,131 @@
+"""The host's own ceilings for the converter's stages, one number each (issue 10's design inputs).
+
+sha256 per thread, memcpy, reading from the page cache (pageable and pinned buffers), writing into
+the page cache, and fsync of what was written: the converter's reader, writer and hash threads
+cannot beat these. Prints JSON.
+
+    python benchmarks/host_io.py --work /tmp/hostio [--pinned]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def best(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/hostio"))
+    ap.add_argument("--mb", type=int, default=1024, help="data size per measurement, MB")
+    ap.add_argument("--pinned", action="store_true", help="also read into CUDA pinned memory")
+    a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    n = a.mb << 20
+    gb = n / 1e9
+    out: dict = {"cpus": os.cpu_count()}
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+        out["cpu"] = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines() if ln.startswith("model name")), "?")
+        out["sha_ni"] = " sha_ni " in flags or " sha_ni\n" in flags
+    except OSError:
+        pass
+    data = os.urandom(64 << 20) * (n // (64 << 20))
+    chunk = 16 << 20
+    view = memoryview(data)
+
+    def sha() -> None:
+        h = hashlib.sha256()
+        for i in range(0, n, chunk):
+            h.update(view[i : i + chunk])
+
+    out["sha256_1thread_GBps"] = round(gb / best(sha), 2)
+
+    def sha4() -> None:
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda k: hashlib.sha256(view[k * n // 4 : (k + 1) * n // 4]).digest(), range(4)))
+
+    out["sha256_4threads_GBps"] = round(gb / best(sha4), 2)
+    dst = bytearray(n)
+    out["memcpy_GBps"] = round(gb / best(lambda: dst.__setitem__(slice(None), data)), 2)
+    path = a.work / "blob"
+
+    def write() -> None:
+        with open(path, "wb") as f:
+            for i in range(0, n, chunk):
+                f.write(view[i : i + chunk])
+
+    def write_fsync() -> None:
+        with open(path, "wb") as f:
+            for i in range(0, n, chunk):
+                f.write(view[i : i + chunk])
+            f.flush()
+            os.fsync(f.fileno())
+
+    os.sync()
+    out["write_pagecache_GBps"] = round(gb / best(write), 2)
+    os.sync()
+    out["write_fsync_GBps"] = round(gb / best(write_fsync), 2)
+    buf = bytearray(n)
+
+    def read() -> None:
+        with open(path, "rb") as f:
+            f.readinto(memoryview(buf))
+
+    read()
+    out["read_pagecache_GBps"] = round(gb / best(read), 2)
+    if a.pinned:
+        import torch
+
+        from fp4convert.safetensors_io import tensor_memoryview
+
+        pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        pv = tensor_memoryview(pinned)
+
+        def read_pinned() -> None:
+            with open(path, "rb") as f:
+                f.readinto(pv)
+
+        out["read_pagecache_pinned_GBps"] = round(gb / best(read_pinned), 2)
+
+        def read_pinned4() -> None:
+            def part(k: int) -> None:
+                with open(path, "rb") as f:
+                    f.seek(k * n // 4)
+                    f.readinto(pv[k * n // 4 : (k + 1) * n // 4])
+
+            with ThreadPoolExecutor(4) as ex:
+                list(ex.map(part, range(4)))
+
+        out["read_pagecache_pinned_4threads_GBps"] = round(gb / best(read_pinned4), 2)
+        dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+
+        def h2d() -> None:
+            dev.copy_(pinned, non_blocking=True)
+            torch.cuda.synchronize()
+
+        h2d()
+        out["h2d_pinned_GBps"] = round(gb / best(h2d), 2)
+        t0 = time.perf_counter()
+        torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        out["pin_alloc_1GB_s"] = round(time.perf_counter() - t0, 3)
+    path.unlink()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
