@@ -67,8 +67,11 @@ class ReadAhead:
     """
 
     def __init__(self, units: list[list[TensorInfo]], locate: Callable[[str], Path], pinned: bool,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, host: Callable[[int], object] | None = None) -> None:
         self._device = device  # CUDA: this rank's GPU, so pinned memory never opens a context on GPU 0
+        # The torch-free CUDA path: pinned buffers from fp4convert.cuda.runtime (``host(nbytes)``); a
+        # batch is then (buffer, [(offset, info)...]) instead of tensors.
+        self._host = host
         self._units = units
         self._locate = locate
         self._pinned = pinned
@@ -86,6 +89,8 @@ class ReadAhead:
     def _read_set(self, set_index: int, unit: list[TensorInfo]) -> list[torch.Tensor]:
         from .safetensors_io import DTYPES, read_into, read_tensor
 
+        if self._host is not None:
+            return self._read_raw(set_index, unit)
         if not self._pinned:
             with stages.timed("read"):
                 return [read_tensor(self._locate(info.file), info) for info in unit]
@@ -113,9 +118,30 @@ class ReadAhead:
             out.append(host.view(DTYPES[info.dtype]).reshape(info.shape))
         return out
 
+    def _read_raw(self, set_index: int, unit: list[TensorInfo]):
+        from .safetensors_io import _read_exact
+
+        with self._lock:
+            event = self._pending.pop(set_index, None)
+        if event is not None:
+            with stages.timed("read_wait_copies"):
+                event.synchronize()
+        offsets, total = [], 0
+        for info in unit:
+            offsets.append(total)
+            total += -(-info.nbytes // 256) * 256
+        buf = self._buffers.get(set_index)
+        if buf is None or buf.size < total:
+            with stages.timed("pin_alloc"):
+                buf = self._buffers[set_index] = self._host(total)
+        with stages.timed("read"):
+            for info, off in zip(unit, offsets):
+                _read_exact(self._locate(info.file), info, buf.view(off, info.nbytes))
+        return buf, list(zip(offsets, unit))
+
     def _run(self) -> None:
         try:
-            if self._pinned and self._device is not None and self._device.type == "cuda":
+            if self._host is None and self._pinned and self._device is not None and self._device.type == "cuda":
                 import torch
 
                 torch.cuda.set_device(self._device)

@@ -139,6 +139,7 @@ def writing(path: Path, resumable: bool = True) -> Iterator[None]:
 
 
 _pauses = 0
+_pause_lock = threading.Lock()  # shards close on their hasher threads: steps may come from several
 
 
 def _test_pause() -> None:
@@ -151,9 +152,10 @@ def _test_pause() -> None:
         time.sleep(float(delay))
     kill_at = os.environ.get("FP4CONVERT_TEST_KILL_AT")
     if kill_at:
-        _pauses += 1
-        if _pauses == int(kill_at):
-            os.kill(os.getpid(), 9)
+        with _pause_lock:
+            _pauses += 1
+            if _pauses == int(kill_at):
+                os.kill(os.getpid(), 9)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -702,6 +704,7 @@ class ShardWriters:
         self.entries = dict(plan.shards)
         self.shard_of = plan.shard_of()
         self.open: dict[str, StreamWriter] = {}
+        self.closing: list = []  # futures of finished shards' closes (on each file's hasher thread)
         self.nonfinite: dict[str, str] = {}  # kept tensors copied with NaN/Inf: name -> source file
 
     def skip(self, name: str) -> bool:
@@ -709,6 +712,7 @@ class ShardWriters:
         return f in self.done or not self.owns(f)
 
     def _writer(self, name: str) -> StreamWriter:
+        self._check_closing()
         f = self.shard_of[name]
         if f not in self.open:
             try:
@@ -721,18 +725,35 @@ class ShardWriters:
 
     def _maybe_close(self, f: str) -> None:
         w = self.open[f]
-        if w.complete:
-            # Record the finished shard (checksum, size) first, then rename it: an interruption
-            # in between leaves a record that --resume can use (it checks the file either way).
-            # Flushed first, so a killed process leaves the whole .partial for --resume to rename.
-            with writing(w.partial):
-                w._f.flush()
-            self.on_close(f, {"sha256": w.sha256.hexdigest(), "size": w.size})
+        if not w.complete:
+            return
+        # Flushed here (the last write's thread), so a killed process leaves the whole .partial for
+        # --resume; the rest runs on the file's hasher thread once its hash is complete, while the
+        # writer goes on: record the finished shard (checksum, size) first, then fsync and rename it.
+        # An interruption in between leaves a record that --resume can use (it checks the file).
+        with writing(w.partial):
+            w.flush()
+        del self.open[f]
+
+        def close(sha256: str) -> None:
+            self.on_close(f, {"sha256": sha256, "size": w.size})
             _test_pause()
             with writing(self.dst / f):
                 w.close()
-            del self.open[f]
             log.info("wrote %s (%s)", f, human_bytes(w.size))
+
+        self.closing.append((w, w.then(close)))
+
+    def _check_closing(self) -> None:
+        """Raise a finished shard's close error now (fsync and rename run beside the writes)."""
+        for _, fut in self.closing:
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()
+
+    def wait_closed(self) -> None:
+        """Every finished shard recorded, synced and renamed; raises the first close error."""
+        for _, fut in self.closing:
+            fut.result()
 
     def tensor(self, name: str, t: torch.Tensor) -> None:
         if self.skip(name):
@@ -762,14 +783,14 @@ class ShardWriters:
         except OSError as exc:
             raise source_error(exc, path) from exc
         with fh:
-            buf = bytearray(min(_COPY_CHUNK, info.nbytes))
             left = info.nbytes
             try:
                 fh.seek(info.begin)
             except OSError as exc:
                 raise source_error(exc, path) from exc
             while left:
-                view = memoryview(buf)[: min(len(buf), left)]
+                buf = bytearray(min(_COPY_CHUNK, left))  # a new one each time: the hasher holds the last
+                view = memoryview(buf)
                 try:
                     got = fh.readinto(view)
                 except OSError as exc:
@@ -780,7 +801,7 @@ class ShardWriters:
                     bad = _nonfinite(info.dtype, view[:got])
                 if w is not None:
                     with writing(w.partial):
-                        w.write(view[:got])
+                        w.write(view[:got], owner=buf)
                 left -= got
         if bad:
             self.nonfinite[name] = info.file
@@ -788,6 +809,11 @@ class ShardWriters:
             self._maybe_close(self.shard_of[name])
 
     def abort(self) -> None:
+        for w, fut in self.closing:  # a close in flight finishes (its record may already be saved)
+            try:
+                fut.result()
+            except BaseException:  # noqa: BLE001 - the run is failing already; keep the .partial for --resume
+                pass
         for w in self.open.values():
             try:
                 w.abort()
@@ -872,6 +898,7 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
             _test_pause()
         if drain is not None:
             drain(True)
+        writers.wait_closed()
         if writers.open:  # the plan and the work disagree: never leave this silently
             raise RuntimeError("internal: output shards left incomplete")
         save()

@@ -338,8 +338,21 @@ def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
     # Writes in the calling thread, so "after a shard has been finished" is exact (tests/test_pipeline.py
     # crashes the write-behind thread itself).
     monkeypatch.setattr(pipeline.WriteBehind, "submit", lambda self, job, light=False: job())
+    monkeypatch.setattr(StreamWriter, "then", _inline_then)  # and a finished shard's close too
     if hard:
         monkeypatch.setattr(StreamWriter, "abort", lambda self: None)
+
+
+def _inline_then(self, fn):
+    """StreamWriter.then, run in the calling thread (a finished shard is renamed before the next write)."""
+    from concurrent.futures import Future
+
+    fut: Future = Future()
+    try:
+        fut.set_result(fn(self.digest()))
+    except BaseException as exc:  # noqa: BLE001 - handed over exactly as the hasher thread would
+        fut.set_exception(exc)
+    return fut
 
 
 # `python -m fp4convert ARGS` in a fresh interpreter that watches for torch: a meta-path finder

@@ -27,7 +27,7 @@ log = logging.getLogger("fp4convert.cuda")
 
 SOURCE_NAME = "fp4c_library.cu"  # marks a csrc/ directory; every *.cu beside it is compiled
 LIB_NAME = "libfp4convert_kernels.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 # -fmad=false: SPEC.md forbids FMA contraction; the kernels use explicit __fmaf_rn only where a
 # fused multiply-add is exact by construction. No fast math: IEEE division and denormals.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-fmad=false", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
@@ -166,4 +166,13 @@ def load_library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib.fp4c_decode_mxfp4_blocks.argtypes = [c_ptr, c_ptr, c_i64, c_ptr, c_ptr]
     lib.fp4c_e2m1_selftest.restype = c_int
     lib.fp4c_e2m1_selftest.argtypes = [c_ptr, c_ptr]
+    c_pp = ctypes.POINTER(c_ptr)
+    for name, args in (("fp4c_host_alloc", [c_pp, c_i64]), ("fp4c_host_free", [c_ptr]), ("fp4c_malloc", [c_pp, c_i64]),
+                       ("fp4c_free", [c_ptr]), ("fp4c_stream_create", [c_pp]), ("fp4c_stream_destroy", [c_ptr]),
+                       ("fp4c_stream_sync", [c_ptr]), ("fp4c_event_create", [c_pp]), ("fp4c_event_destroy", [c_ptr]),
+                       ("fp4c_event_record", [c_ptr, c_ptr]), ("fp4c_event_sync", [c_ptr]),
+                       ("fp4c_memcpy_async", [c_ptr, c_ptr, c_i64, c_int, c_ptr]),
+                       ("fp4c_device_count", [ctypes.POINTER(c_int)]), ("fp4c_host_nonfinite", [c_ptr, c_i64, c_int])):
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = c_int, args
     return lib

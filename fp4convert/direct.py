@@ -1,0 +1,161 @@
+"""The CUDA path without torch: plain 2-D weights from pinned buffers through the kernels to the shards.
+
+A conversion whose quantized tensors are all whole 2-D bf16/fp16/fp32 matrices (the usual
+checkpoint) runs here, on :mod:`fp4convert.cuda.runtime` and the kernel library alone, when it is
+one process and the device is CUDA. It never imports torch, whose import alone took 4 s on the H100
+machine, as long as `cp -r` of a 5.6 GB checkpoint. Everything else (stacked experts, FP8 / MXFP4
+inputs, torchrun, the CPU) runs on :mod:`fp4convert.pipeline`; the bytes are the same either way
+(tests/test_direct.py compares the two on the GPU).
+
+Per batch (the reader filled one pinned buffer with its members, back to back), on one stream:
+one host-to-device copy of the whole buffer; pass 1 (amax of every matrix); one host sync, after
+which the reader may refill the buffer and the host takes each unit's amax (the max over a fused
+group); pass 2 (quantize with the unit's amax; the kernel computes gs); one device-to-host copy of
+every output, gs and flag into a pooled pinned buffer, and an event the writer thread waits for.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from array import array
+from collections.abc import Callable
+
+from .cuda.runtime import D2H, H2D, DeviceArena, Runtime, align
+from .errors import NonFiniteError
+from .pipeline_base import Batch, Settings
+from .swizzle import padded_shape
+
+DTYPE_CODES = {"F32": 0, "F16": 1, "BF16": 2}  # the launchers' dtype ints
+HOST_CHECK_CODES = {"F32": 0, "F16": 1, "BF16": 2, "F64": 3, "F8_E4M3": 4, "F8_E5M2": 5}
+FMT_CODES = {"nvfp4": 0, "mxfp4": 1}
+
+
+def eligible(unit_is_simple: bool, dtype: str) -> bool:
+    return unit_is_simple and dtype in DTYPE_CODES
+
+
+class DirectBackend:
+    """The batches' two passes on one stream, with device arenas reused from batch to batch."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.dev_in, self.dev_out, self.dev_small = DeviceArena(rt), DeviceArena(rt), DeviceArena(rt)
+
+    def close(self) -> None:
+        for a in (self.dev_in, self.dev_out, self.dev_small):
+            a.free()
+
+    def run(self, batch: Batch, hosts, s: Settings, free: Callable) -> Callable[[], tuple]:
+        """``hosts``: (pinned buffer, [(offset, info)]) from the reader; returns the writer's result()."""
+        rt, lib, st = self.rt, self.rt.lib, self.rt.stream
+        buf, items = hosts
+        n = len(batch.members)
+        total = items[-1][0] + items[-1][1].nbytes
+        din = self.dev_in.at_least(total)
+        rt.copy(din, buf.ptr, total, H2D)
+        fmt = s.scheme.name
+        nvfp4 = s.scheme.global_scale
+        rotate = int(s.rotate == "had16")
+        bs = s.scheme.block_size
+        rule = _rule_code(fmt, s.extra.get("scale_rule"))
+        # Small per-matrix values on the device: amax (pass 1), the unit's amax (pass 2's input), gs, flags.
+        small = self.dev_small.at_least(4 * 4 * n)
+        d_amax, d_ga, d_gs, d_flag = (small + 4 * n * j for j in range(4))
+        amax = ga = gs = None
+        bad: list[bool] = [False] * n
+        if nvfp4:
+            for i, (off, info) in enumerate(items):
+                rt.check(lib.fp4c_amax(din + off, DTYPE_CODES[info.dtype], rotate, 1, _numel(info), d_amax + 4 * i, st),
+                         f"the amax pass on {batch.members[i].name}")
+            back = rt.pool.get(4 * n)
+            rt.copy(back.ptr, d_amax, 4 * n, D2H)
+            rt.sync()  # the batch's one sync before pass 2: the unit's amax is taken on the host
+            free(None)  # the input copy is complete: the reader may refill the buffer
+            amax = array("f", bytes(back.view(0, 4 * n)))
+            bad = [not math.isfinite(a) for a in amax]
+            ga = _unit_amax(list(amax), batch)
+            up = rt.pool.get(4 * n)
+            up.view(0, 4 * n)[:] = array("f", ga).tobytes()
+            rt.copy(d_ga, up.ptr, 4 * n, H2D)
+        # Outputs: each member's packed codes and scales at aligned offsets, then gs and flags.
+        layout, size = [], 0
+        for off, info in items:
+            m, k = info.shape
+            rows, cols = padded_shape(m, k // bs) if s.swizzle else (m, k // bs)
+            layout.append((size, m * k // 2, align(size + m * k // 2), rows * cols))
+            size = align(align(size + m * k // 2) + rows * cols)
+        tail = size
+        size += 8 * n
+        dout = self.dev_out.at_least(size)
+        if not any(bad):
+            for i, ((off, info), (p_off, _, s_off, _)) in enumerate(zip(items, layout)):
+                m, k = info.shape
+                rt.check(lib.fp4c_quantize(din + off, DTYPE_CODES[info.dtype], FMT_CODES[fmt], rotate, int(s.swizzle),
+                                           rule, 1, m, k, d_ga + 4 * i if nvfp4 else None, d_gs + 4 * i if nvfp4 else None,
+                                           dout + p_off, dout + s_off, d_flag + 4 * i, st),
+                         f"the quantize pass on {batch.members[i].name}")
+        lib_copy = [(dout + tail, d_gs, 4 * n), (dout + tail + 4 * n, d_flag, 4 * n)]
+        for dst, src, nb in lib_copy:  # gs and flags beside the outputs: one device-to-host copy for all
+            rt.check(lib.fp4c_memcpy_device(dst, src, nb, st), "a device copy")
+        out = rt.pool.get(size)
+        rt.copy(out.ptr, dout, size, D2H)
+        done = rt.event().record(st)
+        if not nvfp4:
+            free(done)  # the reader waits for this event (the input copy precedes it) before refilling
+
+        def result() -> tuple:
+            done.synchronize()  # in the writer thread
+            if any(bad):
+                return out, layout, bad, amax, ga, None
+            flags = array("i", bytes(out.view(tail + 4 * n, 4 * n)))
+            gsv = array("f", bytes(out.view(tail, 4 * n))) if nvfp4 else None
+            return out, layout, [bool(f) for f in flags], amax, ga, gsv
+
+        return result
+
+
+def _numel(info) -> int:
+    return math.prod(info.shape)
+
+
+def _rule_code(fmt: str, rule: str | None) -> int:
+    from .scheme import scale_rules
+
+    names = scale_rules(fmt)
+    return 0 if rule is None else names.index(rule)
+
+
+def _unit_amax(amax: list[float], batch: Batch) -> list[float]:
+    """Per member: the max amax over its unit (a fused group shares one global scale)."""
+    out, start = [], 0
+    for u in batch.units:
+        m = max(amax[start : start + len(u)])
+        out += [m] * len(u)
+        start += len(u)
+    return out
+
+
+def write_batch(batch: Batch, result: Callable[[], tuple], s: Settings, fmt, writers, records: dict) -> Callable[[], None]:
+    """The writer-thread job of a batch: wait for its outputs, refuse NaN/Inf, fill records, write bytes."""
+
+    def job() -> None:
+        out, layout, bad, amax, ga, gs = result()
+        for i, d in enumerate(batch.members):
+            if bad[i]:
+                raise NonFiniteError(f"{d.name} (in {d.info.file}) holds NaN or Inf; fix the source or --ignore it")
+        for i, d in enumerate(batch.members):
+            p_off, p_n, s_off, s_n = layout[i]
+            g = None if gs is None else gs[i]
+            if g is not None:
+                records[d.name]["global_scale"] = g
+                records[d.name]["amax"] = ga[i]
+            for name, data in fmt.raw_tensors(d.module, out.view(p_off, p_n), out.view(s_off, s_n), g,
+                                              s.scheme.name, s.rotate):
+                writers.tensor(name, data, owner=out)
+
+    return job
+
+
+def fp32(x: float) -> bytes:
+    return struct.pack("<f", x)
