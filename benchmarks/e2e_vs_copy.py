@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--procs-per-gpu", type=int, default=4, help="0 to skip the one-GPU torchrun row")
     ap.add_argument("--no-cpu", action="store_true")
+    ap.add_argument("--torch-row", action="store_true", help="also run the GPU row on the torch pipeline")
     ap.add_argument("--only", choices=["dense", "moe"], default=None)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -177,6 +178,8 @@ def main() -> None:
         rows = [("cp -r + sync", f"cp -r {src} {dst}")]
         if gpus:
             rows.append(("fp4convert, 1 GPU", f"{q} --device cuda"))
+            if args.torch_row:  # the same run on the torch pipeline (same bytes; an A/B of the two CUDA paths)
+                rows.append(("fp4convert, 1 GPU, torch pipeline", f"FP4CONVERT_TORCH_PIPELINE=1 {q} --device cuda"))
             if gpus > 1:
                 rows.append((f"fp4convert, {gpus} GPUs (torchrun)",
                              f"{tr} --nproc-per-node {gpus} -m fp4convert quantize {src} {dst} --json --device cuda "

@@ -31,6 +31,7 @@ from . import stages
 from .config import ConvertConfig
 from .distributed import World, assign, run_writes
 from .errors import ConfigError, CUDAUnavailableError, PlanError
+from .plan import QUANTIZE
 from .readahead import advise
 
 if TYPE_CHECKING:
@@ -148,35 +149,52 @@ def convert(
     _advise_source(source, plan_, assign(plan_, world))
 
     t_start = time.perf_counter()
-    import torch  # from here on the work needs it (the kernel is reading the source meanwhile)
-
-    from . import pipeline
-    from .pipeline import Batch, CpuBackend, Settings, StackedBackend, WriteBehind, make_batches, write_batch
-    from .plan import QUANTIZE
+    from . import schedule
     from .readahead import ReadAhead
+    from .schedule import Batch, Settings, WriteBehind, make_batches
     from .scheme import get_scheme
     from .writer import ConvertResult, run_identity
 
-    world.init()
-    device = resolve_device(config.device, world)
-    stages.add("startup", time.perf_counter() - t_start)
-    threads = torch.get_num_threads()
-    cores = threads if not (world.distributed and world.local_size > 1) else max(
-        1, (os.cpu_count() or 1) // world.local_size)  # CPU ranks on one machine share its cores
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # under torchrun: this rank's GPU for every stream and buffer
-    identity = run_identity(config, source)
     settings = Settings(get_scheme(config.scheme), config.rotate, fmt.swizzled, {"scale_rule": config.rule})
-    cuda = device.type == "cuda"
-    limits = (pipeline.CUDA_BATCH_UNITS, pipeline.CUDA_BATCH_BYTES) if cuda else (
-        pipeline.CPU_BATCH_UNITS, pipeline.CPU_BATCH_BYTES)
-    stacked = cuda or limits[0] > 1  # the tests run the CUDA scheduling on the CPU with larger batches
-    backend = StackedBackend(device) if stacked else CpuBackend(workers=cores)
-    if not stacked:
-        torch.set_num_threads(1)  # parallel over units instead (see CpuBackend); restored below
+    rt = _direct_runtime(config, world, plan_)
+    if rt is not None:  # the torch-free CUDA path (fp4convert.direct): torch is never imported
+        from . import direct
+
+        torch = None
+        device = None
+        backend = direct.DirectBackend(rt)
+        limits = (schedule.CUDA_BATCH_UNITS, schedule.CUDA_BATCH_BYTES)
+        behind = WriteBehind(init=rt.set_device)
+        write_job = direct.write_batch
+        nonfinite = rt.host_check
+        cores = threads = 0
+    else:
+        import torch  # from here on the work needs it (the kernel is reading the source meanwhile)
+
+        from . import pipeline
+        from .pipeline import CpuBackend, StackedBackend
+
+        world.init()
+        device = resolve_device(config.device, world)
+        threads = torch.get_num_threads()
+        cores = threads if not (world.distributed and world.local_size > 1) else max(
+            1, (os.cpu_count() or 1) // world.local_size)  # CPU ranks on one machine share its cores
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # under torchrun: this rank's GPU for every stream and buffer
+        cuda = device.type == "cuda"
+        limits = (pipeline.CUDA_BATCH_UNITS, pipeline.CUDA_BATCH_BYTES) if cuda else (
+            pipeline.CPU_BATCH_UNITS, pipeline.CPU_BATCH_BYTES)
+        stacked = cuda or limits[0] > 1  # the tests run the CUDA scheduling on the CPU with larger batches
+        backend = StackedBackend(device) if stacked else CpuBackend(workers=cores)
+        if not stacked:
+            torch.set_num_threads(1)  # parallel over units instead (see CpuBackend); restored below
+        behind = WriteBehind(init=(lambda: torch.cuda.set_device(device)) if cuda else None)
+        write_job = pipeline.write_batch
+        nonfinite = None
+    stages.add("startup", time.perf_counter() - t_start)
+    identity = run_identity(config, source)
 
     reader: ReadAhead | None = None
-    behind = WriteBehind(device=device)
     item_of: dict[int, Batch | _Complex] = {}  # id(first unit) -> its batch (or its own, for a complex unit)
 
     def start(pending: list[list[Decision]]) -> None:
@@ -198,7 +216,8 @@ def convert(
                 items.append(_Complex(u, device, config, fmt, cores))
         flush()
         item_of.update({id(b.units[0]): b for b in items})
-        reader = ReadAhead([b.reads() for b in items], source.local_path, pinned=cuda, device=device)
+        reader = ReadAhead([b.reads() for b in items], source.local_path, pinned=device is not None and
+                           device.type == "cuda", device=device, host=rt.pool.get if rt is not None else None)
 
     def process(unit: list[Decision], writers) -> dict[str, dict]:
         d = unit[0]
@@ -226,7 +245,7 @@ def convert(
         if isinstance(item, _Complex):
             behind.submit(_write_complex(result, writers, records))
         else:
-            behind.submit(write_batch(item, result, settings, fmt, writers, records))
+            behind.submit(write_job(item, result, settings, fmt, writers, records))
         return records
 
     try:
@@ -234,17 +253,66 @@ def convert(
         # Progress follows the unit's writes (in the writer thread): a Hub source shard it lets go of
         # (--delete-source-shards) has then been read for the last time.
         done = run_writes(world, plan_, dst, config, identity, source, fmt,
-                          lambda n: behind.submit(lambda: report(n), light=True), process, start, behind.drain)
+                          lambda n: behind.submit(lambda: report(n), light=True), process, start, behind.drain,
+                          nonfinite)
     finally:
         behind.drain(False)  # stops the writer thread when the run failed before the writes began (else a no-op)
         if reader is not None:
             reader.close()
         backend.close()
-        torch.set_num_threads(threads)
+        if rt is not None:
+            rt.close()
+        else:
+            torch.set_num_threads(threads)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan_.shards))
     wait = reader.wait_s if reader is not None else 0.0
     return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, stages.snapshot())
+
+
+def torch_free(config: ConvertConfig, world: World, plan: Plan) -> bool:
+    """Can this run take the torch-free CUDA path (:mod:`fp4convert.direct`)? From the plan alone.
+
+    Yes when it is one process, the device is CUDA (``auto`` or ``cuda[:N]``) and every quantized
+    unit is plain 2-D bf16/fp16/fp32 weights (no stacked experts, no FP8/MXFP4 input to decode).
+    ``FP4CONVERT_TORCH_PIPELINE=1`` forces the torch pipeline (the same bytes; an A/B switch).
+    """
+    from .direct import DTYPE_CODES
+
+    if world.distributed or os.environ.get("FP4CONVERT_TORCH_PIPELINE") == "1":
+        return False
+    dev = config.device
+    if dev != "auto" and not (dev == "cuda" or dev.startswith("cuda:")):
+        return False
+    for unit in plan.units():
+        if unit[0].decode is not None:
+            return False
+        if unit[0].action == QUANTIZE and not (_simple(unit) and all(d.info.dtype in DTYPE_CODES for d in unit)):
+            return False
+    return True
+
+
+def _direct_runtime(config: ConvertConfig, world: World, plan: Plan):
+    """The torch-free CUDA runtime when this run can use it and the GPU and kernel library are there;
+    else None, and the torch pipeline runs (it reports errors as it always did: ``auto`` falls back
+    to the CPU with a warning, ``cuda`` without a GPU is an error)."""
+    if not torch_free(config, world, plan):
+        return None
+    from .cuda.runtime import Runtime, capability
+    from .errors import FP4ConvertError
+
+    dev = config.device
+    try:
+        index = int(dev.split(":", 1)[1]) if ":" in dev else 0
+    except ValueError:
+        return None
+    if capability(index) is None:
+        return None
+    try:
+        return Runtime(index)
+    except FP4ConvertError as exc:
+        log.debug("torch-free CUDA path unavailable (%s); using the torch pipeline", exc)
+        return None
 
 
 def weight_of(d: Decision, tensors: list[torch.Tensor]) -> torch.Tensor:

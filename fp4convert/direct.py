@@ -17,22 +17,18 @@ every output, gs and flag into a pooled pinned buffer, and an event the writer t
 from __future__ import annotations
 
 import math
-import struct
 from array import array
 from collections.abc import Callable
 
 from .cuda.runtime import D2H, H2D, DeviceArena, Runtime, align
 from .errors import NonFiniteError
-from .pipeline_base import Batch, Settings
+from . import stages
+from .schedule import Batch, Settings
 from .swizzle import padded_shape
 
 DTYPE_CODES = {"F32": 0, "F16": 1, "BF16": 2}  # the launchers' dtype ints
 HOST_CHECK_CODES = {"F32": 0, "F16": 1, "BF16": 2, "F64": 3, "F8_E4M3": 4, "F8_E5M2": 5}
 FMT_CODES = {"nvfp4": 0, "mxfp4": 1}
-
-
-def eligible(unit_is_simple: bool, dtype: str) -> bool:
-    return unit_is_simple and dtype in DTYPE_CODES
 
 
 class DirectBackend:
@@ -58,11 +54,24 @@ class DirectBackend:
         nvfp4 = s.scheme.global_scale
         rotate = int(s.rotate == "had16")
         bs = s.scheme.block_size
-        rule = _rule_code(fmt, s.extra.get("scale_rule"))
-        # Small per-matrix values on the device: amax (pass 1), the unit's amax (pass 2's input), gs, flags.
-        small = self.dev_small.at_least(4 * 4 * n)
-        d_amax, d_ga, d_gs, d_flag = (small + 4 * n * j for j in range(4))
-        amax = ga = gs = None
+        rule = _rule_code(s.scheme, s.extra.get("scale_rule"))
+        # Outputs, in one device arena copied back at once: each member's packed codes and scales at
+        # aligned offsets, then gs and the non-finite flags of every member.
+        layout, size = [], 0
+        for off, info in items:
+            m, k = info.shape
+            rows, cols = padded_shape(m, k // bs) if s.swizzle else (m, k // bs)
+            s_off = align(size + m * k // 2)
+            layout.append((size, m * k // 2, s_off, rows * cols))
+            size = align(s_off + rows * cols)
+        tail = size
+        size += 8 * n
+        dout = self.dev_out.at_least(size)
+        d_gs, d_flag = dout + tail, dout + tail + 4 * n
+        small = self.dev_small.at_least(8 * n)  # pass 1's amax, pass 2's (unit) amax
+        d_amax, d_ga = small, small + 4 * n
+        amax = ga = None
+        keep: list = []  # pinned buffers an asynchronous copy still reads or writes
         bad: list[bool] = [False] * n
         if nvfp4:
             for i, (off, info) in enumerate(items):
@@ -70,34 +79,24 @@ class DirectBackend:
                          f"the amax pass on {batch.members[i].name}")
             back = rt.pool.get(4 * n)
             rt.copy(back.ptr, d_amax, 4 * n, D2H)
-            rt.sync()  # the batch's one sync before pass 2: the unit's amax is taken on the host
+            with stages.timed("quantize_waits_gpu"):
+                rt.sync()  # the batch's one sync before pass 2: the unit's amax is taken on the host
             free(None)  # the input copy is complete: the reader may refill the buffer
-            amax = array("f", bytes(back.view(0, 4 * n)))
+            amax = list(array("f", bytes(back.view(0, 4 * n))))
             bad = [not math.isfinite(a) for a in amax]
-            ga = _unit_amax(list(amax), batch)
+            ga = _unit_amax(amax, batch)
             up = rt.pool.get(4 * n)
             up.view(0, 4 * n)[:] = array("f", ga).tobytes()
             rt.copy(d_ga, up.ptr, 4 * n, H2D)
-        # Outputs: each member's packed codes and scales at aligned offsets, then gs and flags.
-        layout, size = [], 0
-        for off, info in items:
-            m, k = info.shape
-            rows, cols = padded_shape(m, k // bs) if s.swizzle else (m, k // bs)
-            layout.append((size, m * k // 2, align(size + m * k // 2), rows * cols))
-            size = align(align(size + m * k // 2) + rows * cols)
-        tail = size
-        size += 8 * n
-        dout = self.dev_out.at_least(size)
+            keep.append(up)
         if not any(bad):
             for i, ((off, info), (p_off, _, s_off, _)) in enumerate(zip(items, layout)):
                 m, k = info.shape
                 rt.check(lib.fp4c_quantize(din + off, DTYPE_CODES[info.dtype], FMT_CODES[fmt], rotate, int(s.swizzle),
-                                           rule, 1, m, k, d_ga + 4 * i if nvfp4 else None, d_gs + 4 * i if nvfp4 else None,
-                                           dout + p_off, dout + s_off, d_flag + 4 * i, st),
+                                           rule, 1, m, k, d_ga + 4 * i if nvfp4 else None,
+                                           d_gs + 4 * i if nvfp4 else None, dout + p_off, dout + s_off,
+                                           d_flag + 4 * i, st),
                          f"the quantize pass on {batch.members[i].name}")
-        lib_copy = [(dout + tail, d_gs, 4 * n), (dout + tail + 4 * n, d_flag, 4 * n)]
-        for dst, src, nb in lib_copy:  # gs and flags beside the outputs: one device-to-host copy for all
-            rt.check(lib.fp4c_memcpy_device(dst, src, nb, st), "a device copy")
         out = rt.pool.get(size)
         rt.copy(out.ptr, dout, size, D2H)
         done = rt.event().record(st)
@@ -105,7 +104,9 @@ class DirectBackend:
             free(done)  # the reader waits for this event (the input copy precedes it) before refilling
 
         def result() -> tuple:
-            done.synchronize()  # in the writer thread
+            with stages.timed("write_waits_gpu"):
+                done.synchronize()  # in the writer thread
+            keep.clear()
             if any(bad):
                 return out, layout, bad, amax, ga, None
             flags = array("i", bytes(out.view(tail + 4 * n, 4 * n)))
@@ -119,11 +120,9 @@ def _numel(info) -> int:
     return math.prod(info.shape)
 
 
-def _rule_code(fmt: str, rule: str | None) -> int:
-    from .scheme import scale_rules
-
-    names = scale_rules(fmt)
-    return 0 if rule is None else names.index(rule)
+def _rule_code(scheme, rule: str | None) -> int:
+    """The launchers' int for a scale rule: its index in the scheme's list (CONTRACT.md)."""
+    return scheme.scale_rules.index(scheme.check_rule(rule))
 
 
 def _unit_amax(amax: list[float], batch: Batch) -> list[float]:
@@ -156,6 +155,3 @@ def write_batch(batch: Batch, result: Callable[[], tuple], s: Settings, fmt, wri
 
     return job
 
-
-def fp32(x: float) -> bytes:
-    return struct.pack("<f", x)

@@ -175,7 +175,7 @@ def assign(plan: Plan, world: World) -> set[str]:
 
 
 def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, source, fmt, progress,
-               process, start=None, drain=None) -> dict:
+               process, start=None, drain=None, nonfinite=None) -> dict:
     """Destination policy, this rank's shards, then (rank 0) the finish; returns the reused files.
 
     One process: exactly prepare_destination -> write_outputs -> finish.
@@ -185,7 +185,7 @@ def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, sour
 
     done = world.from_rank0(lambda: prepare_destination(dst, plan, config, identity, source))
     if not world.distributed:
-        write_outputs(plan, dst, identity, done, progress, process, start, drain=drain)
+        write_outputs(plan, dst, identity, done, progress, process, start, drain=drain, nonfinite=nonfinite)
         finish(source, plan, fmt, dst, identity)
         return done
 
@@ -199,7 +199,8 @@ def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, sour
     error: Exception | None = None
     try:
         files, tensors = write_outputs(plan, dst, identity, done, progress, checked, start, owns=mine.__contains__,
-                                       progress_name=rank_progress_name(world.rank), drain=drain)
+                                       progress_name=rank_progress_name(world.rank), drain=drain,
+                                       nonfinite=nonfinite)
         status.update(files={f: r for f, r in files.items() if f in mine}, tensors=tensors)
     except RankStopped:
         status["stopped"] = True

@@ -698,8 +698,10 @@ class ShardWriters:
     """Open output shards (at most two at once: a unit can straddle a boundary)."""
 
     def __init__(self, dst: Path, plan: Plan, done: dict, on_close: Callable[[str, dict], None],
-                 owns: Callable[[str], bool] | None = None) -> None:
+                 owns: Callable[[str], bool] | None = None,
+                 nonfinite: Callable[[str, memoryview], bool] | None = None) -> None:
         self.dst, self.done, self.on_close = dst, done, on_close
+        self.check = nonfinite or _nonfinite  # (dtype, bytes) -> NaN/Inf present; the torch-free path brings its own
         self.owns = owns or (lambda f: True)  # under torchrun: the shards this rank writes
         self.entries = dict(plan.shards)
         self.shard_of = plan.shard_of()
@@ -755,12 +757,16 @@ class ShardWriters:
         for _, fut in self.closing:
             fut.result()
 
-    def tensor(self, name: str, t: torch.Tensor) -> None:
+    def tensor(self, name: str, t: torch.Tensor | bytes | memoryview, owner: object = None) -> None:
+        """Write output tensor ``name``: a tensor, or its raw bytes (``owner`` keeps their memory alive)."""
         if self.skip(name):
             return
         w = self._writer(name)
         with writing(w.partial):
-            w.write_tensor(name, t)
+            if isinstance(t, (bytes, bytearray, memoryview)):
+                w.write_bytes(name, t, owner)
+            else:
+                w.write_tensor(name, t)
         self._maybe_close(self.shard_of[name])
 
     def raw(self, name: str, path: Path, info: TensorInfo) -> None:
@@ -798,7 +804,7 @@ class ShardWriters:
                 if not got:
                     raise SourceError(f"{info.file}: tensor {name!r} is truncated (the file ended while copying it)")
                 if not bad:
-                    bad = _nonfinite(info.dtype, view[:got])
+                    bad = self.check(info.dtype, view[:got])
                 if w is not None:
                     with writing(w.partial):
                         w.write(view[:got], owner=buf)
@@ -829,7 +835,8 @@ def nonfinite_warning(name: str, file: str) -> str:
 def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: Progress, process: UnitFn,
                   start: Callable[[list[list[Decision]]], None] | None = None, *,
                   owns: Callable[[str], bool] | None = None, progress_name: str = PROGRESS_NAME,
-                  drain: Callable[[bool], None] | None = None) -> tuple[dict, dict]:
+                  drain: Callable[[bool], None] | None = None,
+                  nonfinite: Callable[[str, memoryview], bool] | None = None) -> tuple[dict, dict]:
     """Stream every work unit's outputs into the planned shards; ``process`` makes a unit's tensors.
 
     ``start`` is told up front which units will be processed (those a resume does not skip), so
@@ -870,7 +877,7 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
             files_state[f] = rec
             save()
 
-    writers = ShardWriters(dst, plan, files_state, on_close, owns)
+    writers = ShardWriters(dst, plan, files_state, on_close, owns, nonfinite)
     shard_of = writers.shard_of
 
     def finished(unit: list[Decision]) -> bool:

@@ -650,10 +650,10 @@ def disk_full_mid_shard_then_resume(c: Ctx) -> None:
     dst = c.tmp / "q"
     real = StreamWriter.write
 
-    def full(self, data):
+    def full(self, data, owner=None):
         if self.path.name == "model-00004-of-00016.safetensors":
             raise oserror(errno.ENOSPC)
-        return real(self, data)
+        return real(self, data, owner)
 
     with c.mp.context() as m:
         m.setattr(StreamWriter, "write", full)
@@ -666,7 +666,7 @@ def disk_full_mid_shard_then_resume(c: Ctx) -> None:
 @case
 def disk_full_first_shard_leaves_nothing(c: Ctx) -> None:
     dst = c.tmp / "q"
-    c.mp.setattr(StreamWriter, "write", lambda self, data: (_ for _ in ()).throw(oserror(errno.ENOSPC)))
+    c.mp.setattr(StreamWriter, "write", lambda self, data, owner=None: (_ for _ in ()).throw(oserror(errno.ENOSPC)))
     expect(quantize(c, dst), 5, "no space left")
     assert not dst.exists()  # created by the run, left empty: removed
 
@@ -675,7 +675,7 @@ def disk_full_first_shard_leaves_nothing(c: Ctx) -> None:
 def disk_full_keeps_preexisting_empty_dst(c: Ctx) -> None:
     dst = c.tmp / "q"
     dst.mkdir()
-    c.mp.setattr(StreamWriter, "write", lambda self, data: (_ for _ in ()).throw(oserror(errno.ENOSPC)))
+    c.mp.setattr(StreamWriter, "write", lambda self, data, owner=None: (_ for _ in ()).throw(oserror(errno.ENOSPC)))
     expect(quantize(c, dst), 5, "no space left")
     assert dst.is_dir() and list(dst.iterdir()) == []
 
@@ -722,7 +722,7 @@ def disk_full_copying_other_files_then_resume(c: Ctx) -> None:
 
 @case
 def disk_quota_exceeded(c: Ctx) -> None:
-    c.mp.setattr(StreamWriter, "write", lambda self, data: (_ for _ in ()).throw(oserror(errno.EDQUOT)))
+    c.mp.setattr(StreamWriter, "write", lambda self, data, owner=None: (_ for _ in ()).throw(oserror(errno.EDQUOT)))
     expect(quantize(c, c.tmp / "q"), 5, "no space left", "EDQUOT")
 
 
@@ -752,7 +752,7 @@ def rename_across_filesystems(c: Ctx) -> None:
 
 @case
 def io_error_writing_shard(c: Ctx) -> None:
-    c.mp.setattr(StreamWriter, "write", lambda self, data: (_ for _ in ()).throw(oserror(errno.EIO)))
+    c.mp.setattr(StreamWriter, "write", lambda self, data, owner=None: (_ for _ in ()).throw(oserror(errno.EIO)))
     expect(quantize(c, c.tmp / "q"), 5, "Input/output error", "EIO")
 
 

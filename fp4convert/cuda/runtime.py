@@ -195,6 +195,13 @@ class Runtime:
         buf = (ctypes.c_char * len(data)).from_buffer(data) if not data.readonly else ctypes.c_char_p(bytes(data))
         return bool(self.lib.fp4c_host_nonfinite(ctypes.cast(buf, ctypes.c_void_p), n, dtype))
 
+    def host_check(self, dtype: str, data: memoryview) -> bool:
+        """The writer's NaN/Inf check of kept tensors' bytes (safetensors dtype names; others: False)."""
+        from ..direct import HOST_CHECK_CODES
+
+        code = HOST_CHECK_CODES.get(dtype)
+        return False if code is None else self.nonfinite(data, code)
+
     def close(self) -> None:
         self.sync()
         self.lib.fp4c_stream_destroy(ctypes.c_void_p(self.stream))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,6 +150,21 @@ class OutputFormat:
         out = [(module + self.packed_suffix, q.packed), (module + self.scale_suffix, scale)]
         if get_scheme(q.scheme).global_scale:
             out.append((module + self.global_suffix, self.global_value(q.global_scale)))
+        return out
+
+    def global_float(self, gs: float) -> float:
+        """global_value for one matrix, on a Python float (an fp32 value; one fp32 operation at most,
+        which double arithmetic rounded once to fp32 reproduces exactly)."""
+        return gs
+
+    def raw_tensors(self, module: str, packed: memoryview, scale: memoryview, gs: float | None, scheme: str,
+                    rotate: str | None) -> list[tuple[str, bytes | memoryview]]:
+        """:meth:`tensors` from raw bytes (the torch-free CUDA path): the same names, order and bytes.
+        ``scale``: already in this format's layout; ``gs``: the encode scale (NVFP4)."""
+        out: list[tuple[str, bytes | memoryview]] = [(module + self.packed_suffix, packed),
+                                                     (module + self.scale_suffix, scale)]
+        if get_scheme(scheme).global_scale:
+            out.append((module + self.global_suffix, struct.pack("<f", self.global_float(gs))))
         return out
 
     # -- writing: beside the shards --------------------------------------------------------

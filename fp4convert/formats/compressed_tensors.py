@@ -37,6 +37,12 @@ def sylvester_hadamard(n: int) -> torch.Tensor:
     return h
 
 
+def hadamard16_bf16_bytes() -> bytes:
+    """sylvester_hadamard(16) in bf16, without torch: entry (i, j) is (-1)^popcount(i & j)."""
+    one, minus = b"\x80\x3f", b"\x80\xbf"  # bf16 1.0 and -1.0, little-endian
+    return b"".join(minus if bin(i & j).count("1") % 2 else one for i in range(16) for j in range(16))
+
+
 class CompressedTensorsFormat(OutputFormat):
     name = "compressed-tensors"
     swizzled = False
@@ -58,6 +64,12 @@ class CompressedTensorsFormat(OutputFormat):
         out = super().tensors(module, q)
         if q.rotate == "had16":
             out.append((self._transform_name(module), sylvester_hadamard(16).to(torch.bfloat16)))
+        return out
+
+    def raw_tensors(self, module, packed, scale, gs, scheme, rotate):
+        out = super().raw_tensors(module, packed, scale, gs, scheme, rotate)
+        if rotate == "had16":
+            out.append((self._transform_name(module), hadamard16_bf16_bytes()))
         return out
 
     def quantization_config(self, info: OutputInfo) -> dict:

@@ -43,6 +43,9 @@ class ModelOptFormat(OutputFormat):
 
         return (1.0 / gs.to(torch.float32)).reshape(self.global_shape(tuple(gs.shape)))  # the DECODE scale
 
+    def global_float(self, gs: float) -> float:
+        return 1.0 / gs
+
     def encode_scale(self, stored: torch.Tensor) -> torch.Tensor:
         import torch
 

@@ -1,0 +1,205 @@
+"""The torch-free CUDA path (fp4convert.direct, fp4convert.cuda.runtime): which runs take it, the bytes
+it writes (the torch pipeline's, on the GPU), its error answers, and the format/host pieces it has
+instead of torch (raw tensor bytes, unit amax, the kept tensors' NaN/Inf scan)."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+
+from fp4convert import direct, reference as ref
+from fp4convert.config import ConvertConfig
+from fp4convert.convert import convert, plan_conversion, torch_free
+from fp4convert.distributed import World
+from fp4convert.errors import NonFiniteError
+from fp4convert.formats import OUTPUT_FORMATS, get_format
+from fp4convert.schedule import Batch
+from fp4convert.tensor import quantize
+
+from . import checkpoints as ck
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("fmt", sorted(OUTPUT_FORMATS))
+@pytest.mark.parametrize("scheme,rotate", [("nvfp4", None), ("nvfp4", "had16"), ("mxfp4", None), ("mxfp4", "had16")])
+def test_raw_tensors_are_the_tensors_bytes(fmt, scheme, rotate) -> None:
+    """What the torch-free path writes per weight (names, order, bytes) is what tensors() gives."""
+    f = get_format(fmt)
+    try:
+        f.check(scheme, rotate)
+    except Exception:  # noqa: BLE001 - a combination this format refuses is refused before any writing
+        pytest.skip(f"{fmt} does not store {scheme}/{rotate}")
+    seed = int(torch.randint(0, 2**31, ()).item())
+    w = (torch.randn(200, 96, generator=torch.Generator().manual_seed(seed)) * 3).to(torch.bfloat16)
+    q = quantize(w, scheme, rotate=rotate, scale_layout="swizzled" if f.swizzled else "linear", backend="reference")
+    scale = q.scale if f.swizzled else q.linear_scale()
+    gs = None if q.global_scale is None else float(q.global_scale)
+    want = [(n, _bytes(t)) for n, t in f.tensors("model.layers.0.mlp.up_proj", q)]
+    got = [(n, bytes(b)) for n, b in f.raw_tensors("model.layers.0.mlp.up_proj", memoryview(_bytes(q.packed)),
+                                                  memoryview(_bytes(scale)), gs, scheme, rotate)]
+    assert got == want, seed
+
+
+@pytest.mark.parametrize("amax", [1e-30, 0.37, 3.0e38])
+def test_modelopt_global_float_is_the_fp32_reciprocal(amax) -> None:
+    """1/gs on a Python float, packed to fp32, equals torch's fp32 division (one rounding)."""
+    gs = ref.global_scale(torch.tensor([amax], dtype=torch.float32))[0]
+    f = get_format("modelopt")
+    assert struct.pack("<f", f.global_float(float(gs))) == _bytes((1.0 / gs).reshape(1))
+
+
+def test_unit_amax_is_the_max_over_each_fused_group(tmp_path) -> None:
+    src = tmp_path / "m"
+    ck.llama(src)
+    _, plan, _ = plan_conversion(str(src), ConvertConfig())
+    units = [u for u in plan.units() if u[0].action == "quantize"]
+    batch = Batch(units)
+    seed = int(torch.randint(0, 2**31, ()).item())
+    amax = torch.rand(len(batch.members), generator=torch.Generator().manual_seed(seed)).tolist()
+    got = direct._unit_amax(amax, batch)
+    start = 0
+    for u in units:
+        assert got[start : start + len(u)] == [max(amax[start : start + len(u)])] * len(u), seed
+        start += len(u)
+    assert any(len(u) == 3 for u in units)  # q/k/v share one scale: the case this covers
+
+
+@pytest.mark.parametrize("case,device,want", [
+    ("llama", "auto", True), ("llama", "cuda", True), ("llama", "cuda:1", True), ("llama", "cpu", False),
+    ("gpt_oss", "cuda", False),  # 3-D stacked experts: the torch pipeline
+    ("fp8", "cuda", False),  # an FP8 input to decode: the torch pipeline
+])
+def test_which_runs_are_torch_free(tmp_path, monkeypatch, case, device, want) -> None:
+    from . import zoo
+
+    if case == "llama":
+        src = tmp_path / "m"
+        ck.llama(src, zoo=True)
+    elif case == "fp8":
+        zoo.fp8_block_variant(zoo.build("deepseek_v3", tmp_path / "bf16"), tmp_path / "m", block=(128, 128))
+        src = tmp_path / "m"
+    else:
+        src = zoo.build(case, tmp_path / "m")
+    config = ConvertConfig(device=device)
+    _, plan, _ = plan_conversion(str(src), config)
+    assert torch_free(config, World(), plan) is want
+    monkeypatch.setenv("FP4CONVERT_TORCH_PIPELINE", "1")
+    assert torch_free(config, World(), plan) is False
+    monkeypatch.delenv("FP4CONVERT_TORCH_PIPELINE")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert torch_free(config, World.from_env(), plan) is False
+
+
+# --- on the GPU ----------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@GPU
+@pytest.mark.parametrize("fmt,scheme,rotate,rule", [
+    ("compressed-tensors", "nvfp4", None, None), ("compressed-tensors", "nvfp4", "had16", "mse"),
+    ("compressed-tensors", "mxfp4", None, None), ("compressed-tensors", "mxfp4", "had16", "mse"),
+    ("modelopt", "nvfp4", None, "4over6"), ("native", "nvfp4", "had16", None), ("native", "mxfp4", None, "rceil"),
+])
+def test_torch_free_path_writes_the_torch_pipelines_bytes(tmp_path, monkeypatch, fmt, scheme, rotate, rule) -> None:
+    """Same checkpoint, both CUDA paths (and the CPU): every output file byte-identical, with fused
+    q/k/v groups split across shards and kept tensors of every kind (llama zoo)."""
+    src = tmp_path / "src"
+    ck.llama(src, zoo=True, layers=3)
+    kw = dict(device="cuda", format=fmt, scheme=scheme, rotate=rotate, scale_rule=rule, max_shard_size=6000)
+    fast = convert(src, tmp_path / "direct", ConvertConfig(**kw))
+    assert "quantize_waits_gpu" in fast.stages_s or scheme == "mxfp4"  # the direct backend ran
+    monkeypatch.setenv("FP4CONVERT_TORCH_PIPELINE", "1")
+    convert(src, tmp_path / "torch", ConvertConfig(**kw))
+    convert(src, tmp_path / "cpu", ConvertConfig(**{**kw, "device": "cpu"}))
+    assert ck.all_files(tmp_path / "direct") == ck.all_files(tmp_path / "torch") == ck.all_files(tmp_path / "cpu")
+
+
+@pytest.mark.cuda
+@GPU
+def test_cli_on_cuda_never_imports_torch(tmp_path) -> None:
+    src = tmp_path / "src"
+    ck.llama(src, zoo=True)
+    env = {k: v for k, v in os.environ.items() if k != "FP4CONVERT_TORCH_PIPELINE"}
+    proc, stack = ck.cli_watching_torch(tmp_path, "quantize", src, tmp_path / "q", "--device", "cuda", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert stack == "", stack
+    convert(src, tmp_path / "cpu", ConvertConfig(device="cpu"))
+    assert ck.all_files(tmp_path / "q") == ck.all_files(tmp_path / "cpu")
+
+
+@pytest.mark.cuda
+@GPU
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+def test_torch_free_path_refuses_nan_naming_the_tensor(tmp_path, scheme) -> None:
+    src = tmp_path / "nan"
+    bad = ck.nan_checkpoint(src)
+    dst = tmp_path / "q"
+    with pytest.raises(NonFiniteError, match=bad.replace(".", r"\.")):
+        convert(src, dst, ConvertConfig(device="cuda", scheme=scheme))
+    left = [p.name for p in dst.iterdir()] if dst.exists() else []
+    assert not [n for n in left if n.endswith((".safetensors", ".partial", ".json"))], left
+
+
+@pytest.mark.cuda
+@GPU
+def test_torch_free_path_flags_nan_in_a_kept_tensor(tmp_path) -> None:
+    src = tmp_path / "nan"
+    bad = ck.nan_checkpoint(src)
+    res = convert(src, tmp_path / "q", ConvertConfig(device="cuda", ignore=("*.down_proj",)))
+    assert "quantize_waits_gpu" in res.stages_s
+    assert any(bad in w and "NaN or Inf" in w for w in res.to_json()["warnings"])
+    assert json.loads((tmp_path / "q" / "fp4convert.json").read_text())["tensors"][bad]["nonfinite"] is True
+
+
+@pytest.mark.cuda
+@GPU
+@pytest.mark.parametrize("dtype,tdt", [("F16", torch.float16), ("BF16", torch.bfloat16), ("F8_E4M3", torch.float8_e4m3fn),
+                                       ("F8_E5M2", torch.float8_e5m2)])
+def test_host_scan_of_every_bit_pattern(dtype, tdt) -> None:
+    """The library's host scan agrees with torch.isfinite on every 8/16-bit pattern, alone and in a long run."""
+    from fp4convert.cuda.runtime import Runtime
+
+    rt = Runtime(0)
+    width = torch.finfo(tdt).bits
+    pats = torch.arange(2**width, dtype=torch.int32).to(torch.int16 if width == 16 else torch.uint8)
+    vals = pats.view(tdt)
+    finite = torch.isfinite(vals.float()).tolist()
+    raw = pats.numpy().tobytes()
+    k = width // 8
+    for i, ok in enumerate(finite):
+        assert rt.host_check(dtype, memoryview(bytearray(raw[i * k : (i + 1) * k]))) is (not ok), (dtype, i)
+    good = torch.randn(10007).to(tdt)
+    good = torch.where(torch.isfinite(good.float()), good, torch.zeros_like(good))
+    assert rt.host_check(dtype, memoryview(bytearray(_bytes(good)))) is False
+    for pos in (0, 5000, 10006):
+        y = good.clone()
+        y.view(torch.uint8 if k == 1 else torch.int16)[pos] = pats[[i for i, ok in enumerate(finite) if not ok][0]]
+        assert rt.host_check(dtype, memoryview(bytearray(_bytes(y)))) is True
+    assert rt.host_check("I32", memoryview(bytearray(b"\xff" * 8))) is False
+
+
+@pytest.mark.cuda
+@GPU
+@pytest.mark.parametrize("dtype,tdt", [("F32", torch.float32), ("F64", torch.float64)])
+def test_host_scan_wide_floats(dtype, tdt) -> None:
+    from fp4convert.cuda.runtime import Runtime
+
+    rt = Runtime(0)
+    seed = int(torch.randint(0, 2**31, ()).item())
+    x = torch.randn(4099, generator=torch.Generator().manual_seed(seed), dtype=tdt)
+    x[0] = torch.finfo(tdt).max
+    x[1] = torch.finfo(tdt).tiny / 4  # subnormal: finite
+    assert rt.host_check(dtype, memoryview(bytearray(_bytes(x)))) is False, seed
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[4098] = bad
+        assert rt.host_check(dtype, memoryview(bytearray(_bytes(y)))) is True, (seed, bad)
