@@ -87,10 +87,9 @@ class ReadAhead:
         self._thread.start()
 
     def _read_set(self, set_index: int, unit: list[TensorInfo]) -> list[torch.Tensor]:
-        from .safetensors_io import DTYPES, read_into, read_tensor
-
         if self._host is not None:
             return self._read_raw(set_index, unit)
+        from .safetensors_io import DTYPES, read_into, read_tensor  # DTYPES imports torch
         if not self._pinned:
             with stages.timed("read"):
                 return [read_tensor(self._locate(info.file), info) for info in unit]
@@ -146,12 +145,17 @@ class ReadAhead:
 
                 torch.cuda.set_device(self._device)
             for i, unit in enumerate(self._units):
+                t0 = time.perf_counter()
                 while not self._free.acquire(timeout=0.1):
                     if self._stop.is_set():
                         return
+                stages.add("read_waits_buffer", time.perf_counter() - t0)  # both sets still in use
                 if self._stop.is_set():
                     return
-                self._put(("ok", self._read_set(i % SETS, unit)))
+                got = self._read_set(i % SETS, unit)
+                t0 = time.perf_counter()
+                self._put(("ok", got))
+                stages.add("read_waits_consumer", time.perf_counter() - t0)
         except BaseException as exc:  # handed to the consumer, which raises it with its context
             self._put(("error", exc))
 

@@ -107,7 +107,7 @@ def test_which_runs_are_torch_free(tmp_path, monkeypatch, case, device, want) ->
 @pytest.mark.parametrize("fmt,scheme,rotate,rule", [
     ("compressed-tensors", "nvfp4", None, None), ("compressed-tensors", "nvfp4", "had16", "mse"),
     ("compressed-tensors", "mxfp4", None, None), ("compressed-tensors", "mxfp4", "had16", "mse"),
-    ("modelopt", "nvfp4", None, "4over6"), ("native", "nvfp4", "had16", None), ("native", "mxfp4", None, "rceil"),
+    ("modelopt", "nvfp4", None, "4over6"), ("fp4convert", "nvfp4", "had16", None), ("fp4convert", "mxfp4", None, "rceil"),
 ])
 def test_torch_free_path_writes_the_torch_pipelines_bytes(tmp_path, monkeypatch, fmt, scheme, rotate, rule) -> None:
     """Same checkpoint, both CUDA paths (and the CPU): every output file byte-identical, with fused
