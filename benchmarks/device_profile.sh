@@ -22,7 +22,7 @@ import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); t
 from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda')); t3 = time.perf_counter()
 print(f'import torch {t1 - t0:.2f} s, CUDA context {t2 - t1:.2f} s, kernels from cache {t3 - t2:.2f} s')"
 timeout ${E2E_TIMEOUT:-300} python3 benchmarks/e2e_vs_copy.py --work /tmp/e2e --out "$OUT" --layers "${E2E_LAYERS:-8}" \
-    --repeats "${E2E_REPEATS:-3}" --procs-per-gpu 0 --no-cpu --torch-row ${E2E_ONLY:+--only $E2E_ONLY} 2>&1 | tee "$OUT/e2e_vs_copy.txt"
+    --repeats "${E2E_REPEATS:-3}" --procs-per-gpu 0 --no-cpu ${TORCH_ROW:+--torch-row} ${E2E_ONLY:+--only $E2E_ONLY} 2>&1 | tee "$OUT/e2e_vs_copy.txt"
 if [ -n "${CPU_ROW:-}" ] && [ -d /tmp/e2e/dense ]; then
     rm -rf /tmp/e2e/cpuout; t0=$(date +%s.%N)
     timeout 150 python3 -m fp4convert quantize /tmp/e2e/dense /tmp/e2e/cpuout --device cpu --json --max-shard-size 512MB \

@@ -149,7 +149,6 @@ def convert(
     _advise_source(source, plan_, assign(plan_, world))
 
     t_start = time.perf_counter()
-    from . import schedule
     from .readahead import ReadAhead
     from .schedule import Batch, Settings, WriteBehind, make_batches
     from .scheme import get_scheme
@@ -163,7 +162,7 @@ def convert(
         torch = None
         device = None
         backend = direct.DirectBackend(rt)
-        limits = (schedule.CUDA_BATCH_UNITS, schedule.CUDA_BATCH_BYTES)
+        limits = (direct.BATCH_UNITS, direct.BATCH_BYTES)
         behind = WriteBehind(init=rt.set_device)
         write_job = direct.write_batch
         nonfinite = rt.host_check

@@ -89,7 +89,7 @@ class ReadAhead:
     def _read_set(self, set_index: int, unit: list[TensorInfo]) -> list[torch.Tensor]:
         if self._host is not None:
             return self._read_raw(set_index, unit)
-        from .safetensors_io import DTYPES, read_into, read_tensor  # DTYPES imports torch
+        from .safetensors_io import DTYPES, read_many, read_tensor, tensor_memoryview  # DTYPES imports torch
         if not self._pinned:
             with stages.timed("read"):
                 return [read_tensor(self._locate(info.file), info) for info in unit]
@@ -110,15 +110,13 @@ class ReadAhead:
             with stages.timed("pin_alloc"):
                 buf = torch.empty(max(total, 1 << 20), dtype=torch.uint8, pin_memory=True)
             self._buffers[set_index] = buf
-        out = []
-        for info, off in zip(unit, offsets):
-            host = buf[off : off + info.nbytes]
-            read_into(self._locate(info.file), info, host)
-            out.append(host.view(DTYPES[info.dtype]).reshape(info.shape))
-        return out
+        hosts = [buf[off : off + info.nbytes] for info, off in zip(unit, offsets)]
+        with stages.timed("read"):
+            read_many([(self._locate(info.file), info, tensor_memoryview(h)) for info, h in zip(unit, hosts)])
+        return [h.view(DTYPES[info.dtype]).reshape(info.shape) for info, h in zip(unit, hosts)]
 
     def _read_raw(self, set_index: int, unit: list[TensorInfo]):
-        from .safetensors_io import _read_exact
+        from .safetensors_io import read_many
 
         with self._lock:
             event = self._pending.pop(set_index, None)
@@ -134,8 +132,7 @@ class ReadAhead:
             with stages.timed("pin_alloc"):
                 buf = self._buffers[set_index] = self._host(total)
         with stages.timed("read"):
-            for info, off in zip(unit, offsets):
-                _read_exact(self._locate(info.file), info, buf.view(off, info.nbytes))
+            read_many([(self._locate(info.file), info, buf.view(off, info.nbytes)) for info, off in zip(unit, offsets)])
         return buf, list(zip(offsets, unit))
 
     def _run(self) -> None:

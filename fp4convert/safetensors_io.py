@@ -375,10 +375,63 @@ def read_bytes(path: Path, info: TensorInfo) -> bytearray:
     return buf
 
 
-def read_into(path: Path, info: TensorInfo, out: torch.Tensor) -> None:
-    """Read the tensor's bytes into ``out`` (a contiguous uint8 CPU tensor, e.g. pinned memory)."""
-    with stages.timed("read"):
-        _read_exact(path, info, tensor_memoryview(out))
+IOV_MAX = 1024  # buffers per preadv call (Linux's limit)
+
+
+def read_many(items: list[tuple[Path, TensorInfo, memoryview]]) -> None:
+    """Read each tensor into its buffer. A run of tensors adjacent in one file is one ``preadv``
+    scattering into their buffers (a layer's experts are one run: on the H100 machine 1,536 separate
+    1.5 MB reads ran at 1.6 GB/s), and each file is opened once."""
+    fds: dict[Path, int] = {}
+    try:
+        i = 0
+        while i < len(items):
+            path, info, _ = items[i]
+            j, end = i + 1, info.end
+            while j < len(items) and j - i < IOV_MAX and items[j][0] == path and items[j][1].begin == end:
+                end = items[j][1].end
+                j += 1
+            run = items[i:j]
+            try:
+                fd = fds.get(path)
+                if fd is None:
+                    fd = fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise CheckpointFormatError(f"{_f(info.file)}: cannot read tensor {_q(info.name)} "
+                                            f"({exc.strerror or exc})") from exc
+            _preadv_exact(fd, run)
+            i = j
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _preadv_exact(fd: int, run: list[tuple[Path, TensorInfo, memoryview]]) -> None:
+    """Fill the run's buffers from its first tensor's offset on; a short file names the tensor it cut."""
+    views = [v[: info.nbytes] for _, info, v in run if info.nbytes]
+    names = [info for _, info, _ in run if info.nbytes]
+    offset = run[0][1].begin
+    k = 0  # the view being filled
+    while k < len(views):
+        try:
+            if hasattr(os, "preadv"):
+                got = os.preadv(fd, views[k : k + IOV_MAX], offset)
+            else:  # no preadv here: one view at a time
+                os.lseek(fd, offset, os.SEEK_SET)
+                got = os.readv(fd, views[k : k + 1])
+        except OSError as exc:
+            raise CheckpointFormatError(f"{_f(names[k].file)}: cannot read tensor {_q(names[k].name)} "
+                                        f"({exc.strerror or exc})") from exc
+        if not got:
+            raise CheckpointFormatError(f"{_f(names[k].file)}: tensor {_q(names[k].name)} is truncated")
+        offset += got
+        while got and k < len(views):  # skip the views this read filled; keep the rest of a part-filled one
+            if got >= len(views[k]):
+                got -= len(views[k])
+                k += 1
+            else:
+                views[k] = views[k][got:]
+                got = 0
 
 
 def _read_exact(path: Path, info: TensorInfo, buf) -> None:

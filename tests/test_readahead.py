@@ -39,3 +39,76 @@ def test_reader_errors_are_raised_by_next(tmp_path: Path) -> None:
             ra.next()
     finally:
         ra.close()
+
+
+class _FakeHost:
+    """A host buffer like fp4convert.cuda.runtime.HostBuffer, on a bytearray (the torch-free reader path)."""
+
+    def __init__(self, n: int) -> None:
+        self.size = n
+        self.data = bytearray(n)
+
+    def view(self, offset: int = 0, n: int | None = None) -> memoryview:
+        return memoryview(self.data)[offset : self.size if n is None else offset + n]
+
+
+def test_host_buffer_path_lays_tensors_out_at_aligned_offsets(tmp_path: Path) -> None:
+    """The torch-free path's reader: one buffer per set, tensors at 256-byte aligned offsets, bytes exact;
+    adjacent tensors (one scattered read) and tensors from two files in one batch."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    a = {f"a{i}": torch.randn(5, 24, generator=g).to(torch.bfloat16) for i in range(5)}
+    b = {"b0": torch.randn(7, 16, generator=g), "b1": torch.randn(3, 16, generator=g).to(torch.float16)}
+    save_file(a, tmp_path / "a.safetensors")
+    save_file(b, tmp_path / "b.safetensors")
+    infos = {i.name: i for f in ("a", "b") for i in read_header(tmp_path / f"{f}.safetensors")[0]}
+    units = [[infos["a0"], infos["a1"], infos["b0"], infos["a2"]], [infos["a3"], infos["a4"], infos["b1"]]]
+    allocs: list[int] = []
+
+    def host(n: int) -> _FakeHost:
+        allocs.append(n)
+        return _FakeHost(n)
+
+    ra = ReadAhead(units, lambda f: tmp_path / f, pinned=True, host=host)
+    try:
+        for unit in units:
+            buf, items = ra.next()
+            assert [i.name for _, i in items] == [i.name for i in unit]
+            for off, info in items:
+                assert off % 256 == 0
+                want = {**a, **b}[info.name].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+                assert bytes(buf.view(off, info.nbytes)) == want, (info.name, seed)
+            ra.release()
+    finally:
+        ra.close()
+    assert len(allocs) == 2  # one buffer per set
+
+
+def test_read_many_scatters_adjacent_tensors_and_survives_short_reads(tmp_path: Path, monkeypatch) -> None:
+    """Adjacent tensors are one preadv; a kernel that returns fewer bytes than asked (as it may) is
+    read on from where it stopped, across buffer boundaries; a file cut short names the tensor cut."""
+    import os
+
+    from fp4convert import safetensors_io as sio
+
+    t = {f"t{i}": torch.arange(i * 50, i * 50 + 40 + i, dtype=torch.int32) for i in range(6)}
+    save_file(t, tmp_path / "a.safetensors")
+    infos = sorted(read_header(tmp_path / "a.safetensors")[0], key=lambda i: i.begin)
+    real, calls = os.preadv, []
+
+    def stingy(fd, views, offset):  # at most 37 bytes per call
+        calls.append(len(views))
+        first = views[0][: min(37, len(views[0]))]
+        return real(fd, [first], offset)
+
+    monkeypatch.setattr(os, "preadv", stingy)
+    bufs = [bytearray(i.nbytes) for i in infos]
+    sio.read_many([(tmp_path / "a.safetensors", i, memoryview(b)) for i, b in zip(infos, bufs)])
+    for i, b in zip(infos, bufs):
+        assert bytes(b) == t[i.name].numpy().tobytes()
+    assert calls[0] == len(infos)  # all six in the first call: one run
+    monkeypatch.setattr(os, "preadv", real)
+    with open(tmp_path / "a.safetensors", "r+b") as f:
+        f.truncate(infos[3].begin + 5)
+    with pytest.raises(CheckpointFormatError, match=f"tensor '{infos[3].name}' is truncated"):
+        sio.read_many([(tmp_path / "a.safetensors", i, memoryview(bytearray(i.nbytes))) for i in infos])

@@ -19,7 +19,7 @@ from ..errors import CUDAKernelError, CUDAUnavailableError
 MIN_CAPABILITY = (8, 9)  # the E4M3 conversion instructions (as in ops.py)
 H2D, D2H = 1, 2
 ALIGN = 256  # every buffer region starts here: the kernels' 16-byte loads, and the copy engines' best case
-POOL_MIN = 64 << 20  # pinned buffers come in sizes from here up (fewer, reusable allocations)
+POOL_MIN = 16 << 20  # pinned buffers come in sizes from here up (fewer, reusable allocations)
 
 
 def align(n: int) -> int:
