@@ -30,7 +30,6 @@ from .swizzle import padded_shape
 # the H100 machine and the GPU's share of a batch is a few milliseconds, so two 64 MB sets suffice.
 BATCH_UNITS, BATCH_BYTES = 128, 64 << 20
 DTYPE_CODES = {"F32": 0, "F16": 1, "BF16": 2}  # the launchers' dtype ints
-HOST_CHECK_CODES = {"F32": 0, "F16": 1, "BF16": 2, "F64": 3, "F8_E4M3": 4, "F8_E5M2": 5}
 FMT_CODES = {"nvfp4": 0, "mxfp4": 1}
 
 

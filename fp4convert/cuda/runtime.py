@@ -18,6 +18,7 @@ from ..errors import CUDAKernelError, CUDAUnavailableError
 
 MIN_CAPABILITY = (8, 9)  # the E4M3 conversion instructions (as in ops.py)
 H2D, D2H = 1, 2
+HOST_CHECK_CODES = {"F32": 0, "F16": 1, "BF16": 2, "F64": 3, "F8_E4M3": 4, "F8_E5M2": 5}  # fp4c_host_nonfinite
 ALIGN = 256  # every buffer region starts here: the kernels' 16-byte loads, and the copy engines' best case
 POOL_MIN = 16 << 20  # pinned buffers come in sizes from here up (fewer, reusable allocations)
 
@@ -197,8 +198,6 @@ class Runtime:
 
     def host_check(self, dtype: str, data: memoryview) -> bool:
         """The writer's NaN/Inf check of kept tensors' bytes (safetensors dtype names; others: False)."""
-        from ..direct import HOST_CHECK_CODES
-
         code = HOST_CHECK_CODES.get(dtype)
         return False if code is None else self.nonfinite(data, code)
 

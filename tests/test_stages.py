@@ -1,0 +1,45 @@
+"""Stage timing: totals per stage, summed over threads, reset per run; every run's --json reports them."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from click.testing import CliRunner
+
+from fp4convert import stages
+from fp4convert.cli import main
+
+from . import checkpoints as ck
+
+
+def test_totals_sum_over_threads_and_reset() -> None:
+    stages.reset()
+
+    def work() -> None:
+        with stages.timed("x"):
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stages.add("y", 0.25)
+    snap = stages.snapshot()
+    assert list(snap) == ["x", "y"] and snap["y"] == 0.25
+    assert 0.2 <= snap["x"] < 1.0  # four threads' 50 ms each, not the 50 ms of wall time
+    stages.reset()
+    assert stages.snapshot() == {}
+
+
+def test_json_summary_says_where_the_time_went(tmp_path) -> None:
+    src = tmp_path / "src"
+    ck.llama(src, zoo=True)
+    r = CliRunner().invoke(main, ["quantize", str(src), str(tmp_path / "q"), "--device", "cpu", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)["stages_s"]
+    for stage in ("startup", "read", "quantize", "writer_busy", "write", "hash", "fsync", "copy_kept", "finish"):
+        assert stage in s and s[stage] >= 0, (stage, s)
+    assert s["writer_busy"] >= s["copy_kept"]  # kept copies run inside the writer thread's jobs
