@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 from .errors import ConfigError, OutputError, PushError
@@ -30,7 +31,9 @@ IGNORE_ON_PUSH = [PROGRESS_NAME, "*.partial", ".cache/**"]
 
 def disable_hub_progress_bars() -> None:
     """huggingface_hub's own tqdm bars (downloads, uploads) off: for --quiet and for piped output."""
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when huggingface_hub is imported
+    if "huggingface_hub" not in sys.modules:
+        return  # a local conversion never imports it (0.1-0.2 s of start-up)
     try:
         from huggingface_hub.utils import disable_progress_bars
 
