@@ -701,11 +701,12 @@ _FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # the dtypes whos
 class _Chunk:
     """A pooled copy buffer: back in the pool when the last holder (the file's hasher) lets go."""
 
-    def __init__(self, pool: _ChunkPool, buf: bytearray) -> None:
+    def __init__(self, pool: _ChunkPool | None, buf: bytearray) -> None:
         self.buf, self._pool = buf, pool
 
     def __del__(self) -> None:
-        self._pool.put(self.buf)
+        if self._pool is not None:
+            self._pool.put(self.buf)
 
 
 class _ChunkPool:
@@ -715,7 +716,11 @@ class _ChunkPool:
     def __init__(self, size: int) -> None:
         self.size, self._free, self._lock = size, [], threading.Lock()
 
-    def get(self) -> _Chunk:
+    def get(self, n: int) -> _Chunk:
+        """A buffer of at least ``n`` bytes: a pooled full-size one, or (the last, short chunk of a
+        tensor: a norm's few KB) one of its own size, so a small kept tensor never costs a full chunk."""
+        if n < self.size:
+            return _Chunk(None, bytearray(n))
         with self._lock:
             buf = self._free.pop() if self._free else None
         return _Chunk(self, buf if buf is not None else bytearray(self.size))
@@ -832,7 +837,7 @@ class ShardWriters:
 
         def load(offset: int, n: int) -> tuple[_Chunk, memoryview, bool]:
             """Read one chunk into a pooled buffer and scan it (on the loader thread)."""
-            chunk = _chunks.get()
+            chunk = _chunks.get(n)
             view = memoryview(chunk.buf)[:n]
             got = 0
             while got < n:
