@@ -80,6 +80,20 @@ def main() -> None:
     out["write_pagecache_GBps"] = round(gb / best(write), 2)
     os.sync()
     out["write_fsync_GBps"] = round(gb / best(write_fsync), 2)
+
+    def write4() -> None:  # four files side by side: does writing into the page cache scale with threads?
+        def one(k: int) -> None:
+            with open(a.work / f"blob{k}", "wb") as f:
+                for i in range(k * n // 4, (k + 1) * n // 4, chunk):
+                    f.write(view[i : min(i + chunk, (k + 1) * n // 4)])
+
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(one, range(4)))
+
+    os.sync()
+    out["write_pagecache_4threads_GBps"] = round(gb / best(write4), 2)
+    for k in range(4):
+        (a.work / f"blob{k}").unlink()
     buf = bytearray(n)
 
     def read() -> None:
