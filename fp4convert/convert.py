@@ -297,7 +297,7 @@ def _direct_runtime(config: ConvertConfig, world: World, plan: Plan):
     to the CPU with a warning, ``cuda`` without a GPU is an error)."""
     if not torch_free(config, world, plan):
         return None
-    from .cuda.runtime import Runtime, capability
+    from .cuda.runtime import Runtime
     from .errors import FP4ConvertError
 
     dev = config.device
@@ -305,10 +305,8 @@ def _direct_runtime(config: ConvertConfig, world: World, plan: Plan):
         index = int(dev.split(":", 1)[1]) if ":" in dev else 0
     except ValueError:
         return None
-    if capability(index) is None:
-        return None
     try:
-        return Runtime(index)
+        return Runtime(index)  # no driver or GPU, an old GPU, no nvcc: CUDAUnavailableError
     except FP4ConvertError as exc:
         log.debug("torch-free CUDA path unavailable (%s); using the torch pipeline", exc)
         return None

@@ -20,9 +20,9 @@ import math
 from array import array
 from collections.abc import Callable
 
+from . import stages
 from .cuda.runtime import D2H, H2D, DeviceArena, Runtime, align
 from .errors import NonFiniteError
-from . import stages
 from .schedule import Batch, Settings
 from .swizzle import padded_shape
 

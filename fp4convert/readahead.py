@@ -75,7 +75,7 @@ class ReadAhead:
         self._units = units
         self._locate = locate
         self._pinned = pinned
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._buffers: dict[int, object] = {}  # set -> its pinned buffer
         self._pending: dict[int, object] = {}  # set -> CUDA event its last consumer recorded
         self._lock = threading.Lock()
         self._ready: queue.Queue = queue.Queue(maxsize=1)
@@ -86,43 +86,28 @@ class ReadAhead:
         self._thread = threading.Thread(target=self._run, name="fp4convert-readahead", daemon=True)
         self._thread.start()
 
-    def _read_set(self, set_index: int, unit: list[TensorInfo]) -> list[torch.Tensor]:
-        if self._host is not None:
-            return self._read_raw(set_index, unit)
-        from .safetensors_io import DTYPES, read_many, read_tensor, tensor_memoryview  # DTYPES imports torch
+    def _read_set(self, set_index: int, unit: list[TensorInfo]):
+        if self._host is not None:  # the torch-free path: (buffer, [(offset, info)])
+            buf, offsets = self._fill(set_index, unit, self._host)
+            return buf, list(zip(offsets, unit))
+        from .safetensors_io import DTYPES, read_tensor  # DTYPES imports torch
         if not self._pinned:
             with stages.timed("read"):
                 return [read_tensor(self._locate(info.file), info) for info in unit]
-        import torch
+        buf, offsets = self._fill(set_index, unit, _PinnedTensor)
+        return [buf.tensor[off : off + info.nbytes].view(DTYPES[info.dtype]).reshape(info.shape)
+                for info, off in zip(unit, offsets)]
 
-        with self._lock:
-            event = self._pending.pop(set_index, None)
-        if event is not None:
-            with stages.timed("read_wait_copies"):
-                event.synchronize()  # the host-to-device copies out of this set have finished
-        # One pinned buffer per set, tensors back to back at 256-byte aligned offsets.
-        offsets, total = [], 0
-        for info in unit:
-            offsets.append(total)
-            total += -(-info.nbytes // 256) * 256
-        buf = self._buffers.get(set_index)
-        if buf is None or buf.numel() < total:
-            with stages.timed("pin_alloc"):
-                buf = torch.empty(max(total, 1 << 20), dtype=torch.uint8, pin_memory=True)
-            self._buffers[set_index] = buf
-        hosts = [buf[off : off + info.nbytes] for info, off in zip(unit, offsets)]
-        with stages.timed("read"):
-            read_many([(self._locate(info.file), info, tensor_memoryview(h)) for info, h in zip(unit, hosts)])
-        return [h.view(DTYPES[info.dtype]).reshape(info.shape) for info, h in zip(unit, hosts)]
-
-    def _read_raw(self, set_index: int, unit: list[TensorInfo]):
+    def _fill(self, set_index: int, unit: list[TensorInfo], alloc: Callable[[int], object]) -> tuple[object, list[int]]:
+        """Read a batch into set ``set_index``'s pinned buffer (one per set, grown by ``alloc(nbytes)``),
+        tensors back to back at 256-byte aligned offsets, once the set's last copies have finished."""
         from .safetensors_io import read_many
 
         with self._lock:
             event = self._pending.pop(set_index, None)
         if event is not None:
             with stages.timed("read_wait_copies"):
-                event.synchronize()
+                event.synchronize()  # the host-to-device copies out of this set have finished
         offsets, total = [], 0
         for info in unit:
             offsets.append(total)
@@ -130,10 +115,10 @@ class ReadAhead:
         buf = self._buffers.get(set_index)
         if buf is None or buf.size < total:
             with stages.timed("pin_alloc"):
-                buf = self._buffers[set_index] = self._host(total)
+                buf = self._buffers[set_index] = alloc(total)
         with stages.timed("read"):
             read_many([(self._locate(info.file), info, buf.view(off, info.nbytes)) for info, off in zip(unit, offsets)])
-        return buf, list(zip(offsets, unit))
+        return buf, offsets
 
     def _run(self) -> None:
         try:
@@ -185,3 +170,18 @@ class ReadAhead:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+class _PinnedTensor:
+    """A torch pinned uint8 buffer with the torch-free path's buffer interface (size, view)."""
+
+    def __init__(self, n: int) -> None:
+        import torch
+
+        self.tensor = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        self.size = self.tensor.numel()
+
+    def view(self, offset: int, n: int) -> memoryview:
+        from .safetensors_io import tensor_memoryview
+
+        return tensor_memoryview(self.tensor[offset : offset + n])

@@ -371,7 +371,7 @@ def read_header(path: Path, file: str | None = None) -> tuple[list[TensorInfo], 
 def read_bytes(path: Path, info: TensorInfo) -> bytearray:
     """The tensor's raw bytes with a plain read (no mmap, so the pages do not linger in our RSS)."""
     buf = bytearray(info.nbytes)
-    _read_exact(path, info, buf)
+    read_many([(path, info, memoryview(buf))])
     return buf
 
 
@@ -432,18 +432,6 @@ def _preadv_exact(fd: int, run: list[tuple[Path, TensorInfo, memoryview]]) -> No
             else:
                 views[k] = views[k][got:]
                 got = 0
-
-
-def _read_exact(path: Path, info: TensorInfo, buf) -> None:
-    try:
-        with open(path, "rb") as f:
-            f.seek(info.begin)
-            got = f.readinto(buf)
-    except OSError as exc:
-        raise CheckpointFormatError(f"{_f(info.file)}: cannot read tensor {_q(info.name)} "
-                                    f"({exc.strerror or exc})") from exc
-    if got != info.nbytes:
-        raise CheckpointFormatError(f"{_f(info.file)}: tensor {_q(info.name)} is truncated")
 
 
 def read_tensor(path: Path, info: TensorInfo) -> torch.Tensor:

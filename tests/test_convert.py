@@ -297,13 +297,15 @@ def test_destination_is_source_refused(llama_src) -> None:
         convert(llama_src, llama_src, cfg(overwrite=True))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[  # cuda: the torch-free path
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
-def test_nan_refused_naming_the_tensor(tmp_path, scheme) -> None:
+def test_nan_refused_naming_the_tensor(tmp_path, scheme, device) -> None:
     src = tmp_path / "nan"
     bad = ck.nan_checkpoint(src)
     dst = tmp_path / "q"
     with pytest.raises(NonFiniteError, match=bad.replace(".", r"\.")):
-        convert(src, dst, cfg(scheme=scheme))
+        convert(src, dst, ConvertConfig(device=device, scheme=scheme))
     left = [p.name for p in dst.iterdir()] if dst.exists() else []
     assert not [n for n in left if n.endswith((".safetensors", ".partial", ".json"))], left
 

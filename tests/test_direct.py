@@ -15,7 +15,6 @@ from fp4convert import direct, reference as ref
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert, plan_conversion, torch_free
 from fp4convert.distributed import World
-from fp4convert.errors import NonFiniteError
 from fp4convert.formats import OUTPUT_FORMATS, get_format
 from fp4convert.schedule import Batch
 from fp4convert.tensor import quantize
@@ -134,19 +133,6 @@ def test_cli_on_cuda_never_imports_torch(tmp_path) -> None:
     assert stack == "", stack
     convert(src, tmp_path / "cpu", ConvertConfig(device="cpu"))
     assert ck.all_files(tmp_path / "q") == ck.all_files(tmp_path / "cpu")
-
-
-@pytest.mark.cuda
-@GPU
-@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
-def test_torch_free_path_refuses_nan_naming_the_tensor(tmp_path, scheme) -> None:
-    src = tmp_path / "nan"
-    bad = ck.nan_checkpoint(src)
-    dst = tmp_path / "q"
-    with pytest.raises(NonFiniteError, match=bad.replace(".", r"\.")):
-        convert(src, dst, ConvertConfig(device="cuda", scheme=scheme))
-    left = [p.name for p in dst.iterdir()] if dst.exists() else []
-    assert not [n for n in left if n.endswith((".safetensors", ".partial", ".json"))], left
 
 
 @pytest.mark.cuda
