@@ -16,7 +16,7 @@ t0=$(date +%s)
 python3 -c "import torch; from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" 2>&1 | tail -2
 echo "build: $(( $(date +%s) - t0 )) s"
 if [ -n "${TESTS:-}" ]; then
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -x $TESTS 2>&1 | tail -15 | tee "$OUT/tests.txt"
+    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -x $TESTS 2>&1 | tail -15 | tee "$OUT/tests.txt"
 fi
 if [ -n "${API:-}" ]; then  # issue 10's public-API rows only (~20 s)
     python3 benchmarks/kernels.py --sizes 16384 --no-peers --api-only --json "$OUT/api.json" 2>&1 | grep -i "api\|copy" | tee "$OUT/api.txt"

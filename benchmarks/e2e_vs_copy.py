@@ -119,14 +119,17 @@ def digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def timed(cmd: str, env: dict) -> tuple[float, str]:
-    """Wall time of ``cmd && sync``; and its stdout (fp4convert's --json summary, with stages_s)."""
+def timed(cmd: str, env: dict) -> tuple[float, str, dict]:
+    """Wall time of ``cmd`` then ``sync``; its stdout (fp4convert's --json summary, with stages_s);
+    and the split: the process's seconds and the following sync's."""
     t0 = time.perf_counter()
-    r = subprocess.run(["bash", "-c", cmd + " && sync"], capture_output=True, text=True, env=env)
+    r = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env)
+    t1 = time.perf_counter()
+    subprocess.run(["sync"])
     wall = time.perf_counter() - t0
     if r.returncode:
         raise RuntimeError(f"{cmd} failed:\n{r.stderr[-3000:]}")
-    return wall, r.stdout
+    return wall, r.stdout, {"process_s": round(t1 - t0, 3), "sync_s": round(wall - (t1 - t0), 3)}
 
 
 def summary(stdout: str) -> dict:
@@ -135,7 +138,7 @@ def summary(stdout: str) -> dict:
         s = json.loads(stdout[stdout.index("{"):])
     except ValueError:
         return {}
-    return {k: s[k] for k in ("wall_s", "read_wait_s", "stages_s") if k in s}
+    return {k: s[k] for k in ("wall_s", "read_wait_s", "stages_s", "counts", "process_s") if k in s}
 
 
 def main() -> None:
@@ -197,9 +200,9 @@ def main() -> None:
             for _ in range(args.repeats):
                 shutil.rmtree(dst, ignore_errors=True)
                 subprocess.run(["sync"])
-                w, out = timed(cmd, env)
+                w, out, split = timed(cmd, env)
                 walls.append(w)
-                inside.append(summary(out))
+                inside.append({**summary(out), "outside": split})
             if label.startswith("fp4convert"):
                 d = digest(dst)
                 ref_digest = ref_digest or d
@@ -210,8 +213,9 @@ def main() -> None:
             out_rows.append(row)
             print(f"{case}: {label}: median {row['median_s']:.2f} s, runs {[round(x, 2) for x in walls]}", flush=True)
             for x in inside:
-                if x:
-                    print(f"    convert() {x['wall_s']} s; stages {x.get('stages_s')}", flush=True)
+                if "wall_s" in x:
+                    print(f"    convert() {x['wall_s']} s; process {x.get('process_s')}; {x['outside']}; "
+                          f"stages {x.get('stages_s')}; counts {x.get('counts')}", flush=True)
             shutil.rmtree(dst, ignore_errors=True)
         cp = out_rows[0]["median_s"]
         for r in out_rows:

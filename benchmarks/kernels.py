@@ -299,6 +299,18 @@ def public_api(size: int, xs: list[torch.Tensor], amax, add) -> None:
         add("api: fp4convert.quantize(x, 'nvfp4') two-pass + flag sync", api2, nbytes + 2 * n,
             f"{100 * two / api2:.0f}% of the two kernels (target >= 85%)")
         add("api: amax + quantize kernels back to back, wall clock", two, nbytes + 2 * n)
+        # Per-call host cost, on a tiny matrix where the kernel is ~nothing: what a call adds to the
+        # kernel's time (the sync makes it exposed, not overlapped).
+        tiny = [torch.randn(128, 256, device="cuda").to(torch.bfloat16) for _ in range(4)]
+        ta = torch.ones((), device="cuda")
+        t_api = bench_wall([lambda i=i: fp4convert.quantize(tiny[i], "nvfp4", global_amax=ta) for i in range(4)], 50)
+        t_ops = bench_wall([lambda i=i: ops.quantize(tiny[i], "nvfp4", ta, None, False, host_flag=True)[3]()
+                            for i in range(4)], 50)
+        t_launch = bench_wall([lambda i=i: ops.quantize(tiny[i], "nvfp4", ta, None, False) for i in range(4)], 50)
+        t_sync = bench_wall([lambda: torch.cuda.current_stream().synchronize()], 50)
+        for label, t in (("public API call", t_api), ("ops.quantize + mapped flag + stream sync", t_ops),
+                         ("ops.quantize, device flag, no sync", t_launch), ("stream sync alone", t_sync)):
+            add(f"api overhead: {label} on 128x256", t, 0, f"{1000 * t:.1f} us per call")
     except Exception as exc:  # noqa: BLE001 - e.g. tensor.py not yet on the new ops signature
         log.warning("public-API rows failed: %s: %s", type(exc).__name__, str(exc)[:300])
 

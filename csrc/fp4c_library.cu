@@ -12,7 +12,7 @@
 
 // 2: split sources; fp4c_quantize takes amax (gs computed inside, returned) and a scale rule; input
 // decode launchers; no tuning switches. 3: the runtime calls of fp4c_runtime.cu (torch-free path).
-FP4C_API int fp4c_abi_version() { return 3; }
+FP4C_API int fp4c_abi_version() { return 4; }
 
 // The launchers run on the calling thread's current device of this library's own CUDA runtime;
 // the caller makes it the tensors' device first.

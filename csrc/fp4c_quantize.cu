@@ -23,7 +23,7 @@ struct QuantArgs {
   uint8_t* packed;
   const float* amax;  // [B] (NVFP4): the global scale is computed from it in every thread
   float* gs_out;      // [B] (NVFP4): written by the first thread of each matrix
-  int* flag;          // set to 1 when a block (or a given amax) holds NaN/Inf
+  int* flag;          // [B]: flag[b] set to 1 when a block of matrix b (or its given amax) holds NaN/Inf
   int64_t B;
   int64_t n;          // elements per matrix (M * K)
   int64_t groups;     // ceil(n / GROUP)
@@ -41,7 +41,7 @@ __device__ __forceinline__ float matrix_gs(const float* amax, float* gs_out, int
     const float gs = nvfp4_global_scale(am);
     if (first) {
       gs_out[b] = gs;
-      if (!(fabsf(am) <= FLT_MAX)) *(volatile int*)flag = 1;
+      if (!(fabsf(am) <= FLT_MAX)) *(volatile int*)(flag + b) = 1;
     }
     return gs;
   }
@@ -157,7 +157,7 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_kernel(const QuantArgs a) {
     load_group<DT>(a.x + b * a.n * Elem<DT>::size, g, a.n, raw);
     const bool full = g * GROUP + GROUP <= a.n;  // else only the first 16 (NVFP4, n % 32 == 16)
     uint32_t codes[4], sb[2];
-    if (encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb)) *(volatile int*)a.flag = 1;
+    if (encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb)) *(volatile int*)(a.flag + b) = 1;
     uint8_t* sp = a.so.base + b * a.so.mstride;
     if constexpr (FMT == FMT_NVFP4) {
       sp[2 * g] = (uint8_t)sb[0];
@@ -224,7 +224,7 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs 
         store_codes(a.packed + (b * n + e) / 2, full, codes);
       }
     }
-    if (bad) *(volatile int*)a.flag = 1;
+    if (bad) *(volatile int*)(a.flag + b) = 1;
     *reinterpret_cast<uint16_t*>(a.scale + b * a.mstride + (int64_t)blockIdx.x * 512 + off) =
         (uint16_t)(s2[0] | (s2[1] << 8));
   }
@@ -262,8 +262,9 @@ cudaError_t launch_dt(const QuantArgs& a, const TileArgs& t, int rotate, int swi
 
 // x: [B, M, K]; packed: [B, M, K/2]; scale: [B, M, K/bs] or [B, Mp, nbp]. NVFP4: amax fp32 [B] in,
 // gs fp32 [B] out (gs = 2688 / amax, 1 for 0, clamped to FLT_MAX); MXFP4: both null. scale_rule:
-// 0 max / floor, 1 4over6 / rceil, 2 mse. flag: int32, zeroed here, set to 1 if any block or a
-// given amax holds NaN/Inf. One memset and one kernel launch.
+// 0 max / floor, 1 4over6 / rceil, 2 mse. flag: int32 [B], zeroed by the caller (one memset for a
+// batch of launches, or a store into a mapped pinned flag); flag[b] is set to 1 if a block of matrix
+// b or its given amax holds NaN/Inf. One kernel launch.
 FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int swizzle, int scale_rule, int64_t B,
                            int64_t M, int64_t K, const float* amax, float* gs, uint8_t* packed, uint8_t* scale,
                            int* flag, void* stream) {
@@ -274,8 +275,8 @@ FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int sw
     return FP4C_EINVAL;
   const int64_t n = M * K;
   const int64_t nb = K / bs;
-  cudaError_t err = cudaMemsetAsync(flag, 0, sizeof(int), st);  // cheaper than a fill kernel
-  if (err != cudaSuccess || n == 0) return err;
+  if (!flag) return FP4C_EINVAL;
+  if (n == 0) return cudaSuccess;
   if (swizzle && M * nb >= (1ll << 31)) return FP4C_EINVAL;
   QuantArgs a;
   a.x = (const uint8_t*)x;

@@ -8,6 +8,12 @@
 
 FP4C_API int fp4c_host_alloc(void** p, int64_t n) { return cudaHostAlloc(p, (size_t)n, cudaHostAllocDefault); }
 FP4C_API int fp4c_host_free(void* p) { return cudaFreeHost(p); }
+// A pinned buffer the kernels can also write through its host pointer (UVA), from any GPU: the public
+// API's per-thread non-finite flags, which the host zeroes and reads after one stream sync (no memset
+// launch, no device-to-host copy).
+FP4C_API int fp4c_host_alloc_mapped(void** p, int64_t n) {
+  return cudaHostAlloc(p, (size_t)n, cudaHostAllocMapped | cudaHostAllocPortable);
+}
 FP4C_API int fp4c_malloc(void** p, int64_t n) { return cudaMalloc(p, (size_t)n); }
 FP4C_API int fp4c_free(void* p) { return cudaFree(p); }
 FP4C_API int fp4c_stream_create(void** s) { return cudaStreamCreateWithFlags((cudaStream_t*)s, cudaStreamNonBlocking); }
@@ -22,6 +28,10 @@ FP4C_API int fp4c_event_sync(void* e) { return cudaEventSynchronize((cudaEvent_t
 FP4C_API int fp4c_memcpy_async(void* dst, const void* src, int64_t n, int kind, void* s) {
   if (kind != cudaMemcpyHostToDevice && kind != cudaMemcpyDeviceToHost) return FP4C_EINVAL;
   return cudaMemcpyAsync(dst, src, (size_t)n, (cudaMemcpyKind)kind, (cudaStream_t)s);
+}
+
+FP4C_API int fp4c_memset_async(void* p, int value, int64_t n, void* s) {
+  return cudaMemsetAsync(p, value, (size_t)n, (cudaStream_t)s);
 }
 
 FP4C_API int fp4c_device_count(int* n) { return cudaGetDeviceCount(n); }

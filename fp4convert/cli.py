@@ -267,6 +267,9 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, 
              revision, token, cache_dir, delete_source_shards, dry_run, overwrite, resume, verify_source, quiet,
              as_json, push_repo, private) -> None:
     """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST."""
+    from . import stages
+
+    ages = {"cli_start": stages.process_age()}  # where a run's seconds outside convert() go (--json)
     from .convert import convert, plan_conversion
     from .errors import PlanError
     from .source import open_source
@@ -313,13 +316,18 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, 
             from .hub import ShardReleaser
 
             progress_fn = ShardReleaser(source, plan, bar.update)
+        ages["convert_start"] = stages.process_age()
         result = convert(source, dst, config, progress=progress_fn, plan=planned)
     if _rank() > 0:
         return
     if push_repo:
         _push(dst, push_repo, private, token, quiet)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        ages["summary"] = stages.process_age()
+        s = result.to_json()
+        if None not in ages.values():
+            s["process_s"] = {k: round(v, 3) for k, v in ages.items()}
+        click.echo(json.dumps(s, indent=2))
         return
     s = result.to_json()
     if quiet:

@@ -266,7 +266,7 @@ def convert(
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan_.shards))
     wait = reader.wait_s if reader is not None else 0.0
-    return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, stages.snapshot())
+    return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, stages.snapshot(), stages.counts())
 
 
 def torch_free(config: ConvertConfig, world: World, plan: Plan) -> bool:

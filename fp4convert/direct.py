@@ -7,11 +7,12 @@ machine, as long as `cp -r` of a 5.6 GB checkpoint. Everything else (stacked exp
 inputs, torchrun, the CPU) runs on :mod:`fp4convert.pipeline`; the bytes are the same either way
 (tests/test_direct.py compares the two on the GPU).
 
-Per batch (the reader filled one pinned buffer with its members, back to back), on one stream:
-one host-to-device copy of the whole buffer; pass 1 (amax of every matrix); one host sync, after
-which the reader may refill the buffer and the host takes each unit's amax (the max over a fused
-group); pass 2 (quantize with the unit's amax; the kernel computes gs); one device-to-host copy of
-every output, gs and flag into a pooled pinned buffer, and an event the writer thread waits for.
+Per batch (the reader filled one pinned buffer with its members, each shape group back to back),
+on one stream: one host-to-device copy of the whole buffer; pass 1 (amax of every matrix, one
+launch per shape group); one host sync, after which the reader may refill the buffer and the host
+takes each unit's amax (the max over a fused group); pass 2 (quantize with the unit's amax, one
+launch per shape group; the kernel computes gs); one device-to-host copy of every output, gs and
+flag into a pooled pinned buffer, and an event the writer thread waits for.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ class DirectBackend:
             a.free()
 
     def run(self, batch: Batch, hosts, s: Settings, free: Callable) -> Callable[[], tuple]:
-        """``hosts``: (pinned buffer, [(offset, info)]) from the reader; returns the writer's result()."""
+        """``hosts``: (pinned buffer, [(offset, info)]) from the reader, each shape group's members back
+        to back (:func:`~fp4convert.schedule.grouped_offsets`); returns the writer's result()."""
         rt, lib, st = self.rt, self.rt.lib, self.rt.stream
         buf, items = hosts
         n = len(batch.members)
-        total = items[-1][0] + items[-1][1].nbytes
+        total = max(off + info.nbytes for off, info in items)
         din = self.dev_in.at_least(total)
         rt.copy(din, buf.ptr, total, H2D)
         fmt = s.scheme.name
@@ -57,15 +59,29 @@ class DirectBackend:
         rotate = int(s.rotate == "had16")
         bs = s.scheme.block_size
         rule = _rule_code(s.scheme, s.extra.get("scale_rule"))
-        # Outputs, in one device arena copied back at once: each member's packed codes and scales at
-        # aligned offsets, then gs and the non-finite flags of every member.
-        layout, size = [], 0
-        for off, info in items:
+        # One launch per shape group (all experts' gate/up of a batch, say): its inputs are one
+        # [B, M, K] array in the buffer. Per-matrix values (amax, unit amax, gs, flags) sit in group
+        # order: member i at slot pos[i]. Outputs, in one device arena copied back at once: each group's
+        # packed codes [B, M, K/2], then its scales [B, rows, cols], at aligned offsets; then gs and
+        # the flags of every matrix.
+        groups = batch.groups
+        order = [i for g in groups for i in g]
+        pos = [0] * n
+        for k, i in enumerate(order):
+            pos[i] = k
+        layout: list = [None] * n
+        launches, size = [], 0
+        for g in groups:
+            info = items[g[0]][1]
             m, k = info.shape
             rows, cols = padded_shape(m, k // bs) if s.swizzle else (m, k // bs)
-            s_off = align(size + m * k // 2)
-            layout.append((size, m * k // 2, s_off, rows * cols))
-            size = align(s_off + rows * cols)
+            p_n, s_n = m * k // 2, rows * cols
+            p_off = size
+            s_off = align(p_off + len(g) * p_n)
+            size = align(s_off + len(g) * s_n)
+            for j, i in enumerate(g):
+                layout[i] = (p_off + j * p_n, p_n, s_off + j * s_n, s_n)
+            launches.append((g, items[g[0]][0], info, m, k, p_off, s_off))
         tail = size
         size += 8 * n
         dout = self.dev_out.at_least(size)
@@ -76,29 +92,31 @@ class DirectBackend:
         keep: list = []  # pinned buffers an asynchronous copy still reads or writes
         bad: list[bool] = [False] * n
         if nvfp4:
-            for i, (off, info) in enumerate(items):
-                rt.check(lib.fp4c_amax(din + off, DTYPE_CODES[info.dtype], rotate, 1, _numel(info), d_amax + 4 * i, st),
-                         f"the amax pass on {batch.members[i].name}")
+            for g, off, info, m, k, _, _ in launches:
+                rt.check(lib.fp4c_amax(din + off, DTYPE_CODES[info.dtype], rotate, len(g), m * k, d_amax + 4 * pos[g[0]],
+                                       st), f"the amax pass on {batch.members[g[0]].name}")
             back = rt.pool.get(4 * n)
             rt.copy(back.ptr, d_amax, 4 * n, D2H)
             with stages.timed("quantize_waits_gpu"):
                 rt.sync()  # the batch's one sync before pass 2: the unit's amax is taken on the host
             free(None)  # the input copy is complete: the reader may refill the buffer
-            amax = list(array("f", bytes(back.view(0, 4 * n))))
+            slots = array("f", bytes(back.view(0, 4 * n)))
+            amax = [slots[pos[i]] for i in range(n)]
             bad = [not math.isfinite(a) for a in amax]
             ga = _unit_amax(amax, batch)
             up = rt.pool.get(4 * n)
-            up.view(0, 4 * n)[:] = array("f", ga).tobytes()
+            up.view(0, 4 * n)[:] = array("f", [ga[i] for i in order]).tobytes()
             rt.copy(d_ga, up.ptr, 4 * n, H2D)
             keep.append(up)
         if not any(bad):
-            for i, ((off, info), (p_off, _, s_off, _)) in enumerate(zip(items, layout)):
-                m, k = info.shape
+            rt.memset(d_flag, 0, 4 * n)  # the launches only set flags
+            for g, off, info, m, k, p_off, s_off in launches:
+                slot = 4 * pos[g[0]]
                 rt.check(lib.fp4c_quantize(din + off, DTYPE_CODES[info.dtype], FMT_CODES[fmt], rotate, int(s.swizzle),
-                                           rule, 1, m, k, d_ga + 4 * i if nvfp4 else None,
-                                           d_gs + 4 * i if nvfp4 else None, dout + p_off, dout + s_off,
-                                           d_flag + 4 * i, st),
-                         f"the quantize pass on {batch.members[i].name}")
+                                           rule, len(g), m, k, d_ga + slot if nvfp4 else None,
+                                           d_gs + slot if nvfp4 else None, dout + p_off, dout + s_off, d_flag + slot,
+                                           st),
+                         f"the quantize pass on {batch.members[g[0]].name}")
         out = rt.pool.get(size)
         rt.copy(out.ptr, dout, size, D2H)
         done = rt.event().record(st)
@@ -113,7 +131,8 @@ class DirectBackend:
                 return out, layout, bad, amax, ga, None
             flags = array("i", bytes(out.view(tail + 4 * n, 4 * n)))
             gsv = array("f", bytes(out.view(tail, 4 * n))) if nvfp4 else None
-            return out, layout, [bool(f) for f in flags], amax, ga, gsv
+            return (out, layout, [bool(flags[pos[i]]) for i in range(n)], amax, ga,
+                    None if gsv is None else [gsv[pos[i]] for i in range(n)])
 
         return result
 

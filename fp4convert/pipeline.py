@@ -229,9 +229,10 @@ class StackedBackend:
                     p, sc, flag = self.ops.quantize(x, s.scheme.name, per, s.rotate, s.swizzle, **s.extra)
                     gsg = per
                 gss.append(gsg)
-                flags.append(flag.reshape(1).to(torch.int32))
+                flags.append(flag.reshape(-1).to(torch.int32))  # CUDA: one per matrix; CPU ops: one
                 outs.append((self._to_host(p), self._to_host(sc.view(torch.uint8)), sc.dtype))
             gs = torch.cat(gss)[to_member] if amax is not None else None
+            nflags = sum(f.numel() for f in flags)
             meta = [torch.cat(flags).to(torch.float32)]
             if amax is not None:
                 meta += [amax, ga, gs]
@@ -245,7 +246,6 @@ class StackedBackend:
             if done is not None:
                 with stages.timed("write_waits_gpu"):
                     done.synchronize()  # the batch's one host sync, in the writer thread
-            nflags = len(batch.groups) + (1 if amax is not None else 0)
             bad = bool(meta_h[:nflags].any())
             m = meta_h[nflags:]
             amax_h, ga_h, gs_h = (m[:n], m[n : 2 * n], m[2 * n :]) if amax is not None else (None, None, None)

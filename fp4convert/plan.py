@@ -17,7 +17,7 @@ from .config import ConvertConfig
 from .errors import PlanError
 from .formats import input_weights, quantized_tensor_names
 from .formats.base import Decode, OutputFormat, OutputInfo
-from .safetensors_io import FLOAT_DTYPES, ITEMSIZE, OutEntry, TensorInfo
+from .safetensors_io import FLOAT_DTYPES, OutEntry, TensorInfo
 from .scheme import get_scheme
 
 QUANTIZE, KEEP = "quantize", "keep"

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .safetensors_io import TensorInfo
 
 SETS = 2  # buffer sets: the batch in work and the next one
+READ_THREADS = 4  # a pinned batch is read by this many threads (page-cache copies scale to ~4)
 ADVISE_LIMIT = 8 << 30  # never ask the kernel to cache more than this ahead of the work
 
 
@@ -73,6 +74,11 @@ class ReadAhead:
         # batch is then (buffer, [(offset, info)...]) instead of tensors.
         self._host = host
         self._units = units
+        # Each set's buffer is allocated once, for the largest batch (growing it batch by batch cost
+        # more pinned allocations, ~0.8 s per GB on the H100 machine).
+        from .schedule import grouped_offsets
+
+        self._set_bytes = max((grouped_offsets(u)[1] for u in units), default=0) if pinned or host else 0
         self._locate = locate
         self._pinned = pinned
         self._buffers: dict[int, object] = {}  # set -> its pinned buffer
@@ -99,25 +105,23 @@ class ReadAhead:
                 for info, off in zip(unit, offsets)]
 
     def _fill(self, set_index: int, unit: list[TensorInfo], alloc: Callable[[int], object]) -> tuple[object, list[int]]:
-        """Read a batch into set ``set_index``'s pinned buffer (one per set, grown by ``alloc(nbytes)``),
-        tensors back to back at 256-byte aligned offsets, once the set's last copies have finished."""
+        """Read a batch into set ``set_index``'s pinned buffer (one per set, grown by ``alloc(nbytes)``)
+        at :func:`~fp4convert.schedule.grouped_offsets`, once the set's last copies have finished."""
         from .safetensors_io import read_many
+        from .schedule import grouped_offsets
 
         with self._lock:
             event = self._pending.pop(set_index, None)
         if event is not None:
             with stages.timed("read_wait_copies"):
                 event.synchronize()  # the host-to-device copies out of this set have finished
-        offsets, total = [], 0
-        for info in unit:
-            offsets.append(total)
-            total += -(-info.nbytes // 256) * 256
+        offsets, total = grouped_offsets(unit)
         buf = self._buffers.get(set_index)
         if buf is None or buf.size < total:
-            with stages.timed("pin_alloc"):
-                buf = self._buffers[set_index] = alloc(total)
+            buf = self._buffers[set_index] = alloc(max(total, self._set_bytes))
         with stages.timed("read"):
-            read_many([(self._locate(info.file), info, buf.view(off, info.nbytes)) for info, off in zip(unit, offsets)])
+            read_many([(self._locate(info.file), info, buf.view(off, info.nbytes)) for info, off in zip(unit, offsets)],
+                      READ_THREADS)
         return buf, offsets
 
     def _run(self) -> None:
@@ -178,8 +182,10 @@ class _PinnedTensor:
     def __init__(self, n: int) -> None:
         import torch
 
-        self.tensor = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        with stages.timed("pin_alloc"):
+            self.tensor = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
         self.size = self.tensor.numel()
+        stages.count("pinned_MB", self.size / 2**20)
 
     def view(self, offset: int, n: int) -> memoryview:
         from .safetensors_io import tensor_memoryview

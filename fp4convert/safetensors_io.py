@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import functools
 import hashlib
 import itertools
 import json
@@ -376,22 +377,72 @@ def read_bytes(path: Path, info: TensorInfo) -> bytearray:
 
 
 IOV_MAX = 1024  # buffers per preadv call (Linux's limit)
+SPLIT_MIN = 8 << 20  # a parallel read gives each thread at least this much
 
 
-def read_many(items: list[tuple[Path, TensorInfo, memoryview]]) -> None:
+def read_many(items: list[tuple[Path, TensorInfo, memoryview]], threads: int = 1) -> None:
     """Read each tensor into its buffer. A run of tensors adjacent in one file is one ``preadv``
     scattering into their buffers (a layer's experts are one run: on the H100 machine 1,536 separate
-    1.5 MB reads ran at 1.6 GB/s), and each file is opened once."""
+    1.5 MB reads ran at 1.6 GB/s), and each file is opened once per thread. ``threads`` > 1 splits
+    the bytes (tensors cut at page boundaries where need be) over that many threads: page-cache
+    copies into pinned memory ran at 5.0 GB/s on one thread there, 17.8 GB/s on four."""
+    pieces = [(path, info, info.begin, view[: info.nbytes]) for path, info, view in items if info.nbytes]
+    total = sum(len(p[3]) for p in pieces)
+    parts = min(threads, total // SPLIT_MIN)
+    if parts <= 1:
+        _read_pieces(pieces)
+        return
+    first, *rest = _split(pieces, -(-total // parts))
+    futures = [_readers(threads).submit(_read_pieces, part) for part in rest]
+    try:
+        _read_pieces(first)
+    finally:
+        errors = [f.exception() for f in futures]  # every thread has stopped writing into the buffers
+    for exc in errors:
+        if exc is not None:
+            raise exc
+
+
+@functools.lru_cache(maxsize=None)
+def _readers(threads: int):
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(threads - 1, thread_name_prefix="fp4convert-read")
+
+
+def _split(pieces: list, per: int) -> list[list]:
+    """Consecutive parts of about ``per`` bytes each; a piece crossing a boundary is cut at a page."""
+    parts: list[list] = [[]]
+    room = per
+    for path, info, off, view in pieces:
+        while len(view) > room:
+            cut = room + (-(off + room)) % 4096  # end the part at a page boundary of the file
+            if cut >= len(view):
+                break
+            if cut:
+                parts[-1].append((path, info, off, view[:cut]))
+            off, view = off + cut, view[cut:]
+            parts.append([])
+            room = per
+        parts[-1].append((path, info, off, view))
+        room -= len(view)
+        if room <= 0:
+            parts.append([])
+            room = per
+    return [p for p in parts if p]
+
+
+def _read_pieces(pieces: list) -> None:
+    """(path, info, file offset, view) pieces: runs adjacent in one file are one preadv."""
     fds: dict[Path, int] = {}
     try:
         i = 0
-        while i < len(items):
-            path, info, _ = items[i]
-            j, end = i + 1, info.end
-            while j < len(items) and j - i < IOV_MAX and items[j][0] == path and items[j][1].begin == end:
-                end = items[j][1].end
+        while i < len(pieces):
+            path, info, off, view = pieces[i]
+            j, end = i + 1, off + len(view)
+            while j < len(pieces) and j - i < IOV_MAX and pieces[j][0] == path and pieces[j][2] == end:
+                end += len(pieces[j][3])
                 j += 1
-            run = items[i:j]
             try:
                 fd = fds.get(path)
                 if fd is None:
@@ -399,18 +450,18 @@ def read_many(items: list[tuple[Path, TensorInfo, memoryview]]) -> None:
             except OSError as exc:
                 raise CheckpointFormatError(f"{_f(info.file)}: cannot read tensor {_q(info.name)} "
                                             f"({exc.strerror or exc})") from exc
-            _preadv_exact(fd, run)
+            _preadv_exact(fd, pieces[i:j])
             i = j
     finally:
         for fd in fds.values():
             os.close(fd)
 
 
-def _preadv_exact(fd: int, run: list[tuple[Path, TensorInfo, memoryview]]) -> None:
-    """Fill the run's buffers from its first tensor's offset on; a short file names the tensor it cut."""
-    views = [v[: info.nbytes] for _, info, v in run if info.nbytes]
-    names = [info for _, info, _ in run if info.nbytes]
-    offset = run[0][1].begin
+def _preadv_exact(fd: int, run: list) -> None:
+    """Fill the run's buffers from its first piece's offset on; a short file names the tensor it cut."""
+    views = [v for _, _, _, v in run]
+    names = [info for _, info, _, _ in run]
+    offset = run[0][2]
     k = 0  # the view being filled
     while k < len(views):
         try:

@@ -108,6 +108,28 @@ def make_batches(pending: list[list[Decision]], max_units: int, max_bytes: int) 
     return out
 
 
+def shape_groups(infos: list) -> list[list[int]]:
+    """Member indices grouped by (dtype, shape), groups in order of first appearance (a launch each)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, info in enumerate(infos):
+        groups.setdefault((info.dtype, tuple(info.shape)), []).append(i)
+    return list(groups.values())
+
+
+def grouped_offsets(infos: list, align: int = 256) -> tuple[list[int], int]:
+    """Where each tensor of a batch goes in its pinned buffer, and the buffer's size: the members of
+    a shape group back to back (one [B, M, K] array, so a group is one launch straight from the
+    buffer), each group at an ``align``-byte boundary. Reads still go in file order (scattered)."""
+    offsets = [0] * len(infos)
+    total = 0
+    for g in shape_groups(infos):
+        total = -(-total // align) * align
+        for i in g:
+            offsets[i] = total
+            total += infos[i].nbytes
+    return offsets, -(-total // align) * align
+
+
 @dataclass
 class Settings:
     """What the quantize stage needs from the config and the format."""
@@ -125,10 +147,7 @@ class Batch:
         self.units = units
         self.members = [d for u in units for d in u]
         self.unit_of = [i for i, u in enumerate(units) for _ in u]
-        groups: dict[tuple, list[int]] = {}
-        for i, d in enumerate(self.members):
-            groups.setdefault((d.info.dtype, tuple(d.info.shape)), []).append(i)
-        self.groups = list(groups.values())
+        self.groups = shape_groups([d.info for d in self.members])
 
     def reads(self) -> list:
         """The tensors to read for this batch, in member order."""

@@ -15,12 +15,20 @@ from contextlib import contextmanager
 
 _lock = threading.Lock()
 _totals: dict[str, float] = {}
+_counts: dict[str, float] = {}
 
 
 def reset() -> None:
     """Start a new run's totals (one conversion at a time per process)."""
     with _lock:
         _totals.clear()
+        _counts.clear()
+
+
+def count(name: str, amount: float = 1) -> None:
+    """A quantity that is not time (pinned megabytes allocated, launches): ``--json``'s ``counts``."""
+    with _lock:
+        _counts[name] = _counts.get(name, 0) + amount
 
 
 def add(stage: str, seconds: float) -> None:
@@ -41,3 +49,22 @@ def snapshot() -> dict[str, float]:
     """The totals so far, rounded to milliseconds, in a stable order."""
     with _lock:
         return {k: round(v, 3) for k, v in sorted(_totals.items())}
+
+
+def counts() -> dict[str, float]:
+    with _lock:
+        return {k: round(v, 3) for k, v in sorted(_counts.items())}
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc), or None: what start-up cost before main."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        import os
+
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

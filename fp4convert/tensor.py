@@ -8,6 +8,7 @@ fast path for CPU tensors; every backend gives the same bytes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -160,31 +161,31 @@ def _quantize_batched(
     ops, x: torch.Tensor, s: Scheme, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout, rule: str
 ) -> QuantizedTensor:
     """Pass 1 (amax, unless the group's is given) and pass 2 on a batched backend, one host sync."""
-    xb = _as_batch(x)
     lead = x.shape[:-2]
     amax_b = None
     if s.global_scale and global_amax is not None:
         amax_b = global_amax
         if not (isinstance(amax_b, torch.Tensor) and amax_b.dtype == torch.float32 and amax_b.device == x.device):
             amax_b = torch.as_tensor(global_amax, dtype=torch.float32).to(x.device, non_blocking=True)
-        if amax_b.numel() != 1 or xb.shape[0] != 1:
-            amax_b = amax_b.expand(lead).reshape(-1).contiguous()
-        elif amax_b.dim() != 1:
-            amax_b = amax_b.reshape(1)  # one matrix, one amax: a view, no copy
+        if amax_b.numel() != 1 or len(lead) and math.prod(lead) != 1:
+            amax_b = amax_b.expand(lead).contiguous()  # one per matrix (a group's amax broadcast)
     swizzle = scale_layout == "swizzled"
     if x.is_cuda:
-        # The kernels compute gs from the amax and flag a non-finite amax or block themselves.
-        packed, scale, gs, nonfinite = ops.quantize(xb, s.name, amax_b, rotate, swizzle, rule)
-        bad = nonfinite
-    else:
-        gs = bad = None
-        if s.global_scale:
-            group_amax = ops.amax(xb, rotate) if amax_b is None else amax_b
-            bad = None if amax_b is None else ~torch.isfinite(amax_b).all()
-            gs = ref.global_scale(group_amax)
-        packed, scale, nonfinite = ops.quantize(xb, s.name, gs, rotate, swizzle, rule)
-        bad = nonfinite if bad is None else nonfinite | bad
-    # The bookkeeping runs while the kernel does; then the one host sync.
+        # The kernels take [..., M, K] as is, compute gs from the amax and flag a non-finite amax or
+        # block in this thread's mapped flags: launch, the bookkeeping below, then one stream sync.
+        packed, scale, gs, flagged = ops.quantize(x, s.name, amax_b, rotate, swizzle, rule, host_flag=True)
+        q = QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
+        if flagged():
+            raise NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")
+        return q
+    xb = _as_batch(x)  # the CPU ops take [B, M, K] and gs [B]
+    gs = bad = None
+    if s.global_scale:
+        group_amax = ops.amax(xb, rotate) if amax_b is None else amax_b.reshape(-1)
+        bad = None if amax_b is None else ~torch.isfinite(amax_b).all()
+        gs = ref.global_scale(group_amax)
+    packed, scale, nonfinite = ops.quantize(xb, s.name, gs, rotate, swizzle, rule)
+    bad = nonfinite if bad is None else nonfinite | bad
     q = QuantizedTensor(packed.reshape(*lead, *packed.shape[-2:]), scale.reshape(*lead, *scale.shape[-2:]),
                         None if gs is None else gs.reshape(lead), s.name, rotate, scale_layout, rule)
     if bool(bad):

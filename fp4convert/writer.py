@@ -82,6 +82,7 @@ class ConvertResult:
     reused_files: list[str] = field(default_factory=list)
     read_wait_s: float = 0.0  # time the work loop waited for source reads (0: reading fully hidden)
     stages_s: dict[str, float] = field(default_factory=dict)  # busy seconds per stage (fp4convert.stages)
+    counts: dict[str, float] = field(default_factory=dict)  # other quantities (pinned MB allocated)
 
     def to_json(self) -> dict:
         return {
@@ -93,6 +94,7 @@ class ConvertResult:
             "read_wait_s": round(self.read_wait_s, 3),
             "peak_rss_bytes": self.peak_rss_bytes,
             "stages_s": self.stages_s,
+            "counts": self.counts,
         }
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import re
 import os
 import pathlib
 import shutil

@@ -189,3 +189,15 @@ def test_host_scan_wide_floats(dtype, tdt) -> None:
         y = x.clone()
         y[4098] = bad
         assert rt.host_check(dtype, memoryview(bytearray(_bytes(y)))) is True, (seed, bad)
+
+
+def test_pinned_size_classes() -> None:
+    """Pinned buffers come in classes: small requests share the 64 KiB class, large ones waste <= 25%,
+    and sizes are 64 KiB multiples (so a freed buffer fits the next similar request exactly)."""
+    from fp4convert.cuda.runtime import SMALL, size_class
+
+    assert size_class(1) == size_class(4 * 128) == SMALL
+    for n in (SMALL + 1, 3 << 20, 18_500_000, 63_000_000, 64 << 20, 117 << 20, (1 << 30) + 1):
+        c = size_class(n)
+        assert n <= c < n * 1.25 + SMALL and c % SMALL == 0, n
+        assert size_class(c) == c  # a class is its own class

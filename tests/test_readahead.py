@@ -52,8 +52,9 @@ class _FakeHost:
         return memoryview(self.data)[offset : self.size if n is None else offset + n]
 
 
-def test_host_buffer_path_lays_tensors_out_at_aligned_offsets(tmp_path: Path) -> None:
-    """The torch-free path's reader: one buffer per set, tensors at 256-byte aligned offsets, bytes exact;
+def test_host_buffer_path_lays_shape_groups_out_back_to_back(tmp_path: Path) -> None:
+    """The torch-free path's reader: one buffer per set, sized once for the largest batch; each shape
+    group's members back to back (one [B, M, K] launch) from a 256-byte aligned start; bytes exact;
     adjacent tensors (one scattered read) and tensors from two files in one batch."""
     seed = int(torch.randint(0, 2**31, ()).item())
     g = torch.Generator().manual_seed(seed)
@@ -74,14 +75,20 @@ def test_host_buffer_path_lays_tensors_out_at_aligned_offsets(tmp_path: Path) ->
         for unit in units:
             buf, items = ra.next()
             assert [i.name for _, i in items] == [i.name for i in unit]
+            starts: dict[tuple, list[tuple[int, int]]] = {}
             for off, info in items:
-                assert off % 256 == 0
                 want = {**a, **b}[info.name].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
                 assert bytes(buf.view(off, info.nbytes)) == want, (info.name, seed)
+                starts.setdefault((info.dtype, info.shape), []).append((off, info.nbytes))
+            for group in starts.values():
+                assert group[0][0] % 256 == 0
+                for (o0, n0), (o1, _) in zip(group, group[1:]):
+                    assert o1 == o0 + n0  # back to back: the group is one contiguous [B, M, K] array
             ra.release()
     finally:
         ra.close()
-    assert len(allocs) == 2  # one buffer per set
+    # a0..a2 (3 x 240 B) from 0, b0 (448 B) from 768: 1,216 B -> 1,280; the second batch is smaller.
+    assert allocs == [1280, 1280]  # one buffer per set, for the largest batch
 
 
 def test_read_many_scatters_adjacent_tensors_and_survives_short_reads(tmp_path: Path, monkeypatch) -> None:
@@ -112,3 +119,32 @@ def test_read_many_scatters_adjacent_tensors_and_survives_short_reads(tmp_path: 
         f.truncate(infos[3].begin + 5)
     with pytest.raises(CheckpointFormatError, match=f"tensor '{infos[3].name}' is truncated"):
         sio.read_many([(tmp_path / "a.safetensors", i, memoryview(bytearray(i.nbytes))) for i in infos])
+
+
+def test_parallel_read_splits_bytes_over_threads_exactly(tmp_path: Path, monkeypatch) -> None:
+    """read_many(threads=N): tensors from two files, some cut across threads at page boundaries,
+    land byte-exact whatever the order asked; a truncated file still names its tensor."""
+    from fp4convert import safetensors_io as sio
+
+    monkeypatch.setattr(sio, "SPLIT_MIN", 4096)  # so these few hundred KB are split four ways
+    seed = int(torch.randint(0, 2**31, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    t = {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate([3, 40_000, 1, 25_000, 7_777, 0, 60_000])}
+    u = {f"u{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i, n in enumerate([50_001, 9, 30_000])}
+    save_file(t, tmp_path / "a.safetensors")
+    save_file(u, tmp_path / "b.safetensors")
+    infos = [(tmp_path / f"{f}.safetensors", i) for f in ("a", "b") for i in read_header(tmp_path / f"{f}.safetensors")[0]]
+    order = torch.randperm(len(infos), generator=g).tolist()
+    pieces = sio._split([(p, i, i.begin, memoryview(bytearray(i.nbytes))) for p, i in infos if i.nbytes], 100_000)
+    assert len(pieces) >= 4 and any(  # a tensor is cut between parts, at a page boundary of its file
+        a[-1][1].name == b[0][1].name and b[0][2] % 4096 == 0 for a, b in zip(pieces, pieces[1:])), seed
+    for threads in (1, 4):
+        bufs = {i.name: bytearray(i.nbytes) for _, i in infos}
+        sio.read_many([(infos[k][0], infos[k][1], memoryview(bufs[infos[k][1].name])) for k in order], threads)
+        for name, want in {**t, **u}.items():
+            assert bytes(bufs[name]) == want.view(torch.uint8).numpy().tobytes(), (name, threads, seed)
+    with open(tmp_path / "b.safetensors", "r+b") as f:
+        last = max((i for p, i in infos if p.name == "b.safetensors"), key=lambda i: i.begin)
+        f.truncate(last.begin + 10)
+    with pytest.raises(CheckpointFormatError, match=f"tensor '{last.name}' is truncated"):
+        sio.read_many([(p, i, memoryview(bytearray(i.nbytes))) for p, i in infos], 4)

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import struct
-from pathlib import Path
 
 import pytest
 import safetensors

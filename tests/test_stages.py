@@ -43,3 +43,31 @@ def test_json_summary_says_where_the_time_went(tmp_path) -> None:
     for stage in ("startup", "read", "quantize", "writer_busy", "write", "hash", "fsync", "copy_kept", "finish"):
         assert stage in s and s[stage] >= 0, (stage, s)
     assert s["writer_busy"] >= s["copy_kept"]  # kept copies run inside the writer thread's jobs
+
+
+def test_counts_and_process_age() -> None:
+    stages.reset()
+    stages.count("pinned_MB", 64)
+    stages.count("pinned_MB", 0.0625)
+    assert stages.counts() == {"pinned_MB": 64.062} and stages.snapshot() == {}
+    stages.reset()
+    assert stages.counts() == {}
+    age = stages.process_age()
+    assert age is None or 0 < age < time.monotonic() + 1  # /proc where there is one
+
+
+def test_json_says_what_ran_outside_convert(tmp_path) -> None:
+    """A real process (the ages come from /proc): CLI start <= convert start <= summary."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    ck.llama(src, zoo=True)
+    r = subprocess.run([sys.executable, "-m", "fp4convert", "quantize", str(src), str(tmp_path / "q"), "--device",
+                        "cpu", "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    ages = s["process_s"]
+    assert 0 <= ages["cli_start"] <= ages["convert_start"] <= ages["summary"]
+    assert ages["summary"] - ages["convert_start"] >= s["wall_s"] - 0.02  # /proc ticks: 10 ms
+    assert "counts" in s

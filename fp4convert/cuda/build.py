@@ -27,7 +27,7 @@ log = logging.getLogger("fp4convert.cuda")
 
 SOURCE_NAME = "fp4c_library.cu"  # marks a csrc/ directory; every *.cu beside it is compiled
 LIB_NAME = "libfp4convert_kernels.so"
-ABI_VERSION = 3
+ABI_VERSION = 4
 # -fmad=false: SPEC.md forbids FMA contraction; the kernels use explicit __fmaf_rn only where a
 # fused multiply-add is exact by construction. No fast math: IEEE division and denormals.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-fmad=false", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
@@ -167,7 +167,9 @@ def load_library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib.fp4c_e2m1_selftest.restype = c_int
     lib.fp4c_e2m1_selftest.argtypes = [c_ptr, c_ptr]
     c_pp = ctypes.POINTER(c_ptr)
-    for name, args in (("fp4c_host_alloc", [c_pp, c_i64]), ("fp4c_host_free", [c_ptr]), ("fp4c_malloc", [c_pp, c_i64]),
+    for name, args in (("fp4c_host_alloc", [c_pp, c_i64]), ("fp4c_host_alloc_mapped", [c_pp, c_i64]),
+                       ("fp4c_host_free", [c_ptr]),
+                       ("fp4c_memset_async", [c_ptr, c_int, c_i64, c_ptr]), ("fp4c_malloc", [c_pp, c_i64]),
                        ("fp4c_free", [c_ptr]), ("fp4c_stream_create", [c_pp]), ("fp4c_stream_destroy", [c_ptr]),
                        ("fp4c_stream_sync", [c_ptr]), ("fp4c_event_create", [c_pp]), ("fp4c_event_destroy", [c_ptr]),
                        ("fp4c_event_record", [c_ptr, c_ptr]), ("fp4c_event_sync", [c_ptr]),

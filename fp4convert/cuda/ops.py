@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
+import threading
+from collections.abc import Callable
 
 import torch
 
@@ -59,6 +62,32 @@ def ensure_loaded(device: torch.device) -> None:
     _lib(device)
 
 
+class _Flags:
+    """A mapped pinned int32 array (the kernels write it through UVA); freed with its thread."""
+
+    def __init__(self, lib: ctypes.CDLL, n: int) -> None:
+        p = ctypes.c_void_p()
+        _check(lib, lib.fp4c_host_alloc_mapped(ctypes.byref(p), 4 * n))
+        self.lib, self.ptr, self.n = lib, p.value, n
+
+    def __del__(self) -> None:
+        if self.ptr:
+            self.lib.fp4c_host_free(ctypes.c_void_p(self.ptr))
+
+
+_thread = threading.local()
+
+
+def _host_flags(lib: ctypes.CDLL, b: int) -> int:
+    """This thread's flag array, >= b ints, zeroed by a host store. One per thread: the call that
+    uses it waits for its kernel before returning, so the next call may reuse it."""
+    f = getattr(_thread, "flags", None)
+    if f is None or f.n < b:
+        f = _thread.flags = _Flags(lib, max(b, 1024))
+    ctypes.memset(f.ptr, 0, 4 * b)
+    return f.ptr
+
+
 def _check(lib: ctypes.CDLL, code: int) -> None:
     if code != 0:
         raise CUDAKernelError(f"CUDA kernel error {code}: {lib.fp4c_error_string(code).decode()}")
@@ -89,8 +118,8 @@ def _per_matrix_amax(amax: torch.Tensor, b: int, device: torch.device) -> torch.
     """One fp32 amax per matrix, contiguous on the device (no copy when it already is)."""
     if not isinstance(amax, torch.Tensor) or amax.numel() != b:
         raise CUDAKernelError(f"nvfp4 needs an amax per matrix ([{b}] fp32 tensor)")
-    if amax.dtype == torch.float32 and amax.device == device and amax.dim() == 1 and amax.is_contiguous():
-        return amax  # the usual case: no dispatcher calls at all
+    if amax.dtype == torch.float32 and amax.device == device and amax.is_contiguous():
+        return amax  # the usual case (any shape of b elements): no dispatcher calls at all
     return amax.to(device=device, dtype=torch.float32, non_blocking=True).reshape(b).contiguous()
 
 
@@ -116,8 +145,8 @@ def scale_rule_code(fmt: str, scale_rule: int | str) -> int:
 
 
 def _check_input(x: torch.Tensor, rotate: str | None) -> None:
-    if x.dim() != 3:
-        raise CUDAKernelError(f"expected [B, M, K], got shape {tuple(x.shape)}")
+    if x.dim() < 2:
+        raise CUDAKernelError(f"expected [..., M, K], got shape {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
         raise CUDAKernelError(f"unsupported dtype {x.dtype}; expected bf16, fp16 or fp32")
     if x.shape[-1] % 16:
@@ -132,11 +161,13 @@ def padded(m: int, nb: int) -> tuple[int, int]:
 
 
 def amax(x: torch.Tensor, rotate: str | None) -> torch.Tensor:
-    """fp32 [B]: max|x| of each matrix (of its Had16-rotated values with rotate); NaN/Inf propagate."""
+    """fp32 [B] (the leading dims): max|x| of each matrix (of its Had16-rotated values with rotate);
+    NaN/Inf propagate."""
     _check_input(x, rotate)
     x = _aligned(x)
-    b, m, k = x.shape
-    out = torch.empty(b, dtype=torch.int32, device=x.device)
+    *lead, m, k = x.shape
+    b = math.prod(lead)
+    out = torch.empty(lead, dtype=torch.int32, device=x.device)
     if b == 0:
         return out.view(torch.float32)
     lib = _lib(x.device)
@@ -157,62 +188,87 @@ def quantize(
     scale_rule: int | str = 0,
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(packed uint8 [B, M, K/2], scale, gs, nonfinite int32 scalar) for x [B, M, K].
+    host_flag: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | Callable[[], bool]]:
+    """(packed uint8 [B, M, K/2], scale, gs, nonfinite int32 [B]) for x [B, M, K].
+
+    Any leading dims work the same way (``[..., M, K]``, each matrix its own amax): the outputs
+    keep them, so a 2-D weight needs no reshape on either side (the public API's per-call cost).
 
     ``scheme`` "nvfp4" / "mxfp4"; ``scale_rule`` 0 / 1 / 2 = max / 4over6 / mse (NVFP4) or floor /
     rceil / mse (MXFP4), or those names. scale is float8_e4m3fn (NVFP4) or uint8 E8M0 (MXFP4),
     linear ``[B, M, K/bs]`` or, with swizzle, the 128x4 layout ``[B, Mp, nbp]`` with zero padding.
     NVFP4: ``amax`` is the per-matrix (or fused group's) amax, fp32 [B] on x's device; the kernel
-    computes gs = 2688 / amax (1 for 0, clamped to FLT_MAX) and returns it as fp32 [B]: one memset
-    and one launch. ``amax=None`` runs the amax pass first (two launches). MXFP4: amax must be None
-    and gs is None. ``nonfinite`` is non-zero when a block or the given amax held NaN/Inf (the
-    caller refuses the tensor: the one host sync). ``out``: optional preallocated (packed, scale
-    uint8) buffers, e.g. poisoned ones in tests.
+    computes gs = 2688 / amax (1 for 0, clamped to FLT_MAX) and returns it as fp32 [B]: one
+    launch. ``amax=None`` runs the amax pass first (two launches). MXFP4: amax must be None
+    and gs is None. ``nonfinite[b]`` is non-zero when a block of matrix b or its given amax held
+    NaN/Inf (the caller refuses the tensor: the one host sync). ``out``: optional preallocated
+    (packed, scale uint8) buffers, e.g. poisoned ones in tests. ``host_flag``: the flags go to this
+    thread's mapped pinned array instead (no zero-fill launch, no copy back) and ``nonfinite`` is a
+    function that waits for the kernel (one stream sync) and says whether any matrix was flagged.
     """
     _check_input(x, rotate)
     if scheme not in _FMTS:
         raise CUDAKernelError(f"unknown scheme {scheme!r}")
     rule = scale_rule_code(scheme, scale_rule)
     bs = _BLOCK[scheme]
-    b, m, k = x.shape
+    *lead, m, k = x.shape
+    b = math.prod(lead)
     if k % bs:
         raise CUDAKernelError(f"K={k} is not a multiple of the {scheme} block size {bs}")
     if scheme == "mxfp4" and amax is not None:
         raise CUDAKernelError("mxfp4 has no global scale: amax must be None")
     x = _aligned(x)
+    dev = x.device
     gs = None
     if scheme == "nvfp4":
-        amax = _amax_pass(x, rotate) if amax is None else _per_matrix_amax(amax, b, x.device)
-        gs = torch.empty(b, dtype=torch.float32, device=x.device)
+        amax = _amax_pass(x, rotate) if amax is None else _per_matrix_amax(amax, b, dev)
+        gs = torch.empty(lead, dtype=torch.float32, device=dev)
     nb = k // bs
     rows, cols = padded(m, nb) if swizzle else (m, nb)
     if out is None:
-        packed = torch.empty(b, m, k // 2, dtype=torch.uint8, device=x.device)
-        scale = torch.empty(b, rows, cols, dtype=torch.uint8, device=x.device)
+        packed = torch.empty((*lead, m, k // 2), dtype=torch.uint8, device=dev)
+        scale = torch.empty((*lead, rows, cols), dtype=torch.uint8, device=dev)
     else:
         packed, scale = out
-        if packed.shape != (b, m, k // 2) or scale.shape != (b, rows, cols) or not (
+        if packed.shape != (*lead, m, k // 2) or scale.shape != (*lead, rows, cols) or not (
             packed.dtype == scale.dtype == torch.uint8 and packed.is_contiguous() and scale.is_contiguous()
             and packed.data_ptr() % 16 == 0
         ):
             raise CUDAKernelError("out buffers do not match the expected shapes / uint8 / contiguous")
-    flag = torch.empty((), dtype=torch.int32, device=x.device)  # the launcher zeroes it
-    if x.numel():
-        lib = _lib(x.device)
+    if host_flag and x.numel():
+        lib = _lib(dev)
+        flags, stream = _host_flags(lib, b), _stream(dev)
         _check(lib, lib.fp4c_quantize(_ptr(x), _DTYPES[x.dtype], _FMTS[scheme], int(rotate == "had16"),
                                       int(swizzle), rule, b, m, k, _ptr(amax), _ptr(gs), _ptr(packed), _ptr(scale),
-                                      _ptr(flag), _stream(x.device)))
+                                      flags, stream))
+
+        def flagged() -> bool:
+            _check(lib, lib.fp4c_stream_sync(stream))
+            return ctypes.string_at(flags, 4 * b) != bytes(4 * b)
+
+        if scheme == "nvfp4":
+            scale = scale.view(torch.float8_e4m3fn)
+        return packed, scale, gs, flagged
+    flag = torch.zeros(lead, dtype=torch.int32, device=dev)  # the launcher only sets flags
+    if x.numel():
+        lib = _lib(dev)
+        _check(lib, lib.fp4c_quantize(_ptr(x), _DTYPES[x.dtype], _FMTS[scheme], int(rotate == "had16"),
+                                      int(swizzle), rule, b, m, k, _ptr(amax), _ptr(gs), _ptr(packed), _ptr(scale),
+                                      _ptr(flag), _stream(dev)))
     else:  # no launch: the same results the kernel would give an empty matrix
-        flag.zero_()
         if swizzle:
             scale.zero_()
         if gs is not None:
-            gs.copy_(torch.where(amax == 0, torch.ones_like(amax),
-                                 torch.clamp(torch.full_like(amax, 2688.0) / amax, max=torch.finfo(torch.float32).max)))
-            flag.copy_((~torch.isfinite(amax)).any().to(torch.int32))
+            a = amax.reshape(gs.shape)
+            gs.copy_(torch.where(a == 0, torch.ones_like(a),
+                                 torch.clamp(torch.full_like(a, 2688.0) / a, max=torch.finfo(torch.float32).max)))
+            flag.copy_((~torch.isfinite(a)).to(torch.int32))
     if scheme == "nvfp4":
         scale = scale.view(torch.float8_e4m3fn)
+    if host_flag:
+        bad = bool(flag.any())
+        return packed, scale, gs, lambda: bad
     return packed, scale, gs, flag
 
 

@@ -14,17 +14,28 @@ import ctypes
 import functools
 import threading
 
+from .. import stages
 from ..errors import CUDAKernelError, CUDAUnavailableError
 
 MIN_CAPABILITY = (8, 9)  # the E4M3 conversion instructions (as in ops.py)
 H2D, D2H = 1, 2
 HOST_CHECK_CODES = {"F32": 0, "F16": 1, "BF16": 2, "F64": 3, "F8_E4M3": 4, "F8_E5M2": 5}  # fp4c_host_nonfinite
 ALIGN = 256  # every buffer region starts here: the kernels' 16-byte loads, and the copy engines' best case
-POOL_MIN = 16 << 20  # pinned buffers come in sizes from here up (fewer, reusable allocations)
+SMALL = 64 << 10  # the smallest pinned buffer (a batch's few amax / unit-amax floats)
 
 
 def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def size_class(n: int) -> int:
+    """The pinned size a request of ``n`` bytes gets: 64 KiB, or n rounded up to a quarter of its
+    power of two (<= 25% waste). A freed buffer is reused only by requests of its own class or the
+    one below, so a batch's few-KB request never takes (and strands) a 64 MB input buffer."""
+    if n <= SMALL:
+        return SMALL
+    step = 1 << max(16, (n - 1).bit_length() - 3)
+    return -(-n // step) * step
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,16 +96,18 @@ class _HostPool:
         self._lock = threading.Lock()
 
     def get(self, n: int) -> HostBuffer:
+        size = size_class(n)
         with self._lock:
-            fits = [(size, ptr) for ptr, size in self._free if size >= n]
+            fits = [(sz, ptr) for ptr, sz in self._free if size <= sz <= size + size // 4]
             if fits:
-                size, ptr = min(fits)
-                self._free.remove((ptr, size))
-                return HostBuffer(self, ptr, size)
-        size = max(POOL_MIN, align(n))
-        self._rt.set_device()  # the calling thread's (the reader's, say) device is this one
-        p = ctypes.c_void_p()
-        self._rt.check(self._rt.lib.fp4c_host_alloc(ctypes.byref(p), size), f"pinned host memory ({size} B)")
+                sz, ptr = min(fits)
+                self._free.remove((ptr, sz))
+                return HostBuffer(self, ptr, sz)
+        with stages.timed("pin_alloc"):
+            self._rt.set_device()  # the calling thread's (the reader's, say) device is this one
+            p = ctypes.c_void_p()
+            self._rt.check(self._rt.lib.fp4c_host_alloc(ctypes.byref(p), size), f"pinned host memory ({size} B)")
+        stages.count("pinned_MB", size / 2**20)
         with self._lock:
             self._all.append(p.value)
         return HostBuffer(self, p.value, size)
@@ -183,6 +196,10 @@ class Runtime:
     def copy(self, dst: int, src: int, n: int, kind: int) -> None:
         if n:
             self.check(self.lib.fp4c_memcpy_async(dst, src, n, kind, self.stream), "an asynchronous copy")
+
+    def memset(self, dst: int, value: int, n: int) -> None:
+        if n:
+            self.check(self.lib.fp4c_memset_async(dst, value, n, self.stream), "an asynchronous memset")
 
     def sync(self) -> None:
         self.check(self.lib.fp4c_stream_sync(self.stream), "waiting for the GPU")
