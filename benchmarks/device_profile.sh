@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (issue 10): where the end-to-end time goes. Optional parts by environment:
 # HOST_IO=1 the host's own ceilings (benchmarks/host_io.py); TESTS="pytest args" GPU tests first;
-# API=1 the public-API rows; then the dense and MoE checkpoints beside `cp -r` + sync with every
+# API=1 the public-API rows and benchmarks/api_overhead.py; then the dense and MoE checkpoints beside `cp -r` + sync with every
 # fp4convert run's --json stage times (e2e_vs_copy.py; E2E_ONLY=dense|moe, TORCH_ROW=1 adds the torch
 # pipeline's row); CPU_ROW=1 one 16-core --device cpu run of the dense checkpoint. Results in $OUT.
 # Next call for issue 10: E2E_ONLY=moe API=1 HOST_IO=1 TESTS="-m cuda tests/test_direct.py" bash benchmarks/device_profile.sh
@@ -18,8 +18,9 @@ echo "build: $(( $(date +%s) - t0 )) s"
 if [ -n "${TESTS:-}" ]; then
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -x $TESTS 2>&1 | tail -15 | tee "$OUT/tests.txt"
 fi
-if [ -n "${API:-}" ]; then  # issue 10's public-API rows only (~20 s)
+if [ -n "${API:-}" ]; then  # issue 10's public-API rows only (~20 s), and where a call's microseconds go
     python3 benchmarks/kernels.py --sizes 16384 --no-peers --api-only --json "$OUT/api.json" 2>&1 | grep -i "api\|copy" | tee "$OUT/api.txt"
+    python3 benchmarks/api_overhead.py --out "$OUT/api_overhead.txt" 2>&1 | head -20
 fi
 python3 -X importtime -c "import torch" 2> "$OUT/importtime.txt"; tail -1 "$OUT/importtime.txt"
 python3 -c "

@@ -270,7 +270,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, 
     from . import stages
 
     ages = {"cli_start": stages.process_age()}  # where a run's seconds outside convert() go (--json)
-    from .convert import convert, plan_conversion
+    from .convert import convert, plan_conversion, prewarm_device
     from .errors import PlanError
     from .source import open_source
     from .writer import plan_warnings
@@ -289,6 +289,8 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, 
         raise ConfigError("--delete-source-shards cannot be used under torchrun (another rank may still read a "
                           "shard); convert with one process, or keep the source shards")
     _setup_logging(quiet, status=not as_json)
+    if not dry_run:
+        prewarm_device(config)  # the GPU starts while the source is opened and planned
     source = open_source(src, revision, token=token, cache_dir=cache_dir)
     planned = plan_conversion(source, config)
     plan = planned[1]

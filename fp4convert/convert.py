@@ -144,6 +144,8 @@ def convert(
     stages.reset()
     dst = Path(dst)
     world = World.from_env()
+    if plan is None:
+        prewarm_device(config)  # the GPU starts while the source is planned
     with stages.timed("plan"):
         source, plan_, fmt = plan if plan is not None else plan_conversion(src, config)
     _advise_source(source, plan_, assign(plan_, world))
@@ -289,6 +291,21 @@ def torch_free(config: ConvertConfig, world: World, plan: Plan) -> bool:
         if unit[0].action == QUANTIZE and not (_simple(unit) and all(d.info.dtype in DTYPE_CODES for d in unit)):
             return False
     return True
+
+
+def prewarm_device(config: ConvertConfig) -> None:
+    """A one-process CUDA run: start the GPU (driver, kernel library, context) in the background now,
+    while the source is planned. Imports nothing heavy; a machine without a GPU costs nothing."""
+    dev = config.device
+    if World.from_env().distributed or not (dev in ("auto", "cuda") or dev.startswith("cuda:")):
+        return
+    try:
+        index = int(dev.split(":", 1)[1]) if ":" in dev else 0
+    except ValueError:
+        return
+    from .cuda.runtime import prewarm
+
+    prewarm(index)
 
 
 def _direct_runtime(config: ConvertConfig, world: World, plan: Plan):

@@ -80,11 +80,18 @@ def _use_cuda(x: torch.Tensor, backend: str) -> bool:
     return backend == "auto" and x.is_cuda
 
 
-def _cuda_ops():
-    """The kernels' module, imported only when a CUDA tensor needs it (never at package import)."""
-    from .cuda import ops
+_ops = None
 
-    return ops
+
+def _cuda_ops():
+    """The kernels' module, imported only when a CUDA tensor needs it (never at package import);
+    kept after the first call (an import statement costs ~1 us, a public-API call's budget is ~25)."""
+    global _ops
+    if _ops is None:
+        from .cuda import ops
+
+        _ops = ops
+    return _ops
 
 
 def _batch_ops(x: torch.Tensor, backend: str):

@@ -30,8 +30,8 @@ def align(n: int) -> int:
 
 def size_class(n: int) -> int:
     """The pinned size a request of ``n`` bytes gets: 64 KiB, or n rounded up to a quarter of its
-    power of two (<= 25% waste). A freed buffer is reused only by requests of its own class or the
-    one below, so a batch's few-KB request never takes (and strands) a 64 MB input buffer."""
+    power of two (<= 25% waste). A request takes a free buffer of its own class or one at most 25%
+    larger, so a batch's few-KB request never takes (and strands) a 64 MB input buffer."""
     if n <= SMALL:
         return SMALL
     step = 1 << max(16, (n - 1).bit_length() - 3)
@@ -162,11 +162,40 @@ class Event:
         self._rt.lib.fp4c_event_destroy(ctypes.c_void_p(self.handle))
 
 
+_warming: dict[int, threading.Thread] = {}
+
+
+def prewarm(index: int) -> None:
+    """Start the driver, the kernel library and GPU ``index``'s context in a background thread (~0.3 s
+    on the H100 machine), so they overlap the planning; :class:`Runtime` waits for it. Errors are
+    left for :class:`Runtime` (or torch) to report."""
+    if index in _warming:
+        return
+
+    def warm() -> None:
+        try:
+            cap = capability(index)
+            if cap is None or cap < MIN_CAPABILITY:
+                return
+            from .build import load_library
+
+            load_library(cap).fp4c_set_device(index)  # creates the primary context (torch shares it)
+        except Exception:  # noqa: BLE001 - reported by whoever needs the GPU, with context
+            pass
+
+    t = _warming[index] = threading.Thread(target=warm, name="fp4convert-cuda-warm", daemon=True)
+    t.start()
+
+
 class Runtime:
     """GPU ``index`` through the kernel library: buffers, one stream, events, copies, launches."""
 
     def __init__(self, index: int) -> None:
         from .build import load_library
+
+        warm = _warming.get(index)
+        if warm is not None:
+            warm.join()  # one thread builds or loads the library, never two at once
 
         cap = capability(index)
         if cap is None:
