@@ -8,6 +8,7 @@ fast path for CPU tensors; every backend gives the same bytes.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -62,7 +63,16 @@ class QuantizedTensor:
 
 
 def _check_options(scheme: str | Scheme, rotate: str | None, scale_layout: str, backend: str) -> Scheme:
-    """Bad options are ConfigError (exit 2), raised before any work."""
+    """Bad options are ConfigError (exit 2), raised before any work (valid ones are remembered: a
+    public-API call's host time is exposed between kernels)."""
+    try:
+        return _checked_options(scheme, rotate, scale_layout, backend)
+    except TypeError:  # an unhashable option: checked uncached, for its own ConfigError
+        return _checked_options.__wrapped__(scheme, rotate, scale_layout, backend)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_options(scheme: str | Scheme, rotate: str | None, scale_layout: str, backend: str) -> Scheme:
     s = get_scheme(scheme)
     check_rotation(rotate)
     if scale_layout not in ("linear", "swizzled"):
@@ -180,7 +190,8 @@ def _quantize_batched(
     if x.is_cuda:
         # The kernels take [..., M, K] as is, compute gs from the amax and flag a non-finite amax or
         # block in this thread's mapped flags: launch, the bookkeeping below, then one stream sync.
-        packed, scale, gs, flagged = ops.quantize(x, s.name, amax_b, rotate, swizzle, rule, host_flag=True)
+        packed, scale, gs, flagged = ops.quantize_checked(x, s.name, amax_b, rotate, swizzle,
+                                                         s.scale_rules.index(rule))
         q = QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
         if flagged():
             raise NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")

@@ -366,6 +366,10 @@ def test_nonfinite_refused(dtype, fmt, rule, rotate, bad, dev) -> None:
             assert flagged() is False  # the thread's flags were zeroed for this call
     with pytest.raises(NonFiniteError):
         fp4convert.quantize(xg[1], fmt, rotate=rotate, backend="cuda")  # one 2-D matrix
+    if fmt == "nvfp4":  # the lean path: a finite amax given, NaN/Inf in the data of matrix 1
+        with pytest.raises(NonFiniteError):
+            fp4convert.quantize(xg, fmt, rotate=rotate, global_amax=torch.ones(3, device=dev), backend="cuda")
+        fp4convert.quantize(xg[0], fmt, rotate=rotate, global_amax=torch.ones((), device=dev), backend="cuda")
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -273,6 +273,58 @@ def quantize(
     return packed, scale, gs, flag
 
 
+_lean: dict[int, tuple[ctypes.CDLL, bool]] = {}  # device index -> (library, several GPUs visible)
+
+
+def quantize_checked(
+    x: torch.Tensor, scheme: str, amax: torch.Tensor | None, rotate: str | None, swizzle: bool, rule: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Callable[[], bool]]:
+    """The public API's path: :func:`quantize` with ``host_flag=True``, in fewer host steps.
+
+    A call's host time sits between two kernels (its sync leaves the GPU idle until the next call
+    launches), so the usual case (contiguous, aligned CUDA input; NVFP4 with the amax given as a
+    contiguous fp32 tensor on x's GPU, or MXFP4) goes straight to the launcher; anything else takes
+    :func:`quantize`. The caller has checked the options, the rule code and the shape.
+    """
+    idx = x.get_device()
+    lean = _lean.get(idx)
+    dt = _DTYPES.get(x.dtype)
+    nvfp4 = scheme == "nvfp4"
+    if lean is None or dt is None or not x.is_contiguous() or x.data_ptr() % 16 or x.numel() == 0 or (
+            nvfp4 and not (amax is not None and amax.dtype == torch.float32 and amax.get_device() == idx
+                           and amax.is_contiguous())):
+        if lean is None and x.is_cuda:
+            _lean[idx] = (_lib(x.device), torch.cuda.device_count() > 1)
+        return quantize(x, scheme, amax, rotate, swizzle, rule, host_flag=True)
+    lib, several = lean
+    shape = x.shape
+    lead, m, k = shape[:-2], shape[-2], shape[-1]
+    b = math.prod(lead)
+    if nvfp4:
+        if amax.numel() != b:
+            raise CUDAKernelError(f"nvfp4 needs an amax per matrix ([{b}] fp32 tensor)")
+        nb = k >> 4
+        gs = torch.empty(lead, dtype=torch.float32, device=idx)
+    else:
+        nb, gs = k >> 5, None
+    rows, cols = padded(m, nb) if swizzle else (m, nb)
+    packed = torch.empty((*lead, m, k >> 1), dtype=torch.uint8, device=idx)
+    scale = torch.empty((*lead, rows, cols), dtype=_SCALE_DTYPE[scheme], device=idx)
+    if several:
+        _check(lib, lib.fp4c_set_device(idx))
+    flags = _host_flags(lib, b)
+    stream = _stream(x.device)
+    _check(lib, lib.fp4c_quantize(x.data_ptr(), dt, _FMTS[scheme], rotate == "had16", swizzle, rule, b, m, k,
+                                  amax.data_ptr() if nvfp4 else None, gs.data_ptr() if nvfp4 else None,
+                                  packed.data_ptr(), scale.data_ptr(), flags, stream))
+
+    def flagged() -> bool:
+        _check(lib, lib.fp4c_stream_sync(stream))
+        return ctypes.string_at(flags, 4 * b) != bytes(4 * b)
+
+    return packed, scale, gs, flagged
+
+
 def dequantize(
     packed: torch.Tensor,
     scale: torch.Tensor,
