@@ -182,7 +182,8 @@ def _quantize_batched(
     amax_b = None
     if s.global_scale and global_amax is not None:
         amax_b = global_amax
-        if not (isinstance(amax_b, torch.Tensor) and amax_b.dtype == torch.float32 and amax_b.device == x.device):
+        if not (isinstance(amax_b, torch.Tensor) and amax_b.dtype == torch.float32
+                and amax_b.get_device() == x.get_device()):
             amax_b = torch.as_tensor(global_amax, dtype=torch.float32).to(x.device, non_blocking=True)
         if amax_b.numel() != 1 or len(lead) and math.prod(lead) != 1:
             amax_b = amax_b.expand(lead).contiguous()  # one per matrix (a group's amax broadcast)
