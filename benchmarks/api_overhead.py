@@ -61,7 +61,16 @@ def main() -> None:
     row("ops._host_flags(lib, 1)", lambda: ops._host_flags(lib, 1))
     row("ops.quantize(host_flag) launch, no sync", lambda: ops.quantize(x, "nvfp4", a, None, False, host_flag=True), 5000)
     row("ops.quantize(host_flag) + sync", lambda: ops.quantize(x, "nvfp4", a, None, False, host_flag=True)[3](), 5000)
-    row("fp4convert.quantize(x, 'nvfp4', global_amax=a)", lambda: fp4convert.quantize(x, "nvfp4", global_amax=a), 5000)
+    from fp4convert.cuda import api_ext
+
+    glue = api_ext.wait(lib)
+    saved = api_ext._state.get("module")
+    api_ext._state["module"] = None
+    row("fp4convert.quantize(x, 'nvfp4', global_amax=a), Python path",
+        lambda: fp4convert.quantize(x, "nvfp4", global_amax=a), 5000)
+    api_ext._state["module"] = saved
+    row(f"fp4convert.quantize(x, 'nvfp4', global_amax=a), C++ glue{'' if glue else ' (not built)'}",
+        lambda: fp4convert.quantize(x, "nvfp4", global_amax=a), 5000)
     row("torch.cuda.synchronize()", torch.cuda.synchronize)
     prof = cProfile.Profile()
     prof.enable()

@@ -288,8 +288,17 @@ def public_api(size: int, xs: list[torch.Tensor], amax, add) -> None:
     a = amax[0]  # a device scalar, as a fused group's amax would be
     try:
         bare = bench_wall([lambda i=i: ops.quantize(xs[i], "nvfp4", amax, None, False) for i in range(len(xs))])
+        from fp4convert.cuda import api_ext
+
+        glue = api_ext.wait(ops._lib(xs[0].device))  # the C++ glue built (or found) before timing
+        saved = api_ext._state.get("module")
+        api_ext._state["module"] = None  # the Python path first
+        api_py = bench_wall([lambda i=i: fp4convert.quantize(xs[i][0], "nvfp4", global_amax=a) for i in range(len(xs))])
+        api_ext._state["module"] = saved
+        add("api (Python path): fp4convert.quantize, global_amax=a", api_py, nbytes, f"{100 * bare / api_py:.0f}% of bare kernel")
         api = bench_wall([lambda i=i: fp4convert.quantize(xs[i][0], "nvfp4", global_amax=a) for i in range(len(xs))])
-        add("api: fp4convert.quantize(x, 'nvfp4', global_amax=a)", api, nbytes, f"{100 * bare / api:.0f}% of bare kernel")
+        add(f"api: fp4convert.quantize(x, 'nvfp4', global_amax=a){'' if glue else ' [no glue]'}", api, nbytes,
+            f"{100 * bare / api:.0f}% of bare kernel")
         add("api: bare ops.quantize (amax given), wall clock", bare, nbytes, "issue 10: api >= 90% of copy")
         # The bare two-pass baseline: the amax kernel, then quantize with that amax (ops.quantize's own
         # amax=None path would run the amax pass a second time).

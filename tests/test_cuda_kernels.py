@@ -542,3 +542,36 @@ def test_decode_argument_errors(dev) -> None:
                                 torch.zeros(3, dtype=torch.uint8, device=dev))
     with pytest.raises(CUDAKernelError, match="uint8"):
         ops.decode_mxfp4_blocks(torch.zeros(3, 16, device=dev), torch.zeros(3, dtype=torch.uint8, device=dev))
+
+
+@pytest.mark.parametrize("path", ["glue", "python"])
+def test_public_api_glue_and_python_paths_agree_with_reference(path, dev, monkeypatch) -> None:
+    """The public API's two lean paths (outputs and launch in the C++ glue, or in Python) give the
+    reference's bytes and refuse NaN; the glue is built here (waited for) when a compiler is there."""
+    from fp4convert.cuda import api_ext
+
+    if path == "glue":
+        if api_ext.wait(ops._lib(torch.device(dev))) is None:
+            pytest.skip("the API glue could not be built here (no C++ compiler or Python headers)")
+    else:
+        monkeypatch.setitem(api_ext._state, "module", None)
+    seed = _seed()
+    for fmt, shape, rotate, layout in (("nvfp4", (96, 256), None, "linear"), ("nvfp4", (2, 3, 64, 128), "had16", "swizzled"),
+                                       ("mxfp4", (160, 64), None, "swizzled"), ("mxfp4", (3, 32, 96), "had16", "linear")):
+        b = 1
+        for d in shape[:-2]:
+            b *= d
+        x = make_input("scaled", fmt, (b, *shape[-2:]), torch.bfloat16, rotate, seed).reshape(shape)
+        kw = dict(rotate=rotate, scale_layout=layout)
+        a = ref.tensor_amax(x.reshape(-1, *shape[-2:]), rotate).reshape(shape[:-2]) * 1.5 if fmt == "nvfp4" else None
+        want = fp4convert.quantize(x, fmt, global_amax=a, backend="reference", **kw)
+        got = fp4convert.quantize(x.to(dev), fmt, global_amax=None if a is None else a.to(dev), backend="cuda", **kw)
+        ctx = f"{path} {fmt} {shape} {rotate} {layout} seed={seed}"
+        assert torch.equal(got.packed.cpu(), want.packed), ctx
+        assert got.scale.dtype == want.scale.dtype and torch.equal(_bits(got.scale.cpu()), _bits(want.scale)), ctx
+        if fmt == "nvfp4":
+            assert torch.equal(_bits(got.global_scale.cpu()), _bits(want.global_scale.reshape(shape[:-2]))), ctx
+        bad = x.clone()
+        bad.view(-1)[bad.numel() // 2] = float("nan")
+        with pytest.raises(NonFiniteError):
+            fp4convert.quantize(bad.to(dev), fmt, global_amax=None if a is None else a.to(dev), backend="cuda", **kw)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import api_ext
 from .build import find_nvcc, load_library
 from ..errors import CUDAKernelError, CUDAUnavailableError
 
@@ -310,16 +311,10 @@ def quantize_checked(
     shape = x.shape
     lead, m, k = shape[:-2], shape[-2], shape[-1]
     b = math.prod(lead)
-    if nvfp4:
-        if amax.numel() != b:
-            raise CUDAKernelError(f"nvfp4 needs an amax per matrix ([{b}] fp32 tensor)")
-        nb = k >> 4
-        gs = f32.new_empty(lead)
-    else:
-        nb, gs = k >> 5, None
+    if nvfp4 and amax.numel() != b:
+        raise CUDAKernelError(f"nvfp4 needs an amax per matrix ([{b}] fp32 tensor)")
+    nb = k >> 4 if nvfp4 else k >> 5
     rows, cols = padded(m, nb) if swizzle else (m, nb)
-    packed = u8.new_empty((*lead, m, k >> 1))
-    scale = (e4m3 if nvfp4 else u8).new_empty((*lead, rows, cols))
     if several and (code := lib.fp4c_set_device(idx)):
         _check(lib, code)
     flags = getattr(_thread, "flags", None)
@@ -328,9 +323,17 @@ def quantize_checked(
     ctypes.memset(flags.ptr, 0, 4 * b)
     fp = flags.ptr
     stream = _raw_stream(idx)
-    code = lib.fp4c_quantize(x.data_ptr(), dt, _FMTS[scheme], rotate == "had16", swizzle, rule, b, m, k,
-                             amax.data_ptr() if nvfp4 else None, gs.data_ptr() if nvfp4 else None,
-                             packed.data_ptr(), scale.data_ptr(), fp, stream)
+    glue = api_ext.get(lib)
+    if glue is not None:  # outputs and launch in one C++ call (the same launcher, the same bytes)
+        code, packed, scale, gs = glue.quantize(x, amax if nvfp4 else None, dt, _FMTS[scheme], int(rotate == "had16"),
+                                                int(swizzle), rule, rows, cols, fp, stream)
+    else:
+        gs = f32.new_empty(lead) if nvfp4 else None
+        packed = u8.new_empty((*lead, m, k >> 1))
+        scale = (e4m3 if nvfp4 else u8).new_empty((*lead, rows, cols))
+        code = lib.fp4c_quantize(x.data_ptr(), dt, _FMTS[scheme], rotate == "had16", swizzle, rule, b, m, k,
+                                 amax.data_ptr() if nvfp4 else None, gs.data_ptr() if nvfp4 else None,
+                                 packed.data_ptr(), scale.data_ptr(), fp, stream)
     if code:
         _check(lib, code)
 

@@ -1,0 +1,69 @@
+"""The public API's C++ glue (fp4convert/cuda/api_ext.py, csrc/fp4c_api.cpp), built with the C++ compiler
+against the installed torch. On the CPU it is driven with a stand-in launcher (a ctypes callback) to
+check what it allocates and what it hands the launcher; on a GPU the public API's bytes through it
+are compared with the reference in tests/test_cuda_kernels.py."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from fp4convert.cuda import api_ext
+
+pytestmark = pytest.mark.skipif(api_ext.compiler() is None, reason="needs a C++ compiler")
+
+LAUNCHER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                            ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+
+
+@pytest.fixture(scope="module")
+def glue(tmp_path_factory):
+    import os
+
+    old = os.environ.get("FP4CONVERT_CACHE_DIR")
+    os.environ["FP4CONVERT_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    calls: list[tuple] = []
+
+    def fake(x, dt, fmt, rot, swz, rule, b, m, k, amax, gs, packed, scale, flag, stream):
+        calls.append((x, dt, fmt, rot, swz, rule, b, m, k, amax, gs, packed, scale, flag, stream))
+        ctypes.memset(packed, 0xAB, b * m * k // 2)
+        if gs:
+            for i in range(b):  # gs = amax + 1, read through the pointer it was given
+                ctypes.c_float.from_address(gs + 4 * i).value = ctypes.c_float.from_address(amax + 4 * i).value + 1
+        return 7 if rule == 2 else 0
+
+    cb = LAUNCHER(fake)
+    try:
+        module = api_ext.load(ctypes.cast(cb, ctypes.c_void_p).value)
+        path = api_ext.build()
+        assert api_ext.build() == path  # cached: the second call finds it
+        yield module, calls
+    finally:
+        if old is None:
+            os.environ.pop("FP4CONVERT_CACHE_DIR", None)
+        else:
+            os.environ["FP4CONVERT_CACHE_DIR"] = old
+
+
+def test_glue_allocates_the_outputs_and_hands_the_launcher_their_addresses(glue) -> None:
+    module, calls = glue
+    x = torch.randn(2, 3, 32, 64).to(torch.bfloat16)
+    amax = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    code, packed, scale, gs = module.quantize(x, amax, 2, 0, 1, 1, 0, 128, 4, 0x1000, 0x2000)
+    assert code == 0
+    assert packed.shape == (2, 3, 32, 32) and packed.dtype == torch.uint8 and bool((packed == 0xAB).all())
+    assert scale.shape == (2, 3, 128, 4) and scale.dtype == torch.float8_e4m3fn
+    assert gs.shape == (2, 3) and torch.equal(gs, amax + 1)
+    c = calls[-1]
+    assert c[0] == x.data_ptr() and c[1:9] == (2, 0, 1, 1, 0, 6, 32, 64)
+    assert (c[9], c[10], c[11], c[12]) == (amax.data_ptr(), gs.data_ptr(), packed.data_ptr(), scale.data_ptr())
+    assert (c[13], c[14]) == (0x1000, 0x2000)
+    # MXFP4: no amax, no gs, uint8 scales; the launcher's error code comes back as it is
+    code, packed, scale, gs = module.quantize(x[0, 0], None, 2, 1, 0, 0, 2, 32, 2, 0, 0)
+    assert code == 7 and gs is None and scale.dtype == torch.uint8 and scale.shape == (32, 2)
+    assert calls[-1][6:9] == (1, 32, 64) and calls[-1][9] is None and calls[-1][10] is None
+    with pytest.raises(RuntimeError, match="amax per matrix"):
+        module.quantize(x, amax[0], 2, 0, 0, 0, 0, 32, 4, 0, 0)
