@@ -6,13 +6,17 @@ are compared with the reference in tests/test_cuda_kernels.py."""
 from __future__ import annotations
 
 import ctypes
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
 
 from fp4convert.cuda import api_ext
 
-pytestmark = pytest.mark.skipif(api_ext.compiler() is None, reason="needs a C++ compiler")
+pytestmark = pytest.mark.skipif(
+    api_ext.compiler() is None or not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file(),
+    reason="needs a C++ compiler and the Python headers")
 
 LAUNCHER = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                             ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
