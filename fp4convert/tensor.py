@@ -161,6 +161,10 @@ def quantize(
     rule = s.check_rule(scale_rule)
     if not s.global_scale and global_amax is not None:
         raise ConfigError(f"{s.name.upper()} has no global scale; global_amax applies to NVFP4 only")
+    if x.is_cuda and (backend == "auto" or backend == "cuda"):  # the kernels: the fewest host steps
+        if x.dim() < 2 or x.shape[-1] % s.block_size or not x.is_floating_point():
+            ref.check_shape(x, s.block_size)  # raises, saying what to do
+        return _quantize_cuda(x, s, rotate, global_amax, scale_layout, rule)
     ref.check_shape(x, s.block_size)
     ops = _batch_ops(x, backend)
     if ops is not None:
@@ -174,29 +178,41 @@ def quantize(
     return QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
 
 
+def _group_amax(x: torch.Tensor, s: Scheme, global_amax) -> torch.Tensor | None:
+    """``global_amax`` as an fp32 tensor on x's device with one value per matrix (None: none given)."""
+    if not s.global_scale or global_amax is None:
+        return None
+    lead = x.shape[:-2]
+    a = global_amax
+    if not (isinstance(a, torch.Tensor) and a.dtype == torch.float32 and a.get_device() == x.get_device()):
+        a = torch.as_tensor(global_amax, dtype=torch.float32).to(x.device, non_blocking=True)
+    if a.numel() != 1 or len(lead) and math.prod(lead) != 1:
+        a = a.expand(lead).contiguous()  # one per matrix (a group's amax broadcast)
+    return a
+
+
+def _quantize_cuda(
+    x: torch.Tensor, s: Scheme, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout, rule: str
+) -> QuantizedTensor:
+    """The kernels take [..., M, K] as is, compute gs from the amax (pass 1 first when none is given)
+    and flag a non-finite amax or block in this thread's mapped flags: launch, the bookkeeping below
+    while the kernel runs, then one stream sync."""
+    ops = _cuda_ops()
+    packed, scale, gs, flagged = ops.quantize_checked(x, s.name, _group_amax(x, s, global_amax), rotate,
+                                                      scale_layout == "swizzled", s.scale_rules.index(rule))
+    q = QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
+    if flagged():
+        raise NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")
+    return q
+
+
 def _quantize_batched(
     ops, x: torch.Tensor, s: Scheme, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout, rule: str
 ) -> QuantizedTensor:
-    """Pass 1 (amax, unless the group's is given) and pass 2 on a batched backend, one host sync."""
+    """The CPU backend: pass 1 (amax, unless the group's is given) and pass 2, one check at the end."""
     lead = x.shape[:-2]
-    amax_b = None
-    if s.global_scale and global_amax is not None:
-        amax_b = global_amax
-        if not (isinstance(amax_b, torch.Tensor) and amax_b.dtype == torch.float32
-                and amax_b.get_device() == x.get_device()):
-            amax_b = torch.as_tensor(global_amax, dtype=torch.float32).to(x.device, non_blocking=True)
-        if amax_b.numel() != 1 or len(lead) and math.prod(lead) != 1:
-            amax_b = amax_b.expand(lead).contiguous()  # one per matrix (a group's amax broadcast)
+    amax_b = _group_amax(x, s, global_amax)
     swizzle = scale_layout == "swizzled"
-    if x.is_cuda:
-        # The kernels take [..., M, K] as is, compute gs from the amax and flag a non-finite amax or
-        # block in this thread's mapped flags: launch, the bookkeeping below, then one stream sync.
-        packed, scale, gs, flagged = ops.quantize_checked(x, s.name, amax_b, rotate, swizzle,
-                                                         s.scale_rules.index(rule))
-        q = QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
-        if flagged():
-            raise NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")
-        return q
     xb = _as_batch(x)  # the CPU ops take [B, M, K] and gs [B]
     gs = bad = None
     if s.global_scale:
