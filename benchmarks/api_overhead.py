@@ -63,7 +63,7 @@ def main() -> None:
     row("ops.quantize(host_flag) + sync", lambda: ops.quantize(x, "nvfp4", a, None, False, host_flag=True)[3](), 5000)
     from fp4convert.cuda import api_ext
 
-    glue = api_ext.wait(lib)
+    glue = api_ext.wait()
     saved = api_ext._state.get("module")
     api_ext._state["module"] = None
     row("fp4convert.quantize(x, 'nvfp4', global_amax=a), Python path",

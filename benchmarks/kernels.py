@@ -290,7 +290,7 @@ def public_api(size: int, xs: list[torch.Tensor], amax, add) -> None:
         bare = bench_wall([lambda i=i: ops.quantize(xs[i], "nvfp4", amax, None, False) for i in range(len(xs))])
         from fp4convert.cuda import api_ext
 
-        glue = api_ext.wait(ops._lib(xs[0].device))  # the C++ glue built (or found) before timing
+        glue = api_ext.wait()  # the C++ glue built (or found) before timing
         saved = api_ext._state.get("module")
         api_ext._state["module"] = None  # the Python path first
         api_py = bench_wall([lambda i=i: fp4convert.quantize(xs[i][0], "nvfp4", global_amax=a) for i in range(len(xs))])

@@ -3,7 +3,7 @@
 // output tensors (3-7 us each through torch's Python argument parser) before the launch, and that
 // time is exposed between kernels because the call syncs for its NaN/Inf check. Here the outputs come
 // from at::empty and the launch goes through the kernel library's own fp4c_quantize (its address is
-// handed in once by fp4convert/cuda/api_ext.py), so no kernel code is compiled here: plain g++ against
+// handed in by fp4convert/cuda/ops.py with every call), so no kernel code is compiled here: plain g++ against
 // the installed torch's headers, built lazily and cached like the kernel library. Any failure to
 // build leaves the Python path in place; both give the same bytes (the launcher is the same).
 
@@ -18,16 +18,20 @@ using Launcher = int (*)(const void* x, int dtype, int fmt, int rotate, int swiz
                          int64_t K, const float* amax, float* gs, uint8_t* packed, uint8_t* scale, int* flag,
                          void* stream);
 
-Launcher g_launch = nullptr;
+// The kernel library's ABI this launcher signature belongs to (fp4convert/cuda/build.py ABI_VERSION):
+// api_ext.py refuses the glue when they differ.
+int kernel_abi() { return 4; }
 
-void set_launcher(uintptr_t fn) { g_launch = reinterpret_cast<Launcher>(fn); }
-
-// x [..., M, K] contiguous; amax fp32 with one value per matrix (NVFP4) or None; scale [..., rows, cols]
-// (rows, cols: the linear or the 128x4 layout's shape, from the caller). Returns (launcher code,
-// packed uint8 [..., M, K/2], scale E4M3 (NVFP4) or uint8 (MXFP4), gs fp32 [...] or None).
-py::tuple quantize(const at::Tensor& x, const c10::optional<at::Tensor>& amax, int dtype, int fmt, int rotate,
-                   int swizzle, int rule, int64_t rows, int64_t cols, uintptr_t flags, uintptr_t stream) {
-  TORCH_CHECK(g_launch != nullptr, "fp4c_api: the launcher was not set");
+// launcher: the address of the library's fp4c_quantize for x's GPU (a library per compute capability,
+// so it comes with every call). x [..., M, K] contiguous; amax fp32 with one value per matrix (NVFP4)
+// or None; scale [..., rows, cols] (rows, cols: the linear or the 128x4 layout's shape, from the
+// caller). Returns (launcher code, packed uint8 [..., M, K/2], scale E4M3 (NVFP4) or uint8 (MXFP4),
+// gs fp32 [...] or None).
+py::tuple quantize(uintptr_t launcher, const at::Tensor& x, const c10::optional<at::Tensor>& amax, int dtype,
+                   int fmt, int rotate, int swizzle, int rule, int64_t rows, int64_t cols, uintptr_t flags,
+                   uintptr_t stream) {
+  const auto g_launch = reinterpret_cast<Launcher>(launcher);
+  TORCH_CHECK(g_launch != nullptr, "fp4c_api: no launcher");
   TORCH_CHECK(x.dim() >= 2, "fp4c_api: expected [..., M, K]");
   const auto sizes = x.sizes();
   const int64_t nd = x.dim(), m = sizes[nd - 2], k = sizes[nd - 1];
@@ -59,6 +63,6 @@ py::tuple quantize(const at::Tensor& x, const c10::optional<at::Tensor>& amax, i
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("set_launcher", &set_launcher, "the kernel library's fp4c_quantize address");
+  m.def("abi", &kernel_abi, "the kernel library ABI the launcher signature matches");
   m.def("quantize", &quantize, "outputs and the quantize launch in one call");
 }

@@ -393,8 +393,10 @@ def read_many(items: list[tuple[Path, TensorInfo, memoryview]], threads: int = 1
         _read_pieces(pieces)
         return
     first, *rest = _split(pieces, -(-total // parts))
-    futures = [_readers(threads).submit(_read_pieces, part) for part in rest]
+    futures = []
     try:
+        for part in rest:
+            futures.append(_readers(threads).submit(_read_pieces, part))
         _read_pieces(first)
     finally:
         errors = [f.exception() for f in futures]  # every thread has stopped writing into the buffers

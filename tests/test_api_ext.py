@@ -41,10 +41,10 @@ def glue(tmp_path_factory):
 
     cb = LAUNCHER(fake)
     try:
-        module = api_ext.load(ctypes.cast(cb, ctypes.c_void_p).value)
+        module = api_ext.load()
         path = api_ext.build()
         assert api_ext.build() == path  # cached: the second call finds it
-        yield module, calls
+        yield module, ctypes.cast(cb, ctypes.c_void_p).value, calls
     finally:
         if old is None:
             os.environ.pop("FP4CONVERT_CACHE_DIR", None)
@@ -53,11 +53,11 @@ def glue(tmp_path_factory):
 
 
 def test_glue_allocates_the_outputs_and_hands_the_launcher_their_addresses(glue) -> None:
-    module, calls = glue
+    module, launcher, calls = glue
     x = torch.randn(2, 3, 32, 64).to(torch.bfloat16)
     amax = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    code, packed, scale, gs = module.quantize(x, amax, 2, 0, 1, 1, 0, 128, 4, 0x1000, 0x2000)
-    assert code == 0
+    code, packed, scale, gs = module.quantize(launcher, x, amax, 2, 0, 1, 1, 0, 128, 4, 0x1000, 0x2000)
+    assert code == 0 and module.abi() == 4
     assert packed.shape == (2, 3, 32, 32) and packed.dtype == torch.uint8 and bool((packed == 0xAB).all())
     assert scale.shape == (2, 3, 128, 4) and scale.dtype == torch.float8_e4m3fn
     assert gs.shape == (2, 3) and torch.equal(gs, amax + 1)
@@ -66,8 +66,40 @@ def test_glue_allocates_the_outputs_and_hands_the_launcher_their_addresses(glue)
     assert (c[9], c[10], c[11], c[12]) == (amax.data_ptr(), gs.data_ptr(), packed.data_ptr(), scale.data_ptr())
     assert (c[13], c[14]) == (0x1000, 0x2000)
     # MXFP4: no amax, no gs, uint8 scales; the launcher's error code comes back as it is
-    code, packed, scale, gs = module.quantize(x[0, 0], None, 2, 1, 0, 0, 2, 32, 2, 0, 0)
+    code, packed, scale, gs = module.quantize(launcher, x[0, 0], None, 2, 1, 0, 0, 2, 32, 2, 0, 0)
     assert code == 7 and gs is None and scale.dtype == torch.uint8 and scale.shape == (32, 2)
     assert calls[-1][6:9] == (1, 32, 64) and calls[-1][9] is None and calls[-1][10] is None
     with pytest.raises(RuntimeError, match="amax per matrix"):
-        module.quantize(x, amax[0], 2, 0, 0, 0, 0, 32, 4, 0, 0)
+        module.quantize(launcher, x, amax[0], 2, 0, 0, 0, 0, 32, 4, 0, 0)
+    with pytest.raises(RuntimeError, match="no launcher"):
+        module.quantize(0, x, amax, 2, 0, 0, 0, 0, 32, 4, 0, 0)
+
+
+def test_glue_off_switch_and_failed_build_leave_the_python_path(tmp_path, monkeypatch, caplog) -> None:
+    """FP4CONVERT_API_GLUE=0: no build at all; a compiler that fails: one log line, then None for good."""
+    import logging
+
+    monkeypatch.setattr(api_ext, "_state", {})
+    monkeypatch.setenv("FP4CONVERT_API_GLUE", "0")
+    assert api_ext.get() is None and api_ext.wait() is None and "thread" not in api_ext._state
+    monkeypatch.delenv("FP4CONVERT_API_GLUE")
+    monkeypatch.setenv("FP4CONVERT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false --not-a-compiler")  # a command with arguments, which fails
+    with caplog.at_level(logging.INFO, logger="fp4convert.cuda"):
+        assert api_ext.wait() is None
+    assert api_ext._state["module"] is None and api_ext.get() is None
+    assert any("C++ glue is unavailable" in r.message for r in caplog.records)
+
+
+def test_the_package_ships_every_source_the_lazy_builds_need() -> None:
+    """pyproject's package-data globs cover every file in csrc/ that a build reads (a wheel without
+    fp4c_api.cpp would silently lose the glue)."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["fp4convert.cuda"]
+    needed = [p for p in (root / "csrc").iterdir() if p.suffix in (".cu", ".cuh", ".cpp")]
+    assert any(p.name == api_ext.SOURCE for p in needed)
+    for p in needed:
+        assert any(fnmatch.fnmatch(f"csrc/{p.name}", g) for g in globs), p.name

@@ -4,7 +4,9 @@ instead of torch (raw tensor bytes, unit amax, the kept tensors' NaN/Inf scan)."
 
 from __future__ import annotations
 
+import ctypes
 import json
+import math
 import os
 import struct
 
@@ -201,3 +203,147 @@ def test_pinned_size_classes() -> None:
         c = size_class(n)
         assert n <= c < n * 1.25 + SMALL and c % SMALL == 0, n
         assert size_class(c) == c  # a class is its own class
+
+
+# --- DirectBackend's bookkeeping on the CPU: a stand-in runtime whose "kernels" stamp each matrix ---
+
+class _Mem:
+    """Host memory standing in for device memory (ctypes buffers kept alive here)."""
+
+    def __init__(self) -> None:
+        self.keep: list = []
+
+    def alloc(self, n: int) -> int:
+        b = (ctypes.c_char * max(n, 1))()
+        self.keep.append(b)
+        return ctypes.addressof(b)
+
+
+def _floats(ptr: int, n: int) -> list[float]:
+    return list((ctypes.c_float * n).from_address(ptr))
+
+
+class _StampLib:
+    """amax: max |x| per matrix; quantize: every packed byte of matrix b = its tag (x[b][0] * 1000),
+    every scale byte = tag + 7, gs = 2688 / amax, flag[b] = 1 for NaN/Inf: where each matrix's
+    results land is then visible in the bytes."""
+
+    def __init__(self, mem: _Mem) -> None:
+        self.mem = mem
+
+    def fp4c_malloc(self, pp, n):
+        pp._obj.value = self.mem.alloc(n)
+        return 0
+
+    def fp4c_free(self, p):
+        return 0
+
+    def fp4c_amax(self, x, dt, rot, b, n, out, st):
+        for i in range(b):
+            v = _floats(x + 4 * n * i, n)
+            (ctypes.c_float * b).from_address(out)[i] = max(abs(t) if t == t else float("nan") for t in v)
+        return 0
+
+    def fp4c_quantize(self, x, dt, fmt, rot, swz, rule, b, m, k, amax, gs, packed, scale, flag, st):
+        from fp4convert.swizzle import padded_shape
+
+        rows, cols = padded_shape(m, k // (16 if fmt == 0 else 32)) if swz else (m, k // (16 if fmt == 0 else 32))
+        for i in range(b):
+            v = _floats(x + 4 * m * k * i, m * k)
+            tag = round(v[0] * 1000) % 251
+            ctypes.memset(packed + i * m * k // 2, tag, m * k // 2)
+            ctypes.memset(scale + i * rows * cols, tag + 7, rows * cols)
+            if amax:
+                a = (ctypes.c_float * b).from_address(amax)[i]
+                (ctypes.c_float * b).from_address(gs)[i] = 2688.0 / a
+            if not all(math.isfinite(t) for t in v):
+                (ctypes.c_int * b).from_address(flag)[i] = 1
+        return 0
+
+
+class _HostBuf:
+    def __init__(self, mem: _Mem, n: int) -> None:
+        self.size, self.ptr = n, mem.alloc(n)
+
+    def view(self, off: int = 0, n: int | None = None) -> memoryview:
+        n = self.size - off if n is None else n
+        return memoryview((ctypes.c_char * n).from_address(self.ptr + off)).cast("B")
+
+
+class _StampRuntime:
+    def __init__(self) -> None:
+        self.mem = _Mem()
+        self.lib, self.stream = _StampLib(self.mem), 0
+        self.pool = type("Pool", (), {"get": lambda _, n: _HostBuf(self.mem, n)})()
+
+    def copy(self, dst, src, n, kind):
+        ctypes.memmove(dst, src, n)
+
+    def memset(self, dst, value, n):
+        ctypes.memset(dst, value, n)
+
+    def sync(self):
+        pass
+
+    def check(self, code, what=""):
+        assert code == 0, what
+
+    def event(self):
+        return type("Ev", (), {"record": lambda e, st: e, "synchronize": lambda e: None})()
+
+
+@pytest.mark.parametrize("scheme,swizzle", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False), ("mxfp4", True)])
+def test_group_launches_keep_every_member_apart(scheme, swizzle) -> None:
+    """Random batches of fused units whose shape groups interleave in member order, one with a NaN
+    member now and then: each member's bytes, amax, unit amax, gs and NaN flag come back as its own."""
+    import random
+    from types import SimpleNamespace
+
+    from fp4convert.schedule import Settings, grouped_offsets
+    from fp4convert.scheme import get_scheme
+
+    seed = int(torch.randint(0, 2**31, ()).item())
+    rng = random.Random(seed)
+    s = Settings(get_scheme(scheme), None, swizzle, {"scale_rule": None})
+    for trial in range(40):
+        units, k = [], 0
+        for _ in range(rng.randint(1, 6)):
+            unit = []
+            for _ in range(rng.randint(1, 3)):
+                shape = rng.choice([(16, 32), (32, 32), (16, 64), (48, 32)])
+                info = SimpleNamespace(name=f"m{k}", shape=shape, dtype="F32", file="f", nbytes=4 * shape[0] * shape[1])
+                unit.append(SimpleNamespace(name=info.name, info=info, module=info.name))
+                k += 1
+            units.append(unit)
+        batch = Batch(units)
+        rt = _StampRuntime()
+        offsets, total = grouped_offsets(batch.reads())
+        buf = _HostBuf(rt.mem, total)
+        nan_at = rng.randrange(k) if rng.random() < 0.3 else None
+        values = []
+        for i, (d, off) in enumerate(zip(batch.members, offsets)):
+            v = [rng.uniform(-1, 1) * rng.choice([1, 10, 100]) for _ in range(d.info.shape[0] * d.info.shape[1])]
+            v[0] = (i + 1) / 1000  # the member's tag
+            if i == nan_at:
+                v[5] = float("nan")
+            v = list((ctypes.c_float * len(v))(*v))  # as stored (fp32)
+            values.append(v)
+            (ctypes.c_float * len(v)).from_address(buf.ptr + off)[:] = v
+        out, layout, bad, amax, ga, gs = direct.DirectBackend(rt).run(
+            batch, (buf, list(zip(offsets, batch.reads()))), s, lambda e: None)()
+        ctx = f"seed={seed} trial={trial}"
+        assert bad == [i == nan_at for i in range(k)], ctx
+        if nan_at is not None:
+            continue
+        own = [max(abs(t) for t in v) for v in values]
+        unit_of = [j for j, u in enumerate(units) for _ in u]
+        for i in range(k):
+            p_off, p_n, s_off, s_n = layout[i]
+            tag = (i + 1) % 251
+            assert set(bytes(out.view(p_off, p_n))) == {tag} and set(bytes(out.view(s_off, s_n))) == {tag + 7}, ctx
+            if s.scheme.global_scale:
+                want = max(own[j] for j in range(k) if unit_of[j] == unit_of[i])
+                assert amax[i] == pytest.approx(own[i], rel=1e-6) and ga[i] == pytest.approx(want, rel=1e-6), ctx
+                assert gs[i] == pytest.approx(2688.0 / want, rel=1e-5), ctx
+        spans = sorted([(p, p + n) for p, n, _, _ in layout] + [(q, q + n) for _, _, q, n in layout])
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), ctx  # no two outputs overlap

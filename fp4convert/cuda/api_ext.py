@@ -20,6 +20,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -42,17 +43,21 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "thread": the background build, "module": the loaded glue (or None)
 
 
-def compiler() -> str | None:
-    """$CXX, or c++ / g++ on PATH."""
-    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+def compiler() -> list[str] | None:
+    """$CXX (a command, e.g. ``ccache g++``), or c++ / g++ on PATH."""
+    env = shlex.split(os.environ.get("CXX", ""))
+    if env:
+        return env
+    found = shutil.which("c++") or shutil.which("g++")
+    return [found] if found else None
 
 
-def build(cxx: str | None = None) -> Path:
+def build() -> Path:
     """Path of the built glue for the installed torch, compiling it if the cache lacks it."""
     import torch
     from torch.utils import cpp_extension
 
-    cxx = cxx or compiler()
+    cxx = compiler()
     if cxx is None:
         raise CUDABuildError("no C++ compiler (set CXX)")
     src = source_dir() / SOURCE
@@ -66,9 +71,9 @@ def build(cxx: str | None = None) -> Path:
     link = [*(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch", "-ltorch_cpu",
             "-ltorch_python"]
     digest = hashlib.sha256(src.read_bytes())
-    resolved = Path(shutil.which(cxx) or cxx).resolve()
-    for part in (torch.__version__, torch.__file__, sys.version, " ".join(flags + link), str(resolved),
-                 str(resolved.stat().st_mtime_ns)):
+    resolved = Path(shutil.which(cxx[-1]) or cxx[-1]).resolve()
+    for part in (torch.__version__, torch.__file__, sys.version, " ".join(cxx + flags + link), str(resolved),
+                 str(resolved.stat().st_mtime_ns) if resolved.exists() else ""):
         digest.update(part.encode() + b"\0")
     target_dir = cache_root() / f"api-{digest.hexdigest()[:16]}"
     target = target_dir / f"{NAME}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
@@ -81,7 +86,7 @@ def build(cxx: str | None = None) -> Path:
             return target
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
         os.close(fd)
-        cmd = [cxx, *flags, "-o", tmp, str(src), *link]
+        cmd = [*cxx, *flags, "-o", tmp, str(src), *link]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
@@ -90,35 +95,40 @@ def build(cxx: str | None = None) -> Path:
     return target
 
 
-def load(launcher: int) -> ModuleType:
-    """Build (or find) and import the glue now, pointed at ``launcher`` (fp4c_quantize's address)."""
+def load() -> ModuleType:
+    """Build (or find) and import the glue now; CUDABuildError if it cannot be used."""
+    from .build import ABI_VERSION
+
     path = build()
     loader = importlib.machinery.ExtensionFileLoader(NAME, str(path))
     spec = importlib.util.spec_from_file_location(NAME, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
-    module.set_launcher(launcher)
+    if module.abi() != ABI_VERSION:  # its launcher signature is another library's
+        raise CUDABuildError(f"the API glue speaks kernel ABI {module.abi()}, the library {ABI_VERSION}")
     return module
 
 
 def launcher_address(lib: ctypes.CDLL) -> int:
+    """What the glue calls: this library's fp4c_quantize (a library per compute capability)."""
     return ctypes.cast(lib.fp4c_quantize, ctypes.c_void_p).value
 
 
-def get(lib: ctypes.CDLL) -> ModuleType | None:
-    """The glue if it is ready; else None (the first call starts its build in the background).
-    ``FP4CONVERT_API_GLUE=0`` keeps the Python path (an A/B switch; the bytes are the same)."""
+def get() -> ModuleType | None:
+    """The glue if it is ready; else None (the first call starts its build in the background; a
+    failed build logs the reason and leaves the Python path for good, with the same bytes).
+    ``FP4CONVERT_API_GLUE=0`` keeps the Python path (an A/B switch)."""
     if "module" in _state:
         return _state["module"]  # type: ignore[return-value]
     with _lock:
         if "thread" not in _state and os.environ.get("FP4CONVERT_API_GLUE") != "0":
-            address = launcher_address(lib)
 
             def run() -> None:
                 try:
-                    module = load(address)
+                    module = load()
                 except Exception as exc:  # noqa: BLE001 - optional: the Python path stays
-                    log.debug("fp4convert API glue unavailable: %s", exc)
+                    log.info("fp4convert: the public API's C++ glue is unavailable, using the Python path "
+                             "(same bytes, ~15 us more per call): %s", str(exc).splitlines()[0])
                     module = None
                 _state["module"] = module
 
@@ -127,9 +137,9 @@ def get(lib: ctypes.CDLL) -> ModuleType | None:
     return None
 
 
-def wait(lib: ctypes.CDLL) -> ModuleType | None:
+def wait() -> ModuleType | None:
     """Start the build if needed and wait for it (tests and benchmarks: time the steady state)."""
-    get(lib)
+    get()
     t = _state.get("thread")
     if isinstance(t, threading.Thread):
         t.join()

@@ -81,11 +81,16 @@ _thread = threading.local()
 
 
 def _host_flags(lib: ctypes.CDLL, b: int) -> int:
-    """This thread's flag array, >= b ints, zeroed by a host store. One per thread: the call that
-    uses it waits for its kernel before returning, so the next call may reuse it."""
+    """This thread's flag array, >= b ints, zeroed by a host store. One per thread: its user reads it
+    (after the sync) before the thread's next host-flag call, as the public API does. A grown array's
+    predecessor stays allocated with the thread, so a kernel still writing it never writes freed memory."""
     f = getattr(_thread, "flags", None)
     if f is None or f.n < b:
-        f = _thread.flags = _Flags(lib, max(b, 1024))
+        old = getattr(_thread, "retired", [])
+        if f is not None:
+            old.append(f)
+        f = _thread.flags = _Flags(lib, max(b, 1024, 2 * (f.n if f is not None else 0)))
+        _thread.retired = old
     ctypes.memset(f.ptr, 0, 4 * b)
     return f.ptr
 
@@ -213,7 +218,8 @@ def quantize(
     NaN/Inf (the caller refuses the tensor: the one host sync). ``out``: optional preallocated
     (packed, scale uint8) buffers, e.g. poisoned ones in tests. ``host_flag``: the flags go to this
     thread's mapped pinned array instead (no zero-fill launch, no copy back) and ``nonfinite`` is a
-    function that waits for the kernel (one stream sync) and says whether any matrix was flagged.
+    function that waits for the kernel (one stream sync) and says whether any matrix was flagged; call
+    it before this thread's next host-flag call, which zeroes the array again.
     """
     _check_input(x, rotate)
     if scheme not in _FMTS:
@@ -304,10 +310,11 @@ def quantize_checked(
                            and amax.is_contiguous())):
         if lean is None and x.is_cuda:
             d = x.device
-            _lean[idx] = (_lib(d), torch.cuda.device_count() > 1, *(torch.empty(0, dtype=t, device=d) for t in (
-                torch.uint8, torch.float8_e4m3fn, torch.float32)))
+            lib = _lib(d)
+            _lean[idx] = (lib, api_ext.launcher_address(lib), torch.cuda.device_count() > 1,
+                          *(torch.empty(0, dtype=t, device=d) for t in (torch.uint8, torch.float8_e4m3fn, torch.float32)))
         return quantize(x, scheme, amax, rotate, swizzle, rule, host_flag=True)
-    lib, several, u8, e4m3, f32 = lean
+    lib, launcher, several, u8, e4m3, f32 = lean
     shape = x.shape
     lead, m, k = shape[:-2], shape[-2], shape[-1]
     b = math.prod(lead)
@@ -317,16 +324,12 @@ def quantize_checked(
     rows, cols = padded(m, nb) if swizzle else (m, nb)
     if several and (code := lib.fp4c_set_device(idx)):
         _check(lib, code)
-    flags = getattr(_thread, "flags", None)
-    if flags is None or flags.n < b:
-        flags = _thread.flags = _Flags(lib, max(b, 1024))
-    ctypes.memset(flags.ptr, 0, 4 * b)
-    fp = flags.ptr
+    fp = _host_flags(lib, b)
     stream = _raw_stream(idx)
-    glue = api_ext.get(lib)
+    glue = api_ext.get()
     if glue is not None:  # outputs and launch in one C++ call (the same launcher, the same bytes)
-        code, packed, scale, gs = glue.quantize(x, amax if nvfp4 else None, dt, _FMTS[scheme], int(rotate == "had16"),
-                                                int(swizzle), rule, rows, cols, fp, stream)
+        code, packed, scale, gs = glue.quantize(launcher, x, amax if nvfp4 else None, dt, _FMTS[scheme],
+                                                int(rotate == "had16"), int(swizzle), rule, rows, cols, fp, stream)
     else:
         gs = f32.new_empty(lead) if nvfp4 else None
         packed = u8.new_empty((*lead, m, k >> 1))
