@@ -280,10 +280,7 @@ def torch_free(config: ConvertConfig, world: World, plan: Plan) -> bool:
     """
     from .direct import DTYPE_CODES
 
-    if world.distributed or os.environ.get("FP4CONVERT_TORCH_PIPELINE") == "1":
-        return False
-    dev = config.device
-    if dev != "auto" and not (dev == "cuda" or dev.startswith("cuda:")):
+    if world.distributed or _cuda_index(config.device) is None or os.environ.get("FP4CONVERT_TORCH_PIPELINE") == "1":
         return False
     for unit in plan.units():
         if unit[0].decode is not None:
@@ -293,15 +290,24 @@ def torch_free(config: ConvertConfig, world: World, plan: Plan) -> bool:
     return True
 
 
+def _cuda_index(device: str) -> int | None:
+    """The GPU a one-process run on ``device`` would use: ``auto`` / ``cuda`` -> 0, ``cuda:N`` -> N;
+    None for the CPU or a malformed index (the torch pipeline reports that one)."""
+    if device in ("auto", "cuda"):
+        return 0
+    if not device.startswith("cuda:"):
+        return None
+    try:
+        return int(device.split(":", 1)[1])
+    except ValueError:
+        return None
+
+
 def prewarm_device(config: ConvertConfig) -> None:
     """A one-process CUDA run: start the GPU (driver, kernel library, context) in the background now,
     while the source is planned. Imports nothing heavy; a machine without a GPU costs nothing."""
-    dev = config.device
-    if World.from_env().distributed or not (dev in ("auto", "cuda") or dev.startswith("cuda:")):
-        return
-    try:
-        index = int(dev.split(":", 1)[1]) if ":" in dev else 0
-    except ValueError:
+    index = _cuda_index(config.device)
+    if index is None or World.from_env().distributed:
         return
     from .cuda.runtime import prewarm
 
@@ -317,13 +323,8 @@ def _direct_runtime(config: ConvertConfig, world: World, plan: Plan):
     from .cuda.runtime import Runtime
     from .errors import FP4ConvertError
 
-    dev = config.device
     try:
-        index = int(dev.split(":", 1)[1]) if ":" in dev else 0
-    except ValueError:
-        return None
-    try:
-        return Runtime(index)  # no driver or GPU, an old GPU, no nvcc: CUDAUnavailableError
+        return Runtime(_cuda_index(config.device))  # no driver or GPU, an old GPU, no nvcc: CUDAUnavailableError
     except FP4ConvertError as exc:
         log.debug("torch-free CUDA path unavailable (%s); using the torch pipeline", exc)
         return None

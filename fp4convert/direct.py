@@ -137,10 +137,6 @@ class DirectBackend:
         return result
 
 
-def _numel(info) -> int:
-    return math.prod(info.shape)
-
-
 def _rule_code(scheme, rule: str | None) -> int:
     """The launchers' int for a scale rule: its index in the scheme's list (CONTRACT.md)."""
     return scheme.scale_rules.index(scheme.check_rule(rule))

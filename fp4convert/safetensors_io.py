@@ -32,10 +32,10 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO
 
 from . import stages

@@ -828,8 +828,7 @@ class ShardWriters:
         w = None if self.skip(name) else self._writer(name)
         if w is not None:
             w._expect(name, info.nbytes)
-        elif not self.owns(self.shard_of[name]) or info.dtype not in ("F64", "F32", "F16", "BF16", "F8_E4M3",
-                                                                        "F8_E5M2"):
+        elif not self.owns(self.shard_of[name]) or info.dtype not in _FLOATS:
             return
         try:
             fh = open(path, "rb")

@@ -17,6 +17,7 @@ import torch
 
 from . import api_ext
 from .build import find_nvcc, load_library
+from .runtime import MIN_CAPABILITY  # the E4M3 conversion instructions
 from ..errors import CUDAKernelError, CUDAUnavailableError
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -25,7 +26,6 @@ _BLOCK = {"nvfp4": 16, "mxfp4": 32}
 _SCALE_DTYPE = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.uint8}
 # Scale rules by launcher code (index): CONTRACT.md.
 SCALE_RULES = {"nvfp4": ("max", "4over6", "mse"), "mxfp4": ("floor", "rceil", "mse")}
-MIN_CAPABILITY = (8, 9)  # the E4M3 conversion instructions
 
 
 def available() -> bool:
@@ -106,12 +106,9 @@ def _raw_stream(index: int) -> int:
     return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
-def _stream(device: torch.device) -> ctypes.c_void_p:
-    """The current stream's handle (the raw getter skips building a Stream object: ~µs per call)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None and device.index is not None:
-        return ctypes.c_void_p(raw(device.index))
-    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+def _stream(device: torch.device) -> int:
+    """The current stream's handle on ``device`` (the raw getter skips building a Stream object)."""
+    return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -250,26 +247,14 @@ def quantize(
             and packed.data_ptr() % 16 == 0
         ):
             raise CUDAKernelError("out buffers do not match the expected shapes / uint8 / contiguous")
-    if host_flag and x.numel():
-        lib = _lib(dev)
-        flags, stream = _host_flags(lib, b), _stream(dev)
-        _check(lib, lib.fp4c_quantize(_ptr(x), _DTYPES[x.dtype], _FMTS[scheme], int(rotate == "had16"),
-                                      int(swizzle), rule, b, m, k, _ptr(amax), _ptr(gs), _ptr(packed), _ptr(scale),
-                                      flags, stream))
-
-        def flagged() -> bool:
-            _check(lib, lib.fp4c_stream_sync(stream))
-            return ctypes.string_at(flags, 4 * b) != bytes(4 * b)
-
-        if scheme == "nvfp4" and out is not None:
-            scale = scale.view(torch.float8_e4m3fn)
-        return packed, scale, gs, flagged
-    flag = torch.zeros(lead, dtype=torch.int32, device=dev)  # the launcher only sets flags
+    mapped = host_flag and x.numel() > 0
+    flag = None if mapped else torch.zeros(lead, dtype=torch.int32, device=dev)  # the launcher only sets flags
     if x.numel():
-        lib = _lib(dev)
+        lib, stream = _lib(dev), _stream(dev)
+        fp = _host_flags(lib, b) if mapped else _ptr(flag)
         _check(lib, lib.fp4c_quantize(_ptr(x), _DTYPES[x.dtype], _FMTS[scheme], int(rotate == "had16"),
                                       int(swizzle), rule, b, m, k, _ptr(amax), _ptr(gs), _ptr(packed), _ptr(scale),
-                                      _ptr(flag), _stream(dev)))
+                                      fp, stream))
     else:  # no launch: the same results the kernel would give an empty matrix
         if swizzle:
             scale.view(torch.uint8).zero_()
@@ -280,7 +265,14 @@ def quantize(
             flag.copy_((~torch.isfinite(a)).to(torch.int32))
     if scheme == "nvfp4" and out is not None:
         scale = scale.view(torch.float8_e4m3fn)
-    if host_flag:
+    if mapped:
+
+        def flagged() -> bool:
+            _check(lib, lib.fp4c_stream_sync(stream))
+            return ctypes.string_at(fp, 4 * b) != bytes(4 * b)
+
+        return packed, scale, gs, flagged
+    if host_flag:  # an empty input: no launch, the flags were computed here
         bad = bool(flag.any())
         return packed, scale, gs, lambda: bad
     return packed, scale, gs, flag
