@@ -3,7 +3,7 @@
 # HOST_IO=1 the host's own ceilings (benchmarks/host_io.py); TESTS="pytest args" GPU tests first;
 # API=1 the public-API rows and benchmarks/api_overhead.py; then the dense and MoE checkpoints beside `cp -r` + sync with every
 # fp4convert run's --json stage times (e2e_vs_copy.py; E2E_ONLY=dense|moe, TORCH_ROW=1 adds the torch
-# pipeline's row); CPU_ROW=1 one 16-core --device cpu run of the dense checkpoint. Results in $OUT.
+# pipeline's row, LANE_ROWS=1,4 rows with those --lanes); CPU_ROW=1 one 16-core --device cpu run of the dense checkpoint. Results in $OUT.
 # Next call for issue 10: E2E_ONLY=moe API=1 HOST_IO=1 TESTS="-m cuda tests/test_direct.py" bash benchmarks/device_profile.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,7 @@ import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); t
 from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda')); t3 = time.perf_counter()
 print(f'import torch {t1 - t0:.2f} s, CUDA context {t2 - t1:.2f} s, kernels from cache {t3 - t2:.2f} s')"
 timeout ${E2E_TIMEOUT:-300} python3 benchmarks/e2e_vs_copy.py --work /tmp/e2e --out "$OUT" --layers "${E2E_LAYERS:-8}" \
-    --repeats "${E2E_REPEATS:-3}" --procs-per-gpu 0 --no-cpu ${TORCH_ROW:+--torch-row} ${E2E_ONLY:+--only $E2E_ONLY} 2>&1 | tee "$OUT/e2e_vs_copy.txt"
+    --repeats "${E2E_REPEATS:-3}" --procs-per-gpu 0 --no-cpu ${TORCH_ROW:+--torch-row} ${LANE_ROWS:+--lane-rows $LANE_ROWS} ${E2E_ONLY:+--only $E2E_ONLY} 2>&1 | tee "$OUT/e2e_vs_copy.txt"
 if [ -n "${CPU_ROW:-}" ] && [ -d /tmp/e2e/dense ]; then
     rm -rf /tmp/e2e/cpuout; t0=$(date +%s.%N)
     timeout 150 python3 -m fp4convert quantize /tmp/e2e/dense /tmp/e2e/cpuout --device cpu --json --max-shard-size 512MB \

@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--no-cpu", action="store_true")
     ap.add_argument("--torch-row", action="store_true", help="also run the GPU row on the torch pipeline")
     ap.add_argument("--only", choices=["dense", "moe"], default=None)
+    ap.add_argument("--lane-rows", default="", help="comma-separated --lanes values for extra 1-GPU rows (e.g. 1,4)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -181,6 +182,8 @@ def main() -> None:
         rows = [("cp -r + sync", f"cp -r {src} {dst}")]
         if gpus:
             rows.append(("fp4convert, 1 GPU", f"{q} --device cuda"))
+            for n in filter(None, args.lane_rows.split(",")):  # the default row runs with --lanes 0 (auto)
+                rows.append((f"fp4convert, 1 GPU, --lanes {n}", f"{q} --device cuda --lanes {n}"))
             if args.torch_row:  # the same run on the torch pipeline (same bytes; an A/B of the two CUDA paths)
                 rows.append(("fp4convert, 1 GPU, torch pipeline", f"FP4CONVERT_TORCH_PIPELINE=1 {q} --device cuda"))
             if gpus > 1:

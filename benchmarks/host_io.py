@@ -17,6 +17,15 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
+
+
+def _fsync_path(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def best(fn, repeats: int = 3) -> float:
@@ -92,8 +101,78 @@ def main() -> None:
 
     os.sync()
     out["write_pagecache_4threads_GBps"] = round(gb / best(write4), 2)
+
+    def write4_fsync() -> None:  # the same, each file synced: the disk's rate with four writers
+        write4()
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda k: _fsync_path(a.work / f"blob{k}"), range(4)))
+
+    os.sync()
+    out["write_fsync_4threads_GBps"] = round(gb / best(write4_fsync), 2)
     for k in range(4):
         (a.work / f"blob{k}").unlink()
+
+    def write8_fsync() -> None:
+        def one(k: int) -> None:
+            with open(a.work / f"blob{k}", "wb") as f:
+                for i in range(k * n // 8, (k + 1) * n // 8, chunk):
+                    f.write(view[i : min(i + chunk, (k + 1) * n // 8)])
+                f.flush()
+                os.fsync(f.fileno())
+
+        with ThreadPoolExecutor(8) as ex:
+            list(ex.map(one, range(8)))
+
+    os.sync()
+    out["write_fsync_8threads_GBps"] = round(gb / best(write8_fsync), 2)
+    for k in range(8):
+        (a.work / f"blob{k}").unlink()
+
+    # O_DIRECT: the disk reads the buffer itself (no copy into the page cache, nothing dirty to sync).
+    import mmap
+
+    aligned = mmap.mmap(-1, n)  # page-aligned, as O_DIRECT needs
+    aligned[:] = data
+    av = memoryview(aligned)
+
+    def write_direct(threads: int) -> Callable[[], None]:
+        def one(k: int) -> None:
+            fd = os.open(a.work / f"direct{k}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            try:
+                for i in range(k * n // threads, (k + 1) * n // threads, chunk):
+                    os.write(fd, av[i : min(i + chunk, (k + 1) * n // threads)])
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+
+        def run() -> None:
+            with ThreadPoolExecutor(threads) as ex:
+                list(ex.map(one, range(threads)))
+
+        return run
+
+    try:
+        out["write_odirect_GBps"] = round(gb / best(write_direct(1)), 2)
+        out["write_odirect_4threads_GBps"] = round(gb / best(write_direct(4)), 2)
+        out["write_odirect_8threads_GBps"] = round(gb / best(write_direct(8)), 2)
+    except OSError as exc:
+        out["write_odirect_error"] = str(exc)
+    for k in range(8):
+        (a.work / f"direct{k}").unlink(missing_ok=True)
+    with open(path, "wb") as f:  # the source of the in-kernel copy below
+        f.write(view)
+
+    def copy_range() -> None:  # what `cp` does on Linux: an in-kernel copy, no user-space buffer
+        with open(path, "rb") as fin, open(a.work / "copy", "wb") as fout:
+            done = 0
+            while done < n:
+                done += os.copy_file_range(fin.fileno(), fout.fileno(), n - done, done, done)
+            fout.flush()
+            os.fsync(fout.fileno())
+
+    os.sync()
+    out["copy_file_range_fsync_GBps"] = round(gb / best(copy_range), 2)
+    (a.work / "copy").unlink()
     buf = bytearray(n)
 
     def read() -> None:

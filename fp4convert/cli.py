@@ -248,6 +248,9 @@ def main() -> None:
                    "compressed-tensors (vLLM, transformers) or modelopt (vLLM/SGLang/TensorRT-LLM, NVFP4).")
 @click.option("--device", default="auto", show_default=True,
               help="auto (a GPU if its kernels load, else the CPU), cpu, cuda or cuda:N.")
+@click.option("--lanes", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Write this many output shards side by side in one process (0: 2 on a GPU, 1 on the CPU). "
+                   "The output bytes do not depend on it.")
 @click.option("--ignore", multiple=True, metavar="PATTERN", help="Keep matching tensors unquantized (glob, or re:REGEX). Repeatable.")
 @click.option("--only", multiple=True, metavar="PATTERN", help="Quantize only matching tensors (glob, or re:REGEX). Repeatable.")
 @click.option("--allow-nothing-quantized", is_flag=True,
@@ -263,7 +266,7 @@ def main() -> None:
 @_output_options
 @_push_options
 @_library_errors
-def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, ignore, only, allow_nothing_quantized,
+def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard_size, ignore, only, allow_nothing_quantized,
              revision, token, cache_dir, delete_source_shards, dry_run, overwrite, resume, verify_source, quiet,
              as_json, push_repo, private) -> None:
     """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST."""
@@ -278,7 +281,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, max_shard_size, 
     config = ConvertConfig(
         scheme=scheme, rotate=rotate, scale_rule=scale_rule, format=fmt, ignore=tuple(ignore), only=tuple(only),
         max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
-        revision=revision, verify_source=verify_source,
+        revision=revision, verify_source=verify_source, lanes=lanes,
     )
     dry_run_out = True
     if _rank() > 0:  # torchrun: one voice (rank 0); the others only report their own errors

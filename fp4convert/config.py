@@ -32,6 +32,7 @@ class ConvertConfig:
     resume: bool = False
     revision: str | None = None
     verify_source: bool = False  # hash the source in full (recorded; --resume compares it)
+    lanes: int = 0  # output shards written by this many lanes side by side in one process; 0: auto
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -43,6 +44,8 @@ class ConvertConfig:
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|(cpu|cuda)(:\d+)?", self.device):
             # checked here, without torch (resolve_device, at run time, finds whether the GPU is there)
             raise ConfigError(f"--device {self.device!r} is not supported; use auto, cpu or cuda[:N]")
+        if not isinstance(self.lanes, int) or self.lanes < 0:
+            raise ConfigError(f"--lanes {self.lanes!r}: give a number of lanes (1 or more), or 0 to choose automatically")
         if self.max_shard_size <= 0:
             raise ConfigError("--max-shard-size must be positive")
         if self.overwrite and self.resume:

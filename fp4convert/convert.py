@@ -151,24 +151,25 @@ def convert(
     _advise_source(source, plan_, assign(plan_, world))
 
     t_start = time.perf_counter()
-    from .readahead import ReadAhead
-    from .schedule import Batch, Settings, WriteBehind, make_batches
+    from .schedule import Settings, WriteBehind
     from .scheme import get_scheme
     from .writer import ConvertResult, run_identity
 
     settings = Settings(get_scheme(config.scheme), config.rotate, fmt.swizzled, {"scale_rule": config.rule})
     rt = _direct_runtime(config, world, plan_)
+    n_lanes = lane_count(config, world, plan_, source, rt is not None)
+    lanes: list[_Lane] = []
     if rt is not None:  # the torch-free CUDA path (fp4convert.direct): torch is never imported
         from . import direct
 
         torch = None
-        device = None
-        backend = direct.DirectBackend(rt)
-        limits = (direct.BATCH_UNITS, direct.BATCH_BYTES)
-        behind = WriteBehind(init=rt.set_device)
-        write_job = direct.write_batch
+        threads = 0
+        for k in range(n_lanes):  # each lane its own stream; one library, one pinned pool
+            lane_rt = rt if k == 0 else rt.lane()
+            lanes.append(_Lane(source, config, fmt, settings, None, direct.DirectBackend(lane_rt),
+                               (direct.BATCH_UNITS, direct.BATCH_BYTES), WriteBehind(init=rt.set_device),
+                               direct.write_batch, 0, rt.pool.get, lane_rt.close if k else None))
         nonfinite = rt.host_check
-        cores = threads = 0
     else:
         import torch  # from here on the work needs it (the kernel is reading the source meanwhile)
 
@@ -180,31 +181,74 @@ def convert(
         threads = torch.get_num_threads()
         cores = threads if not (world.distributed and world.local_size > 1) else max(
             1, (os.cpu_count() or 1) // world.local_size)  # CPU ranks on one machine share its cores
+        cores = max(1, cores // n_lanes)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # under torchrun: this rank's GPU for every stream and buffer
         cuda = device.type == "cuda"
         limits = (pipeline.CUDA_BATCH_UNITS, pipeline.CUDA_BATCH_BYTES) if cuda else (
             pipeline.CPU_BATCH_UNITS, pipeline.CPU_BATCH_BYTES)
         stacked = cuda or limits[0] > 1  # the tests run the CUDA scheduling on the CPU with larger batches
-        backend = StackedBackend(device) if stacked else CpuBackend(workers=cores)
         if not stacked:
             torch.set_num_threads(1)  # parallel over units instead (see CpuBackend); restored below
-        behind = WriteBehind(init=(lambda: torch.cuda.set_device(device)) if cuda else None)
-        write_job = pipeline.write_batch
+        for _ in range(n_lanes):
+            backend = StackedBackend(device) if stacked else CpuBackend(workers=cores)
+            behind = WriteBehind(init=(lambda: torch.cuda.set_device(device)) if cuda else None)
+            lanes.append(_Lane(source, config, fmt, settings, device, backend, limits, behind, pipeline.write_batch,
+                               cores))
         nonfinite = None
     stages.add("startup", time.perf_counter() - t_start)
+    stages.count("lanes", len(lanes))
     identity = run_identity(config, source)
 
-    reader: ReadAhead | None = None
-    item_of: dict[int, Batch | _Complex] = {}  # id(first unit) -> its batch (or its own, for a complex unit)
+    try:
+        report = progress or (lambda n: None)
+        if len(lanes) > 1:
+            from .lanes import write_with_lanes
 
-    def start(pending: list[list[Decision]]) -> None:
-        nonlocal reader
-        items: list[Batch | _Complex] = []
+            done = write_with_lanes(plan_, dst, config, identity, source, fmt,
+                                    [(ln.progress(report), ln.process, ln.start, ln.drain) for ln in lanes], nonfinite)
+        else:
+            done = run_writes(world, plan_, dst, config, identity, source, fmt, lanes[0].progress(report),
+                              lanes[0].process, lanes[0].start, lanes[0].drain, nonfinite)
+    finally:
+        for ln in lanes:
+            ln.close()
+        if rt is not None:
+            rt.close()
+        else:
+            torch.set_num_threads(threads)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    reused = sorted(f for f in done if f in dict(plan_.shards))
+    wait = sum(ln.reader.wait_s for ln in lanes if ln.reader is not None)
+    return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, stages.snapshot(), stages.counts())
+
+
+class _Lane:
+    """One stream of work: a reader, a backend (on CUDA its own stream) and a writer thread.
+
+    A run has one; a one-process run may have several side by side, each writing its own output
+    shards (:mod:`fp4convert.lanes`), so the host's writes, hashes and syncs run in parallel.
+    """
+
+    def __init__(self, source: Source, config: ConvertConfig, fmt: OutputFormat, settings, device, backend,
+                 limits: tuple[int, int], behind, write_job, cores: int, host=None,
+                 on_close: Callable[[], None] | None = None) -> None:
+        self.source, self.config, self.fmt, self.settings = source, config, fmt, settings
+        self.device, self.backend, self.limits, self.behind = device, backend, limits, behind
+        self.write_job, self.cores, self.host, self.on_close = write_job, cores, host, on_close
+        self.reader = None
+        self.item_of: dict[int, object] = {}  # id(first unit) -> its batch (or its own, for a complex unit)
+
+    def start(self, pending: list[list[Decision]]) -> None:
+        """Batch the units this lane will process and start reading them."""
+        from .readahead import ReadAhead
+        from .schedule import Batch, make_batches
+
+        items: list = []
         run: list[list[Decision]] = []
 
         def flush() -> None:
-            items.extend(Batch(b) for b in make_batches(run, *limits))
+            items.extend(Batch(b) for b in make_batches(run, *self.limits))
             run.clear()
 
         for u in pending:
@@ -214,22 +258,26 @@ def convert(
                 run.append(u)
             else:
                 flush()
-                items.append(_Complex(u, device, config, fmt, cores))
+                items.append(_Complex(u, self.device, self.config, self.fmt, self.cores))
         flush()
-        item_of.update({id(b.units[0]): b for b in items})
-        reader = ReadAhead([b.reads() for b in items], source.local_path, pinned=device is not None and
-                           device.type == "cuda", device=device, host=rt.pool.get if rt is not None else None)
+        self.item_of.update({id(b.units[0]): b for b in items})
+        device = self.device
+        self.reader = ReadAhead([b.reads() for b in items], self.source.local_path,
+                                pinned=device is not None and device.type == "cuda", device=device, host=self.host)
 
-    def process(unit: list[Decision], writers) -> dict[str, dict]:
+    def process(self, unit: list[Decision], writers) -> dict[str, dict]:
+        """Quantize a unit's batch (started on the GPU) and queue its writes; returns its records."""
         d = unit[0]
+        behind = self.behind
         if d.action != QUANTIZE and d.decode is None:
-            behind.submit(lambda: writers.raw(d.name, source.local_path(d.info.file), d.info))
+            behind.submit(lambda: writers.raw(d.name, self.source.local_path(d.info.file), d.info))
             return {d.name: {}}
-        item = item_of.get(id(unit))
+        item = self.item_of.get(id(unit))
         if item is None:
             return {}  # a later unit of a batch: quantized and queued with its first unit
+        reader = self.reader
         hosts = reader.next()
-        records = {d.name: {} for d in item.members}
+        records = {m.name: {} for m in item.members}
         freed = threading.Event()
 
         def free(event=None) -> None:  # exactly once: the reader may refill this batch's buffer set
@@ -239,36 +287,42 @@ def convert(
 
         try:
             with stages.timed("quantize"):
-                result = _quantize_unit(item, hosts, backend, settings, free)
+                result = _quantize_unit(item, hosts, self.backend, self.settings, free)
         except BaseException:
             free()
             raise
         if isinstance(item, _Complex):
             behind.submit(_write_complex(result, writers, records))
         else:
-            behind.submit(write_job(item, result, settings, fmt, writers, records))
+            behind.submit(self.write_job(item, result, self.settings, self.fmt, writers, records))
         return records
 
-    try:
-        report = progress or (lambda n: None)
+    def progress(self, report: Callable[[int], None]) -> Callable[[int], None]:
         # Progress follows the unit's writes (in the writer thread): a Hub source shard it lets go of
         # (--delete-source-shards) has then been read for the last time.
-        done = run_writes(world, plan_, dst, config, identity, source, fmt,
-                          lambda n: behind.submit(lambda: report(n), light=True), process, start, behind.drain,
-                          nonfinite)
-    finally:
-        behind.drain(False)  # stops the writer thread when the run failed before the writes began (else a no-op)
-        if reader is not None:
-            reader.close()
-        backend.close()
-        if rt is not None:
-            rt.close()
-        else:
-            torch.set_num_threads(threads)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    reused = sorted(f for f in done if f in dict(plan_.shards))
-    wait = reader.wait_s if reader is not None else 0.0
-    return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, stages.snapshot(), stages.counts())
+        return lambda n: self.behind.submit(lambda: report(n), light=True)
+
+    def drain(self, ok: bool) -> None:
+        self.behind.drain(ok)
+
+    def close(self) -> None:
+        self.behind.drain(False)  # stops the writer thread when the run failed before the writes began (else a no-op)
+        if self.reader is not None:
+            self.reader.close()
+        self.backend.close()
+        if self.on_close is not None:
+            self.on_close()
+
+
+def lane_count(config: ConvertConfig, world: World, plan: Plan, source: Source, direct: bool) -> int:
+    """How many lanes this run gets: ``config.lanes``, else (0: auto) AUTO_LANES on the torch-free
+    CUDA path of a local source and one elsewhere; never more than the shards there are to write."""
+    from .lanes import AUTO_LANES
+
+    if world.distributed or source.is_hub:
+        return 1  # torchrun splits across processes; a Hub source's shards are released in plan order
+    want = config.lanes or (AUTO_LANES if direct else 1)
+    return max(1, min(want, len(plan.shards)))
 
 
 def torch_free(config: ConvertConfig, world: World, plan: Plan) -> bool:

@@ -739,7 +739,8 @@ _chunks = _ChunkPool(_COPY_CHUNK)
 def _loader():
     from concurrent.futures import ThreadPoolExecutor
 
-    return ThreadPoolExecutor(1, thread_name_prefix="fp4convert-copy-read")
+    # Each kept copy waits for its own next chunk; several threads serve lanes copying side by side.
+    return ThreadPoolExecutor(4, thread_name_prefix="fp4convert-copy-read")
 
 
 class ShardWriters:
@@ -894,13 +895,15 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
                   start: Callable[[list[list[Decision]]], None] | None = None, *,
                   owns: Callable[[str], bool] | None = None, progress_name: str = PROGRESS_NAME,
                   drain: Callable[[bool], None] | None = None,
-                  nonfinite: Callable[[str, memoryview], bool] | None = None) -> tuple[dict, dict]:
+                  nonfinite: Callable[[str, memoryview], bool] | None = None,
+                  reports: Callable[[list[Decision]], bool] | None = None) -> tuple[dict, dict]:
     """Stream every work unit's outputs into the planned shards; ``process`` makes a unit's tensors.
 
     ``start`` is told up front which units will be processed (those a resume does not skip), so
     their reading can begin ahead of time. On failure the open shards are removed and DST released.
     Under torchrun, ``owns`` selects the shards this rank writes and ``progress_name`` is this rank's
-    own progress record. ``drain(True)`` waits for the writes ``process`` queued (a write-behind
+    own progress record (and ``reports`` the units whose progress this one tells, when several
+    share a progress bar). ``drain(True)`` waits for the writes ``process`` queued (a write-behind
     thread); ``drain(False)`` runs what is queued, then stops, before an abort. Returns this run's
     (files, tensors) records.
     """
@@ -951,15 +954,18 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
             start(pending)
         pending_ids = {id(u) for u in pending}
         for unit in units:
+            told = reports is None or reports(unit)
             if id(unit) not in pending_ids:
-                progress(sum(d.info.nbytes for d in unit))
+                if told:
+                    progress(sum(d.info.nbytes for d in unit))
                 continue
             records = process(unit, writers)
             with lock:
                 for n, rec in records.items():
                     tensors_state[n] = {**rec, "nonfinite": True} if n in writers.nonfinite else rec
                 flag_nonfinite()
-            progress(sum(d.info.nbytes for d in unit))
+            if told:
+                progress(sum(d.info.nbytes for d in unit))
             _test_pause()
         if drain is not None:
             drain(True)

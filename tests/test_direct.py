@@ -18,6 +18,7 @@ from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert, plan_conversion, torch_free
 from fp4convert.distributed import World
 from fp4convert.formats import OUTPUT_FORMATS, get_format
+from fp4convert.lanes import AUTO_LANES
 from fp4convert.schedule import Batch
 from fp4convert.tensor import quantize
 
@@ -118,10 +119,14 @@ def test_torch_free_path_writes_the_torch_pipelines_bytes(tmp_path, monkeypatch,
     kw = dict(device="cuda", format=fmt, scheme=scheme, rotate=rotate, scale_rule=rule, max_shard_size=6000)
     fast = convert(src, tmp_path / "direct", ConvertConfig(**kw))
     assert "quantize_waits_gpu" in fast.stages_s or scheme == "mxfp4"  # the direct backend ran
+    assert fast.counts["lanes"] == AUTO_LANES  # several shards on their own streams and writer threads
+    one = convert(src, tmp_path / "direct1", ConvertConfig(**kw, lanes=1))
+    assert one.counts["lanes"] == 1
     monkeypatch.setenv("FP4CONVERT_TORCH_PIPELINE", "1")
     convert(src, tmp_path / "torch", ConvertConfig(**kw))
     convert(src, tmp_path / "cpu", ConvertConfig(**{**kw, "device": "cpu"}))
-    assert ck.all_files(tmp_path / "direct") == ck.all_files(tmp_path / "torch") == ck.all_files(tmp_path / "cpu")
+    assert ck.all_files(tmp_path / "direct") == ck.all_files(tmp_path / "direct1") == ck.all_files(tmp_path / "torch") \
+        == ck.all_files(tmp_path / "cpu")
 
 
 @pytest.mark.cuda

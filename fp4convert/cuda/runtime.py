@@ -207,9 +207,22 @@ class Runtime:
         self.lib = load_library(cap)
         self.set_device()
         self.pool = _HostPool(self)
+        self._owner = True  # closes the pool; a lane() closes only its stream
+        self.stream = self._new_stream()
+
+    def _new_stream(self) -> int:
         p = ctypes.c_void_p()
         self.check(self.lib.fp4c_stream_create(ctypes.byref(p)), "a stream")
-        self.stream = p.value
+        return p.value
+
+    def lane(self) -> Runtime:
+        """This GPU with a stream of its own (a lane of the converter, fp4convert.lanes): the same
+        library and pinned pool; its close() destroys only its stream."""
+        other = object.__new__(Runtime)
+        other.index, other.capability, other.lib, other.pool = self.index, self.capability, self.lib, self.pool
+        other._owner = False
+        other.stream = self._new_stream()
+        return other
 
     def check(self, code: int, what: str = "a CUDA call") -> None:
         if code != 0:
@@ -250,4 +263,5 @@ class Runtime:
     def close(self) -> None:
         self.sync()
         self.lib.fp4c_stream_destroy(ctypes.c_void_p(self.stream))
-        self.pool.close()
+        if self._owner:
+            self.pool.close()
