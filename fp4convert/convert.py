@@ -168,7 +168,7 @@ def convert(
             lane_rt = rt if k == 0 else rt.lane()
             lanes.append(_Lane(source, config, fmt, settings, None, direct.DirectBackend(lane_rt),
                                (direct.BATCH_UNITS, direct.BATCH_BYTES), WriteBehind(init=rt.set_device),
-                               direct.write_batch, 0, rt.pool.get, lane_rt.close if k else None))
+                               direct.write_batch, 0, rt.pool.get, lane_rt.close if k else None, rt.set_device))
         nonfinite = rt.host_check
     else:
         import torch  # from here on the work needs it (the kernel is reading the source meanwhile)
@@ -192,31 +192,36 @@ def convert(
             torch.set_num_threads(1)  # parallel over units instead (see CpuBackend); restored below
         for _ in range(n_lanes):
             backend = StackedBackend(device) if stacked else CpuBackend(workers=cores)
-            behind = WriteBehind(init=(lambda: torch.cuda.set_device(device)) if cuda else None)
-            lanes.append(_Lane(source, config, fmt, settings, device, backend, limits, behind, pipeline.write_batch,
-                               cores))
+            select = (lambda: torch.cuda.set_device(device)) if cuda else None
+            lanes.append(_Lane(source, config, fmt, settings, device, backend, limits, WriteBehind(init=select),
+                               pipeline.write_batch, cores, init=select))
         nonfinite = None
     stages.add("startup", time.perf_counter() - t_start)
     stages.count("lanes", len(lanes))
     identity = run_identity(config, source)
 
+    closers = [ln.close for ln in lanes] + [rt.close if rt is not None else lambda: torch.set_num_threads(threads)]
     try:
         report = progress or (lambda n: None)
         if len(lanes) > 1:
             from .lanes import write_with_lanes
 
+            told = threading.Lock()  # the lanes' writer threads report side by side
+
+            def shared(n: int) -> None:
+                with told:
+                    report(n)
+
             done = write_with_lanes(plan_, dst, config, identity, source, fmt,
-                                    [(ln.progress(report), ln.process, ln.start, ln.drain) for ln in lanes], nonfinite)
+                                    [(ln.init, ln.progress(shared), ln.process, ln.start, ln.drain) for ln in lanes],
+                                    nonfinite)
         else:
             done = run_writes(world, plan_, dst, config, identity, source, fmt, lanes[0].progress(report),
                               lanes[0].process, lanes[0].start, lanes[0].drain, nonfinite)
-    finally:
-        for ln in lanes:
-            ln.close()
-        if rt is not None:
-            rt.close()
-        else:
-            torch.set_num_threads(threads)
+    except BaseException:
+        _close_all(closers, raising=False)  # the run's own error is the one to report
+        raise
+    _close_all(closers)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan_.shards))
     wait = sum(ln.reader.wait_s for ln in lanes if ln.reader is not None)
@@ -232,8 +237,9 @@ class _Lane:
 
     def __init__(self, source: Source, config: ConvertConfig, fmt: OutputFormat, settings, device, backend,
                  limits: tuple[int, int], behind, write_job, cores: int, host=None,
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None, init: Callable[[], None] | None = None) -> None:
         self.source, self.config, self.fmt, self.settings = source, config, fmt, settings
+        self.init = init  # run first in a lane's own thread (CUDA: select this run's GPU)
         self.device, self.backend, self.limits, self.behind = device, backend, limits, behind
         self.write_job, self.cores, self.host, self.on_close = write_job, cores, host, on_close
         self.reader = None
@@ -312,6 +318,21 @@ class _Lane:
         self.backend.close()
         if self.on_close is not None:
             self.on_close()
+
+
+def _close_all(closers: list[Callable[[], None]], raising: bool = True) -> None:
+    """Run every closer even if one fails (a sticky CUDA error, say); then raise the first error
+    (only logged when the run is failing already)."""
+    error: BaseException | None = None
+    for close in closers:
+        try:
+            close()
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the rest are closed
+            error = error or exc
+            if not raising:
+                log.debug("while closing after a failure: %s", exc)
+    if error is not None and raising:
+        raise error
 
 
 def lane_count(config: ConvertConfig, world: World, plan: Plan, source: Source, direct: bool) -> int:

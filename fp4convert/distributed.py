@@ -188,6 +188,7 @@ def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, sour
     done = world.from_rank0(lambda: prepare_destination(dst, plan, config, identity, source))
     if not world.distributed:
         write_outputs(plan, dst, identity, done, progress, process, start, drain=drain, nonfinite=nonfinite)
+        drop_rank_records(dst)  # a resume after ranks or lanes: its own record holds what theirs did
         finish(source, plan, fmt, dst, identity)
         return done
 
@@ -229,7 +230,7 @@ def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, sour
 def merge_and_finish(statuses: list[dict], source, plan: Plan, fmt, dst: Path, identity: dict) -> None:
     """Every rank's (or lane's) shard and tensor records into the one progress record, then the
     finish (the other files, the index, the manifest last): the bytes of a one-process run."""
-    from .writer import PROGRESS_NAME, atomic_write, finish, merge_tensor_records, progress_records, release
+    from .writer import PROGRESS_NAME, atomic_write, finish, merge_tensor_records, release
 
     state = {"identity": identity, "files": {}, "tensors": {}}
     for s in statuses:
@@ -237,10 +238,17 @@ def merge_and_finish(statuses: list[dict], source, plan: Plan, fmt, dst: Path, i
         merge_tensor_records(state["tensors"], s["tensors"])
     try:
         atomic_write(dst / PROGRESS_NAME, json.dumps(state, indent=1, sort_keys=True))
-        for p in progress_records(dst):
-            if p.name != PROGRESS_NAME:
-                p.unlink()
+        drop_rank_records(dst)
     except BaseException:
         release(dst)
         raise
     finish(source, plan, fmt, dst, identity)
+
+
+def drop_rank_records(dst: Path) -> None:
+    """Remove the per-rank (or per-lane) progress records once the one record holds their state."""
+    from .writer import PROGRESS_NAME, progress_records
+
+    for p in progress_records(dst):
+        if p.name != PROGRESS_NAME:
+            p.unlink()

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 AUTO_LANES = 2  # lanes of a torch-free CUDA run of a local folder when --lanes is not given
 
-LaneFns = tuple  # (progress, process, start, drain), as fp4convert.convert._Lane gives them
+LaneFns = tuple  # (init, progress, process, start, drain), as fp4convert.convert._Lane gives them
 
 
 def lane_shards(plan: Plan, lanes: int) -> list[set[str]]:
@@ -52,17 +52,20 @@ def reporter(plan: Plan, shards: list[set[str]]) -> Callable[[list[Decision]], i
 
 def run_lanes(plan: Plan, dst: Path, identity: dict, done: dict, lanes: list[LaneFns], nonfinite=None) -> list[dict]:
     """Every lane's ``write_outputs`` on its own thread; returns their statuses (files, tensors) for
-    :func:`~fp4convert.distributed.merge_and_finish`, or raises the first lane's error once all stopped."""
+    :func:`~fp4convert.distributed.merge_and_finish`, or raises the first lane's error (the first in
+    time) once all stopped. DST's lock stays with the caller, whatever happens."""
     from .writer import rank_progress_name, write_outputs
 
     shards = lane_shards(plan, len(lanes))
     told_by = reporter(plan, shards)
     stop = threading.Event()
     statuses: list[dict] = [{"lane": k} for k in range(len(lanes))]
-    errors: list[BaseException | None] = [None] * len(lanes)
+    first: list[BaseException] = []  # the first lane error, in time
+    lock = threading.Lock()
+    before = len(plan.warnings)
 
     def run(k: int) -> None:
-        progress, process, start, drain = lanes[k]
+        init, progress, process, start, drain = lanes[k]
         mine = shards[k]
 
         def checked(unit, writers):
@@ -71,14 +74,17 @@ def run_lanes(plan: Plan, dst: Path, identity: dict, done: dict, lanes: list[Lan
             return process(unit, writers)
 
         try:
+            if init is not None:
+                init()  # a new thread: select this run's GPU before any allocation or launch
             files, tensors = write_outputs(plan, dst, identity, done, progress, checked, start, owns=mine.__contains__,
                                            progress_name=rank_progress_name(k), drain=drain, nonfinite=nonfinite,
-                                           reports=lambda u: told_by(u) == k)
+                                           reports=lambda u: told_by(u) == k, lane=k)
             statuses[k].update(files={f: r for f, r in files.items() if f in mine}, tensors=tensors)
         except RankStopped:
             statuses[k]["stopped"] = True
         except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
-            errors[k] = exc
+            with lock:
+                first.append(exc)
             statuses[k]["error"] = describe(exc)
             stop.set()
 
@@ -93,9 +99,13 @@ def run_lanes(plan: Plan, dst: Path, identity: dict, done: dict, lanes: list[Lan
         for t in threads:
             t.join()
         raise
-    for exc in errors:
-        if exc is not None:
-            raise exc
+    if first:
+        raise first[0]
+    # Warnings the lanes added (kept tensors holding NaN/Inf) in plan order, whichever lane finished first.
+    order = {name: i for i, name in enumerate(plan.by_name)}
+    added = plan.warnings[before:]
+    del plan.warnings[before:]
+    plan.warnings.extend(sorted(dict.fromkeys(added), key=lambda w: order.get(w.split(" ", 1)[0], len(order))))
     return statuses
 
 
@@ -103,9 +113,13 @@ def write_with_lanes(plan: Plan, dst: Path, config, identity: dict, source, fmt,
                      nonfinite=None) -> dict:
     """One process's run over several lanes: the destination policy, the lanes, the finish (as
     :func:`~fp4convert.distributed.run_writes` is for one); returns what a resume reused."""
-    from .writer import prepare_destination
+    from .writer import prepare_destination, release
 
     done = prepare_destination(dst, plan, config, identity, source)
-    statuses = run_lanes(plan, dst, identity, done, lanes, nonfinite)
+    try:
+        statuses = run_lanes(plan, dst, identity, done, lanes, nonfinite)
+    except BaseException:
+        release(dst)  # once, after every lane stopped (finished shards stay for --resume)
+        raise
     merge_and_finish(statuses, source, plan, fmt, dst, identity)
     return done

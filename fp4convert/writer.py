@@ -896,19 +896,21 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
                   owns: Callable[[str], bool] | None = None, progress_name: str = PROGRESS_NAME,
                   drain: Callable[[bool], None] | None = None,
                   nonfinite: Callable[[str, memoryview], bool] | None = None,
-                  reports: Callable[[list[Decision]], bool] | None = None) -> tuple[dict, dict]:
+                  reports: Callable[[list[Decision]], bool] | None = None,
+                  lane: int | None = None) -> tuple[dict, dict]:
     """Stream every work unit's outputs into the planned shards; ``process`` makes a unit's tensors.
 
     ``start`` is told up front which units will be processed (those a resume does not skip), so
     their reading can begin ahead of time. On failure the open shards are removed and DST released.
     Under torchrun, ``owns`` selects the shards this rank writes and ``progress_name`` is this rank's
     own progress record (and ``reports`` the units whose progress this one tells, when several
-    share a progress bar). ``drain(True)`` waits for the writes ``process`` queued (a write-behind
+    share a progress bar; ``lane``: one of several lanes, which log the plan's warnings once (lane 0)
+    and leave DST's lock to their caller, released once every lane stopped). ``drain(True)`` waits for the writes ``process`` queued (a write-behind
     thread); ``drain(False)`` runs what is queued, then stops, before an abort. Returns this run's
     (files, tensors) records.
     """
-    session = _SESSIONS.get(_key(dst))
-    for w in plan_warnings(plan):
+    session = _SESSIONS.get(_key(dst)) if lane is None else None
+    for w in plan_warnings(plan) if not lane else []:
         log.warning("warning: %s", w)
     tensors_state: dict = dict(done.get("__tensors__", {}))
     files_state = {f: rec for f, rec in done.items() if not f.startswith("__")}
@@ -992,9 +994,13 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
         if rec.get("nonfinite"):
             d = plan.by_name.get(n)
             w = nonfinite_warning(n, d.info.file if d else "?")
-            if w not in plan.warnings:
-                plan.warnings.append(w)
+            with _WARN_LOCK:  # lanes finish side by side
+                if w not in plan.warnings:
+                    plan.warnings.append(w)
     return files_state, tensors_state
+
+
+_WARN_LOCK = threading.Lock()
 
 
 def release(dst: Path, failed: bool = True) -> None:

@@ -130,6 +130,18 @@ def test_torch_free_path_writes_the_torch_pipelines_bytes(tmp_path, monkeypatch,
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_lanes_on_a_second_gpu(tmp_path) -> None:
+    """--device cuda:1: every lane's thread allocates, launches and records events on GPU 1."""
+    src = tmp_path / "src"
+    ck.llama(src, zoo=True, layers=3)
+    res = convert(src, tmp_path / "gpu1", ConvertConfig(device="cuda:1", lanes=3, max_shard_size=6000))
+    assert res.counts["lanes"] == 3 and "quantize_waits_gpu" in res.stages_s
+    convert(src, tmp_path / "cpu", ConvertConfig(device="cpu", max_shard_size=6000))
+    assert ck.all_files(tmp_path / "gpu1") == ck.all_files(tmp_path / "cpu")
+
+
+@pytest.mark.cuda
 @GPU
 def test_cli_on_cuda_never_imports_torch(tmp_path) -> None:
     src = tmp_path / "src"

@@ -89,10 +89,12 @@ def test_bad_lane_counts_refused(llama, tmp_path) -> None:
     assert not (tmp_path / "q").exists()
 
 
-def test_a_failing_lane_fails_the_run_and_resume_finishes_it(llama, one_lane, tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("resume_lanes", [1, 2])
+def test_a_failing_lane_fails_the_run_and_resume_finishes_it(llama, one_lane, tmp_path, monkeypatch,
+                                                              resume_lanes) -> None:
     """One lane fails after another finished a shard: the run raises that lane's error, leaves no
-    manifest, no .partial and no lock; --resume (with another lane count) reuses the finished shards
-    and writes the bytes of an uninterrupted one-lane run."""
+    manifest, no .partial and no lock; --resume (one lane, or another lane count) reuses the finished
+    shards and writes the bytes of an uninterrupted one-lane run, no lane's progress record left."""
     dst = tmp_path / "q"
     bad = "model.layers.2.mlp.down_proj.weight"
     real = convert_mod._quantize_unit
@@ -113,6 +115,13 @@ def test_a_failing_lane_fails_the_run_and_resume_finishes_it(llama, one_lane, tm
     assert not any(n.endswith(".partial") or n == LOCK_NAME for n in left), left
     assert "fp4convert.json" not in left and "model.safetensors.index.json" not in left
     monkeypatch.setattr(convert_mod, "_quantize_unit", real)
-    res = convert(llama, dst, cfg(lanes=2, resume=True))
+    assert any(".rank" in n for n in left)  # the lanes' own progress records, for --resume
+    res = convert(llama, dst, cfg(lanes=resume_lanes, resume=True))
     assert res.reused_files
-    assert ck.all_files(dst) == one_lane[0]
+    assert ck.all_files(dst) == one_lane[0]  # every file, hidden ones included
+
+
+def test_plan_warnings_are_logged_once(llama, tmp_path, caplog) -> None:
+    with caplog.at_level("WARNING"):
+        convert(llama, tmp_path / "q", cfg(lanes=3, ignore=("nomatch*",)))
+    assert sum("nomatch*" in r.getMessage() for r in caplog.records) == 1
