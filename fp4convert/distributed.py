@@ -183,7 +183,7 @@ def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, sour
 
     One process: exactly prepare_destination -> write_outputs -> finish.
     """
-    from .writer import finish, prepare_destination, rank_progress_name, release, write_outputs
+    from .writer import finish, prepare_destination, release, write_outputs
 
     done = world.from_rank0(lambda: prepare_destination(dst, plan, config, identity, source))
     if not world.distributed:
@@ -192,19 +192,11 @@ def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, sour
         finish(source, plan, fmt, dst, identity)
         return done
 
-    mine = assign(plan, world)
-
-    def checked(unit, writers):
-        world.check_failed()
-        return process(unit, writers)
-
     status: dict = {"rank": world.rank}
     error: Exception | None = None
     try:
-        files, tensors = write_outputs(plan, dst, identity, done, progress, checked, start, owns=mine.__contains__,
-                                       progress_name=rank_progress_name(world.rank), drain=drain,
-                                       nonfinite=nonfinite)
-        status.update(files={f: r for f, r in files.items() if f in mine}, tensors=tensors)
+        status.update(write_share(plan, dst, identity, done, assign(plan, world), world.rank, world.check_failed,
+                                  progress, process, start, drain, nonfinite))
     except RankStopped:
         status["stopped"] = True
     except Exception as exc:
@@ -225,6 +217,21 @@ def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, sour
     world.from_rank0(lambda: merge_and_finish(statuses, source, plan, fmt, dst, identity))
     world.close()
     return done
+
+
+def write_share(plan: Plan, dst: Path, identity: dict, done: dict, mine: set[str], k: int,
+                check: Callable[[], None], progress, process, start, drain, nonfinite, **kw) -> dict:
+    """One rank's (or lane's) part: its shards ``mine`` with its own progress record; ``check()``
+    before each unit raises RankStopped once another part failed. Returns {files, tensors} to merge."""
+    from .writer import rank_progress_name, write_outputs
+
+    def checked(unit, writers):
+        check()
+        return process(unit, writers)
+
+    files, tensors = write_outputs(plan, dst, identity, done, progress, checked, start, owns=mine.__contains__,
+                                   progress_name=rank_progress_name(k), drain=drain, nonfinite=nonfinite, **kw)
+    return {"files": {f: r for f, r in files.items() if f in mine}, "tensors": tensors}
 
 
 def merge_and_finish(statuses: list[dict], source, plan: Plan, fmt, dst: Path, identity: dict) -> None:

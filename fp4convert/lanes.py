@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .distributed import World, assign, describe, merge_and_finish
+from .distributed import World, assign, describe, merge_and_finish, write_share
 from .errors import RankStopped
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def run_lanes(plan: Plan, dst: Path, identity: dict, done: dict, lanes: list[Lan
     """Every lane's ``write_outputs`` on its own thread; returns their statuses (files, tensors) for
     :func:`~fp4convert.distributed.merge_and_finish`, or raises the first lane's error (the first in
     time) once all stopped. DST's lock stays with the caller, whatever happens."""
-    from .writer import rank_progress_name, write_outputs
+    from .writer import nonfinite_warning
 
     shards = lane_shards(plan, len(lanes))
     told_by = reporter(plan, shards)
@@ -62,24 +62,18 @@ def run_lanes(plan: Plan, dst: Path, identity: dict, done: dict, lanes: list[Lan
     statuses: list[dict] = [{"lane": k} for k in range(len(lanes))]
     first: list[BaseException] = []  # the first lane error, in time
     lock = threading.Lock()
-    before = len(plan.warnings)
+
+    def check() -> None:
+        if stop.is_set():
+            raise RankStopped()
 
     def run(k: int) -> None:
         init, progress, process, start, drain = lanes[k]
-        mine = shards[k]
-
-        def checked(unit, writers):
-            if stop.is_set():
-                raise RankStopped()
-            return process(unit, writers)
-
         try:
             if init is not None:
                 init()  # a new thread: select this run's GPU before any allocation or launch
-            files, tensors = write_outputs(plan, dst, identity, done, progress, checked, start, owns=mine.__contains__,
-                                           progress_name=rank_progress_name(k), drain=drain, nonfinite=nonfinite,
-                                           reports=lambda u: told_by(u) == k, lane=k)
-            statuses[k].update(files={f: r for f, r in files.items() if f in mine}, tensors=tensors)
+            statuses[k].update(write_share(plan, dst, identity, done, shards[k], k, check, progress, process, start,
+                                           drain, nonfinite, reports=lambda u: told_by(u) == k, lane=k))
         except RankStopped:
             statuses[k]["stopped"] = True
         except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
@@ -101,11 +95,12 @@ def run_lanes(plan: Plan, dst: Path, identity: dict, done: dict, lanes: list[Lan
         raise
     if first:
         raise first[0]
-    # Warnings the lanes added (kept tensors holding NaN/Inf) in plan order, whichever lane finished first.
-    order = {name: i for i, name in enumerate(plan.by_name)}
-    added = plan.warnings[before:]
-    del plan.warnings[before:]
-    plan.warnings.extend(sorted(dict.fromkeys(added), key=lambda w: order.get(w.split(" ", 1)[0], len(order))))
+    # Kept tensors found holding NaN/Inf, from every lane's records, in plan order.
+    flagged = {n for st in statuses for n, rec in st["tensors"].items() if rec.get("nonfinite")}
+    for n, d in plan.by_name.items():
+        w = nonfinite_warning(n, d.info.file)
+        if n in flagged and w not in plan.warnings:
+            plan.warnings.append(w)
     return statuses
 
 

@@ -904,8 +904,8 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
     their reading can begin ahead of time. On failure the open shards are removed and DST released.
     Under torchrun, ``owns`` selects the shards this rank writes and ``progress_name`` is this rank's
     own progress record (and ``reports`` the units whose progress this one tells, when several
-    share a progress bar; ``lane``: one of several lanes, which log the plan's warnings once (lane 0)
-    and leave DST's lock to their caller, released once every lane stopped). ``drain(True)`` waits for the writes ``process`` queued (a write-behind
+    share a progress bar; ``lane``: one of several lanes, which log the plan's warnings once (lane 0),
+    leave the NaN/Inf warnings and DST's lock to their caller, once every lane stopped). ``drain(True)`` waits for the writes ``process`` queued (a write-behind
     thread); ``drain(False)`` runs what is queued, then stops, before an abort. Returns this run's
     (files, tensors) records.
     """
@@ -990,17 +990,13 @@ def write_outputs(plan: Plan, dst: Path, identity: dict, done: dict, progress: P
                 raise output_error(exc, where) from exc
             raise source_error(exc, where or "a source file") from exc
         raise
-    for n, rec in tensors_state.items():
+    for n, rec in tensors_state.items() if lane is None else ():  # lanes: added once all are done (fp4convert.lanes)
         if rec.get("nonfinite"):
             d = plan.by_name.get(n)
             w = nonfinite_warning(n, d.info.file if d else "?")
-            with _WARN_LOCK:  # lanes finish side by side
-                if w not in plan.warnings:
-                    plan.warnings.append(w)
+            if w not in plan.warnings:
+                plan.warnings.append(w)
     return files_state, tensors_state
-
-
-_WARN_LOCK = threading.Lock()
 
 
 def release(dst: Path, failed: bool = True) -> None:
