@@ -129,3 +129,13 @@ def test_plan_warnings_are_logged_once(llama, tmp_path, caplog, monkeypatch) -> 
     with caplog.at_level("WARNING"):
         convert(llama, tmp_path / "q", cfg(lanes=3, ignore=("nomatch*",)))
     assert sum("nomatch*" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_kept_nan_warned_once_with_lanes(tmp_path) -> None:
+    src = tmp_path / "nan"
+    bad = ck.nan_checkpoint(src)
+    runs = [convert(src, tmp_path / f"q{n}", cfg(lanes=n, ignore=("*.down_proj",))) for n in (1, 2)]
+    for res in runs:
+        assert [w for w in res.to_json()["warnings"] if "NaN" in w and bad in w] == [
+            f"{bad} (kept unquantized, in model.safetensors) holds NaN or Inf values; they were copied unchanged"]
+    assert ck.all_files(tmp_path / "q1") == ck.all_files(tmp_path / "q2")
