@@ -30,26 +30,55 @@ from .version import __version__
 log = logging.getLogger("fp4convert")
 
 
-class _TqdmHandler(logging.Handler):
-    """Log lines that do not tear the progress bar."""
+class _CliHandler(logging.Handler):
+    """The command line's one log handler: lines that do not tear the progress bar.
+
+    It sits on the ROOT logger while a command runs and is removed when it ends; the library's own
+    ``fp4convert`` logger is never touched (no handler, level or propagation change), so an application
+    or a test that embeds the library keeps seeing its records. fp4convert's records pass from
+    ``ours``, other libraries' (huggingface_hub, transformers) from ``others``.
+    """
+
+    def __init__(self, ours: int, others: int) -> None:
+        super().__init__(logging.NOTSET)
+        self.ours, self.others = ours, others
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        mine = record.name == "fp4convert" or record.name.startswith("fp4convert.")
+        return record.levelno >= (self.ours if mine else self.others)
 
     def emit(self, record: logging.LogRecord) -> None:
         tqdm.write(self.format(record), file=sys.stderr)
 
 
+_installed: list[tuple[_CliHandler, int]] = []  # (handler, the root level before it), while a command runs
+
+
 def _setup_logging(quiet: bool, status: bool = True) -> None:
-    """--quiet: errors only (huggingface_hub's bars too); --json: warnings and errors; else status lines."""
-    handler = _TqdmHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.handlers[:] = [handler]
-    log.setLevel(logging.ERROR if quiet else logging.INFO if status else logging.WARNING)
-    log.propagate = False
+    """--quiet: errors only (huggingface_hub's bars too); --json: warnings and errors; else status lines.
+
+    Undone by :func:`_teardown_logging` when the command ends (``_library_errors``)."""
+    _teardown_logging()
+    ours = logging.ERROR if quiet else logging.INFO if status else logging.WARNING
+    others = logging.ERROR if quiet else logging.WARNING
+    root = logging.getLogger()
+    handler = _CliHandler(ours, others)
+    _installed.append((handler, root.level))
+    root.addHandler(handler)
+    root.setLevel(min(ours, others))
     if quiet or not sys.stderr.isatty():
         from .hub import disable_hub_progress_bars
 
         disable_hub_progress_bars()
-    if quiet:
-        logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+
+
+def _teardown_logging() -> None:
+    root = logging.getLogger()
+    while _installed:
+        handler, level = _installed.pop()
+        root.removeHandler(handler)
+        root.setLevel(level)
 
 
 PROGRESS_ENV = "FP4CONVERT_PROGRESS_INTERVAL"  # seconds between progress lines when stderr is not a TTY
@@ -146,6 +175,7 @@ def _library_errors(fn: Callable) -> Callable:
             click.echo(f"Error: {' '.join(str(err).split())}", err=True)
             sys.exit(err.exit_code)
         finally:
+            _teardown_logging()
             if main_thread:
                 signal.signal(signal.SIGTERM, old_term)
 

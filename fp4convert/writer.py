@@ -478,9 +478,13 @@ def _owned(dst: Path, records: list[dict], files: list[str]) -> set[str]:
     for r in records:
         for name, rec in r.get("files", {}).items():
             listed[name] = rec
+    for r in records:
+        # A progress record names what finish is about to write before it writes any of it, so a name
+        # there is ours whatever bytes it holds now (a resumed finish killed mid-way leaves the source's
+        # README.md or config.json where the manifest recorded the generated ones).
         for name in r.get("pending", []):
             if not name.endswith(".safetensors") or _SHARD_NAME.match(name):
-                listed.setdefault(name, None)
+                listed[name] = None
     ours_by_name = {MANIFEST_NAME, PROGRESS_NAME, INDEX_NAME, LOCK_NAME}
 
     def is_ours(name: str) -> bool:

@@ -429,3 +429,23 @@ def test_inspect_argument_errors_without_torch(args, tmp_path) -> None:
     r, torch_stack = ck.cli_watching_torch(tmp_path, *args)
     assert r.returncode == 2, r.stderr
     assert not torch_stack, torch_stack
+
+
+def test_cli_leaves_the_library_logger_alone(src, tmp_path, caplog) -> None:
+    """The CLI prints through a handler of its own on the root logger, for the command's duration only: the
+    library's ``fp4convert`` logger keeps no handler, its level and propagation, so an application (or a test)
+    embedding the library after a CLI call still sees its records."""
+    import logging
+
+    lib = logging.getLogger("fp4convert")
+    before = (list(lib.handlers), lib.level, lib.propagate, list(logging.getLogger().handlers),
+              logging.getLogger().level)
+    r = CliRunner().invoke(main, ["quantize", str(src), str(tmp_path / "q"), "--device", "cpu", "--ignore", "nomatch*"])
+    assert r.exit_code == 0, r.output
+    assert "--ignore nomatch* matches no tensor" in r.output  # the CLI's handler printed the library's warning
+    assert (list(lib.handlers), lib.level, lib.propagate, list(logging.getLogger().handlers),
+            logging.getLogger().level) == before
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        convert(src, tmp_path / "q2", ConvertConfig(device="cpu", ignore=("nomatch*",)))
+    assert sum("nomatch*" in r.getMessage() for r in caplog.records) == 1

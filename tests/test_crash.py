@@ -107,4 +107,20 @@ def test_kill_at_every_step_then_resume(cli_procs, tmp_path) -> None:
         assert code == 0, (step, log)
         assert ck.all_files(dst) == expected, step
     assert killed >= 20
+    # A resume killed in its turn, at each of its first steps, after the first run was killed at one of its
+    # last steps (finish: the copied files, the card, the manifest): a third run still finishes. A resumed
+    # finish copies the source's README.md/config.json before rewriting them; a run killed between the two
+    # left files the manifest's checksums disown, and both --resume and --overwrite refused the folder.
+    for first in range(killed - 3, killed + 1):
+        for second in range(1, 7):
+            dst = tmp_path / f"r{first}-{second}"
+            code, log = cli_procs.run("quantize", src, dst, *args, env={"FP4CONVERT_TEST_KILL_AT": str(first)})
+            assert code == -9, (first, log)
+            code, log = cli_procs.run("quantize", src, dst, "--resume", *args,
+                                      env={"FP4CONVERT_TEST_KILL_AT": str(second)})
+            assert code in (0, -9), (first, second, log)
+            flag = "--resume" if second % 2 else "--overwrite"
+            code, log = cli_procs.run("quantize", src, dst, flag, *args)
+            assert code == 0, (first, second, flag, log)
+            assert ck.all_files(dst) == expected, (first, second, flag)
     print(f"killed at each of {killed} steps, each resumed byte-identically")

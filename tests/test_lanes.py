@@ -4,7 +4,6 @@ counted once, a failing lane fails the run cleanly, and --resume with another la
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -122,10 +121,7 @@ def test_a_failing_lane_fails_the_run_and_resume_finishes_it(llama, one_lane, tm
     assert ck.all_files(dst) == one_lane[0]  # every file, hidden ones included
 
 
-def test_plan_warnings_are_logged_once(llama, tmp_path, caplog, monkeypatch) -> None:
-    lib = logging.getLogger("fp4convert")  # a CLI test earlier in the session may have silenced it
-    monkeypatch.setattr(lib, "propagate", True)
-    monkeypatch.setattr(lib, "level", logging.WARNING)
+def test_plan_warnings_are_logged_once(llama, tmp_path, caplog) -> None:
     with caplog.at_level("WARNING"):
         convert(llama, tmp_path / "q", cfg(lanes=3, ignore=("nomatch*",)))
     assert sum("nomatch*" in r.getMessage() for r in caplog.records) == 1
