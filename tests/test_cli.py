@@ -302,8 +302,12 @@ def test_sigint_in_a_real_process(tmp_path) -> None:
     src = tmp_path / "big"
     ck.big(src, layers=8, dim=512, shards=2)
     dst = tmp_path / "q"
+    # Slowed down (0.1 s per step, ~4 s in all) so that the interrupt lands mid-run even when this machine is
+    # busy: the run took 0.3 s, and a loaded 2-core machine let it finish before the signal was sent.
+    env = {**__import__("os").environ, "FP4CONVERT_TEST_DELAY": "0.1"}
     proc = subprocess.Popen([sys.executable, "-m", "fp4convert", "quantize", str(src), str(dst), "--device", "cpu",
-                             "--max-shard-size", "300KB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--max-shard-size", "300KB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
     try:
         for line in proc.stderr:  # status lines: interrupt once the first output shard is written
             if line.startswith("wrote model-"):
