@@ -50,6 +50,11 @@ FUSED_MODULES: tuple[FusedModule, ...] = (
                 "DeepseekV2/V3/R1, Kimi K2, GLM-4.5-MoE-lite)"),
     FusedModule("gate_up_proj", ("w1", "w3"),
                 "models/deepseek_v4.py packed_modules_mapping (shared expert w1/w3); Mixtral experts below"),
+    FusedModule("in_proj_qkvz", ("in_proj_qkv", "in_proj_z"),
+                "models/qwen3_5.py Qwen3_5ForCausalLM.packed_modules_mapping (gated delta-net linear attention; "
+                "also qwen3_5_moe); vLLM loads both into one in_proj_qkvz weight"),
+    FusedModule("in_proj_ba", ("in_proj_b", "in_proj_a"),
+                "models/qwen3_5.py Qwen3_5ForCausalLM.packed_modules_mapping (gated delta-net b/a projections)"),
     FusedModule("experts.w13", ("gate_proj", "up_proj"),
                 "layers/fused_moe/layer.py FusedMoE.make_expert_params_mapping: shard w1 = ckpt_gate_proj_name, "
                 "w3 = ckpt_up_proj_name, both into experts.w13_*; compressed_tensors_moe.py keeps ONE "
@@ -213,14 +218,27 @@ def stacked_experts(tensor_name: str, shape: tuple[int, ...], model_config: dict
             return None
         transpose, split = False, _OUT_FIRST_SPLIT
         source = "[E, out, in] (transformers-5 fused experts: gate then up)"
+    bias = f"{tensor_name}_bias" if mt == "gpt_oss" else None
+    return expert_layout(tensor_name, (e, a, b), kind, transpose, split if kind == "gate_up" else None,
+                         m["prefix"], bias, source)
+
+
+def expert_layout(tensor_name: str, shape: tuple[int, int, int], kind: str, transpose: bool, split: str | None,
+                  prefix: str, bias: str | None, source: str) -> ExpertLayout | None:
+    """The per-expert matrices of a 3-D stack whose layout is known (from the model definition or the
+    family table above): ``kind`` "gate_up" (``split`` says how gate and up are packed), "down" or
+    "up" (an up projection without a gate); ``transpose`` when the stack is ``[E, in, out]``.
+    Output modules are ``<prefix>.<e>.{gate_proj,up_proj,down_proj}``. None when a gate/up stack has
+    an odd number of output rows (it cannot be two halves)."""
+    e, a, b = (int(s) for s in shape)
     n, k = (b, a) if transpose else (a, b)
-    if kind == "gate_up" and n % 2:
+    if kind == "gate_up" and (n % 2 or split is None):
         return None
-    prefix = m["prefix"]
     matrices: list[ExpertMatrix] = []
     for x in range(e):
-        if kind == "down":
-            matrices.append(ExpertMatrix(x, "down", f"{prefix}.{x}.down_proj", (n, k), 0, n, 1, None))
+        if kind != "gate_up":
+            proj = "down" if kind == "down" else "up"
+            matrices.append(ExpertMatrix(x, proj, f"{prefix}.{x}.{proj}_proj", (n, k), 0, n, 1, None))
             continue
         half = n // 2
         group = f"{prefix}.{x}.{{gate_proj,up_proj}}"
@@ -231,8 +249,7 @@ def stacked_experts(tensor_name: str, shape: tuple[int, ...], model_config: dict
         for proj in ("gate", "up"):
             s, t, st = rows[proj]
             matrices.append(ExpertMatrix(x, proj, f"{prefix}.{x}.{proj}_proj", (half, k), s, t, st, group))
-    bias = f"{tensor_name}_bias" if mt == "gpt_oss" else None
-    return ExpertLayout(tensor_name, (e, a, b), kind, transpose, None if kind == "down" else split,
+    return ExpertLayout(tensor_name, (e, a, b), kind, transpose, split if kind == "gate_up" else None,
                         tuple(matrices), bias, source)
 
 
@@ -387,6 +404,22 @@ def _is_mtp(tensor_name: str, model_config: dict | None) -> bool:
     return bool(m and isinstance(n, int) and k and n <= int(m.group(2)) < n + k)
 
 
+def describe_layout(layout: ExpertLayout) -> str:
+    """A plan reason's description of a 3-D expert stack."""
+    what = {"gate_up": "gate/up", "down": "down", "up": "up"}[layout.kind]
+    how = {"interleaved": ", gate/up interleaved", "concatenated": ", gate then up", None: ""}[layout.split]
+    orient = "[E, in, out]" if layout.transpose else "[E, out, in]"
+    return f"MoE expert {what} projection (3-D stacked {orient}, {layout.num_experts} experts{how})"
+
+
+def known_linear_leaf(tensor_name: str) -> bool:
+    """Without a model definition: whether the name alone positively says "a linear layer's [out, in]
+    weight" (a leaf of the table above, or BERT's ``dense``); anything else is not quantized on a guess."""
+    module = tensor_name[: -len(".weight")] if tensor_name.endswith(".weight") else tensor_name
+    leaf = module.rpartition(".")[2]
+    return leaf in _LEAF_ROLES or leaf == "dense"
+
+
 def describe(tensor_name: str, shape: tuple[int, ...] = (), model_config: dict | None = None) -> str:
     """What a tensor IS, for plan reasons: "attention query projection", "router", "vision tower", ..."""
     role = role_of(tensor_name, shape, model_config)
@@ -412,10 +445,7 @@ def describe(tensor_name: str, shape: tuple[int, ...] = (), model_config: dict |
         return "attention sinks"
     layout = stacked_experts(tensor_name, shape, model_config)
     if layout is not None:
-        what = "gate/up" if layout.kind == "gate_up" else "down"
-        how = {"interleaved": ", gate/up interleaved", "concatenated": ", gate then up", None: ""}[layout.split]
-        orient = "[E, in, out]" if layout.transpose else "[E, out, in]"
-        return f"MoE expert {what} projection (3-D stacked {orient}, {layout.num_experts} experts{how})"
+        return describe_layout(layout)
     module = tensor_name[: -len(".weight")] if tensor_name.endswith(".weight") else tensor_name
     parent, _, leaf = module.rpartition(".")
     base = _LEAF_ROLES.get(leaf)

@@ -1,8 +1,12 @@
-"""Planning: decide, from names, shapes and dtypes alone, what happens to every tensor, and why.
+"""Planning: decide, from the model's definition, names, shapes and dtypes, what happens to every tensor.
 
-Pure: nothing here reads tensor data, so ``--dry-run`` and validation cost only the headers.
-docs/numerics.md says what is quantized by default and which layers share a global scale; a fused
-group is quantized whole or not at all.
+Pure: nothing here reads tensor data, so ``--dry-run`` and validation cost only the headers. What a
+tensor IS comes from transformers' own definition of the model (:mod:`fp4convert.modeldef`): a tensor
+is quantized only when it is positively a matmul weight with a known input axis. When transformers
+does not know the architecture, name rules (:mod:`fp4convert.architectures`) decide, the plan says so
+in a warning, and a tensor whose role they cannot establish is kept. docs/formats.md says what is
+quantized by default and which layers share a global scale; a fused group is quantized whole or not
+at all.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ class Plan:
     shards: list[tuple[str, list[OutEntry]]]  # output file -> its tensors, in write order
     config: ConvertConfig
     warnings: list[str] = field(default_factory=list)
+    knowledge: Knowledge | None = None  # where the roles came from (the model definition or name rules)
 
     @property
     def by_name(self) -> dict[str, Decision]:
@@ -144,23 +149,23 @@ class Plan:
         ``ignore``, ModelOpt's ``exclude_modules``).
 
         Every kept 2-D weight (and each expert of a kept stacked tensor), in both the on-disk spelling
-        and the one transformers builds after its key conversion, plus a tied ``lm_head``, which has
-        no tensor on disk but is a Linear module at load time.
+        and the one transformers builds after its key conversion (from the model definition when there
+        is one), plus an output head with no tensor on disk (a tied ``lm_head``, Whisper's ``proj_out``),
+        which is a Linear module at load time.
         """
         cfg = model_config or {}
+        know = self.knowledge or Knowledge(cfg, None, "")
         mods: list[str] = []
         for d in self.decisions:
             if d.action != KEEP:
                 continue
-            layout = arch.stacked_experts(d.name, d.info.shape, cfg)
+            layout = know.layout(d.name, d.info.shape)
             if layout is not None:
-                mods += [m.module for m in layout.matrices]
-            elif d.name.endswith(".weight") and len(d.info.shape) == 2:
-                mods.append(d.module)
-        if arch.tied_lm_head(cfg) and not any(d.module.endswith("lm_head") for d in self.decisions):
-            mods.append("lm_head")
-        names = [n for m in mods for n in arch.ignore_names(m, cfg)]
-        return tuple(sorted(dict.fromkeys(names)))
+                mods += [n for m in layout.matrices for n in arch.ignore_names(m.module, cfg)]
+            elif d.name.endswith(".weight") and len(d.info.shape) == 2 or know.is_kept_matmul(d.name):
+                mods += know.loaded_names(d.module, d.name)
+        mods += know.missing_heads(self.decisions)
+        return tuple(sorted(dict.fromkeys(mods)))
 
     def output_info(self, model_config: dict | None = None) -> OutputInfo:
         """What the output format needs to write its config files."""
@@ -170,6 +175,7 @@ class Plan:
     def to_json(self) -> dict:
         return {
             "settings": self.config.identity(),
+            "planned_from": self.knowledge.describe() if self.knowledge else None,
             "summary": self.summary(),
             "warnings": self.warnings,
             "tensors": [
@@ -211,25 +217,130 @@ def matches(pattern: str, name: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(module, pattern)
 
 
-def fused_group(name: str, model_config: dict | None = None) -> str | None:
-    """The group id of a fused-GEMM member (per expert: the expert index is part of the prefix)."""
-    return arch.fused_group_of(name, model_config)
+def fused_group(name: str, model_config: dict | None = None, knowledge: Knowledge | None = None) -> str | None:
+    """The group id of a fused-GEMM member (per expert: the expert index is part of the prefix): vLLM's
+    packed-module table first, then the definition's own merges (one expert's gate and up)."""
+    g = arch.fused_group_of(name, model_config)
+    if g is None and knowledge is not None and knowledge.definition is not None:
+        role = knowledge.definition.role(name)
+        g = role.group if role is not None else None
+    return g
 
 
-def _mtp_layers(model_config: dict) -> set[int]:
-    """DeepSeek-style MTP layers sit after the last decoder layer: layers.N .. N+k-1."""
+class Knowledge:
+    """What the planner knows about the model: its transformers definition (``definition``), or, when
+    there is none (``why`` says why), the name rules of :mod:`fp4convert.architectures`."""
+
+    def __init__(self, model_config: dict, definition, why: str) -> None:
+        self.cfg, self.definition, self.why = model_config, definition, why
+        self._layouts: dict[str, arch.ExpertLayout | None] = {}
+
+    @classmethod
+    def of(cls, model_config: dict, tensors: list[TensorInfo]) -> Knowledge:
+        from . import modeldef
+
+        try:
+            return cls(model_config, modeldef.load(model_config, tensors), "")
+        except modeldef.Unknown as exc:
+            return cls(model_config, None, str(exc))
+
+    def describe(self) -> dict:
+        if self.definition is not None:
+            return {"source": "model definition", "transformers": self.definition.transformers_version,
+                    "model_class": self.definition.model_class}
+        return {"source": "name rules", "why": self.why}
+
+    def layout(self, name: str, shape: tuple[int, ...]) -> arch.ExpertLayout | None:
+        """The per-expert split of a 3-D expert stack: stated by the definition's experts class, else by
+        the family table (``architectures.stacked_experts``: gpt-oss, Llama 4, transformers-5 layouts)."""
+        if name in self._layouts:
+            return self._layouts[name]
+        lay = None
+        role = self.definition.role(name) if self.definition is not None else None
+        if role is not None and role.kind == "experts":
+            bias = f"{name}_bias" if name.endswith(("gate_up_proj", "down_proj")) else None
+            lay = arch.expert_layout(name, tuple(shape), role.proj, role.transpose, role.split, role.module, bias,
+                                     f"{self.definition.source}: {role.module_class}")
+        elif role is None or role.kind == "kept" and len(shape) == 3:
+            lay = arch.stacked_experts(name, tuple(shape), self.cfg)
+        self._layouts[name] = lay
+        return lay
+
+    def is_kept_matmul(self, name: str) -> bool:
+        """A kept tensor the definition says is a Linear weight (so engines must be told it is not FP4)."""
+        role = self.definition.role(name) if self.definition is not None else None
+        return role is not None and name.endswith(".weight") and role.module_class.endswith("Linear")
+
+    def loaded_names(self, module: str, name: str) -> list[str]:
+        """A kept module's spellings: on disk, and as transformers builds it (the definition's key
+        conversion, or the renames the family table knows)."""
+        names = arch.ignore_names(module, self.cfg)
+        role = self.definition.role(name) if self.definition is not None else None
+        if role is not None and role.module not in names and role.module != "-":
+            names.append(role.module)
+        return names
+
+    def missing_heads(self, decisions: list[Decision]) -> list[str]:
+        """Output heads transformers builds with no tensor on disk (tied to the embeddings)."""
+        if self.definition is not None:
+            on_disk = {(self.definition.role(d.name) or _NO_ROLE).module for d in decisions}
+            return [h for h in self.definition.heads if h not in on_disk]
+        if arch.tied_lm_head(self.cfg) and not any(d.module.endswith("lm_head") for d in decisions):
+            return ["lm_head"]
+        return []
+
+    def reason(self, info: TensorInfo, scheme: str, mtp: tuple[int, int] | None) -> str | None:
+        """Why a float tensor is not quantized by default; None when it is."""
+        name = info.name
+        role = self.definition.role(name) if self.definition is not None else None
+        if role is not None:
+            if _in_mtp(name, mtp):
+                return "MTP (multi-token prediction) layer"
+            if role.absent:  # what the name rules say, and that the model has no such parameter
+                rule = _rule_reason(info, scheme, mtp, self.cfg)
+                return f"{rule}; {role.why}" if rule and rule != UNKNOWN_ROLE else role.why
+            if role.kind == "kept":
+                layout = self.layout(name, info.shape)  # an experts class the definition leaves unstated
+                if layout is None:
+                    return role.why
+                return _k_reason(layout.matrices[0].shape[1], scheme)
+            if role.kind == "experts":
+                layout = self.layout(name, info.shape)
+                if layout is None:
+                    return f"{role.module_class} stack {list(info.shape)} cannot be split into gate and up halves"
+                return _k_reason(layout.matrices[0].shape[1], scheme)
+            if 0 in info.shape:
+                return "empty tensor"
+            return _k_reason(info.shape[-1], scheme)
+        return _rule_reason(info, scheme, mtp, self.cfg)
+
+
+_NO_ROLE = type("NoRole", (), {"module": None})()
+
+
+def _k_reason(k: int, scheme: str) -> str | None:
+    bs = get_scheme(scheme).block_size
+    return f"in-features K={k} is not a multiple of the {scheme} block size {bs}" if k % bs else None
+
+
+def _mtp_layers(model_config: dict) -> tuple[int, int] | None:
+    """DeepSeek-style MTP layers sit after the last decoder layer: layers N .. N+k-1 (as a range: a
+    config's k is not trusted to be small)."""
     n = model_config.get("num_hidden_layers")
     k = model_config.get("num_nextn_predict_layers") or 0
-    return set(range(n, n + k)) if isinstance(n, int) and k else set()
+    if not isinstance(n, int) or not isinstance(k, int) or isinstance(k, bool) or k <= 0:
+        return None
+    return (n, n + k)
 
 
-def _default_reason(info: TensorInfo, scheme: str, mtp: set[int], model_config: dict) -> str | None:
-    """Why a tensor is not quantized by default; None when it is."""
+def _in_mtp(name: str, mtp: tuple[int, int] | None) -> bool:
+    m = re.search(r"(^|\.)layers\.(\d+)\.", name)
+    return bool(m and mtp and mtp[0] <= int(m.group(2)) < mtp[1])
+
+
+def _rule_reason(info: TensorInfo, scheme: str, mtp: tuple[int, int] | None, model_config: dict) -> str | None:
+    """Without a model definition: the name rules, and nothing quantized on a guess."""
     name = info.name
-    if info.dtype not in FLOAT_DTYPES:
-        if info.dtype.startswith("F"):
-            return f"dtype {info.dtype} is not a bf16/fp16/fp32 source weight"
-        return f"not floating point ({info.dtype})"
     for rx, reason in EXCLUDE:
         if rx.search(name):
             return reason
@@ -237,21 +348,28 @@ def _default_reason(info: TensorInfo, scheme: str, mtp: set[int], model_config: 
         return "normalization layer"
     layout = arch.stacked_experts(name, info.shape, model_config)
     if layout is not None:
-        k, bs = layout.matrices[0].shape[1], get_scheme(scheme).block_size
-        return f"in-features K={k} is not a multiple of the {scheme} block size {bs}" if k % bs else None
+        return _k_reason(layout.matrices[0].shape[1], scheme)
     if not name.endswith(".weight"):
         return f"not a weight ({arch.describe(name, info.shape, model_config)})"
-    m = re.search(r"(^|\.)layers\.(\d+)\.", name)
-    if m and int(m.group(2)) in mtp:
+    if _in_mtp(name, mtp):
         return "MTP (multi-token prediction) layer"
     if len(info.shape) != 2:
         return f"{len(info.shape)}-D tensor, not a linear layer's [out, in] weight"
     if 0 in info.shape:
         return "empty tensor"
-    k, bs = info.shape[-1], get_scheme(scheme).block_size
-    if k % bs:
-        return f"in-features K={k} is not a multiple of the {scheme} block size {bs}"
-    return None
+    return _k_reason(info.shape[-1], scheme) or (None if arch.known_linear_leaf(name) else UNKNOWN_ROLE)
+
+
+UNKNOWN_ROLE = "role unknown without the model definition (kept rather than quantized on a guess)"
+
+
+def _default_reason(info: TensorInfo, scheme: str, knowledge: Knowledge, mtp: tuple[int, int] | None) -> str | None:
+    """Why a tensor is not quantized by default; None when it is."""
+    if info.dtype not in FLOAT_DTYPES:
+        if info.dtype.startswith("F"):
+            return f"dtype {info.dtype} is not a bf16/fp16/fp32 source weight"
+        return f"not floating point ({info.dtype})"
+    return knowledge.reason(info, scheme, mtp)
 
 
 def make_plan(
@@ -276,14 +394,17 @@ def make_plan(
         raise PlanError(f"the source is already quantized ({what}); fp4convert needs a bf16/fp16/fp32 checkpoint "
                         "or an FP8 / MXFP4 one it can decode exactly")
     mtp = _mtp_layers(model_config)
+    knowledge = Knowledge.of(model_config, sources)
 
     # 1. Per-tensor decision.
     reasons: dict[str, str | None] = {}
+    ignored: dict[str, str] = {}
     for info in sources:
-        reason = _default_reason(info, config.scheme, mtp, model_config)
+        reason = _default_reason(info, config.scheme, knowledge, mtp)
         hit = next((p for p in config.ignore if matches(p, info.name)), None)
         if hit is not None:
             reason = f"matched --ignore {hit}"
+            ignored[info.name] = hit
         elif config.only and reason is None and not any(matches(p, info.name) for p in config.only):
             reason = "not matched by --only"
         reasons[info.name] = reason
@@ -292,10 +413,11 @@ def make_plan(
     by_name = {i.name: i for i in sources}
     groups: dict[str, list[str]] = OrderedDict()
     for info in sources:
-        g = fused_group(info.name, model_config)
+        g = fused_group(info.name, model_config, knowledge)
         if g:
             groups.setdefault(g, []).append(info.name)
     groups = OrderedDict((g, m) for g, m in groups.items() if len(m) > 1)
+    group_warnings: list[str] = []
     for g, members in groups.items():
         blocked = [m for m in members if reasons[m] is not None]
         if blocked and len(blocked) < len(members):
@@ -303,6 +425,11 @@ def make_plan(
             for m in members:
                 if reasons[m] is None:
                     reasons[m] = why
+            hits = [m for m in blocked if m in ignored]
+            if hits:
+                group_warnings.append(f"--ignore {ignored[hits[0]]} matched {len(hits)} of the {len(members)} members "
+                                      f"of fused group {g}: the whole group is kept unquantized (engines load it as one "
+                                      "weight)")
         elif not blocked and len({by_name[m].shape[1:] for m in members}) > 1:
             raise PlanError(
                 f"fused group {g} has members with different in-features, so engines cannot fuse them and "
@@ -315,7 +442,7 @@ def make_plan(
     for info in sources:
         if info.name in done:
             continue
-        g = fused_group(info.name, model_config)
+        g = fused_group(info.name, model_config, knowledge)
         g = g if g in groups else None
         unit = groups[g] if g and reasons[info.name] is None else [info.name]
         for name in unit:
@@ -323,8 +450,9 @@ def make_plan(
             done.add(name)
             decode = decodes.get(name)
             if reasons[name] is None:
-                matrices = _matrices(i, g, model_config)
-                what = arch.describe(name, i.shape, model_config)
+                matrices = _matrices(i, g, knowledge)
+                layout = knowledge.layout(name, i.shape)
+                what = arch.describe_layout(layout) if layout is not None else arch.describe(name, i.shape, model_config)
                 reason = what + (f", fused group of {len(groups[g])} sharing one global scale" if g else "")
                 if len(matrices) > 1:
                     reason += f"; {len(matrices)} matrices, gate and up of each expert sharing one global scale" \
@@ -338,15 +466,43 @@ def make_plan(
                 decisions.append(Decision(name, KEEP, reason, i, g, (OutEntry(name, i.dtype, i.shape),), (), decode))
 
     check_collisions(decisions)
-    plan = Plan(decisions, {g: m for g, m in groups.items()}, layout_shards(decisions, config.max_shard_size), config)
+    plan = Plan(decisions, {g: m for g, m in groups.items()}, layout_shards(decisions, config.max_shard_size), config,
+                knowledge=knowledge)
+    plan.warnings += _plan_notes(decisions, knowledge) + group_warnings
     if not any(d.action == QUANTIZE for d in decisions):
-        plan.warnings.append("no tensor is quantized: check --only / --ignore and the checkpoint's layer names")
+        plan.warnings.insert(0, "no tensor is quantized: check --only / --ignore and the checkpoint's layer names")
     return plan
 
 
-def _matrices(info: TensorInfo, group: str | None, model_config: dict) -> tuple[Matrix, ...]:
+def _plan_notes(decisions: list[Decision], knowledge: Knowledge) -> list[str]:
+    """Warnings every run repeats: roles from name rules (and what they could not place), linear layers
+    kept for their in-features, a split-less expert stack kept whole."""
+    out = []
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+    if knowledge.definition is None:
+        unknown = [d.name for d in decisions if d.reason == UNKNOWN_ROLE]
+        out.append(f"planned from tensor names, not from the model definition ({knowledge.why}): check the plan "
+                   "(--dry-run)" + (f"; {len(unknown)} float tensor(s) of unknown role kept unquantized: "
+                                     f"{some(unknown)}" if unknown else ""))
+    k_kept = [d.name for d in decisions if d.action == KEEP and d.reason.startswith("in-features K=")]
+    if k_kept:
+        out.append(f"{len(k_kept)} matmul weight(s) kept because their in-features are not a multiple of the block "
+                   f"size: {some(k_kept)}")
+    stacks = [d.name for d in decisions if d.action == KEEP and ("stack" in d.reason and "cannot be split" in d.reason
+                                                                 or "its matmul layout is not stated" in d.reason)
+              and len(d.info.shape) >= 2 and not d.reason.startswith("matched --ignore")]
+    if stacks:
+        out.append(f"{len(stacks)} weight(s) of a custom or unsplittable module kept unquantized (listed in the "
+                   f"engine config's ignore): {some(stacks)}")
+    return out
+
+
+def _matrices(info: TensorInfo, group: str | None, knowledge: Knowledge) -> tuple[Matrix, ...]:
     """The 2-D matrices a quantized tensor becomes: itself, or one per expert (and gate/up half)."""
-    layout = arch.stacked_experts(info.name, info.shape, model_config)
+    layout = knowledge.layout(info.name, info.shape)
     if layout is None:
         module = info.name[: -len(".weight")] if info.name.endswith(".weight") else info.name
         return (Matrix(module, tuple(info.shape), group),)

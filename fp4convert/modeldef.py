@@ -1,0 +1,301 @@
+"""Every tensor's role from the model's own definition: transformers builds the model, we read it.
+
+Names are guesses; transformers knows. For an architecture it ships, the model is built from
+``config.json`` on the ``meta`` device (no weights read, no memory for them: a 671B-parameter
+DeepSeek-V3 config builds in ~0.05 s), and every checkpoint key is mapped to the parameter it loads
+into with transformers' OWN key conversion (``conversion_mapping.get_model_conversion_mapping`` and
+``core_model_loading.rename_source_key``: the renames and the per-expert merges its loader applies).
+The parameter's module then says what the tensor is:
+
+- ``nn.Linear`` ``weight``: a matmul weight ``[out, in]`` (the input axis is known);
+- a transformers experts module (``@use_experts_implementation``: ``is_transposed``,
+  ``is_concatenated``, ``has_gate``): a 3-D expert stack whose orientation and gate/up packing are
+  stated by the class, or one expert's 2-D weight merged into it at load;
+- everything else (``Embedding``, GPT-2 ``Conv1D``, ``Conv1d``/``Conv2d``, norms, routers, position
+  tables, parameters of custom modules) is kept, with a reason that names the module class.
+
+Through a transformers converter, the disk tensor's axes are tracked to the parameter's
+(``MergeModulelist`` inserts the expert axis, ``Transpose`` swaps, ``Concatenate``/``Chunk``/``Split``/
+``Interleave`` keep them), so an expert stack stored ``[E, H, 2I]`` and one stored ``[E, 2I, H]`` are
+both split along their input axis; an operation this module does not know keeps the tensor.
+
+Pure of I/O and of tensor data; importing this module imports neither torch nor transformers (the
+CLI's ``--help``/``--version`` never pay for them). docs/architecture.md says where it sits.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .safetensors_io import TensorInfo
+
+log = logging.getLogger(__name__)
+
+LINEAR, EXPERTS, KEPT = "linear", "experts", "kept"
+
+# Sub-models and modules kept by a documented rule (docs/formats.md "Which tensors are quantized"):
+# engines build vision/audio towers and multimodal projectors unquantized.
+_TOWER_RX = re.compile(r"Vision|Visual|Audio|Speech|Image|Video|Siglip|Clip", re.IGNORECASE)
+_PROJECTOR_RX = re.compile(r"MultiModal|Multimodal|Projector|Embedder|PatchMerger", re.IGNORECASE)
+_ROUTER_LEAVES = {"gate", "router", "shared_expert_gate", "router_proj"}
+_EXPERT_PARAMS = {"gate_up_proj": "gate_up", "down_proj": "down", "up_proj": "up"}
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one on-disk tensor is, per the model definition.
+
+    ``kind`` is LINEAR (a matmul weight; ``input_axis`` is its input axis ON DISK), EXPERTS (a 3-D
+    stack: ``transpose`` when the disk holds ``[E, in, out]``, ``split`` of a gate/up stack, ``proj``)
+    or KEPT (``why`` says why, naming the module class). ``module`` is the module as transformers
+    builds it (after its key conversion), the name compressed-tensors' ``ignore`` is matched against.
+    """
+
+    kind: str
+    module: str
+    module_class: str
+    why: str = ""
+    input_axis: int | None = None
+    transpose: bool = False
+    split: str | None = None
+    proj: str | None = None
+    group: str | None = None  # shared-scale group from a transformers merge (one expert's gate + up)
+    absent: bool = False  # no parameter of the model loads it (transformers drops it: MTP layers, extras)
+
+
+@dataclass
+class Definition:
+    """The model as transformers defines it, reduced to what the planner asks."""
+
+    model_class: str
+    transformers_version: str
+    roles: dict[str, Role]
+    heads: tuple[str, ...]  # output projections (lm_head, proj_out, embed_out) as transformers builds them
+    head_on_disk: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def source(self) -> str:
+        return f"transformers {self.transformers_version} {self.model_class}"
+
+    def role(self, name: str) -> Role | None:
+        return self.roles.get(name)
+
+
+class Unknown(Exception):
+    """The model definition cannot be had; the message says why (planning falls back to names)."""
+
+
+def _bounded_int(cfg: dict, key: str, hi: int) -> None:
+    v = cfg.get(key)
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi):
+        raise Unknown(f"config.json {key}={v!r} is not an integer in [0, {hi}]")
+
+
+def _check_sizes(cfg: dict) -> None:
+    """Refuse absurd sizes before transformers allocates per layer or per expert (even on meta, a
+    module per layer costs memory: ``num_hidden_layers: 10**10`` would exhaust the machine)."""
+    for c in (cfg, cfg.get("text_config"), cfg.get("vision_config"), cfg.get("audio_config")):
+        if isinstance(c, dict):
+            for key in ("num_hidden_layers", "num_layers", "n_layer", "num_local_experts", "num_experts",
+                        "n_routed_experts", "moe_num_experts", "num_nextn_predict_layers", "encoder_layers",
+                        "decoder_layers", "num_decoder_layers"):
+                _bounded_int(c, key, 100_000)
+
+
+def load(model_config: dict, tensors: list[TensorInfo]) -> Definition:
+    """The definition of the model ``model_config`` describes, with a role for every tensor.
+
+    Raises :class:`Unknown` (with the reason) when transformers is not installed, does not know the
+    architecture (remote code, newer than the installed version) or cannot build it from this config.
+    """
+    if not model_config:
+        raise Unknown("the source has no config.json")
+    mt = model_config.get("model_type")
+    if not isinstance(mt, str) or not mt:
+        raise Unknown("config.json has no model_type")
+    archs = model_config.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise Unknown(f"config.json architectures={archs!r} is not a list of class names")
+    _check_sizes(model_config)
+    try:
+        import torch
+        import transformers
+        from transformers import CONFIG_MAPPING
+    except ImportError as exc:  # pragma: no cover - transformers is a dependency; kept for broken installs
+        raise Unknown(f"transformers cannot be imported ({exc})") from exc
+    if mt not in CONFIG_MAPPING:
+        remote = " (the checkpoint ships its own code: auto_map)" if "auto_map" in model_config else ""
+        raise Unknown(f"transformers {transformers.__version__} does not know model_type {mt!r}{remote}")
+    try:
+        config = CONFIG_MAPPING[mt].from_dict(dict(model_config))
+    except Exception as exc:  # noqa: BLE001 - any failure means: no definition, say why
+        raise Unknown(f"transformers cannot read this config.json ({type(exc).__name__}: {_one_line(exc)})") from exc
+    cls = _model_class(transformers, config, archs or [])
+    if cls is None:
+        raise Unknown(f"transformers {transformers.__version__} has no model class for {archs or mt}")
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except Exception as exc:  # noqa: BLE001
+        raise Unknown(f"transformers cannot build {cls.__name__} from this config.json "
+                      f"({type(exc).__name__}: {_one_line(exc)})") from exc
+    return _definition(model, tensors, transformers.__version__)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200]
+
+
+def _model_class(transformers, config, archs: list[str]):
+    from transformers import PreTrainedModel
+
+    for a in archs:
+        c = getattr(transformers, a, None)
+        if isinstance(c, type) and issubclass(c, PreTrainedModel):
+            return c
+    for auto in ("MODEL_FOR_CAUSAL_LM_MAPPING", "MODEL_MAPPING"):
+        mapping = getattr(transformers, auto, None)
+        try:
+            return mapping[type(config)] if mapping is not None else None
+        except KeyError:
+            continue
+    return None
+
+
+def _definition(model, tensors: list[TensorInfo], version: str) -> Definition:
+    import torch.nn as nn
+    from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+    from transformers.pytorch_utils import Conv1D
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(dict(model.named_buffers(remove_duplicate=False)))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    towers = [p for p, m in modules.items() if p and isinstance(m, PreTrainedModel) and _TOWER_RX.search(type(m).__name__)]
+    heads = _heads(model, modules)
+
+    roles: dict[str, Role] = {}
+    for info in tensors:
+        name = info.name
+        target, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, params)
+        if target not in params:
+            roles[name] = Role(KEPT, _module_of(target), "-", f"not a parameter of {type(model).__name__} "
+                               "(transformers ignores it when loading)", absent=True)
+            continue
+        path, _, leaf = target.rpartition(".")
+        mod = modules.get(path)
+        cname = type(mod).__name__ if mod is not None else "-"
+        converter = next((c for c in converters if pattern is not None and pattern in c.source_patterns), None)
+        axes = _disk_axes(converter, pattern, len(info.shape)) if converter is not None else list(range(len(info.shape)))
+        parts = path.split(".")
+        ancestors = [type(modules[a]).__name__ for a in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+                     if a in modules]
+        roles[name] = _role(name, target, path, leaf, mod, cname, info, params[target], axes, converter, pattern,
+                            towers, heads, nn, Conv1D, ancestors)
+    on_disk = {r.module for r in roles.values()}
+    return Definition(type(model).__name__, version, roles, heads, head_on_disk=any(h in on_disk for h in heads))
+
+
+def _module_of(param_name: str) -> str:
+    return param_name.rpartition(".")[0] if "." in param_name else param_name
+
+
+def _heads(model, modules: dict) -> tuple[str, ...]:
+    """The output projections (tied or not) by module name: what transformers calls the LM head."""
+    try:
+        head = model.get_output_embeddings()
+    except Exception:  # noqa: BLE001 - models without a head (encoders) may raise
+        head = None
+    if head is None:
+        return ()
+    return tuple(p for p, m in modules.items() if m is head)
+
+
+def _disk_axes(converter, pattern: str | None, ndim: int) -> list | None:
+    """For each axis of the parameter, the disk tensor's axis it comes from ("E": the expert axis a merge
+    adds); None when an operation's effect on axes is not known here."""
+    axes: list = list(range(ndim))
+    for op in converter.operations:
+        kind = type(op).__name__
+        if kind == "MergeModulelist":
+            axes.insert(getattr(op, "dim", 0), "E")
+        elif kind == "Transpose":
+            a, b = op.dim0, op.dim1
+            axes[a], axes[b] = axes[b], axes[a]
+        elif kind in ("Concatenate", "Chunk", "Split", "Interleave"):
+            continue
+        else:
+            return None
+    return axes
+
+
+def _role(name, target, path, leaf, mod, cname, info, param, axes, converter, pattern, towers, heads, nn, Conv1D,
+          ancestors: list[str]) -> Role:
+    def kept(why: str) -> Role:
+        return Role(KEPT, path, cname, why)
+
+    if leaf.endswith("bias") or leaf in ("e_score_correction_bias",):
+        return kept(f"bias of {cname}")
+    tower = next((t for t in towers if path == t or path.startswith(t + ".")), None)
+    if tower is not None:
+        return kept(f"vision/audio tower ({tower}: engines build it unquantized)")
+    if path in heads:
+        return kept(f"output projection ({cname} {path}: kept like the embeddings it is often tied to)")
+    if isinstance(mod, nn.Embedding) or "Embedding" in cname:
+        return kept(f"embedding ({cname})")
+    if isinstance(mod, Conv1D):
+        return kept("Conv1D (GPT-2 style, stored [in, out]): compressed-tensors in transformers quantizes "
+                    "nn.Linear modules only, so an FP4 Conv1D could not be loaded")
+    if isinstance(mod, nn.modules.conv._ConvNd):
+        return kept(f"convolution ({cname})")
+    if "Norm" in cname or "norm" in leaf.lower() or isinstance(mod, (nn.LayerNorm, nn.GroupNorm)):
+        return kept(f"normalization ({cname})")
+    if "Router" in cname or "Gate" in cname and not isinstance(mod, nn.Linear):
+        return kept(f"MoE router ({cname})")
+    projector = next((a for a in ancestors if _PROJECTOR_RX.search(a)), None)
+    if projector is not None:
+        return kept(f"multimodal projector/embedder ({projector}: engines build it unquantized)")
+    if axes is None:
+        return kept(f"{leaf} of {cname}: loaded through a transformers conversion this planner does not model")
+    if isinstance(mod, nn.Linear) and leaf == "weight" and param.dim() == 2:
+        if path.rpartition(".")[2] in _ROUTER_LEAVES:
+            return kept(f"MoE router ({cname} {path.rpartition('.')[2]})")
+        disk_in = axes[1]
+        if not isinstance(disk_in, int) or len(info.shape) != 2:
+            return kept(f"{leaf} of {cname}: its input axis on disk is not known")
+        if disk_in != 1:
+            return kept(f"{cname} weight stored [in, out] on disk: quantizing it would block the wrong axis")
+        return Role(LINEAR, path, cname, input_axis=1)
+    proj = _EXPERT_PARAMS.get(leaf)
+    if proj is not None and hasattr(mod, "is_transposed") and param.dim() == 3:
+        t_in = 1 if mod.is_transposed else 2
+        disk_in = axes[t_in]
+        split = None
+        if proj == "gate_up" and getattr(mod, "has_gate", True):
+            split = "concatenated" if getattr(mod, "is_concatenated", True) else "interleaved"
+        if "E" in axes:  # one expert's 2-D weight, merged into the stack at load
+            if len(info.shape) != 2 or disk_in != 1:
+                return kept(f"one expert's {leaf} of {cname} with its input axis not last on disk")
+            group = None
+            if converter is not None and len(converter.source_patterns) > 1:
+                m = re.search(r"(^|\.)experts\.(\d+)\.", name)
+                if m:
+                    members = ",".join(p.rpartition("*.")[2].removesuffix(".weight") for p in converter.source_patterns)
+                    group = f"{name[:m.end() - 1]}.{{{members}}}"
+            return Role(LINEAR, path, cname, input_axis=1, group=group)
+        if len(info.shape) != 3 or axes[0] != 0 or disk_in not in (1, 2):
+            return kept(f"{leaf} of {cname}: the expert axis or input axis on disk is not known")
+        return Role(EXPERTS, path, cname, input_axis=disk_in, transpose=disk_in == 1, split=split, proj=proj)
+    if param.dim() in (2, 3):
+        return kept(f"{leaf} of {cname} ({param.dim()}-D parameter of a custom module: its matmul layout is not "
+                    "stated by the definition)")
+    return kept(f"{leaf} of {cname} ({param.dim()}-D)")
