@@ -285,6 +285,9 @@ def main() -> None:
 @click.option("--only", multiple=True, metavar="PATTERN", help="Quantize only matching tensors (glob, or re:REGEX). Repeatable.")
 @click.option("--allow-nothing-quantized", is_flag=True,
               help="Write the output even when the plan quantizes no tensor (otherwise exit 2).")
+@click.option("--allow-no-config", is_flag=True,
+              help="Convert a source that has no config.json (otherwise exit 2: nothing can load the output, and "
+                   "tensor roles then come from names alone).")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) when SRC is a repo id.")
 @click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True,
               help="Hub token for a gated/private SRC and for --push-to-hub (default: your huggingface-cli login).")
@@ -297,7 +300,7 @@ def main() -> None:
 @_push_options
 @_library_errors
 def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard_size, ignore, only, allow_nothing_quantized,
-             revision, token, cache_dir, delete_source_shards, dry_run, overwrite, resume, verify_source, quiet,
+             allow_no_config, revision, token, cache_dir, delete_source_shards, dry_run, overwrite, resume, verify_source, quiet,
              as_json, push_repo, private) -> None:
     """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST."""
     from . import stages
@@ -311,7 +314,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard
     config = ConvertConfig(
         scheme=scheme, rotate=rotate, scale_rule=scale_rule, format=fmt, ignore=tuple(ignore), only=tuple(only),
         max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
-        revision=revision, verify_source=verify_source, lanes=lanes,
+        revision=revision, verify_source=verify_source, lanes=lanes, allow_no_config=allow_no_config,
     )
     dry_run_out = True
     if _rank() > 0:  # torchrun: one voice (rank 0); the others only report their own errors

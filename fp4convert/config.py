@@ -33,6 +33,7 @@ class ConvertConfig:
     revision: str | None = None
     verify_source: bool = False  # hash the source in full (recorded; --resume compares it)
     lanes: int = 0  # output shards written by this many lanes side by side in one process; 0: auto
+    allow_no_config: bool = False  # convert a source without config.json (nothing can load the output)
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:

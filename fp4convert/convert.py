@@ -110,6 +110,10 @@ def plan_conversion(src: str | Source, config: ConvertConfig) -> tuple[Source, P
         marker = MANIFEST_NAME if manifest is not None else f"{found.name} files"
         raise PlanError(f"the source is already quantized (it has {marker}); fp4convert needs a bf16/fp16/fp32 checkpoint")
     fmt = get_format(config.format)
+    if not source.config() and not config.allow_no_config:
+        raise PlanError(f"{source.label} has no config.json: no loader (transformers, vLLM, SGLang) can load the "
+                        "output, and the plan cannot know the model; add the model's config.json, or pass "
+                        "--allow-no-config to convert the tensors anyway")
     plan = make_plan(source.tensors(), config, fmt, source.config())
     return source, plan, fmt
 

@@ -25,9 +25,14 @@ CLI's ``--help``/``--version`` never pay for them). docs/architecture.md says wh
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
 import logging
+import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -107,12 +112,78 @@ def _check_sizes(cfg: dict) -> None:
                 _bounded_int(c, key, 100_000)
 
 
+def cache_dir() -> Path:
+    """Where definitions are cached: FP4CONVERT_DEFINITION_CACHE, else ~/.cache/fp4convert/definitions."""
+    env = os.environ.get("FP4CONVERT_DEFINITION_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp4convert" / "definitions"
+
+
+def _cache_key(model_config: dict, tensors: list[TensorInfo]) -> str | None:
+    """What a definition depends on: the config, the tensor names and shapes, the transformers version
+    and this module's source. Computed without importing transformers or torch."""
+    try:
+        version = importlib.metadata.version("transformers")
+        h = hashlib.sha256()
+        h.update(json.dumps(model_config, sort_keys=True, default=str).encode())
+        h.update(json.dumps(sorted((t.name, list(t.shape)) for t in tensors)).encode())
+        h.update(version.encode())
+        h.update(Path(__file__).read_bytes())
+        return h.hexdigest()
+    except Exception:  # noqa: BLE001 - no cache then (odd values, no transformers metadata)
+        return None
+
+
 def load(model_config: dict, tensors: list[TensorInfo]) -> Definition:
     """The definition of the model ``model_config`` describes, with a role for every tensor.
 
     Raises :class:`Unknown` (with the reason) when transformers is not installed, does not know the
     architecture (remote code, newer than the installed version) or cannot build it from this config.
+    A definition is cached on disk (:func:`cache_dir`, keyed by config, tensor names and shapes,
+    transformers version and this module), so a repeated or resumed run does not import transformers
+    and torch again just to plan (2-5 s; the torch-free CUDA path never imports torch otherwise).
     """
+    key = _cache_key(model_config, tensors) if model_config else None
+    if key is not None:
+        cached = _read_cache(key)
+        if cached is not None:
+            return cached
+    d = _load(model_config, tensors)
+    if key is not None:
+        _write_cache(key, d)
+    return d
+
+
+def _read_cache(key: str) -> Definition | None:
+    path = cache_dir() / f"{key}.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+        roles = {n: Role(**r) for n, r in obj["roles"].items()}
+        return Definition(obj["model_class"], obj["transformers_version"], roles, tuple(obj["heads"]),
+                          bool(obj["head_on_disk"]))
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - a damaged cache entry is rebuilt
+        log.debug("definition cache %s unreadable (%s); rebuilding", path, exc)
+        return None
+
+
+def _write_cache(key: str, d: Definition) -> None:
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        obj = {"model_class": d.model_class, "transformers_version": d.transformers_version, "heads": list(d.heads),
+               "head_on_disk": d.head_on_disk, "roles": {n: asdict(r) for n, r in d.roles.items()}}
+        tmp = folder / f".{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, folder / f"{key}.json")
+    except OSError as exc:
+        log.debug("definition cache not written (%s)", exc)
+
+
+def _load(model_config: dict, tensors: list[TensorInfo]) -> Definition:
     if not model_config:
         raise Unknown("the source has no config.json")
     mt = model_config.get("model_type")

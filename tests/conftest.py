@@ -19,6 +19,7 @@ _ZYGOTE = r"""
 import json, os, resource, signal, sys, time
 import fp4convert.cli
 import fp4convert.convert, fp4convert.export, fp4convert.inspect  # torch and the work modules, before the forks
+import transformers, transformers.conversion_mapping, transformers.core_model_loading  # the planner's model definitions
 from fp4convert.cli import main
 out = sys.stdout
 for line in sys.stdin:
@@ -95,6 +96,19 @@ class CliProcs:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _definition_cache(tmp_path_factory):
+    """Model definitions cached per test session (fp4convert.modeldef.cache_dir), not in the user's cache:
+    the first plan of each model pays for transformers, later ones read the cache, as a user's runs do."""
+    old = os.environ.get("FP4CONVERT_DEFINITION_CACHE")
+    os.environ["FP4CONVERT_DEFINITION_CACHE"] = str(tmp_path_factory.mktemp("definitions"))
+    yield
+    if old is None:
+        os.environ.pop("FP4CONVERT_DEFINITION_CACHE", None)
+    else:
+        os.environ["FP4CONVERT_DEFINITION_CACHE"] = old
 
 
 @pytest.fixture(scope="session")
