@@ -425,8 +425,9 @@ def weight_of(d: Decision, tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def _batches(d: Decision, x: torch.Tensor) -> list[tuple[list[Matrix], torch.Tensor]]:
     """A decision's matrices as batches ``[B, N, K]`` (all experts of one gate/up/down part in one batch)."""
-    if len(d.matrices) == 1 and d.matrices[0].expert is None:
-        return [(list(d.matrices), x.unsqueeze(0))]
+    if len(d.matrices) == 1 and d.matrices[0].expert is None:  # a whole 2-D weight ([in, out] on disk: W^T)
+        m = d.matrices[0]
+        return [(list(d.matrices), (x.transpose(-1, -2) if m.transpose else x).unsqueeze(0))]
     parts: dict[tuple, list[Matrix]] = {}
     for m in d.matrices:
         parts.setdefault((m.rows, m.transpose), []).append(m)

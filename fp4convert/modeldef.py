@@ -324,8 +324,11 @@ def _role(name, target, path, leaf, mod, cname, info, param, axes, converter, pa
     if isinstance(mod, nn.Embedding) or "Embedding" in cname:
         return kept(f"embedding ({cname})")
     if isinstance(mod, Conv1D):
-        return kept("Conv1D (GPT-2 style, stored [in, out]): compressed-tensors in transformers quantizes "
-                    "nn.Linear modules only, so an FP4 Conv1D could not be loaded")
+        if leaf != "weight" or len(info.shape) != 2 or axes != [0, 1]:
+            return kept(f"{leaf} of Conv1D")
+        # GPT-2 style: x @ W with W [in, out]. Quantized along its input axis (axis 0 on disk) and written
+        # [out, in], the layout vLLM's GPT-2 loader reads for weight_packed (it transposes only ``.weight``).
+        return Role(LINEAR, path, cname, input_axis=0)
     if isinstance(mod, nn.modules.conv._ConvNd):
         return kept(f"convolution ({cname})")
     if "Norm" in cname or "norm" in leaf.lower() or isinstance(mod, (nn.LayerNorm, nn.GroupNorm)):

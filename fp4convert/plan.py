@@ -311,8 +311,14 @@ class Knowledge:
                 return _k_reason(layout.matrices[0].shape[1], scheme)
             if 0 in info.shape:
                 return "empty tensor"
-            return _k_reason(info.shape[-1], scheme)
+            return _k_reason(info.shape[role.input_axis if role.input_axis is not None else -1], scheme)
         return _rule_reason(info, scheme, mtp, self.cfg)
+
+    def input_axis(self, name: str) -> int:
+        """The input axis of a 2-D matmul weight on disk: 1 ([out, in]) unless the definition says 0
+        (GPT-2's Conv1D, stored [in, out])."""
+        role = self.definition.role(name) if self.definition is not None else None
+        return role.input_axis if role is not None and role.kind == "linear" and role.input_axis is not None else 1
 
 
 _NO_ROLE = type("NoRole", (), {"module": None})()
@@ -453,6 +459,9 @@ def make_plan(
                 matrices = _matrices(i, g, knowledge)
                 layout = knowledge.layout(name, i.shape)
                 what = arch.describe_layout(layout) if layout is not None else arch.describe(name, i.shape, model_config)
+                if any(m.transpose and m.expert is None for m in matrices):
+                    what = ("Conv1D weight stored [in, out] (GPT-2 style): quantized along its input axis and "
+                            "written [out, in], as vLLM's GPT-2 loader reads it")
                 reason = what + (f", fused group of {len(groups[g])} sharing one global scale" if g else "")
                 if len(matrices) > 1:
                     reason += f"; {len(matrices)} matrices, gate and up of each expert sharing one global scale" \
@@ -505,6 +514,8 @@ def _matrices(info: TensorInfo, group: str | None, knowledge: Knowledge) -> tupl
     layout = knowledge.layout(info.name, info.shape)
     if layout is None:
         module = info.name[: -len(".weight")] if info.name.endswith(".weight") else info.name
+        if len(info.shape) == 2 and knowledge.input_axis(info.name) == 0:  # [in, out] on disk: quantize W^T
+            return (Matrix(module, (info.shape[1], info.shape[0]), group, transpose=True),)
         return (Matrix(module, tuple(info.shape), group),)
     return tuple(Matrix(m.module, m.shape, m.group, m.expert, (m.row_start, m.row_stop, m.row_step),
                         layout.transpose) for m in layout.matrices)

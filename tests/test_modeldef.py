@@ -1,0 +1,180 @@
+"""Tensor roles from the model's own definition (fp4convert/modeldef.py), on real transformers classes.
+
+Each family is a tiny real model saved with ``save_pretrained`` (the on-disk names users download);
+the plan must quantize exactly its matmul weights along their input axis and keep the rest with a
+reason naming the module class. The families are the ones the name rules got wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fp4convert import modeldef, quantize  # noqa: E402
+from fp4convert.config import ConvertConfig  # noqa: E402
+from fp4convert.convert import convert, plan_conversion  # noqa: E402
+from fp4convert.errors import PlanError  # noqa: E402
+from fp4convert.plan import KEEP, QUANTIZE, UNKNOWN_ROLE  # noqa: E402
+
+from . import checkpoints as ck  # noqa: E402
+
+CT = ConvertConfig(device="cpu", format="compressed-tensors")
+
+
+def _save(cls_name: str, cfg, path: Path) -> Path:
+    torch.manual_seed(0)
+    model = getattr(transformers, cls_name)(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict[str, Path]:
+    tf = transformers
+    root = tmp_path_factory.mktemp("families")
+    return {
+        "gpt2": _save("GPT2LMHeadModel", tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64,
+                                                       bos_token_id=0, eos_token_id=0), root / "gpt2"),
+        "gpt_neox": _save("GPTNeoXForCausalLM", tf.GPTNeoXConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+            tie_word_embeddings=False, bos_token_id=0, eos_token_id=0), root / "neox"),
+        "t5": _save("T5ForConditionalGeneration", tf.T5Config(
+            d_model=64, d_ff=128, d_kv=16, num_layers=2, num_heads=16, vocab_size=256), root / "t5"),
+        "granitemoe": _save("GraniteMoeForCausalLM", tf.GraniteMoeConfig(
+            hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, num_local_experts=4, num_experts_per_tok=2), root / "granitemoe"),
+    }
+
+
+def _plan(path: Path, config: ConvertConfig = CT):
+    source, plan, _ = plan_conversion(str(path), config)
+    return source, plan
+
+
+def test_gpt2_conv1d_is_quantized_along_its_input_axis(families, tmp_path) -> None:
+    """GPT-2's Conv1D stores [in, out]: blocks must run along `in`, written [out, in] (vLLM's layout)."""
+    src = families["gpt2"]
+    _, plan = _plan(src)
+    q = {d.name: d for d in plan.decisions if d.action == QUANTIZE}
+    assert len(q) == 8 and all(".h." in n and n.endswith(".weight") for n in q)
+    assert plan.by_name["transformer.wte.weight"].action == KEEP and "Embedding" in plan.by_name["transformer.wte.weight"].reason
+    convert(src, tmp_path / "q", CT)
+    from safetensors.torch import load_file
+
+    disk = load_file(str(src / "model.safetensors"))
+    out = load_file(str(tmp_path / "q" / "model.safetensors"))
+    for name in q:
+        w = disk[name]  # [in, out]
+        ref = quantize(w.t().contiguous(), "nvfp4", backend="reference")
+        module = name.removesuffix(".weight")
+        assert out[module + ".weight_packed"].shape == (w.shape[1], w.shape[0] // 2)
+        assert torch.equal(out[module + ".weight_packed"], ref.packed)
+        assert torch.equal(out[module + ".weight_scale"].view(torch.uint8), ref.scale.view(torch.uint8))
+
+
+def test_gpt_neox_keeps_embed_in_and_names_the_head(families) -> None:
+    source, plan = _plan(families["gpt_neox"])
+    assert plan.by_name["gpt_neox.embed_in.weight"].action == KEEP
+    assert "Embedding" in plan.by_name["gpt_neox.embed_in.weight"].reason
+    assert plan.by_name["embed_out.weight"].action == KEEP
+    ignore = plan.kept_modules(source.config())
+    assert {"lm_head", "embed_out", "gpt_neox.embed_in"} <= set(ignore)  # transformers builds embed_out as lm_head
+    assert all(d.action == QUANTIZE for d in plan.decisions if ".layers." in d.name and d.name.endswith("proj.weight")
+               or "dense" in d.name and d.name.endswith(".weight") or "query_key_value.weight" in d.name)
+
+
+def test_t5_keeps_shared_and_position_bias(families) -> None:
+    source, plan = _plan(families["t5"])
+    rel = [d for d in plan.decisions if "relative_attention_bias" in d.name]
+    assert rel and all(d.action == KEEP and "Embedding" in d.reason for d in rel)  # 16 heads: 16 % 16 == 0
+    assert plan.by_name["shared.weight"].action == KEEP
+    assert "lm_head" in plan.kept_modules(source.config())  # tied head: no tensor on disk
+
+
+def test_granitemoe_experts_split_per_expert(families) -> None:
+    """GraniteMoE's 3-D input_linear [E, 2I, H] / output_linear [E, H, I]: split per expert (gate/up halves
+    sharing a scale), written under the per-expert names vLLM's loader reads."""
+    _, plan = _plan(families["granitemoe"])
+    d = plan.by_name["model.layers.0.block_sparse_moe.input_linear.weight"]
+    assert d.action == QUANTIZE and len(d.matrices) == 8
+    assert [m.module for m in d.matrices[:2]] == ["model.layers.0.block_sparse_moe.experts.0.gate_proj",
+                                                  "model.layers.0.block_sparse_moe.experts.0.up_proj"]
+    assert d.matrices[0].group == d.matrices[1].group and not d.matrices[0].transpose
+    down = plan.by_name["model.layers.0.block_sparse_moe.output_linear.weight"]
+    assert down.action == QUANTIZE and down.matrices[0].module.endswith("experts.0.down_proj")
+    assert plan.by_name["model.layers.0.block_sparse_moe.router.layer.weight"].action == KEEP
+
+
+def test_definition_tracks_axes_of_transposed_expert_stacks() -> None:
+    """An expert stack stored [E, H, 2I] whose class holds [E, 2I, H] (a Transpose in transformers'
+    conversion) is split along its input axis: the disk tensor is in-features first."""
+    from transformers.core_model_loading import Transpose
+
+    class Conv:
+        operations = [Transpose(1, 2)]
+
+    assert modeldef._disk_axes(Conv(), None, 3) == [0, 2, 1]
+
+
+def test_unknown_architecture_falls_back_with_a_warning(tmp_path) -> None:
+    """Without a definition the name rules decide, every run says so, and a weight whose role they cannot
+    establish is kept, never quantized on a guess."""
+    cfg = ck.llama_config(model_type="fp4convert_test_unknown", architectures=["NoSuchForCausalLM"])
+    t = ck.llama_tensors(ck.llama_config())
+    t["model.layers.0.mlp.mystery.weight"] = ck.rand((64, 64), 3)
+    ck.write(tmp_path / "src", t, cfg)
+    _, plan = _plan(tmp_path / "src")
+    assert plan.by_name["model.layers.0.mlp.mystery.weight"].reason == UNKNOWN_ROLE
+    assert plan.by_name["model.layers.0.self_attn.q_proj.weight"].action == QUANTIZE
+    assert any("not from the model definition" in w and "mystery" in w for w in plan.warnings)
+    assert plan.to_json()["planned_from"]["source"] == "name rules"
+
+
+def test_absurd_layer_counts_are_refused_before_building(tmp_path) -> None:
+    """num_hidden_layers / num_nextn_predict_layers of 10**10: no per-layer allocation (it exhausted the
+    machine), the plan falls back and still bounds the MTP range arithmetically."""
+    cfg = ck.llama_config(num_nextn_predict_layers=10 ** 10)
+    with pytest.raises(modeldef.Unknown, match="num_nextn_predict_layers"):
+        modeldef.load(cfg, [])
+    ck.write(tmp_path / "src", ck.llama_tensors(ck.llama_config()), cfg)
+    _, plan = _plan(tmp_path / "src")
+    assert plan.summary()["quantized"] == 14
+
+
+def test_a_source_without_config_is_refused(tmp_path) -> None:
+    ck.write(tmp_path / "src", ck.llama_tensors(ck.llama_config()), ck.llama_config())
+    (tmp_path / "src" / "config.json").unlink()
+    with pytest.raises(PlanError, match="no config.json"):
+        plan_conversion(str(tmp_path / "src"), CT)
+    _, plan, _ = plan_conversion(str(tmp_path / "src"), ConvertConfig(device="cpu", allow_no_config=True))
+    assert any("not from the model definition" in w for w in plan.warnings)
+
+
+def test_definitions_are_cached(tmp_path, monkeypatch) -> None:
+    """A second plan of the same model reads the cache: transformers is not asked again."""
+    monkeypatch.setenv("FP4CONVERT_DEFINITION_CACHE", str(tmp_path / "cache"))
+    cfg = ck.llama_config()
+    ck.write(tmp_path / "src", ck.llama_tensors(cfg), cfg)
+    _, first = _plan(tmp_path / "src")
+    assert len(list((tmp_path / "cache").glob("*.json"))) == 1
+
+    def boom(*a, **k):
+        raise AssertionError("definition rebuilt")
+
+    monkeypatch.setattr(modeldef, "_load", boom)
+    _, second = _plan(tmp_path / "src")
+    assert json.dumps(first.to_json(), sort_keys=True) == json.dumps(second.to_json(), sort_keys=True)
+
+
+def test_qwen35_in_proj_members_share_a_group() -> None:
+    from fp4convert import architectures as arch
+
+    a = arch.fused_group_of("model.layers.0.linear_attn.in_proj_qkv.weight")
+    assert a == arch.fused_group_of("model.layers.0.linear_attn.in_proj_z.weight") and a
+    b = arch.fused_group_of("model.layers.0.linear_attn.in_proj_b.weight")
+    assert b == arch.fused_group_of("model.layers.0.linear_attn.in_proj_a.weight") and b and b != a
