@@ -138,3 +138,7 @@ class RankFailed(FP4ConvertError):
 
 class RankStopped(Exception):
     """Under torchrun: another rank failed, so this one stops and reports at the final gather (internal)."""
+
+
+class DefinitionUnknown(Exception):
+    """The model definition cannot be had (internal: the planner falls back to name rules and says why)."""

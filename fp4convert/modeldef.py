@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .errors import DefinitionUnknown
+
 if TYPE_CHECKING:
     from .safetensors_io import TensorInfo
 
@@ -91,8 +93,7 @@ class Definition:
         return self.roles.get(name)
 
 
-class Unknown(Exception):
-    """The model definition cannot be had; the message says why (planning falls back to names)."""
+Unknown = DefinitionUnknown  # the model definition cannot be had; the message says why
 
 
 def _bounded_int(cfg: dict, key: str, hi: int) -> None:
@@ -144,25 +145,75 @@ def load(model_config: dict, tensors: list[TensorInfo]) -> Definition:
     transformers version and this module), so a repeated or resumed run does not import transformers
     and torch again just to plan (2-5 s; the torch-free CUDA path never imports torch otherwise).
     """
-    key = _cache_key(model_config, tensors) if model_config else None
+    _check_config(model_config)  # cheap checks here, before a child is started or the cache read
+    key = _cache_key(model_config, tensors)
     if key is not None:
         cached = _read_cache(key)
         if cached is not None:
             return cached
-    d = _load(model_config, tensors)
+    d = _build_in_child(model_config, tensors)
     if key is not None:
         _write_cache(key, d)
     return d
+
+
+def _build_in_child(model_config: dict, tensors: list[TensorInfo]) -> Definition:
+    """Build the definition in a child process (``python -m fp4convert.modeldef``): transformers and torch
+    (2-12 s of imports, ~180 MiB) never enter the converter's process, so ``--dry-run`` and the torch-free
+    CUDA path stay torch-free and the converter's memory does not carry them."""
+    import subprocess
+    import sys
+
+    request = json.dumps({"config": model_config, "tensors": [[t.name, list(t.shape)] for t in tensors]},
+                         default=str)
+    try:
+        r = subprocess.run([sys.executable, "-m", "fp4convert.modeldef"], input=request, capture_output=True,
+                           text=True, timeout=600, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise Unknown(f"the model definition could not be built ({type(exc).__name__}: {_one_line(exc)})") from exc
+    try:
+        obj = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 and r.stdout.strip() else None
+    except ValueError:
+        obj = None
+    if obj is None:
+        tail = " ".join(r.stderr.split())[-200:]
+        raise Unknown(f"the model definition could not be built (exit {r.returncode}: {tail})")
+    if "unknown" in obj:
+        raise Unknown(obj["unknown"])
+    return _from_json(obj)
+
+
+def _to_json(d: Definition) -> dict:
+    return {"model_class": d.model_class, "transformers_version": d.transformers_version, "heads": list(d.heads),
+            "head_on_disk": d.head_on_disk, "roles": {n: asdict(r) for n, r in d.roles.items()}}
+
+
+def _from_json(obj: dict) -> Definition:
+    roles = {n: Role(**r) for n, r in obj["roles"].items()}
+    return Definition(obj["model_class"], obj["transformers_version"], roles, tuple(obj["heads"]),
+                      bool(obj["head_on_disk"]))
+
+
+def _child_main() -> None:
+    """``python -m fp4convert.modeldef``: a request on stdin, the definition (or why not) as JSON on stdout."""
+    import sys
+
+    from .safetensors_io import TensorInfo
+
+    req = json.loads(sys.stdin.read())
+    tensors = [TensorInfo(n, "BF16", tuple(shape), "", 0, 0) for n, shape in req["tensors"]]
+    try:
+        out = _to_json(_load(req["config"], tensors))
+    except Unknown as exc:
+        out = {"unknown": str(exc)}
+    sys.stdout.write("\n" + json.dumps(out) + "\n")
 
 
 def _read_cache(key: str) -> Definition | None:
     path = cache_dir() / f"{key}.json"
     try:
         with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-        roles = {n: Role(**r) for n, r in obj["roles"].items()}
-        return Definition(obj["model_class"], obj["transformers_version"], roles, tuple(obj["heads"]),
-                          bool(obj["head_on_disk"]))
+            return _from_json(json.load(f))
     except FileNotFoundError:
         return None
     except Exception as exc:  # noqa: BLE001 - a damaged cache entry is rebuilt
@@ -174,8 +225,7 @@ def _write_cache(key: str, d: Definition) -> None:
     folder = cache_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        obj = {"model_class": d.model_class, "transformers_version": d.transformers_version, "heads": list(d.heads),
-               "head_on_disk": d.head_on_disk, "roles": {n: asdict(r) for n, r in d.roles.items()}}
+        obj = _to_json(d)
         tmp = folder / f".{key}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(obj))
         os.replace(tmp, folder / f"{key}.json")
@@ -183,7 +233,7 @@ def _write_cache(key: str, d: Definition) -> None:
         log.debug("definition cache not written (%s)", exc)
 
 
-def _load(model_config: dict, tensors: list[TensorInfo]) -> Definition:
+def _check_config(model_config: dict) -> None:
     if not model_config:
         raise Unknown("the source has no config.json")
     mt = model_config.get("model_type")
@@ -193,6 +243,13 @@ def _load(model_config: dict, tensors: list[TensorInfo]) -> Definition:
     if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
         raise Unknown(f"config.json architectures={archs!r} is not a list of class names")
     _check_sizes(model_config)
+
+
+def _load(model_config: dict, tensors: list[TensorInfo]) -> Definition:
+    """Build the definition here (in the child process of :func:`_build_in_child`)."""
+    _check_config(model_config)
+    mt = model_config["model_type"]
+    archs = model_config.get("architectures")
     try:
         import torch
         import transformers
@@ -373,3 +430,7 @@ def _role(name, target, path, leaf, mod, cname, info, param, axes, converter, pa
         return kept(f"{leaf} of {cname} ({param.dim()}-D parameter of a custom module: its matmul layout is not "
                     "stated by the definition)")
     return kept(f"{leaf} of {cname} ({param.dim()}-D)")
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -348,7 +348,7 @@ def test_progress_lines_when_not_a_tty(src, tmp_path, monkeypatch) -> None:
 
 
 def test_no_numpy_warning_without_numpy(tmp_path) -> None:
-    """A fresh install has no numpy (not a dependency): torch's 'Failed to initialize NumPy' is silenced."""
+    """Without numpy torch warns 'Failed to initialize NumPy': silenced (the planner says it fell back)."""
     import os
     import subprocess
     import sys
@@ -372,7 +372,11 @@ def test_no_numpy_warning_without_numpy(tmp_path) -> None:
         r = subprocess.run([sys.executable, "-W", "default", "-m", "fp4convert", *args], env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
-        assert "NumPy" not in r.stderr and "numpy" not in r.stderr.lower(), r.stderr
+        # numpy now always comes with fp4convert (transformers, a dependency, requires it); hidden here, the
+        # planner falls back to name rules and says why, but torch's own NumPy warning stays silenced.
+        assert "Failed to initialize NumPy" not in r.stderr and "_ARRAY_API" not in r.stderr, r.stderr
+        if args[0] == "quantize":
+            assert "transformers cannot be imported (No module named 'numpy')" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["quantize", "--help"], ["inspect", "--help"],

@@ -7,7 +7,9 @@ Checkpoint: 48 bf16 weights of 1024 x 1024 (2 MiB each, the largest tensor) + 16
 shards: 100.7 MB, 48x the largest tensor; output in 3 shards of <= 10 MB.
 
 Bound stated: peak RSS of the conversion < baseline + 10 x largest tensor + 16 MiB, where baseline is the
-peak RSS of a process that imports torch and fp4convert and quantizes ONE tensor of the same size; the
+peak RSS of a process that imports torch, fp4convert and transformers' Llama definition (which the
+planner builds when the definition is not cached: ~180 MiB of imports, the same for any model size) and
+quantizes ONE tensor of the same size; the
 16 MiB covers what the CLI imports besides (click, tqdm, json, huggingface_hub) and is independent of
 the model. Holding the model (or a shard) would exceed it by far (100 MB of bf16, 24 MB per source shard).
 Holding one source shard (24 MiB) on top of the unit being worked on would already break it. Also: the
@@ -40,7 +42,8 @@ WRAP = ("import resource, subprocess, sys\n"
         "sys.stderr.write(r.stderr)\n"
         "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n"
         "sys.stdout.write(r.stdout)\n")
-BASELINE = ("import torch, fp4convert\n"
+BASELINE = ("import torch, fp4convert, transformers\n"
+            "transformers.LlamaForCausalLM  # the planner builds the model definition (fp4convert/modeldef.py)\n"
             "x = (torch.randn(1024, 1024) * 0.02).bfloat16()\n"
             "q = fp4convert.quantize(x, 'nvfp4', scale_layout='swizzled')\n"
             "assert q.packed.shape == (1024, 512)\n")

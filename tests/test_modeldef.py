@@ -156,7 +156,7 @@ def test_a_source_without_config_is_refused(tmp_path) -> None:
 
 
 def test_definitions_are_cached(tmp_path, monkeypatch) -> None:
-    """A second plan of the same model reads the cache: transformers is not asked again."""
+    """A second plan of the same model reads the cache: no child process builds it again."""
     monkeypatch.setenv("FP4CONVERT_DEFINITION_CACHE", str(tmp_path / "cache"))
     cfg = ck.llama_config()
     ck.write(tmp_path / "src", ck.llama_tensors(cfg), cfg)
@@ -166,7 +166,7 @@ def test_definitions_are_cached(tmp_path, monkeypatch) -> None:
     def boom(*a, **k):
         raise AssertionError("definition rebuilt")
 
-    monkeypatch.setattr(modeldef, "_load", boom)
+    monkeypatch.setattr(modeldef, "_build_in_child", boom)
     _, second = _plan(tmp_path / "src")
     assert json.dumps(first.to_json(), sort_keys=True) == json.dumps(second.to_json(), sort_keys=True)
 
