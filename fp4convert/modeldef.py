@@ -323,7 +323,8 @@ def _definition(model, tensors: list[TensorInfo], version: str) -> Definition:
         mod = modules.get(path)
         cname = type(mod).__name__ if mod is not None else "-"
         converter = next((c for c in converters if pattern is not None and pattern in c.source_patterns), None)
-        axes = _disk_axes(converter, pattern, len(info.shape)) if converter is not None else list(range(len(info.shape)))
+        axes = (_disk_axes(converter, tuple(info.shape), tuple(params[target].shape)) if converter is not None
+                else list(range(len(info.shape))))
         parts = path.split(".")
         ancestors = [type(modules[a]).__name__ for a in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
                      if a in modules]
@@ -348,15 +349,19 @@ def _heads(model, modules: dict) -> tuple[str, ...]:
     return tuple(p for p, m in modules.items() if m is head)
 
 
-def _disk_axes(converter, pattern: str | None, ndim: int) -> list | None:
+def _disk_axes(converter, disk_shape: tuple[int, ...], param_shape: tuple[int, ...]) -> list | None:
     """For each axis of the parameter, the disk tensor's axis it comes from ("E": the expert axis a merge
     adds); None when an operation's effect on axes is not known here."""
-    axes: list = list(range(ndim))
-    for op in converter.operations:
+    axes: list = list(range(len(disk_shape)))
+    for i, op in enumerate(converter.operations):
         kind = type(op).__name__
         if kind == "MergeModulelist":
             axes.insert(getattr(op, "dim", 0), "E")
         elif kind == "Transpose":
+            # check_dims: transformers transposes only when the tensor does not already have the parameter's
+            # shape (Qwen3-VL-MoE accepts its releases' [E, H, 2I] and its own saves' [E, 2I, H])
+            if getattr(op, "check_dims", False) and i == 0 and tuple(disk_shape) == tuple(param_shape):
+                continue
             a, b = op.dim0, op.dim1
             axes[a], axes[b] = axes[b], axes[a]
         elif kind in ("Concatenate", "Chunk", "Split", "Interleave"):
@@ -390,8 +395,9 @@ def _role(name, target, path, leaf, mod, cname, info, param, axes, converter, pa
         return kept(f"convolution ({cname})")
     if "Norm" in cname or "norm" in leaf.lower() or isinstance(mod, (nn.LayerNorm, nn.GroupNorm)):
         return kept(f"normalization ({cname})")
-    if "Router" in cname or "Gate" in cname and not isinstance(mod, nn.Linear):
-        return kept(f"MoE router ({cname})")
+    router = next((a for a in reversed(ancestors) if "Router" in a), None)
+    if router is not None or "Gate" in cname and not isinstance(mod, nn.Linear):
+        return kept(f"MoE router ({router or cname})")
     projector = next((a for a in ancestors if _PROJECTOR_RX.search(a)), None)
     if projector is not None:
         return kept(f"multimodal projector/embedder ({projector}: engines build it unquantized)")

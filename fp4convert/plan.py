@@ -164,6 +164,8 @@ class Plan:
                 mods += [n for m in layout.matrices for n in arch.ignore_names(m.module, cfg)]
             elif d.name.endswith(".weight") and len(d.info.shape) == 2 or know.is_kept_matmul(d.name):
                 mods += know.loaded_names(d.module, d.name)
+            elif know.custom_module(d.name):
+                mods.append(know.custom_module(d.name))
         mods += know.missing_heads(self.decisions)
         return tuple(sorted(dict.fromkeys(mods)))
 
@@ -265,6 +267,23 @@ class Knowledge:
             lay = arch.stacked_experts(name, tuple(shape), self.cfg)
         self._layouts[name] = lay
         return lay
+
+    def describe_weight(self, name: str, shape: tuple[int, ...]) -> str:
+        """A quantized weight's description: the name table's words, unless the definition contradicts
+        them (DBRX's attention sits under ``norm_attn_norm``: a Linear, not a norm)."""
+        what = arch.describe(name, shape, self.cfg)
+        role = self.definition.role(name) if self.definition is not None else None
+        if role is not None and arch.role_of(name, shape, self.cfg) not in ("linear", "expert"):
+            what = f"matmul weight ({role.module_class} {role.module})"
+        return what
+
+    def custom_module(self, name: str) -> str | None:
+        """The module of a kept matmul-shaped parameter of a custom module (DBRX's experts), to be named in
+        the engine configs' ignore lists."""
+        role = self.definition.role(name) if self.definition is not None else None
+        if role is not None and role.kind == "kept" and "its matmul layout is not stated" in role.why:
+            return role.module
+        return None
 
     def is_kept_matmul(self, name: str) -> bool:
         """A kept tensor the definition says is a Linear weight (so engines must be told it is not FP4)."""
@@ -458,7 +477,7 @@ def make_plan(
             if reasons[name] is None:
                 matrices = _matrices(i, g, knowledge)
                 layout = knowledge.layout(name, i.shape)
-                what = arch.describe_layout(layout) if layout is not None else arch.describe(name, i.shape, model_config)
+                what = arch.describe_layout(layout) if layout is not None else knowledge.describe_weight(name, i.shape)
                 if any(m.transpose and m.expert is None for m in matrices):
                     what = ("Conv1D weight stored [in, out] (GPT-2 style): quantized along its input axis and "
                             "written [out, in], as vLLM's GPT-2 loader reads it")

@@ -118,7 +118,12 @@ def test_definition_tracks_axes_of_transposed_expert_stacks() -> None:
     class Conv:
         operations = [Transpose(1, 2)]
 
-    assert modeldef._disk_axes(Conv(), None, 3) == [0, 2, 1]
+    class Checked:  # Qwen3-VL-MoE: transposed only when the disk shape is not the parameter's
+        operations = [Transpose(1, 2, check_dims=True)]
+
+    assert modeldef._disk_axes(Conv(), (4, 64, 192), (4, 192, 64)) == [0, 2, 1]
+    assert modeldef._disk_axes(Checked(), (4, 64, 192), (4, 192, 64)) == [0, 2, 1]  # a release: [E, H, 2I]
+    assert modeldef._disk_axes(Checked(), (4, 192, 64), (4, 192, 64)) == [0, 1, 2]  # saved by transformers 5
 
 
 def test_unknown_architecture_falls_back_with_a_warning(tmp_path) -> None:
@@ -178,3 +183,82 @@ def test_qwen35_in_proj_members_share_a_group() -> None:
     assert a == arch.fused_group_of("model.layers.0.linear_attn.in_proj_z.weight") and a
     b = arch.fused_group_of("model.layers.0.linear_attn.in_proj_b.weight")
     assert b == arch.fused_group_of("model.layers.0.linear_attn.in_proj_a.weight") and b and b != a
+
+
+@pytest.fixture(scope="module")
+def more_families(tmp_path_factory) -> dict[str, Path]:
+    tf = transformers
+    root = tmp_path_factory.mktemp("more")
+    out = {
+        "dbrx": _save("DbrxForCausalLM", tf.DbrxConfig(
+            d_model=64, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=256,
+            attn_config={"kv_n_heads": 2, "rope_theta": 10000},
+            ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2}), root / "dbrx"),
+        "whisper": _save("WhisperForConditionalGeneration", tf.WhisperConfig(
+            d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256, num_mel_bins=16, max_source_positions=32,
+            max_target_positions=32, pad_token_id=1, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1),
+            root / "whisper"),
+    }
+    text = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=96, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                vocab_size=256)
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])
+    out["qwen3_vl_moe"] = _save("Qwen3VLMoeForConditionalGeneration",
+                                tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=3,
+                                                    video_token_id=4, vision_start_token_id=5), root / "qwen3vlmoe")
+    return out
+
+
+def test_dbrx_attention_quantized_experts_kept_and_named(more_families) -> None:
+    """DBRX: attention under ``norm_attn_norm`` is a Linear (the name rules called it a norm); the router is
+    kept; the 2-D expert stacks of DbrxExpertGLU (a custom module whose layout the class does not state, and
+    which vLLM cannot load as NVFP4) are kept, warned about and listed in ignore: never half a MoE layer."""
+    source, plan = _plan(more_families["dbrx"])
+    b = "transformer.blocks.0."
+    assert plan.by_name[b + "norm_attn_norm.attn.Wqkv.weight"].action == QUANTIZE
+    assert plan.by_name[b + "norm_attn_norm.attn.out_proj.weight"].action == QUANTIZE
+    assert plan.by_name[b + "ffn.router.layer.weight"].action == KEEP
+    for leaf in ("w1", "v1", "w2"):
+        d = plan.by_name[b + "ffn.experts.mlp." + leaf]
+        assert d.action == KEEP and "DbrxExpertGLU" in d.reason
+    assert b + "ffn.experts.mlp" in plan.kept_modules(source.config())
+    assert any("custom or unsplittable" in w and "experts.mlp.w1" in w for w in plan.warnings)
+
+
+def test_whisper_tied_head_is_named_proj_out(more_families) -> None:
+    source, plan = _plan(more_families["whisper"])
+    ignore = plan.kept_modules(source.config())
+    assert "proj_out" in ignore and "lm_head" not in ignore
+    assert all(d.action == KEEP for d in plan.decisions if "conv" in d.name or "embed" in d.name)
+
+
+def test_qwen3_vl_moe_release_layout_split_along_its_input_axis(more_families, tmp_path) -> None:
+    """Qwen3-VL-MoE's releases store experts [E, H, 2I] / [E, I, H]; transformers 5 saves [E, 2I, H]. Both
+    must be split along their input axis: transposed for the release, not for the transformers save (as
+    transformers' own Transpose(check_dims=True) does; sizes chosen non-square, as in every release)."""
+    from safetensors.torch import load_file, save_file
+
+    src = more_families["qwen3_vl_moe"]
+    _, saved = _plan(src)
+    name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    d = saved.by_name[name]
+    assert d.action == QUANTIZE and not d.matrices[0].transpose and d.matrices[0].shape == (96, 64)
+    assert all(x.action == KEEP for x in saved.decisions if ".visual." in x.name or x.name.startswith("model.visual"))
+    # the release layout: every expert stack transposed on disk
+    release = tmp_path / "release"
+    release.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            t = load_file(str(f))
+            t = {k: (v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v) for k, v in t.items()}
+            save_file(t, str(release / f.name), metadata={"format": "pt"})
+        else:
+            (release / f.name).write_bytes(f.read_bytes())
+    _, rel = _plan(release)
+    r = rel.by_name[name]
+    assert r.action == QUANTIZE and r.matrices[0].transpose and r.matrices[0].shape == (96, 64)
+    assert [m.module for m in r.matrices] == [m.module for m in d.matrices]
+    down = rel.by_name["model.language_model.layers.0.mlp.experts.down_proj"]
+    assert down.matrices[0].transpose and down.matrices[0].shape == (64, 96)
