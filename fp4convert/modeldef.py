@@ -49,6 +49,7 @@ LINEAR, EXPERTS, KEPT = "linear", "experts", "kept"
 _TOWER_RX = re.compile(r"Vision|Visual|Audio|Speech|Image|Video|Siglip|Clip", re.IGNORECASE)
 _PROJECTOR_RX = re.compile(r"MultiModal|Multimodal|Projector|Embedder|PatchMerger", re.IGNORECASE)
 _ROUTER_LEAVES = {"gate", "router", "shared_expert_gate", "router_proj"}
+_ROUTER_CLASS_RX = re.compile(r"Router|Gating|TopK")  # MixtralTopKRouter, DbrxRouter, JetMoeTopKGating
 _EXPERT_PARAMS = {"gate_up_proj": "gate_up", "down_proj": "down", "up_proj": "up"}
 
 
@@ -98,8 +99,10 @@ Unknown = DefinitionUnknown  # the model definition cannot be had; the message s
 
 def _bounded_int(cfg: dict, key: str, hi: int) -> None:
     v = cfg.get(key)
-    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi):
-        raise Unknown(f"config.json {key}={v!r} is not an integer in [0, {hi}]")
+    values = list(v.values()) if isinstance(v, dict) else [v]  # LXMERT: {"language": 9, "vision": 5, ...}
+    for x in values:
+        if x is not None and (not isinstance(x, int) or isinstance(x, bool) or not 0 <= x <= hi):
+            raise Unknown(f"config.json {key}={v!r} is not an integer in [0, {hi}]")
 
 
 def _check_sizes(cfg: dict) -> None:
@@ -260,7 +263,9 @@ def _load(model_config: dict, tensors: list[TensorInfo]) -> Definition:
         remote = " (the checkpoint ships its own code: auto_map)" if "auto_map" in model_config else ""
         raise Unknown(f"transformers {transformers.__version__} does not know model_type {mt!r}{remote}")
     try:
-        config = CONFIG_MAPPING[mt].from_dict(dict(model_config))
+        cls_cfg = CONFIG_MAPPING[mt]
+        decode = getattr(cls_cfg, "_decode_special_floats", None)  # {"__float__": "Infinity"}, as from_pretrained reads it
+        config = cls_cfg.from_dict(decode(dict(model_config)) if decode else dict(model_config))
     except Exception as exc:  # noqa: BLE001 - any failure means: no definition, say why
         raise Unknown(f"transformers cannot read this config.json ({type(exc).__name__}: {_one_line(exc)})") from exc
     cls = _model_class(transformers, config, archs or [])
@@ -395,7 +400,7 @@ def _role(name, target, path, leaf, mod, cname, info, param, axes, converter, pa
         return kept(f"convolution ({cname})")
     if "Norm" in cname or "norm" in leaf.lower() or isinstance(mod, (nn.LayerNorm, nn.GroupNorm)):
         return kept(f"normalization ({cname})")
-    router = next((a for a in reversed(ancestors) if "Router" in a), None)
+    router = next((a for a in reversed(ancestors) if _ROUTER_CLASS_RX.search(a)), None)
     if router is not None or "Gate" in cname and not isinstance(mod, nn.Linear):
         return kept(f"MoE router ({router or cname})")
     projector = next((a for a in ancestors if _PROJECTOR_RX.search(a)), None)

@@ -443,6 +443,7 @@ def make_plan(
             groups.setdefault(g, []).append(info.name)
     groups = OrderedDict((g, m) for g, m in groups.items() if len(m) > 1)
     group_warnings: list[str] = []
+    unfused: list[str] = []
     for g, members in groups.items():
         blocked = [m for m in members if reasons[m] is not None]
         if blocked and len(blocked) < len(members):
@@ -455,11 +456,15 @@ def make_plan(
                 group_warnings.append(f"--ignore {ignored[hits[0]]} matched {len(hits)} of the {len(members)} members "
                                       f"of fused group {g}: the whole group is kept unquantized (engines load it as one "
                                       "weight)")
-        elif not blocked and len({by_name[m].shape[1:] for m in members}) > 1:
-            raise PlanError(
-                f"fused group {g} has members with different in-features, so engines cannot fuse them and "
-                f"one global scale makes no sense; --ignore the group's members to keep them unquantized"
-            )
+        elif not blocked and len({_in_features(by_name[m], knowledge) for m in members}) > 1:
+            # No engine fuses matrices of different in-features (cross-attention's k/v read the encoder's
+            # states, MobileBERT's bottleneck): each keeps its own global scale.
+            unfused.append(g)
+            group_warnings.append(f"{g}: members have different in-features, so no engine fuses them; each is "
+                                  "quantized with its own global scale")
+
+    for g in unfused:
+        del groups[g]
 
     # 3. Decisions in processing order: a group is processed at its first member.
     decisions: list[Decision] = []
@@ -500,6 +505,13 @@ def make_plan(
     if not any(d.action == QUANTIZE for d in decisions):
         plan.warnings.insert(0, "no tensor is quantized: check --only / --ignore and the checkpoint's layer names")
     return plan
+
+
+def _in_features(info: TensorInfo, knowledge: Knowledge) -> int | tuple:
+    """A fused member's in-features (its input axis on disk; the trailing dims for anything else)."""
+    if len(info.shape) == 2:
+        return info.shape[knowledge.input_axis(info.name)]
+    return tuple(info.shape[1:])
 
 
 def _plan_notes(decisions: list[Decision], knowledge: Knowledge) -> list[str]:
