@@ -1,0 +1,384 @@
+"""The architecture sweep: every model_type of the installed transformers, converted and checked.
+
+Each case builds a tiny random checkpoint of one architecture (tests/tiny_configs.py: the config
+class's defaults shrunk, ``save_pretrained`` in bf16, so the names on disk are the checkpoint names
+users download), converts it with ``convert(..., ConvertConfig(device="cpu",
+format="compressed-tensors"))`` and checks the result against the model transformers itself loads
+from the bf16 source:
+
+a. every quantized matrix is a matmul weight quantized along its input axis: its loaded module is an
+   ``nn.Linear`` whose ``weight`` has the on-disk ``[out, in]`` shape (so the blocks run along
+   ``in``), or a transformers experts module (``is_transposed``) whose parameter's input size is the
+   matrix's ``K``;
+b. no embedding, convolution, ``Conv1D``, norm, router or position table is quantized;
+c. at least 95% of the loaded model's linear parameters (``nn.Linear`` weights and 3-D expert
+   stacks) are quantized, outside the documented keep rules (docs/formats.md: the output head,
+   vision/audio towers, multimodal projectors, routers, in-features that are not a multiple of the
+   block size);
+d. transformers loads the output (compressed-tensors, ``dequantize=True``) with no missing,
+   unexpected or mismatched keys beyond those of loading the bf16 source the same way.
+
+Architectures whose tiny config cannot be built (a sub-config with no model class of its own, a
+missing optional library, a config whose defaults its own validators refuse once shrunk, ...) are
+skipped with the reason. A fast default subset of diverse families runs in every ``pytest`` run;
+the long tail is marked ``slow`` and runs when selected (``pytest -m slow tests/test_model_sweep.py``)
+or with ``FP4CONVERT_SWEEP=all``. ``python tests/test_model_sweep.py`` runs every architecture and
+writes benchmarks/results/model_sweep.json (counts and per-type outcomes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+try:
+    from . import tiny_configs  # noqa: E402
+except ImportError:  # run as a script: this checkout's fp4convert, not an installed one
+    sys.path[:0] = [str(Path(__file__).parents[1]), str(Path(__file__).parent)]
+    import tiny_configs  # type: ignore[no-redef]  # noqa: E402
+
+BLOCK = 16  # NVFP4, the default scheme
+SHARE = 0.95
+
+# Diverse families run by default: dense decoders, GPT-2 Conv1D, tied heads, MoE (per-expert and
+# stacked, MLA), encoders, encoder-decoders, speech, vision-language.
+FAST = ("llama", "gpt2", "gpt_neox", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "granitemoe",
+        "bert", "t5", "bart", "whisper", "gemma3", "qwen2_vl", "llava", "phi3")
+
+# Architectures that fail an assertion and are not fixed yet: {model_type: reason} (strict xfail).
+XFAIL: dict[str, str] = {}
+
+_TOWER_RX = re.compile(r"vision|visual|audio|speech|image|video|siglip|clip|patch_embed", re.I)
+_PROJECTOR_RX = re.compile(r"multi_?modal|projector|embedder|merger|connector|adapter|resampler|mm_", re.I)
+_ROUTER_RX = re.compile(r"router|gate$|gating", re.I)
+
+
+def _root() -> Path:
+    root = os.environ.get("FP4CONVERT_SWEEP_DIR")
+    if root:
+        return Path(root)
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="fp4c_sweep_"))
+
+
+def _headers(folder: Path) -> dict[str, tuple[str, list[int]]]:
+    """name -> (dtype, shape) from every safetensors file's header."""
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            hdr = json.loads(fh.read(n))
+        out.update({k: (v["dtype"], v["shape"]) for k, v in hdr.items() if k != "__metadata__"})
+    return out
+
+
+def _load(cls, path: Path, **kw):
+    return cls.from_pretrained(path, dtype=torch.bfloat16, output_loading_info=True, **kw)
+
+
+def _ancestors(name: str, modules: dict) -> list[tuple[str, nn.Module]]:
+    parts = name.split(".")
+    return [(p, modules[p]) for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in modules]
+
+
+def _kept_by_rule(name: str, mod: nn.Module, modules: dict, heads: set[int], in_size: int) -> str | None:
+    """The documented keep rule a linear falls under (None: it should be quantized)."""
+    if id(mod) in heads:
+        return "output head"
+    for path, m in _ancestors(name, modules):
+        leaf = path.rpartition(".")[2]
+        cname = type(m).__name__
+        if _TOWER_RX.search(cname) or _TOWER_RX.search(leaf):
+            return "vision/audio tower"
+        if _PROJECTOR_RX.search(cname) or _PROJECTOR_RX.search(leaf):
+            return "multimodal projector"
+        if "Router" in cname or "Gate" in cname:
+            return "router"
+    if _ROUTER_RX.search(name.rpartition(".")[2]):
+        return "router"
+    if in_size % BLOCK:
+        return f"in-features {in_size} not a multiple of {BLOCK}"
+    return None
+
+
+def _is_router(name: str, mod: nn.Module, modules: dict) -> bool:
+    if any("Router" in type(m).__name__ or "TopK" in type(m).__name__ for _, m in _ancestors(name, modules)):
+        return True
+    return bool(_ROUTER_RX.search(name.rpartition(".")[2]))
+
+
+def _forbidden(mod: nn.Module, name: str, modules: dict) -> str | None:
+    """Why module ``mod`` must never be quantized (assertion b), or None."""
+    from transformers.pytorch_utils import Conv1D
+
+    cname = type(mod).__name__
+    if isinstance(mod, nn.Embedding) or "Embedding" in cname:
+        return f"embedding ({cname})"
+    if isinstance(mod, Conv1D):
+        return "Conv1D"
+    if isinstance(mod, nn.modules.conv._ConvNd):
+        return f"convolution ({cname})"
+    if "Norm" in cname or isinstance(mod, (nn.LayerNorm, nn.GroupNorm)):
+        return f"norm ({cname})"
+    if _is_router(name, mod, modules):
+        return f"router ({cname})"
+    if re.search(r"position|relative_attention_bias|rel_pos", name, re.I) and not isinstance(mod, nn.Linear):
+        return f"position table ({cname})"
+    return None
+
+
+def check(model_type: str, root: Path) -> dict:
+    """Build, convert and check one architecture; the record says what happened (never raises)."""
+    t0 = time.perf_counter()
+    rec: dict = {"model_type": model_type, "status": "", "failures": {}}
+    built = tiny_configs.build(model_type, root / "build")
+    rec.update(model_class=built.model_class, kind=built.kind, build_s=built.seconds)
+    if not built.ok:
+        rec.update(status="skipped", reason=f"tiny config not buildable: {built.error}")
+        return rec
+    try:
+        return _check(built, root, rec, t0)
+    except _Skip as exc:
+        rec.update(status="skipped", reason=str(exc))
+        return rec
+
+
+class _Skip(Exception):
+    pass
+
+
+def _check(built, root: Path, rec: dict, t0: float) -> dict:
+    from transformers import CompressedTensorsConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    from fp4convert import modeldef
+    from fp4convert.config import ConvertConfig
+    from fp4convert.convert import convert, plan_conversion
+    from fp4convert.plan import QUANTIZE
+
+    src = Path(built.path)
+    cfg_json = json.loads((src / "config.json").read_text())
+    cls = getattr(transformers, (cfg_json.get("architectures") or [built.model_class])[0])
+    try:
+        model, src_info = _load(cls, src)
+    except Exception as exc:  # noqa: BLE001 - transformers cannot load its own save: not ours to test
+        raise _Skip(f"transformers cannot load the bf16 source it saved: {tiny_configs._first_line(exc)}") from exc
+    failures: dict[str, list[str]] = rec["failures"]
+
+    def fail(what: str, item: str) -> None:
+        failures.setdefault(what, []).append(item)
+
+    dst = root / "out" / built.model_type
+    config = ConvertConfig(device="cpu", format="compressed-tensors", overwrite=True)
+    try:
+        planned = plan_conversion(src, config)
+        convert(src, dst, config, plan=planned)
+    except Exception as exc:  # noqa: BLE001 - a refusal is a finding, recorded with its message
+        fail("convert", tiny_configs._first_line(exc))
+        rec.update(status="failed", seconds=round(time.perf_counter() - t0, 2))
+        return rec
+    _, plan, _ = planned
+    out = _headers(dst)
+    src_hdr = _headers(src)
+    quantized = {k[: -len(".weight_packed")]: v[1] for k, v in out.items() if k.endswith(".weight_packed")}
+    matrices = {m.module: (d.name, m) for d in plan.decisions if d.action == QUANTIZE for m in d.matrices}
+    if set(quantized) != set(matrices):
+        fail("a: output FP4 modules differ from the plan's", str(sorted(set(quantized) ^ set(matrices))[:5]))
+
+    infos = [d.info for d in plan.decisions]
+    definition = modeldef.load(cfg_json, infos)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    conv = get_model_conversion_mapping(model)
+    renamings = [c for c in conv if not isinstance(c, WeightConverter)]
+    converters = [c for c in conv if isinstance(c, WeightConverter)]
+
+    q_params: dict[str, int] = {}  # loaded parameter -> quantized elements
+    for mod_out, (src_name, m) in sorted(matrices.items()):
+        if mod_out not in quantized:
+            continue
+        n, k = quantized[mod_out][0], quantized[mod_out][1] * 2
+        role = definition.role(src_name)
+        target, _ = rename_source_key(src_name, renamings, converters, model.base_model_prefix, params)
+        if role is None or role.module not in modules or target not in params:
+            fail("a: quantized tensor not a parameter of the loaded model", f"{src_name} -> {target}")
+            continue
+        lm = modules[role.module]
+        if target.rpartition(".")[0] != role.module:
+            fail("a: modeldef maps it to another module than transformers' key conversion",
+                 f"{src_name}: {role.module} vs {target}")
+        why = _forbidden(lm, role.module, modules)
+        if why:
+            fail("b: quantized a module that must stay unquantized", f"{src_name} ({why})")
+            continue
+        p = params[target]
+        disk = tuple(src_hdr[src_name][1])
+        if isinstance(lm, nn.Linear):
+            if target.rpartition(".")[2] != "weight" or tuple(lm.weight.shape) != disk:
+                fail("a: Linear weight shape differs from the on-disk [out, in]",
+                     f"{src_name}: disk {list(disk)}, loaded {list(lm.weight.shape)}")
+            elif k != disk[1] or (m.rows is None and n != disk[0]) or n > disk[0]:
+                fail("a: not quantized along the Linear's input axis", f"{src_name}: [N, K]=[{n}, {k}] of {list(disk)}")
+            q_params[target] = q_params.get(target, 0) + n * k
+        elif hasattr(lm, "is_transposed") and p.dim() == 3:
+            k_in, n_out = (p.shape[1], p.shape[2]) if lm.is_transposed else (p.shape[2], p.shape[1])
+            if k != k_in or n not in (n_out, n_out // 2):
+                fail("a: expert matrix not blocked along the expert's input axis",
+                     f"{mod_out} from {src_name}: [N, K]=[{n}, {k}], {target} {list(p.shape)} "
+                     f"is_transposed={lm.is_transposed}")
+            q_params[target] = q_params.get(target, 0) + n * k
+        else:
+            fail("a: quantized tensor is neither an nn.Linear weight nor an experts stack",
+                 f"{src_name} ({type(lm).__name__}.{target.rpartition('.')[2]} {list(p.shape)})")
+
+    # c. share of linear parameters quantized, outside the documented keep rules
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    heads = {id(head)} if head is not None else set()
+    eligible: dict[str, int] = {}
+    kept_by_rule: dict[str, int] = {}
+    for name, mod in modules.items():
+        if isinstance(mod, nn.Linear):
+            cands = [(f"{name}.weight", mod.weight, mod.in_features)]
+        elif hasattr(mod, "is_transposed") or type(mod).__name__.endswith("Experts"):
+            tr = getattr(mod, "is_transposed", False)
+            cands = [(f"{name}.{pn}", p, p.shape[1] if tr else p.shape[2])
+                     for pn, p in mod.named_parameters(recurse=False) if p.dim() == 3]
+        else:
+            continue
+        for pname, p, in_size in cands:
+            if pname not in params or pname in eligible or pname in kept_by_rule:
+                continue
+            rule = _kept_by_rule(name, mod, modules, heads, int(in_size))
+            (kept_by_rule if rule else eligible)[pname] = p.numel()
+    total = sum(eligible.values())
+    done = sum(min(q_params.get(n, 0), v) for n, v in eligible.items())
+    share = done / total if total else 1.0
+    rec.update(linear_params=total, quantized_params=done, share=round(share, 4),
+               kept_by_rule_params=sum(kept_by_rule.values()))
+    if share < SHARE:
+        missing = sorted((v, n) for n, v in eligible.items() if q_params.get(n, 0) < v)[::-1]
+        fail(f"c: {share:.1%} of linear parameters quantized (< {SHARE:.0%})",
+             ", ".join(n for _, n in missing[:8]))
+
+    # d. transformers loads the output with no more missing/unexpected keys than the source
+    try:
+        _, q_info = _load(cls, dst, quantization_config=CompressedTensorsConfig(dequantize=True))
+    except Exception as exc:  # noqa: BLE001 - a refusal to load is the finding
+        fail("d: transformers cannot load the output", tiny_configs._first_line(exc))
+    else:
+        for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+            extra = sorted(str(x) for x in set(map(str, q_info.get(key) or ())) - set(map(str, src_info.get(key) or ())))
+            if extra:
+                fail(f"d: {key} loading the output", ", ".join(extra[:8]))
+    rec.update(status="failed" if failures else "passed", quantized=len(quantized),
+               seconds=round(time.perf_counter() - t0, 2))
+    return rec
+
+
+# --- pytest ------------------------------------------------------------------------------------------
+
+
+def _cases() -> list:
+    out = []
+    for mt in tiny_configs.model_types():
+        marks = [] if mt in FAST else [pytest.mark.slow]
+        if mt in XFAIL:
+            marks.append(pytest.mark.xfail(reason=XFAIL[mt], strict=True))
+        out.append(pytest.param(mt, marks=marks, id=mt))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sweep_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sweep")
+
+
+def _long_tail_selected(config) -> bool:
+    expr = config.getoption("markexpr") or ""
+    return os.environ.get("FP4CONVERT_SWEEP") == "all" or ("slow" in expr and "not slow" not in expr)
+
+
+@pytest.mark.parametrize("model_type", _cases())
+def test_architecture(model_type: str, sweep_root: Path, request) -> None:
+    if model_type not in FAST and not _long_tail_selected(request.config):
+        pytest.skip("long tail of the sweep: run with -m slow or FP4CONVERT_SWEEP=all")
+    rec = check(model_type, sweep_root)
+    if rec["status"] == "skipped":
+        pytest.skip(rec["reason"])
+    assert not rec["failures"], json.dumps(rec["failures"], indent=1)
+
+
+def test_fast_subset_builds(sweep_root: Path) -> None:
+    """The default subset is real: every family in it builds (a skipped case would hide a regression)."""
+    for mt in FAST:
+        o = tiny_configs.build(mt, sweep_root / "build")
+        assert o.ok, (mt, o.error)
+
+
+# --- python tests/test_model_sweep.py: every architecture, a summary and a JSON record --------------
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+    import subprocess
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("types", nargs="*", help="model_types (default: all)")
+    ap.add_argument("--root", type=Path, default=None, help="build/output folder (default: a temp dir)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes side by side")
+    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)  # i/n: this worker's share
+    ap.add_argument("--json", type=Path, default=Path(__file__).parents[1] / "benchmarks/results/model_sweep.json")
+    args = ap.parse_args(argv)
+    root = args.root or _root()
+    types = args.types or tiny_configs.model_types()
+    t0 = time.perf_counter()
+    if args.part:  # a worker: check its share, one JSON record a line
+        i, n = map(int, args.part.split("/"))
+        for mt in types[i::n]:
+            print(json.dumps(check(mt, root)), flush=True)
+        return 0
+    procs = [subprocess.Popen([sys.executable, __file__, *args.types, "--root", str(root), "--part", f"{i}/{args.jobs}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for i in range(args.jobs)]
+    recs = []
+    for p in procs:
+        for line in p.stdout:
+            recs.append(json.loads(line))
+        p.wait()
+    recs.sort(key=lambda r: r["model_type"])
+    for rec in recs:
+        if rec["status"] != "passed":
+            print(json.dumps({k: rec.get(k) for k in ("model_type", "status", "reason", "failures")}))
+    counts = {s: sum(r["status"] == s for r in recs) for s in ("passed", "failed", "skipped")}
+    kinds: dict[str, int] = {}
+    for r in recs:
+        if r["status"] != "skipped":
+            kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+    summary = {"transformers": transformers.__version__, "model_types": len(recs), **counts,
+               "swept": counts["passed"] + counts["failed"], "swept_by_kind": kinds, "jobs": args.jobs,
+               "seconds": round(time.perf_counter() - t0, 1), "cpus": os.cpu_count(),
+               "outcomes": {r["model_type"]: r for r in recs}}
+    print(f"sweep: {len(recs)} model types, {summary['swept']} swept ({counts['passed']} passed, "
+          f"{counts['failed']} failed), {counts['skipped']} skipped, {summary['seconds']} s with {args.jobs} jobs")
+    if not args.types:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
