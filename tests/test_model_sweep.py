@@ -153,7 +153,11 @@ def check(model_type: str, root: Path) -> dict:
         return _check(built, root, rec, t0)
     except _Skip as exc:
         rec.update(status="skipped", reason=str(exc))
-        return rec
+    except Exception as exc:  # noqa: BLE001 - an error while checking is a failure, recorded with its message
+        rec["failures"].setdefault("error while checking", []).append(tiny_configs._first_line(exc))
+        rec.update(status="failed")
+    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    return rec
 
 
 class _Skip(Exception):
@@ -200,7 +204,11 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
         fail("a: output FP4 modules differ from the plan's", str(sorted(set(quantized) ^ set(matrices))[:5]))
 
     infos = [d.info for d in plan.decisions]
-    definition = modeldef.load(cfg_json, infos)
+    try:
+        definition = modeldef.load(cfg_json, infos)
+    except modeldef.Unknown as exc:  # transformers knows this architecture: the planner should too
+        fail("a: no model definition for an architecture transformers loads (planned by name rules)", str(exc))
+        definition = None
     modules = dict(model.named_modules(remove_duplicate=False))
     params = dict(model.named_parameters(remove_duplicate=False))
     conv = get_model_conversion_mapping(model)
@@ -212,16 +220,17 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
         if mod_out not in quantized:
             continue
         n, k = quantized[mod_out][0], quantized[mod_out][1] * 2
-        role = definition.role(src_name)
         target, _ = rename_source_key(src_name, renamings, converters, model.base_model_prefix, params)
-        if role is None or role.module not in modules or target not in params:
+        module = target.rpartition(".")[0]
+        if target not in params or module not in modules:
             fail("a: quantized tensor not a parameter of the loaded model", f"{src_name} -> {target}")
             continue
-        lm = modules[role.module]
-        if target.rpartition(".")[0] != role.module:
+        role = definition.role(src_name) if definition is not None else None
+        if definition is not None and (role is None or role.module != module):
             fail("a: modeldef maps it to another module than transformers' key conversion",
-                 f"{src_name}: {role.module} vs {target}")
-        why = _forbidden(lm, role.module, modules)
+                 f"{src_name}: {role.module if role else None} vs {target}")
+        lm = modules[module]
+        why = _forbidden(lm, module, modules)
         if why:
             fail("b: quantized a module that must stay unquantized", f"{src_name} ({why})")
             continue
@@ -332,33 +341,69 @@ def test_fast_subset_builds(sweep_root: Path) -> None:
 # --- python tests/test_model_sweep.py: every architecture, a summary and a JSON record --------------
 
 
+def _run_workers(types: list[str], root: Path, jobs: int) -> list[dict]:
+    """Check ``types`` in ``jobs`` worker processes; a worker that dies (a crash inside transformers or
+    torch) is recorded as a failure of the type it was on and restarted on the rest of its share."""
+    import subprocess
+    import tempfile
+
+    shares = [types[i::jobs] for i in range(jobs)]
+    recs: list[dict] = []
+
+    def start(share: list[str]):
+        err = tempfile.TemporaryFile("w+")
+        return subprocess.Popen([sys.executable, __file__, "--root", str(root), "--part", "1", *share],
+                                stdout=subprocess.PIPE, stderr=err, text=True), err
+
+    import threading
+
+    def drive(share: list[str]) -> None:
+        while share:
+            proc, err = start(share)
+            current = None
+            for line in proc.stdout:
+                msg = json.loads(line)
+                if "start" in msg:
+                    current = msg["start"]
+                else:
+                    recs.append(msg)
+                    share.remove(msg["model_type"])
+                    current = None
+            code = proc.wait()
+            if current is not None:
+                err.seek(0)
+                tail = err.read().strip().splitlines()[-1:] or [""]
+                recs.append({"model_type": current, "status": "failed", "kind": "", "seconds": None,
+                             "failures": {"worker process died": [f"exit {code}: {tail[0][:200]}"]}})
+                share.remove(current)
+
+    threads = [threading.Thread(target=drive, args=(sh,)) for sh in shares]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return recs
+
+
 def main(argv: list[str]) -> int:
     import argparse
-    import subprocess
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("types", nargs="*", help="model_types (default: all)")
     ap.add_argument("--root", type=Path, default=None, help="build/output folder (default: a temp dir)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes side by side")
-    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)  # i/n: this worker's share
+    ap.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a worker
     ap.add_argument("--json", type=Path, default=Path(__file__).parents[1] / "benchmarks/results/model_sweep.json")
     args = ap.parse_args(argv)
     root = args.root or _root()
     types = args.types or tiny_configs.model_types()
     t0 = time.perf_counter()
-    if args.part:  # a worker: check its share, one JSON record a line
-        i, n = map(int, args.part.split("/"))
-        for mt in types[i::n]:
+    if args.part:  # a worker: check the types it is given, a "start" line then the record for each
+        for mt in types:
+            print(json.dumps({"start": mt}), flush=True)
             print(json.dumps(check(mt, root)), flush=True)
         return 0
-    procs = [subprocess.Popen([sys.executable, __file__, *args.types, "--root", str(root), "--part", f"{i}/{args.jobs}"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for i in range(args.jobs)]
-    recs = []
-    for p in procs:
-        for line in p.stdout:
-            recs.append(json.loads(line))
-        p.wait()
+    recs = _run_workers(types, root, args.jobs)
     recs.sort(key=lambda r: r["model_type"])
     for rec in recs:
         if rec["status"] != "passed":
