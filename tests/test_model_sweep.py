@@ -8,11 +8,12 @@ from the bf16 source:
 
 a. every quantized matrix is a matmul weight quantized along its input axis: its loaded module is an
    ``nn.Linear`` whose ``weight`` has the on-disk ``[out, in]`` shape (so the blocks run along
-   ``in``), or a transformers experts module (``is_transposed``) whose parameter's input size is the
-   matrix's ``K``;
-b. no embedding, convolution, ``Conv1D``, norm, router or position table is quantized;
-c. at least 95% of the loaded model's linear parameters (``nn.Linear`` weights and 3-D expert
-   stacks) are quantized, outside the documented keep rules (docs/formats.md: the output head,
+   ``in``), a GPT-2 ``Conv1D`` (``[in, out]`` on disk) written as its transpose, or a transformers
+   experts module (``is_transposed``) whose parameter's input size is the matrix's ``K``; the module
+   is found with transformers' own key conversion, and ``modeldef``'s mapping must agree with it;
+b. no embedding, convolution, norm, router or position table is quantized;
+c. at least 95% of the loaded model's linear parameters (``nn.Linear`` and ``Conv1D`` weights, 3-D
+   expert stacks) are quantized, outside the documented keep rules (docs/formats.md: the output head,
    vision/audio towers, multimodal projectors, routers, in-features that are not a multiple of the
    block size);
 d. transformers loads the output (compressed-tensors, ``dequantize=True``) with no missing,
@@ -122,13 +123,9 @@ def _is_router(name: str, mod: nn.Module, modules: dict) -> bool:
 
 def _forbidden(mod: nn.Module, name: str, modules: dict) -> str | None:
     """Why module ``mod`` must never be quantized (assertion b), or None."""
-    from transformers.pytorch_utils import Conv1D
-
     cname = type(mod).__name__
     if isinstance(mod, nn.Embedding) or "Embedding" in cname:
         return f"embedding ({cname})"
-    if isinstance(mod, Conv1D):
-        return "Conv1D"
     if isinstance(mod, nn.modules.conv._ConvNd):
         return f"convolution ({cname})"
     if "Norm" in cname or isinstance(mod, (nn.LayerNorm, nn.GroupNorm)):
@@ -138,6 +135,22 @@ def _forbidden(mod: nn.Module, name: str, modules: dict) -> str | None:
     if re.search(r"position|relative_attention_bias|rel_pos", name, re.I) and not isinstance(mod, nn.Linear):
         return f"position table ({cname})"
     return None
+
+
+def definitions_in_process(mp) -> None:
+    """Build model definitions in this process (the sweep already imported transformers): the planner's
+    child (``python -m fp4convert.modeldef``) would cost a Python start and transformers' imports per
+    architecture. The request and the answer still go through JSON, as they do through the child."""
+    from fp4convert import modeldef
+    from fp4convert.safetensors_io import TensorInfo
+
+    def build(model_config: dict, tensors: list) -> object:
+        req = json.loads(json.dumps({"config": model_config, "tensors": [[t.name, list(t.shape)] for t in tensors]},
+                                    default=str))
+        infos = [TensorInfo(n, "BF16", tuple(shape), "", 0, 0) for n, shape in req["tensors"]]
+        return modeldef._from_json(json.loads(json.dumps(modeldef._to_json(modeldef._load(req["config"], infos)))))
+
+    mp.setattr(modeldef, "_build_in_child", build)
 
 
 def check(model_type: str, root: Path) -> dict:
@@ -168,6 +181,7 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
     from transformers import CompressedTensorsConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
+    from transformers.pytorch_utils import Conv1D
 
     from fp4convert import modeldef
     from fp4convert.config import ConvertConfig
@@ -243,6 +257,11 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
             elif k != disk[1] or (m.rows is None and n != disk[0]) or n > disk[0]:
                 fail("a: not quantized along the Linear's input axis", f"{src_name}: [N, K]=[{n}, {k}] of {list(disk)}")
             q_params[target] = q_params.get(target, 0) + n * k
+        elif isinstance(lm, Conv1D):  # GPT-2 style, [in, out] on disk: [N, K] must be its transpose
+            if target.rpartition(".")[2] != "weight" or tuple(lm.weight.shape) != disk or (n, k) != disk[::-1]:
+                fail("a: Conv1D not quantized along its input axis (its weight is [in, out])",
+                     f"{src_name}: [N, K]=[{n}, {k}] of {list(disk)}")
+            q_params[target] = q_params.get(target, 0) + n * k
         elif hasattr(lm, "is_transposed") and p.dim() == 3:
             k_in, n_out = (p.shape[1], p.shape[2]) if lm.is_transposed else (p.shape[2], p.shape[1])
             if k != k_in or n not in (n_out, n_out // 2):
@@ -262,6 +281,8 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
     for name, mod in modules.items():
         if isinstance(mod, nn.Linear):
             cands = [(f"{name}.weight", mod.weight, mod.in_features)]
+        elif isinstance(mod, Conv1D):
+            cands = [(f"{name}.weight", mod.weight, mod.weight.shape[0])]
         elif hasattr(mod, "is_transposed") or type(mod).__name__.endswith("Experts"):
             tr = getattr(mod, "is_transposed", False)
             cands = [(f"{name}.{pn}", p, p.shape[1] if tr else p.shape[2])
@@ -313,7 +334,9 @@ def _cases() -> list:
 
 @pytest.fixture(scope="module")
 def sweep_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("sweep")
+    with pytest.MonkeyPatch.context() as mp:
+        definitions_in_process(mp)
+        yield tmp_path_factory.mktemp("sweep")
 
 
 def _long_tail_selected(config) -> bool:
@@ -399,6 +422,8 @@ def main(argv: list[str]) -> int:
     types = args.types or tiny_configs.model_types()
     t0 = time.perf_counter()
     if args.part:  # a worker: check the types it is given, a "start" line then the record for each
+        os.environ.setdefault("FP4CONVERT_DEFINITION_CACHE", str(root / "definitions"))
+        definitions_in_process(pytest.MonkeyPatch())
         for mt in types:
             print(json.dumps({"start": mt}), flush=True)
             print(json.dumps(check(mt, root)), flush=True)
