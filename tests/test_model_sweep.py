@@ -11,6 +11,8 @@ a. every quantized matrix is a matmul weight quantized along its input axis: its
    ``in``), a GPT-2 ``Conv1D`` (``[in, out]`` on disk) written as its transpose, or a transformers
    experts module (``is_transposed``) whose parameter's input size is the matrix's ``K``; the module
    is found with transformers' own key conversion, and ``modeldef``'s mapping must agree with it;
+   A disk tensor that transformers chunks into several Linears at load (a fused ``qkv_proj``) must be
+   blocked along their common input axis;
 b. no embedding, convolution, norm, router or position table is quantized;
 c. at least 95% of the loaded model's linear parameters (``nn.Linear`` and ``Conv1D`` weights, 3-D
    expert stacks) are quantized, outside the documented keep rules (docs/formats.md: the output head,
@@ -63,7 +65,7 @@ XFAIL: dict[str, str] = {}
 
 _TOWER_RX = re.compile(r"vision|visual|audio|speech|image|video|siglip|clip|patch_embed", re.I)
 _PROJECTOR_RX = re.compile(r"multi_?modal|projector|embedder|merger|connector|adapter|resampler|mm_", re.I)
-_ROUTER_RX = re.compile(r"router|gate$|gating", re.I)
+_ROUTER_LEAVES = {"gate", "router", "shared_expert_gate", "gating", "moe_gate", "expert_gate"}
 
 
 def _root() -> Path:
@@ -108,7 +110,7 @@ def _kept_by_rule(name: str, mod: nn.Module, modules: dict, heads: set[int], in_
             return "multimodal projector"
         if "Router" in cname or "Gate" in cname:
             return "router"
-    if _ROUTER_RX.search(name.rpartition(".")[2]):
+    if _is_router(name, mod, modules):
         return "router"
     if in_size % BLOCK:
         return f"in-features {in_size} not a multiple of {BLOCK}"
@@ -116,9 +118,24 @@ def _kept_by_rule(name: str, mod: nn.Module, modules: dict, heads: set[int], in_
 
 
 def _is_router(name: str, mod: nn.Module, modules: dict) -> bool:
-    if any("Router" in type(m).__name__ or "TopK" in type(m).__name__ for _, m in _ancestors(name, modules)):
-        return True
-    return bool(_ROUTER_RX.search(name.rpartition(".")[2]))
+    """A MoE router: a module (or one inside a module) whose class or name says it routes tokens."""
+    for path, m in _ancestors(name, modules):
+        cname, leaf = type(m).__name__, path.rpartition(".")[2]
+        if any(w in cname for w in ("Router", "TopK", "Gating")) or "router" in leaf.lower() or leaf in _ROUTER_LEAVES:
+            return True
+    return False
+
+
+def _split_targets(target: str, pattern: str | None, converters: list, params: dict) -> list[str]:
+    """The parameters one disk tensor is split into at load (a converter with one source and several
+    targets, e.g. a fused ``qkv_proj`` chunked into ``q_proj``/``k_proj``/``v_proj``); [] otherwise."""
+    conv = next((c for c in converters if pattern is not None and pattern in c.source_patterns), None)
+    if conv is None or len(conv.source_patterns) != 1 or len(conv.target_patterns) < 2:
+        return []
+    first = next((t for t in conv.target_patterns if t in target), None)
+    if first is None:
+        return []
+    return [target.replace(first, t) for t in conv.target_patterns if target.replace(first, t) in params]
 
 
 def _forbidden(mod: nn.Module, name: str, modules: dict) -> str | None:
@@ -178,7 +195,7 @@ class _Skip(Exception):
 
 
 def _check(built, root: Path, rec: dict, t0: float) -> dict:
-    from transformers import CompressedTensorsConfig
+    from transformers import CompressedTensorsConfig, PreTrainedModel
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
     from transformers.pytorch_utils import Conv1D
@@ -234,8 +251,9 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
         if mod_out not in quantized:
             continue
         n, k = quantized[mod_out][0], quantized[mod_out][1] * 2
-        target, _ = rename_source_key(src_name, renamings, converters, model.base_model_prefix, params)
+        target, pattern = rename_source_key(src_name, renamings, converters, model.base_model_prefix, params)
         module = target.rpartition(".")[0]
+        split = _split_targets(target, pattern, converters, params)
         if target not in params or module not in modules:
             fail("a: quantized tensor not a parameter of the loaded model", f"{src_name} -> {target}")
             continue
@@ -250,7 +268,15 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
             continue
         p = params[target]
         disk = tuple(src_hdr[src_name][1])
-        if isinstance(lm, nn.Linear):
+        if isinstance(lm, nn.Linear) and split:  # one disk tensor chunked into several Linears at load
+            outs = [params[t].shape[0] for t in split]
+            if any(params[t].dim() != 2 or params[t].shape[1] != disk[1] for t in split) or sum(outs) != disk[0] \
+                    or k != disk[1]:
+                fail("a: fused Linear weight not quantized along its input axis",
+                     f"{src_name}: [N, K]=[{n}, {k}] of {list(disk)}, loaded as {split}")
+            for t in split:
+                q_params[t] = q_params.get(t, 0) + params[t].numel() * n // disk[0]
+        elif isinstance(lm, nn.Linear):
             if target.rpartition(".")[2] != "weight" or tuple(lm.weight.shape) != disk:
                 fail("a: Linear weight shape differs from the on-disk [out, in]",
                      f"{src_name}: disk {list(disk)}, loaded {list(lm.weight.shape)}")
@@ -274,8 +300,18 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
                  f"{src_name} ({type(lm).__name__}.{target.rpartition('.')[2]} {list(p.shape)})")
 
     # c. share of linear parameters quantized, outside the documented keep rules
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    heads = {id(head)} if head is not None else set()
+    heads = set()
+    embeddings = {id(m.weight) for m in modules.values() if isinstance(m, nn.Embedding)}
+    for m in modules.values():
+        if isinstance(m, PreTrainedModel):
+            try:
+                head = m.get_output_embeddings()
+            except Exception:  # noqa: BLE001 - models without a head may raise
+                head = None
+            if head is not None:
+                heads.add(id(head))
+        if isinstance(m, nn.Linear) and id(m.weight) in embeddings:  # tied to an embedding: the output head
+            heads.add(id(m))
     eligible: dict[str, int] = {}
     kept_by_rule: dict[str, int] = {}
     for name, mod in modules.items():
