@@ -121,7 +121,7 @@ def _is_router(name: str, mod: nn.Module, modules: dict) -> bool:
     """A MoE router: a module (or one inside a module) whose class or name says it routes tokens."""
     for path, m in _ancestors(name, modules):
         cname, leaf = type(m).__name__, path.rpartition(".")[2]
-        if any(w in cname for w in ("Router", "TopK", "Gating")) or "router" in leaf.lower() or leaf in _ROUTER_LEAVES:
+        if any(w in cname for w in ("Router", "TopK")) or "router" in leaf.lower() or leaf in _ROUTER_LEAVES:
             return True
     return False
 
