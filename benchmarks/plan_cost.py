@@ -179,7 +179,7 @@ def main() -> int:
           "peak RSS: the planning process; child peak: the definition builder's process")
     import transformers
 
-    res = {"cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+    res = {"cpus": os.cpu_count(), "load_average_after": os.getloadavg(), "machine": platform.processor() or platform.machine(),
            "python": platform.python_version(), "transformers": transformers.__version__, "median_of": runs,
            "rows": rows}
     path = ROOT / "benchmarks/results/plan_cost.json"
