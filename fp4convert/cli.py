@@ -296,12 +296,14 @@ def main() -> None:
 @click.option("--delete-source-shards", is_flag=True,
               help="Hub SRC: remove each source shard from the HF cache once it is converted (saves disk).")
 @click.option("--dry-run", is_flag=True, help="Print the plan (decisions, sizes) and write nothing.")
+@click.option("--base-model", metavar="REPO", default=None,
+              help="The model card's base_model (default: the Hub repo id, or a Hub id config.json names).")
 @_output_options
 @_push_options
 @_library_errors
 def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard_size, ignore, only, allow_nothing_quantized,
-             allow_no_config, revision, token, cache_dir, delete_source_shards, dry_run, overwrite, resume, verify_source, quiet,
-             as_json, push_repo, private) -> None:
+             allow_no_config, revision, token, cache_dir, delete_source_shards, dry_run, base_model, overwrite, resume,
+             verify_source, quiet, as_json, push_repo, private) -> None:
     """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST."""
     from . import stages
 
@@ -315,6 +317,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard
         scheme=scheme, rotate=rotate, scale_rule=scale_rule, format=fmt, ignore=tuple(ignore), only=tuple(only),
         max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
         revision=revision, verify_source=verify_source, lanes=lanes, allow_no_config=allow_no_config,
+        base_model=base_model,
     )
     dry_run_out = True
     if _rank() > 0:  # torchrun: one voice (rank 0); the others only report their own errors

@@ -34,6 +34,7 @@ class ConvertConfig:
     verify_source: bool = False  # hash the source in full (recorded; --resume compares it)
     lanes: int = 0  # output shards written by this many lanes side by side in one process; 0: auto
     allow_no_config: bool = False  # convert a source without config.json (nothing can load the output)
+    base_model: str | None = None  # the model card's base_model (None: derived from the source)
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -47,6 +48,11 @@ class ConvertConfig:
             raise ConfigError(f"--device {self.device!r} is not supported; use auto, cpu or cuda[:N]")
         if not isinstance(self.lanes, int) or self.lanes < 0:
             raise ConfigError(f"--lanes {self.lanes!r}: give a number of lanes (1 or more), or 0 to choose automatically")
+        if self.base_model is not None:
+            from .modelcard import valid_repo_id
+
+            if not valid_repo_id(self.base_model):
+                raise ConfigError(f"--base-model {self.base_model!r} is not a Hub model id (org/name)")
         if self.max_shard_size <= 0:
             raise ConfigError("--max-shard-size must be positive")
         if self.overwrite and self.resume:

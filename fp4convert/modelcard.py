@@ -6,10 +6,18 @@ matter the Hub understands (``base_model`` with ``base_model_relation: quantized
 the commands that serve each format, and the source's own card kept below it. The generated part is
 delimited by HTML comments, so converting or exporting an output again replaces it instead of nesting
 one card inside another.
+
+The front matter is rendered by huggingface_hub's ``ModelCard`` / ``ModelCardData`` from validated
+values only: ``base_model`` comes from ``--base-model``, the Hub repo id, an HF cache snapshot's repo
+or a Hub-like ``_name_or_path`` in config.json (never from the source card, which anyone can write),
+and the few keys kept from the source card (license, language, tags...) are type- and
+character-checked; a wrong one is dropped with a warning. The source card's text goes below our
+section, with our markers defused, so it can change neither our front matter nor our section.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from pathlib import Path
@@ -23,9 +31,16 @@ CARD_NAME = "README.md"
 START, END = "<!-- fp4convert:card-start -->", "<!-- fp4convert:card-end -->"
 ORIGINAL_HEADING = "## Original model card"
 PLACEHOLDER = "THIS_MODEL"  # where the card names the folder itself; push_to_hub puts the repo id there
-KEEP_KEYS = ("license", "license_name", "license_link", "language", "pipeline_tag", "datasets")
+KEEP_KEYS = ("license", "license_name", "license_link", "language", "pipeline_tag", "datasets", "tags")
 LIBRARY = {"fp4convert": "fp4convert", "compressed-tensors": "transformers", "modelopt": "vllm"}
 _FRONT = re.compile(r"\A---\s*\n(.*?)\n---\s*(?:\n|\Z)", re.S)
+_REPO = re.compile(r"^(?:[A-Za-z0-9][\w.\-]{0,95}/)?[A-Za-z0-9][\w.\-]{0,95}$")
+_SLUG = re.compile(r"^[a-z0-9][a-z0-9._\-]{0,63}$")
+_LANG = re.compile(r"^(?:[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8})*|multilingual)$")
+_LINK = re.compile(r"^[^\s<>\"'`\\]{1,300}$")
+_OF = re.compile(r"^Weight-only \S+ quantization of `([^`\n]{1,300})`", re.M)  # our section's model name
+_NAME = re.compile(r"^[\w.\-:/]{1,300}$")  # a module name shown in our section as it is
+OWN_TAGS = {"fp4convert", "fp4", "quantized", "nvfp4", "mxfp4", "compressed-tensors", "modelopt"}
 
 
 def split_card(text: str) -> tuple[dict, str]:
@@ -43,26 +58,160 @@ def split_card(text: str) -> tuple[dict, str]:
     return (meta if isinstance(meta, dict) else {}), text[m.end():]
 
 
-def original_body(text: str) -> str:
-    """The source's own card body: a card fp4convert generated earlier gives back what it kept."""
+def original_body(text: str, ours: bool = True) -> str:
+    """The source's own card body. ``ours``: ``text`` is a card fp4convert generated (checked against a
+    manifest), so what it kept below our section is given back; otherwise the whole body is the source's."""
     _, body = split_card(text)
-    if START in body and END in body:
+    if ours and START in body and END in body:
         body = body.split(END, 1)[1].lstrip("\n")
         if body.startswith(ORIGINAL_HEADING):
             body = body[len(ORIGINAL_HEADING):].lstrip("\n")
     return body.strip("\n")
 
 
-def base_model_name(source_desc: dict, original_meta: dict) -> str:
-    """The Hub repo id of the source, or what an earlier card of ours named, or the local folder's name."""
-    if source_desc.get("type") == "hub" and source_desc.get("repo_id"):
+def _defuse(body: str) -> str:
+    """The source's text, unable to pose as our section's markers in a later re-generation."""
+    return body.replace("<!-- fp4convert:", "<!-- (quoted) fp4convert:")
+
+
+def valid_repo_id(value: object) -> str | None:
+    """``value`` if it is a Hub model id (``org/name`` or a legacy ``name``), else None."""
+    if not isinstance(value, str) or not _REPO.match(value) or "--" in value or ".." in value:
+        return None
+    try:
+        from huggingface_hub.utils import validate_repo_id
+
+        validate_repo_id(value)
+    except Exception:  # HFValidationError: not a repo id
+        return None
+    return value
+
+
+def _kind(v: object) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", dict: "a mapping", list: "a list",
+            str: "a string", type(None): "empty"}.get(type(v), type(v).__name__)
+
+
+def _text_ok(v: object, pattern: re.Pattern | None = None, limit: int = 100) -> bool:
+    if not isinstance(v, str) or not v or len(v) > limit or not v.isprintable() or "<" in v or ">" in v:
+        return False
+    return pattern is None or bool(pattern.match(v))
+
+
+def kept_metadata(meta: dict) -> dict:
+    """The source card's front-matter values worth keeping, each validated (type, characters, length).
+
+    A value of the wrong type (``tags: 5``) or with characters no such value has (newlines, HTML) is
+    dropped with a warning, never an error: a conversion does not fail over a card."""
+    out: dict = {}
+    checks = {"license": lambda v: _text_ok(v, _SLUG, 64), "license_name": lambda v: _text_ok(v, _SLUG, 64),
+              "license_link": lambda v: _text_ok(v, _LINK, 300), "pipeline_tag": lambda v: _text_ok(v, _SLUG, 64)}
+    lists = {"language": lambda v: _text_ok(v, _LANG, 20), "datasets": lambda v: valid_repo_id(v) is not None,
+             "tags": lambda v: _text_ok(v, None, 100)}
+    for key in KEEP_KEYS:
+        if key not in meta or meta[key] is None:
+            continue
+        v = meta[key]
+        if key in checks:
+            if checks[key](v):
+                out[key] = v
+            else:
+                log.warning("warning: the source's %s sets %s to %s the Hub does not accept there; not kept",
+                            CARD_NAME, key, "a value" if isinstance(v, str) else _kind(v))
+            continue
+        items = [v] if isinstance(v, str) else v
+        if not isinstance(items, list):
+            log.warning("warning: the source's %s sets %s to %s, not a list of strings; not kept", CARD_NAME, key,
+                        _kind(v))
+            continue
+        good = [x for x in items if lists[key](x)]
+        if len(good) < len(items):
+            log.warning("warning: the source's %s: %d of the %s values are not valid; dropped", CARD_NAME,
+                        len(items) - len(good), key)
+        if key == "tags":
+            good = [t for t in good if t.lower() not in OWN_TAGS]
+        if good:
+            out[key] = list(dict.fromkeys(good))
+    return out
+
+
+def hub_like_name(config: dict) -> str | None:
+    """config.json's ``_name_or_path`` when it is a Hub id of the form org/name (not a local path)."""
+    v = config.get("_name_or_path") if isinstance(config, dict) else None
+    if isinstance(v, str) and v.count("/") == 1 and not v.startswith((".", "/", "~")):
+        return valid_repo_id(v)
+    return None
+
+
+def cache_repo_id(root: Path) -> str | None:
+    """The repo id of an HF cache snapshot folder (``.../models--org--name/snapshots/<commit>``)."""
+    repo_dir = root.parent.parent
+    if root.parent.name != "snapshots" or not repo_dir.name.startswith("models--"):
+        return None
+    parts = repo_dir.name[len("models--"):].split("--")
+    return valid_repo_id("/".join(parts)) if len(parts) in (1, 2) else None
+
+
+def default_base_model(source_desc: dict, root: Path | None, config: dict, own_meta: dict | None = None
+                       ) -> str | None:
+    """The base model a card names when ``--base-model`` is not given: the Hub repo id, the base model our
+    own earlier card named (``own_meta``: a card checked against its manifest, when exporting), an HF cache
+    snapshot's repo, or a Hub-like ``_name_or_path``; None (omitted) rather than a folder name like ``model``."""
+    if source_desc.get("type") == "hub" and valid_repo_id(source_desc.get("repo_id")):
         return source_desc["repo_id"]
-    if isinstance(original_meta.get("base_model"), str) and "fp4convert" in (original_meta.get("tags") or []):
-        return original_meta["base_model"]  # exporting a native output: keep naming the real base model
-    return Path(str(source_desc.get("path") or "model")).name
+    if own_meta and valid_repo_id(own_meta.get("base_model")):
+        return own_meta["base_model"]
+    if root is not None and cache_repo_id(root):
+        return cache_repo_id(root)
+    return hub_like_name(config)
 
 
-def _serving(fmt: str, repo: str, scheme: str, rotate: str | None) -> str:
+def own_card(text: str | None, manifest: dict | None) -> bool:
+    """Is ``text`` the card an fp4convert manifest lists (its sha256 recorded there), i.e. ours?"""
+    if not text or not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return False
+    rec = manifest["files"].get(CARD_NAME)
+    return isinstance(rec, dict) and rec.get("sha256") == hashlib.sha256(text.encode()).hexdigest()
+
+
+AUTO_CLASSES = (  # architecture suffix -> the transformers Auto class that loads it
+    ("ForCausalLM", "AutoModelForCausalLM"), ("ForMaskedLM", "AutoModelForMaskedLM"),
+    ("ForSequenceClassification", "AutoModelForSequenceClassification"),
+    ("ForTokenClassification", "AutoModelForTokenClassification"),
+    ("ForQuestionAnswering", "AutoModelForQuestionAnswering"),
+    ("ForImageClassification", "AutoModelForImageClassification"),
+    ("ForImageTextToText", "AutoModelForImageTextToText"), ("ForVision2Seq", "AutoModelForImageTextToText"),
+    ("ForSpeechSeq2Seq", "AutoModelForSpeechSeq2Seq"),
+)
+
+
+def auto_class(config: dict) -> str:
+    """The Auto class a usage snippet should name, from config.json's ``architectures``: AutoModel for
+    BERT-like encoders and anything unknown, AutoModelForCausalLM for ``*ForCausalLM``,
+    AutoModelForImageTextToText for vision-language ``*ForConditionalGeneration``..."""
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
+    for suffix, cls in AUTO_CLASSES:
+        if arch.endswith(suffix):
+            return cls
+    if arch.endswith("ForConditionalGeneration"):
+        if "vision_config" in config or "image_token_index" in config or "image_token_id" in config:
+            return "AutoModelForImageTextToText"
+        if "whisper" in arch.lower() or "speech" in arch.lower():
+            return "AutoModelForSpeechSeq2Seq"
+        if config.get("is_encoder_decoder"):
+            return "AutoModelForSeq2SeqLM"
+        return "AutoModelForImageTextToText"
+    return "AutoModel"
+
+
+def _name(s: str) -> str:
+    """A module or folder name as our section shows it: as it is when plain, else with odd characters
+    replaced (a tensor name is any string; it must not inject Markdown or HTML)."""
+    return s if _NAME.match(s) else re.sub(r"[^\w.\-:/]", "?", s)[:300] or "?"
+
+
+def _serving(fmt: str, repo: str, scheme: str, rotate: str | None, auto: str = "AutoModelForCausalLM") -> str:
     if fmt == "compressed-tensors":
         lines = [
             "compressed-tensors: vLLM and transformers (with `compressed-tensors` installed) read it from config.json.",
@@ -73,8 +222,8 @@ def _serving(fmt: str, repo: str, scheme: str, rotate: str | None) -> str:
             "",
             "```python",
             "import torch",
-            "from transformers import AutoModelForCausalLM, CompressedTensorsConfig",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo}", dtype=torch.bfloat16,',
+            f"from transformers import {auto}, CompressedTensorsConfig",
+            f'model = {auto}.from_pretrained("{repo}", dtype=torch.bfloat16,',
             "    quantization_config=CompressedTensorsConfig(dequantize=True))",
             "```",
         ]
@@ -112,74 +261,84 @@ def kept_modules(manifest: dict) -> list[str]:
                   if rec.get("action") == "keep" and n.endswith(".weight") and len(rec.get("shape", ())) == 2)
 
 
-def build_card(manifest: dict, original: str | None, repo_hint: str | None = None) -> str:
-    """The README.md text for an output folder, from its manifest (and the source's card, kept below)."""
+_AUTO = object()  # build_card's base_model: derive it from the manifest's source
+
+
+def build_card(manifest: dict, original: str | None, repo_hint: str | None = None, *, base_model=_AUTO,
+               config: dict | None = None, original_is_ours: bool = False, origin: dict | None = None) -> str:
+    """The README.md text for an output folder, from its manifest (and the source's card, kept below).
+
+    ``base_model``: validated repo id or None (omitted); by default the manifest's Hub source.
+    ``config``: the model's config.json (the usage snippet's Auto class). ``original_is_ours``: the card
+    is one fp4convert generated (checked against its manifest): only then is our old section dropped
+    from it. ``origin``: the model the weights come from, when not the manifest's source (exporting a
+    native output: its own manifest's source). Nothing from ``original`` reaches the front matter
+    unvalidated, nor our section at all."""
     fmt, scheme, rotate = manifest["format"], manifest["scheme"], manifest.get("rotate")
-    source_desc = manifest.get("source", {})
+    source_desc = origin if isinstance(origin, dict) else manifest.get("source", {})
     summary = manifest.get("summary", {})
     meta_in, _ = split_card(original or "")
-    base = base_model_name(source_desc, meta_in)
+    if base_model is _AUTO:
+        base_model = default_base_model(source_desc, None, config or {}, meta_in if original_is_ours else None)
+    base = valid_repo_id(base_model)
     s = get_scheme(scheme)
     rule = (manifest.get("settings") or {}).get("scale_rule") or s.default_rule
-    meta: dict = {"base_model": base, "base_model_relation": "quantized",
-                  "library_name": LIBRARY.get(fmt, "fp4convert"),
-                  "tags": list(dict.fromkeys(["fp4convert", scheme, "fp4", fmt, "quantized"]))}
-    for k in KEEP_KEYS:
-        if k in meta_in:
-            meta[k] = meta_in[k]
-    import yaml
+    kept_meta = kept_metadata(meta_in)
+    tags = list(dict.fromkeys(["fp4convert", scheme, "fp4", fmt, "quantized", *kept_meta.pop("tags", [])]))
+    from huggingface_hub import ModelCard, ModelCardData
 
-    front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip()
+    data = ModelCardData(base_model=base, library_name=LIBRARY.get(fmt, "fp4convert"), tags=tags,
+                         base_model_relation="quantized" if base else None, **kept_meta)
     if s.global_scale:
         scale_desc = f"an E4M3 scale per {s.block_size} weights and an fp32 global scale per matrix"
     else:
         scale_desc = f"a power-of-two (UE8M0) scale per {s.block_size} weights"
     kept = kept_modules(manifest)
-    excluded = ", ".join(f"`{m}`" for m in kept[:40]) or "none"
+    excluded = ", ".join(f"`{_name(m)}`" for m in kept[:40]) or "none"
     if len(kept) > 40:
         excluded += f" and {len(kept) - 40} more (see `fp4convert.json`)"
-    repo = repo_hint or PLACEHOLDER
-    base_link = f"[{base}](https://huggingface.co/{base})" if source_desc.get("type") == "hub" else f"`{base}`"
+    repo = valid_repo_id(repo_hint) or PLACEHOLDER
+    folder = _name(str(source_desc.get("path") or "model").rsplit("/", 1)[-1])
+    named = _OF.search(original or "") if original_is_ours and origin is None else None
+    if named:  # re-rendering our own card (push): keep naming the model it named
+        folder = _name(named.group(1))
+    title = (base or folder).rsplit("/", 1)[-1]
+    what = f"[{base}](https://huggingface.co/{base})" if base else f"`{folder}`"
+    verify = base or "SRC"
     body = [
         START,
-        f"# {base.rsplit('/', 1)[-1]} {scheme.upper()} ({fmt})",
+        f"# {title} {scheme.upper()} ({fmt})",
         "",
-        f"Weight-only {scheme.upper()} quantization of {base_link}, made with fp4convert "
-        f"{(manifest.get('producer') or {}).get('version', __version__)} (data-free: no calibration set).",
+        f"Weight-only {scheme.upper()} quantization of {what}, made with fp4convert "
+        f"{_name(str((manifest.get('producer') or {}).get('version', __version__)))} (data-free: no calibration set).",
         "",
         "| | |",
         "|---|---|",
         f"| scheme | {scheme.upper()}: E2M1 values, {scale_desc} |",
         f"| format | {fmt} |",
-        f"| scale rule | {rule} |",
+        f"| scale rule | {_name(str(rule))} |",
         f"| rotation | {rotate or 'none'} |",
-        f"| quantized tensors | {summary.get('quantized')} of {summary.get('tensors')} "
-        f"({summary.get('bits_per_param_quantized')} bits/param in quantized layers, "
-        f"{summary.get('bits_per_param')} overall) |",
+        f"| quantized tensors | {_num(summary.get('quantized'))} of {_num(summary.get('tensors'))} "
+        f"({_num(summary.get('bits_per_param_quantized'))} bits/param in quantized layers, "
+        f"{_num(summary.get('bits_per_param'))} overall) |",
         f"| excluded modules (kept in the source dtype) | {excluded} |",
         "",
         "Embeddings, norms, routers and other tensors that are not linear weights keep their source dtype. "
         "`fp4convert.json` records every tensor's decision and reason, the settings and each file's sha256; "
-        f"`fp4convert inspect {repo} --verify {base}` recomputes the error against the source.",
+        f"`fp4convert inspect {repo} --verify {verify}` recomputes the error against the source.",
         "",
         "## Serving",
         "",
-        _serving(fmt, repo, scheme, rotate),
+        _serving(fmt, repo, scheme, rotate, auto_class(config or {})),
         END,
     ]
-    out = f"---\n{front}\n---\n\n" + "\n".join(body) + "\n"
-    kept_body = original_body(original) if original else ""
+    text = "\n" + "\n".join(body) + "\n"
+    kept_body = _defuse(original_body(original, ours=original_is_ours)) if original else ""
     if kept_body:
-        out += f"\n{ORIGINAL_HEADING}\n\n{kept_body}\n"
-    return out
+        text += f"\n{ORIGINAL_HEADING}\n\n{kept_body}\n"
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
+    return str(card)
 
 
-def write_card(dst: Path, text: str) -> str:
-    """Write README.md atomically; returns its name (for the manifest's file list)."""
-    import os
-
-    path = dst / CARD_NAME
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return CARD_NAME
+def _num(v: object) -> str:
+    return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else "?"

@@ -17,15 +17,18 @@ downloading files the rule would never copy.
 from __future__ import annotations
 
 import difflib
+import errno
 import logging
 import os
 import re
 import stat
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CheckpointIndexError, FP4ConvertError, OutsideSourceError, SourceError
+from .errors import (CheckpointFormatError, CheckpointIndexError, FP4ConvertError, OutsideSourceError,
+                     SourceError)
 from .manifest import LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME
 from .safetensors_io import (TensorInfo, header_length, json_error, json_kind, loads_bounded, loads_strict, parse_header,
                              read_header)
@@ -44,6 +47,7 @@ SKIP_DIRS = ("__pycache__",)  # hidden folders (.git, .cache, ...) are skipped t
 KEEP_HIDDEN = (".gitattributes",)  # the only dot-files copied (top level): LFS rules for a Hub upload
 OWN_FILES = (MANIFEST_NAME, PROGRESS_NAME, LOCK_NAME)  # their presence marks a folder as an fp4convert output
 MAX_JSON_FILE = 100_000_000  # bytes; an index or config.json larger than this is not one
+MAX_CARD = 4_000_000  # bytes; a source model card larger than this is not kept below ours
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
@@ -83,12 +87,53 @@ def _inside(real: str, roots: tuple[str, ...]) -> bool:
     return any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
 
 
+def cache_snapshot(root: Path) -> bool:
+    """Is ``root`` a snapshot folder of the HF cache (``models--org--name/snapshots/<commit>``, beside
+    ``blobs/``), as ``hf download`` prints it? Its files are symlinks into ``../../blobs``."""
+    repo = root.parent.parent
+    return (root.parent.name == "snapshots" and repo.name.startswith("models--")
+            and os.path.isdir(repo / "blobs") and not os.path.islink(repo / "blobs"))
+
+
 def _roots_for(root: Path, hub: bool) -> tuple[str, ...]:
-    """Where reads may land: the folder; for a Hub snapshot also the repo's blob store."""
+    """Where reads may land: the folder; for a Hub snapshot (opened by repo id, or by the path
+    ``hf download`` prints) also that repo's blob store, and nothing else of the cache."""
     roots = [os.path.realpath(root)]
-    if hub:
+    if hub or cache_snapshot(root):
         roots.append(os.path.realpath(root.parent.parent / "blobs"))  # models--org--name/snapshots/<commit>
     return tuple(roots)
+
+
+def open_contained(root: Path, rel: str, roots: tuple[str, ...], what: str) -> int:
+    """A read-only descriptor of root/``rel``, which must be a regular file whose real path lies inside
+    ``roots``. The real path is opened from ``/`` one component at a time with O_NOFOLLOW, so the file
+    opened is the one that was checked, whatever is renamed or relinked meanwhile; O_NONBLOCK, so a
+    FIFO cannot hang the open (it is then refused as not a regular file)."""
+    path = _contained(root, rel, roots, what)
+    real = os.path.realpath(path)
+    path_flag = getattr(os, "O_PATH", os.O_RDONLY)
+    fd = os.open("/", path_flag | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        parts = [p for p in real.split(os.sep) if p]
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = (os.O_RDONLY | os.O_NONBLOCK) if last else (path_flag | os.O_DIRECTORY)
+            nfd = os.open(part, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SourceError(f"{what} {_q(rel)} is not a regular file")
+        os.set_blocking(fd, True)
+        out, fd = fd, -1
+        return out
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise OutsideSourceError(f"{what} {_q(rel)} changed while being opened (a symlink appeared in its "
+                                     "path); fp4convert reads only files inside the checkpoint folder") from None
+        raise SourceError(f"{what} {_q(rel)}: cannot read ({exc.strerror or exc})") from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +260,8 @@ def _contained(root: Path, rel: str, roots: tuple[str, ...], what: str) -> Path:
     if not _inside(real, roots):
         raise OutsideSourceError(
             f"{what} {_q(rel)} resolves to {real}, outside the checkpoint folder {root}; fp4convert reads only "
-            "files inside it (copy the file in, e.g. with cp -L)")
+            "files inside it (copy the file in, e.g. with cp -L; for a Hub model, pass its repo id: it is read "
+            "from the HF cache)")
     return path
 
 
@@ -239,6 +285,9 @@ class Source:
     cache_dir: str | None = None  # Hub cache folder (None: HF_HUB_CACHE)
     _header_cache: dict[str, tuple[list[TensorInfo], dict[str, str]]] = field(default_factory=dict, repr=False)
     _config: dict | None = field(default=None, repr=False)
+    _hashes: dict[str, tuple[str, str]] | None = field(default=None, repr=False)  # the Hub's per-file hashes
+    _verified: set[str] = field(default_factory=set, repr=False)  # weight files checked against them
+    _verify_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -350,6 +399,32 @@ class Source:
                 log.debug("not copying %s: %s", d.path, d.reason)
         return out
 
+    def open_file(self, rel: str, what: str = "file") -> int:
+        """A read-only descriptor of a file of the checkpoint, contained (:func:`open_contained`)."""
+        return open_contained(self.root, rel, self.roots, what)
+
+    def read_card(self, limit: int = MAX_CARD) -> str | None:
+        """The source's model card (README.md) text, or None when there is none or it cannot be used.
+
+        Read through the same containment as every other file: a README.md that is a symlink out of
+        the checkpoint (``-> /proc/self/environ``), a FIFO or a huge file is never read (a warning says
+        why), so nothing from outside SRC can reach the generated card or the Hub."""
+        from .modelcard import CARD_NAME
+
+        if not os.path.lexists(self.root / CARD_NAME):
+            return None
+        try:
+            fd = self.open_file(CARD_NAME, "the model card")
+        except SourceError as exc:
+            log.warning("not using the source's %s: %s", CARD_NAME, str(exc))
+            return None
+        with os.fdopen(fd, "rb") as fh:
+            data = fh.read(limit + 1)
+        if len(data) > limit:
+            log.warning("not using the source's %s: larger than %d bytes", CARD_NAME, limit)
+            return None
+        return data.decode("utf-8", errors="replace")
+
     # --- weight files ----------------------------------------------------------------------------
 
     def local_path(self, file: str) -> Path:
@@ -368,7 +443,82 @@ class Source:
         real = os.path.realpath(path)
         if not _inside(real, self.roots):
             raise OutsideSourceError(f"{self.repo_id}: {file} resolves to {real}, outside the repo's cache folder")
+        with self._verify_lock:  # once per file, whichever reader thread asks first
+            if file not in self._verified:
+                self._verify_download(file, path)
+                self._verified.add(file)
         return path
+
+    def _hub_hashes(self) -> dict[str, tuple[str, str]]:
+        """The Hub's own hash of each weight file at this commit: (``sha256`` of an LFS file | ``sha1`` git
+        blob id, hex), from ``get_paths_info`` (one call); {} when offline or the Hub cannot answer."""
+        if self._hashes is None:
+            self._hashes = {}
+            if not _offline():
+                from huggingface_hub import HfApi
+
+                try:
+                    infos = HfApi(token=self.token).get_paths_info(self.repo_id, list(self.weight_files),
+                                                                  revision=self.commit or self.revision)
+                except Exception as exc:  # verification then falls back to the cache's blob names
+                    log.warning("warning: cannot ask the Hub for the checksums of %s (%s); checking the "
+                                "downloads against the cache's own records only", self.repo_id, one_line(exc))
+                    infos = []
+                for info in infos:
+                    lfs = getattr(info, "lfs", None)
+                    if lfs is not None and getattr(lfs, "sha256", None):
+                        self._hashes[info.path] = ("sha256", str(lfs.sha256).lower())
+                    elif getattr(info, "blob_id", None):
+                        self._hashes[info.path] = ("sha1", str(info.blob_id).lower())
+        return self._hashes
+
+    def _verify_download(self, file: str, path: Path) -> None:
+        """A downloaded (or cached) weight file must hash to what the Hub reports for it (its LFS sha256,
+        or the blob id the cache named it by when offline), and its header must be the one read by
+        range when planning: a CDN serving same-size corrupt or re-laid-out bytes is exit 4, naming the
+        file, before any of it is converted; the bad blob leaves the cache so a rerun fetches it again."""
+        import hashlib
+
+        kind, want = self._hub_hashes().get(file, (None, None))
+        blob = os.path.basename(os.path.realpath(path))
+        if want is None and re.fullmatch(r"[0-9a-f]{64}", blob):
+            kind, want = "sha256", blob  # huggingface_hub names an LFS blob by the sha256 the Hub sent
+        if want is not None:
+            h = hashlib.sha256() if kind == "sha256" else hashlib.sha1()
+            try:
+                with open(path, "rb") as fh:
+                    if kind == "sha1":
+                        h.update(b"blob %d\0" % os.fstat(fh.fileno()).st_size)
+                    while block := fh.read(16 << 20):
+                        h.update(block)
+            except OSError as exc:
+                raise SourceError(f"{self.repo_id}: {file}: cannot read ({exc.strerror or exc})") from exc
+            if h.hexdigest() != want:
+                self._drop_from_cache(path)
+                raise CheckpointFormatError(
+                    f"{self.repo_id}: {file} does not match the Hub's {kind} ({want[:12]}..., the download hashes to "
+                    f"{h.hexdigest()[:12]}...): a corrupt download, removed from the cache; run the same command "
+                    "again to download it again")
+        else:
+            log.debug("%s: no Hub checksum known for %s; not verified", self.repo_id, file)
+        remote = self._header_cache.get(file)
+        if remote is not None:
+            local = read_header(path, file)
+            if local != remote:
+                self._drop_from_cache(path)
+                raise CheckpointFormatError(
+                    f"{self.repo_id}: {file}: the downloaded file's header differs from the one read by range when "
+                    "planning (the server sent other bytes); removed from the cache: run the same command again")
+
+    def _drop_from_cache(self, path: Path) -> None:
+        """Remove a bad download (its blob and its snapshot link) from the HF cache."""
+        real = Path(os.path.realpath(path))
+        for p in {Path(path), real}:
+            try:
+                if _inside(os.path.realpath(p.parent), self.roots):
+                    p.unlink()
+            except OSError:
+                pass
 
     def header(self, file: str) -> tuple[list[TensorInfo], dict[str, str]]:
         """A weight file's header; from the Hub by HTTP range requests when online (no shard download)."""

@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -60,6 +61,7 @@ FORMAT_FILES = ("config.json", "hf_quant_config.json", "README.md")  # what fina
 _SHARD_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 _RANK_RECORD = re.compile(r"^" + re.escape(PROGRESS_NAME[: -len(".json")]) + r"\.rank\d+\.json$")
 _COPY_CHUNK = 16 << 20
+MAX_MANIFEST = 1 << 30  # bytes; a source "manifest" larger than this is not read
 
 
 def human_bytes(n: float) -> str:
@@ -139,6 +141,116 @@ def writing(path: Path, resumable: bool = True) -> Iterator[None]:
         yield
     except OSError as exc:
         raise output_error(exc, path, resumable) from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# Containment: every file fp4convert creates or opens in DST
+# ---------------------------------------------------------------------------------------------
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _through_link(dst: Path, rel: str) -> OutputError:
+    """A symlink (or a file) where fp4convert needs one of DST's own folders or files."""
+    where = dst / rel
+    try:
+        what = f"a symlink to {os.readlink(where)}" if os.path.islink(where) else "not a folder"
+    except OSError:
+        what = "not a real folder"
+    return OutputError(f"{where} is {what}; fp4convert writes only into real files and folders inside {dst}, "
+                       "never through a symlink: remove it or choose another DST")
+
+
+@contextmanager
+def dst_dir(dst: Path, rel_dir: str, create: bool = False) -> Iterator[int]:
+    """A descriptor of the folder ``rel_dir`` inside DST, opened component by component with O_NOFOLLOW
+    (openat-style: a symlinked folder anywhere below DST is refused, whatever happens to the names
+    meanwhile); ``create`` makes the missing ones. DST itself may be a symlink the user named."""
+    fd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        done: list[str] = []
+        for part in [p for p in rel_dir.split("/") if p]:
+            done.append(part)
+            try:
+                try:
+                    nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    try:
+                        os.mkdir(part, 0o777, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _through_link(dst, "/".join(done)) from None
+                raise
+            os.close(fd)
+            fd = nfd
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _split(rel: str) -> tuple[str, str]:
+    parent, _, leaf = rel.rpartition("/")
+    return parent, leaf
+
+
+def open_new(dst: Path, rel: str) -> int:
+    """A new, empty file DST/``rel`` for writing (a temporary ``*.partial`` name, whatever was there is
+    removed first): parents are real folders inside DST, created as needed, and the file is created
+    with O_EXCL|O_NOFOLLOW, so a symlink left in its place is never written through."""
+    parent, leaf = _split(rel)
+    with writing(dst / rel):
+        with dst_dir(dst, parent, create=True) as dfd:
+            try:
+                os.unlink(leaf, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            except IsADirectoryError:
+                raise output_error(OSError(errno.EISDIR, "Is a directory", str(dst / rel)), dst / rel) from None
+            return os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                           dir_fd=dfd)
+
+
+def rename_in(dst: Path, rel_from: str, rel_to: str) -> None:
+    """Rename a file inside one folder of DST (renameat: a symlink at ``rel_to`` is replaced, not followed)."""
+    parent, a = _split(rel_from)
+    parent_to, b = _split(rel_to)
+    assert parent == parent_to, (rel_from, rel_to)
+    with writing(dst / rel_to):
+        with dst_dir(dst, parent) as dfd:
+            os.replace(a, b, src_dir_fd=dfd, dst_dir_fd=dfd)
+
+
+def unlink_in(dst: Path, rel: str) -> None:
+    """Remove DST/``rel`` if it is there (a symlink is removed itself, its target untouched)."""
+    parent, leaf = _split(rel)
+    with writing(dst / rel):
+        try:
+            with dst_dir(dst, parent) as dfd:
+                os.unlink(leaf, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+
+
+def write_new(dst: Path, rel: str, data: bytes) -> None:
+    """DST/``rel`` written whole, atomically: a ``.partial`` file (see :func:`open_new`) renamed into place."""
+    tmp = rel + ".partial"
+    fd = open_new(dst, tmp)
+    with writing(dst / tmp), os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    rename_in(dst, tmp, rel)
+
+
+def is_regular(path: Path) -> bool:
+    """A regular file itself (lstat: a symlink to one is not)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 _pauses = 0
@@ -370,8 +482,17 @@ def _lock(dst: Path) -> int:
     """flock DST/.fp4convert.lock (the kernel releases it if we die); refuse while another run holds it."""
     path = dst / LOCK_NAME
     while True:
-        with writing(path, resumable=False):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            # O_NOFOLLOW: a symlink there (dangling or not) is refused, never truncated nor created through.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _through_link(dst, LOCK_NAME) from None
+            raise output_error(exc, path, resumable=False) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OutputError(f"{path} is not a regular file; fp4convert keeps its lock there: remove it or "
+                              "choose another DST")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -385,7 +506,7 @@ def _lock(dst: Path) -> int:
             os.close(fd)
             raise output_error(exc, path, resumable=False) from exc
         try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino  # not a lock file a finishing run just removed
+            same = os.fstat(fd).st_ino == os.lstat(path).st_ino  # not a lock file a finishing run just removed
         except FileNotFoundError:
             same = False
         if same:
@@ -519,6 +640,8 @@ def _check_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: d
     names = [(MANIFEST_NAME, "manifest"), (PROGRESS_NAME, "progress")]
     names += [(p.name, "progress") for p in progress_records(dst) if p.name != PROGRESS_NAME]  # torchrun ranks
     for name, kind in names:
+        if os.path.islink(dst / name):  # never read (nor trusted) through a symlink
+            raise _through_link(dst, name)
         if (dst / name).is_file():
             rec, why = _read_record(dst / name, kind)
             if rec is not None:
@@ -541,6 +664,8 @@ def _check_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: d
         if q.is_dir() and not q.is_symlink():
             foreign.append(p + "/")
         for parent in list(Path(p).parents)[:-1]:
+            if os.path.islink(dst / parent):  # a symlinked folder would send our files outside DST
+                raise _through_link(dst, parent.as_posix())
             if (dst / parent).exists() and not (dst / parent).is_dir():
                 foreign.append(parent.as_posix())
     why = f" ({'; '.join(damaged)})" if damaged else ""
@@ -638,10 +763,11 @@ def _resumable(dst: Path, records: list[dict], identity: dict, config: ConvertCo
         p = dst / f
         partial = p.with_name(p.name + ".partial")
         try:
-            if not p.exists() and partial.is_file() and partial.stat().st_size == rec["size"] \
+            # lstat only: a symlink in place of a shard (or its .partial) is never reused nor renamed into place
+            if not os.path.lexists(p) and is_regular(partial) and partial.stat().st_size == rec["size"] \
                     and file_digest(partial) == rec["sha256"]:
-                os.replace(partial, p)  # recorded as finished just before its rename: finish the rename
-            if p.is_file() and p.stat().st_size == rec["size"] and file_digest(p) == rec["sha256"]:
+                rename_in(dst, partial.name, p.name)  # recorded as finished just before its rename: finish it
+            if is_regular(p) and p.stat().st_size == rec["size"] and file_digest(p) == rec["sha256"]:
                 done[f] = {"sha256": rec["sha256"], "size": rec["size"]}
                 continue
         except OSError as exc:
@@ -656,15 +782,15 @@ def _resumable(dst: Path, records: list[dict], identity: dict, config: ConvertCo
 # Shards
 # ---------------------------------------------------------------------------------------------
 
-def _copy_file(src: Path, dst: Path) -> None:
-    """Copy a whole file, telling a read error (the source's) from a write error (the destination's)."""
-    try:
-        fin = open(src, "rb")
-    except OSError as exc:
-        raise source_error(exc, src) from exc
-    with fin:
-        with writing(dst):
-            fout = open(dst, "wb")
+def _copy_file(src: Path, target: Path, source: Source, dst: Path) -> None:
+    """Copy a whole file of the source to ``target`` (a ``.partial`` name inside DST), telling a read error
+    (the source's) from a write error (the destination's). Both ends are contained: the source file is
+    opened through :meth:`Source.open_file` (never outside SRC), the target with :func:`open_new`."""
+    fd = source.open_file(src.relative_to(source.root).as_posix(), "file")
+    with os.fdopen(fd, "rb") as fin:
+        out = open_new(dst, target.relative_to(dst).as_posix())
+        with writing(target):
+            fout = os.fdopen(out, "wb")
         with fout:
             while True:
                 try:
@@ -673,9 +799,9 @@ def _copy_file(src: Path, dst: Path) -> None:
                     raise source_error(exc, src) from exc
                 if not block:
                     break
-                with writing(dst):
+                with writing(target):
                     fout.write(block)
-            with writing(dst):
+            with writing(target):
                 fout.flush()
 
 
@@ -747,6 +873,24 @@ def _loader():
     return ThreadPoolExecutor(4, thread_name_prefix="fp4convert-copy-read")
 
 
+def _stream_writer(dst: Path, f: str, entries: list) -> StreamWriter:
+    """A shard's StreamWriter on a ``.partial`` file this run created itself (:func:`open_new`: whatever
+    an interrupted run left there, a symlink included, is removed first, never written through); the
+    file the writer opened is checked to be that one."""
+    fd = open_new(dst, f + ".partial")
+    try:
+        with writing(dst / f):
+            w = StreamWriter(dst / f, entries, {"format": "pt"})
+        mine, got = os.fstat(fd), os.fstat(w._f.fileno())
+        if (mine.st_dev, mine.st_ino) != (got.st_dev, got.st_ino):
+            w.abort()
+            raise OutputError(f"{w.partial} was replaced while fp4convert opened it (another process writes into "
+                              f"{dst}?); nothing was written through it: stop the other writer and --resume")
+        return w
+    finally:
+        os.close(fd)
+
+
 class ShardWriters:
     """Open output shards (at most two at once: a unit can straddle a boundary)."""
 
@@ -771,8 +915,7 @@ class ShardWriters:
         f = self.shard_of[name]
         if f not in self.open:
             try:
-                with writing(self.dst / f):
-                    self.open[f] = StreamWriter(self.dst / f, self.entries[f], {"format": "pt"})
+                self.open[f] = _stream_writer(self.dst, f, self.entries[f])
             except BaseException:
                 (self.dst / (f + ".partial")).unlink(missing_ok=True)
                 raise
@@ -1033,10 +1176,8 @@ def _save_progress(dst: Path, identity: dict, files: dict, tensors: dict, pendin
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to a .partial file and rename it into place."""
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write ``text`` to a .partial file and rename it into place (never through a symlink: :func:`write_new`)."""
+    write_new(path.parent, path.name, text.encode())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1052,8 +1193,8 @@ def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: d
     except BaseException as exc:
         for name in _planned_names(plan, source, dst) - {f for f, _ in plan.shards}:  # only our own temporary files
             try:
-                (dst / (name + ".partial")).unlink(missing_ok=True)
-            except OSError:
+                unlink_in(dst, name + ".partial")
+            except (OSError, OutputError):
                 pass
         if session is not None:
             session.fail()
@@ -1074,14 +1215,15 @@ def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: 
     written = [INDEX_NAME]
     for p, rel in zip(others, rels):
         written.append(rel)
-        target = dst / rel
-        tmp = target.with_name(target.name + ".partial")
-        with writing(target):
-            target.parent.mkdir(parents=True, exist_ok=True)
-        _copy_file(p, tmp)
-        with writing(target):
-            os.replace(tmp, target)
+        _copy_file(p, dst / (rel + ".partial"), source, dst)
+        rename_in(dst, rel + ".partial", rel)
         _test_pause()
+    # The format's files are written by path (formats.base.write_json): no symlink may stand where it
+    # writes or reads (config.json is a regular file once copied; the temporary names are ours).
+    for name in FORMAT_FILES:
+        unlink_in(dst, name + ".partial")
+        if os.path.islink(dst / name):
+            unlink_in(dst, name)
     with writing(dst):
         written += fmt.finalize(dst, plan.output_info(source.config()))
     shard_of = plan.shard_of()
@@ -1101,11 +1243,37 @@ def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: 
 
 def _write_model_card(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict, state: dict,
                       written: list[str]) -> list[str]:
-    """README.md: the generated card (from what the manifest will say) above the source's own card."""
-    from .modelcard import CARD_NAME, build_card, write_card
+    """README.md: the generated card (from what the manifest will say) above the source's own card.
 
-    original = source.root / CARD_NAME
-    text = original.read_text(errors="replace") if original.is_file() else None
+    The source card is read contained (:meth:`Source.read_card`); it counts as our own earlier card
+    (exporting a native output) only when the source's manifest lists its sha256."""
+    from .modelcard import CARD_NAME, build_card, default_base_model, own_card, split_card
+
+    text = source.read_card()
+    src_manifest = _source_manifest(source)
+    ours = own_card(text, src_manifest) if text else False
+    origin = src_manifest.get("source") if ours and isinstance(src_manifest.get("source"), dict) else None
     draft = build_manifest(plan, fmt, source, identity, state, dst, [w for w in written if w != CARD_NAME])
-    write_card(dst, build_card(draft, text))
+    config = source.config()
+    base = getattr(plan.config, "base_model", None) or default_base_model(
+        origin or source.describe(), source.root, config, split_card(text)[0] if ours else None)
+    write_new(dst, CARD_NAME, build_card(draft, text, base_model=base, config=config, original_is_ours=ours,
+                                         origin=origin).encode())
     return written if CARD_NAME in written else [*written, CARD_NAME]
+
+
+def _source_manifest(source: Source) -> dict | None:
+    """The source's fp4convert manifest (exporting a native output), read contained; None if absent or unreadable."""
+    if not os.path.lexists(source.root / MANIFEST_NAME):
+        return None
+    try:
+        fd = source.open_file(MANIFEST_NAME, "the manifest")
+    except SourceError:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read(MAX_MANIFEST + 1)
+    try:
+        m = json.loads(data) if len(data) <= MAX_MANIFEST else None
+    except (ValueError, RecursionError):
+        return None
+    return m if isinstance(m, dict) else None

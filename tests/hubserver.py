@@ -12,7 +12,10 @@ headers it relies on, the way huggingface.co answers them:
   file is served directly (``ETag`` = git blob sha1, ``X-Repo-Commit``, ``Content-Length``); an LFS
   file (``*.safetensors``) answers ``302`` to a signed URL on a second server, the "CDN", with
   ``X-Linked-Etag`` (sha256), ``X-Linked-Size`` and ``X-Repo-Commit``;
-* the CDN serves blobs with ``Range`` support (``206`` + ``Content-Range``), like S3/CloudFront.
+* ``POST /api/models/{repo}/paths-info/{rev}`` (``get_paths_info``): the same entries as the tree, for
+  the paths asked (the LFS sha256 a download is verified against);
+* the CDN serves blobs with ``Range`` support (``206`` + ``Content-Range``), like S3/CloudFront; with
+  ``corrupt_full_get`` it sends same-size corrupt bytes for a whole-file GET of the files named.
 
 For uploads (``create_repo`` + ``upload_folder``, the legacy LFS path huggingface_hub takes with
 ``HF_HUB_DISABLE_XET=1``; 1.x and 2.x call the same routes):
@@ -127,7 +130,7 @@ class FakeHub:
 
     def __init__(self, *, lifetime: float = 120.0, fail_full_get: dict[str, int] | None = None,
                  fail_api: int | None = None, honor_range: bool = True,
-                 fail_upload: dict[str, int] | None = None) -> None:
+                 fail_upload: dict[str, int] | None = None, corrupt_full_get: tuple[str, ...] = ()) -> None:
         self.repos: dict[str, Repo] = {}
         self.private: dict[str, bool] = {}  # repos created through the API -> private flag
         self.fail_upload = dict(fail_upload or {})  # sha256 -> status for the CDN PUT of that object
@@ -139,6 +142,9 @@ class FakeHub:
         self.fail_full_get = dict(fail_full_get or {})  # file -> status for a whole-file CDN GET
         self.fail_api = fail_api  # status for every /api call (the Hub is down)
         self.honor_range = honor_range  # False: the CDN answers 200 + the whole file, as some servers do
+        # files whose whole-file CDN GET sends same-size corrupt bytes (a bit flipped in the last byte);
+        # ranged reads (the header) stay true, as a faulty cache node may serve them
+        self.corrupt_full_get = set(corrupt_full_get)
         self.lifetime = lifetime
         self._lock = threading.Lock()
         self._blobs: dict[str, HubFile] = {}  # sha256 -> file (for the CDN)
@@ -364,8 +370,11 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._validate_yaml(json.loads(body or b"{}"), method)
             if method == "POST" and parts[:3] == ["api", "repos", "create"]:
                 return self._create_repo(json.loads(body or b"{}"), method)
-            if method == "POST" and len(parts) >= 6 and parts[:2] == ["api", "models"] and parts[4] in ("preupload", "commit"):
+            if method == "POST" and len(parts) >= 6 and parts[:2] == ["api", "models"] and parts[4] in (
+                    "preupload", "commit", "paths-info"):
                 repo_id, rev = "/".join(parts[2:4]), "/".join(parts[5:])
+                if parts[4] == "paths-info":
+                    return self._paths_info(repo_id, rev, parse_qs(body.decode()).get("paths", []), method)
                 if parts[4] == "preupload":
                     return self._preupload(repo_id, rev, json.loads(body or b"{}"), method)
                 return self._commit(repo_id, rev, body, method)
@@ -442,6 +451,23 @@ class _Handler(BaseHTTPRequestHandler):
                 e["lfs"] = {"oid": f.sha256, "size": len(f.data), "pointerSize": len(f.pointer)}
             entries.append(e)
         self._json(entries, method)
+
+    def _paths_info(self, repo_id: str, rev: str, paths: list[str], method: str) -> None:
+        """``get_paths_info``: the tree entries (oid, size, lfs sha256) of the paths asked for."""
+        found = self._lookup(repo_id, rev, method)
+        if not found:
+            return
+        _, files = found
+        out = []
+        for path in paths:
+            f = files.get(path)
+            if f is None:
+                continue
+            e = {"type": "file", "oid": f.oid, "size": len(f.data), "path": path}
+            if f.lfs:
+                e["lfs"] = {"oid": f.sha256, "size": len(f.data), "pointerSize": len(f.pointer)}
+            out.append(e)
+        self._json(out, method)
 
     def _resolve(self, repo_id: str, rev: str, path: str, method: str) -> None:
         found = self._lookup(repo_id, rev, method)
@@ -591,7 +617,8 @@ class _Handler(BaseHTTPRequestHandler):
             status = self.fake.fail_full_get.get(f.path)
             if status:
                 return self._send(status, b"injected failure", method)
-            return self._send(200, f.data, method, headers)
+            data = f.data[:-1] + bytes([f.data[-1] ^ 1]) if f.path in self.fake.corrupt_full_get else f.data
+            return self._send(200, data, method, headers)
         size = len(f.data)
         try:
             unit, spec = rng.split("=", 1)

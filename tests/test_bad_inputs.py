@@ -707,10 +707,10 @@ def disk_full_copying_other_files_then_resume(c: Ctx) -> None:
     dst = c.tmp / "q"
     real = writer._copy_file
 
-    def full(src, target):
+    def full(src, target, *rest):
         if target.name.startswith("tokenizer"):
             raise writer.output_error(oserror(errno.ENOSPC), target)
-        return real(src, target)
+        return real(src, target, *rest)
 
     with c.mp.context() as m:
         m.setattr(writer, "_copy_file", full)
@@ -796,7 +796,7 @@ def user_partial_file_survives_a_failed_finish(c: Ctx) -> None:
     (dst / "draft.partial").write_text("mine")
     with c.mp.context() as m:
         full = writer.output_error(oserror(errno.ENOSPC), dst / "README.md")
-        m.setattr(writer, "_copy_file", lambda a, b: (_ for _ in ()).throw(full))
+        m.setattr(writer, "_copy_file", lambda *a: (_ for _ in ()).throw(full))
         expect(quantize(c, dst, "--overwrite"), 5, "no space left")
     assert (dst / "draft.partial").read_text() == "mine"
 
@@ -940,7 +940,7 @@ def ctrl_c_while_finishing(c: Ctx) -> None:
     dst = c.tmp / "q"
     real = writer._copy_file
     with c.mp.context() as m:
-        m.setattr(writer, "_copy_file", lambda a, b: (_ for _ in ()).throw(KeyboardInterrupt()))
+        m.setattr(writer, "_copy_file", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
         expect(quantize(c, dst), 130, "interrupted", "--resume")
     assert not list(dst.rglob("*.partial")) and real
     resume_completes(c, dst)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -75,6 +76,8 @@ SCENARIOS = {
     "tag": ({}, [REPO, "--revision", "v1.0", "--device", "cpu", "-q", "--json"]),
     "missing_repo": ({}, ["tiny-org/not-there", *ARGS]),
     "shard_fails": ({"fail_full_get": {SHARDS[1]: 500}}, [REPO, *ARGS, "-q"]),
+    # The CDN sends same-size corrupt bytes for the second shard (its header, read by range, is true).
+    "corrupt_shard": ({"corrupt_full_get": (SHARDS[1],)}, [REPO, *ARGS, "-q"]),
     # {root}: this run's folder. Shards go to a cache of our choosing and leave it once converted.
     "delete_shards": ({}, [REPO, *ARGS, "--delete-source-shards", "--cache-dir", "{root}/my_cache"]),
     # No HF_TOKEN in the environment: the token comes from --token only.
@@ -295,3 +298,39 @@ def test_delete_source_shards_and_cache_dir(runs, files, tmp_path) -> None:
 def test_model_card_names_the_hub_repo(runs) -> None:
     meta, body = split_card((runs["quantize"].out / "README.md").read_text())
     assert meta["base_model"] == REPO and f"(https://huggingface.co/{REPO})" in body
+
+
+def test_a_corrupt_download_is_refused_against_the_hubs_sha256(runs) -> None:
+    """Same size, one bit off: exit 4 naming the shard and the sha256 (huggingface_hub checks sizes only);
+    no output claims to be finished, and the bad blob left the cache (a rerun downloads it again)."""
+    run = runs["corrupt_shard"]
+    assert run.rc == 4, (run.rc, run.stderr)
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and SHARDS[1] in last and "sha256" in last and "Traceback" not in run.stderr
+    assert not (run.out / "fp4convert.json").exists() and not list(run.out.glob("*.partial"))
+    assert run.hub.full_gets(SHARDS[1]) == 1 and run.hub.full_gets(SHARDS[2]) == 0
+    assert any("/paths-info/" in r.path for r in run.hub.requests(server="hub"))
+    snap = run.cache / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT_A
+    assert not os.path.lexists(snap / SHARDS[1])
+    assert run.hub.unrouted == [] and run.hub.errors == []
+
+
+def test_header_read_by_range_must_match_the_download(files, tmp_path, monkeypatch) -> None:
+    """The header planned from (range reads) and the downloaded file's header must agree: exit 4 otherwise."""
+    from fp4convert.errors import CheckpointFormatError
+    from fp4convert.safetensors_io import read_header
+    from fp4convert.source import Source
+
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    shard = snap / SHARDS[0]
+    shard.write_bytes((files["a"] / SHARDS[0]).read_bytes())
+    src = Source("org/x", snap, SHARDS, repo_id="org/x", commit=COMMIT_A, roots=(str(snap),))
+    monkeypatch.setattr(Source, "_hub_hashes", lambda self: {})
+    infos, meta = read_header(shard, SHARDS[0])
+    src._header_cache[SHARDS[0]] = (infos, meta)
+    src._verify_download(SHARDS[0], shard)  # the same header: fine
+    src._header_cache[SHARDS[0]] = (infos[::-1], meta)  # what a lying range answer would have planned
+    with pytest.raises(CheckpointFormatError, match="header differs from the one read by range"):
+        src._verify_download(SHARDS[0], shard)
+    assert not shard.exists()  # out of the cache: a rerun downloads it again

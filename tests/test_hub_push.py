@@ -8,6 +8,7 @@ upload is simulated by a CDN that refuses one object; the rerun must upload only
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -114,3 +115,40 @@ def test_token_option_and_unfinished_folder(src, tmp_path) -> None:
         r = cli(hub, tmp_path / "home", "push", dst, "me/other")
         assert r.returncode == 5 and "did not finish" in r.stderr, r.stderr
         assert "me/other" not in hub.repos
+
+
+def test_push_uploads_exactly_what_the_manifest_lists(src, tmp_path) -> None:
+    """An .env, a stray file and a symlinked folder in the output stay local; a listed file that is a
+    symlink (even to identical bytes) or that differs refuses the push before anything is created (exit 5)."""
+    dst, home = tmp_path / "out", tmp_path / "home"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("OUTSIDE_MARKER")
+    with FakeHub() as hub:
+        r = cli(hub, home, "quantize", src, dst, "--device", "cpu", "-q")
+        assert r.returncode == 0, r.stderr
+        listed = set(json.loads((dst / "fp4convert.json").read_text())["files"]) | {"fp4convert.json"}
+        (dst / ".env").write_text("HF_TOKEN=hf_ENV_MARKER\n")
+        (dst / "notes.txt").write_text("mine")
+        (dst / "linked").symlink_to(outside)
+        r = cli(hub, home, "push", dst, REPO)
+        assert r.returncode == 0, r.stderr
+        remote = hub.files(REPO)
+        remote.pop(".gitattributes")
+        assert set(remote) == listed
+        assert not any(b"MARKER" in data for data in remote.values())
+        # A listed file turned into a symlink to a copy of itself: refused, nothing created.
+        tok = dst / "tokenizer.json"
+        copy = outside / "tokenizer.json"
+        copy.write_bytes(tok.read_bytes())
+        tok.unlink()
+        tok.symlink_to(copy)
+        r = cli(hub, home, "push", dst, "me/other")
+        assert r.returncode == 5 and "tokenizer.json" in r.stderr and "symlink" in r.stderr, r.stderr
+        assert "me/other" not in hub.repos
+        tok.unlink()
+        tok.write_bytes(copy.read_bytes()[:-1] + b" ")  # same size, other bytes
+        r = cli(hub, home, "push", dst, "me/other")
+        assert r.returncode == 5 and "tokenizer.json" in r.stderr and "differs" in r.stderr, r.stderr
+        assert "me/other" not in hub.repos and "Traceback" not in r.stderr
+        assert hub.unrouted == [] and hub.errors == []

@@ -660,3 +660,28 @@ def test_online_malformed_shard_refused_from_its_header(online, tmp_path) -> Non
         s.tensors()
     one_line_error(e, "model-00002-of-00003.safetensors", "overlaps")
     assert online.full_gets("model-00002-of-00003.safetensors") == 0
+
+
+def test_the_snapshot_path_hf_download_prints_is_a_source(hub, tmp_path) -> None:
+    """``hf download`` prints .../models--org--name/snapshots/<commit>, whose files link into ../../blobs:
+    read as a local folder, contained to that repo's cache folder; the card names the repo."""
+    snap = hub["cache"] / ("models--" + REPO.replace("/", "--")) / "snapshots" / COMMIT_A
+    out = tmp_path / "out"
+    convert(str(snap), out, ConvertConfig(device="cpu", max_shard_size=6000))
+    local = tmp_path / "local"
+    convert(str(hub["a"]), local, ConvertConfig(device="cpu", max_shard_size=6000))
+    got, want = ck.all_files(out), ck.all_files(local)
+    assert {k: v for k, v in got.items() if k.endswith(".safetensors")} == \
+        {k: v for k, v in want.items() if k.endswith(".safetensors")}
+    from fp4convert.modelcard import split_card
+
+    assert split_card((out / "README.md").read_text())[0]["base_model"] == REPO
+    # Still contained: a snapshot entry linking out of the repo's cache folder is refused.
+    other = tmp_path / "cache" / "models--o--m"
+    snap2 = other / "snapshots" / COMMIT_A
+    shutil.copytree(snap, snap2, symlinks=False)
+    (other / "blobs").mkdir()
+    (snap2 / "model.safetensors.index.json").unlink()
+    (snap2 / "model.safetensors.index.json").symlink_to(snap / "model.safetensors.index.json")
+    with pytest.raises(OutsideSourceError, match="repo id"):
+        open_source(str(snap2))

@@ -18,6 +18,7 @@ import fp4convert.writer as writer
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert, plan_conversion
 from fp4convert.errors import OutputError
+from fp4convert.inspect import inspect_checkpoint
 from fp4convert.writer import human_bytes, sample_digest
 
 from . import checkpoints as ck
@@ -304,11 +305,11 @@ def test_a_resume_interrupted_before_finish_keeps_owning_the_files_finish_wrote(
     real_copy = writer._copy_file
     copies = []
 
-    def copy_then_die(a, b):
+    def copy_then_die(a, b, *rest):
         if copies:
             raise RuntimeError("simulated crash inside finish")
         copies.append(b)
-        real_copy(a, b)
+        real_copy(a, b, *rest)
 
     with monkeypatch.context() as mp:
         mp.setattr(writer, "_copy_file", copy_then_die)
@@ -328,3 +329,100 @@ def test_a_resume_interrupted_before_finish_keeps_owning_the_files_finish_wrote(
             convert(src, dst, cfg(resume=True))
     convert(src, dst, cfg(resume=True))
     assert (dst / writer.MANIFEST_NAME).is_file() and not (dst / writer.PROGRESS_NAME).exists()
+
+
+# --- containment: nothing is written outside DST, by any path ------------------------------------
+
+def test_a_symlinked_lock_is_refused_and_nothing_is_written_through_it(src, tmp_path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    dst = tmp_path / "q"
+    dst.mkdir()
+    (dst / LOCK).symlink_to(victim)
+    with pytest.raises(OutputError, match=r"\.fp4convert\.lock is a symlink"):
+        convert(src, dst, cfg())
+    assert victim.read_text() == "precious"
+    (dst / LOCK).unlink()
+    (dst / LOCK).symlink_to(tmp_path / "nowhere" / "created")  # dangling: creates nothing outside DST
+    (tmp_path / "nowhere").mkdir()
+    with pytest.raises(OutputError, match=r"\.fp4convert\.lock is a symlink"):
+        convert(src, dst, cfg())
+    assert not (tmp_path / "nowhere" / "created").exists()
+
+
+@pytest.mark.parametrize("mode", ["overwrite", "resume"])
+def test_a_symlinked_folder_inside_dst_never_receives_writes(src, tmp_path, mode) -> None:
+    """DST/special -> a folder outside: the copy of special/chat_template.jinja would land there. Refused
+    (exit 5, naming it), the outside file untouched."""
+    dst = tmp_path / "q"
+    if mode == "overwrite":
+        convert(src, dst, cfg())
+    else:
+        with pytest.MonkeyPatch.context() as mp:
+            ck.crash_after_first_shard(mp, dst)
+            with pytest.raises(RuntimeError):
+                convert(src, dst, cfg(max_shard_size=6000))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "chat_template.jinja").write_text("foreign")
+    if (dst / "special").exists():
+        for p in (dst / "special").iterdir():
+            p.unlink()
+        (dst / "special").rmdir()
+    (dst / "special").symlink_to(outside)
+    with pytest.raises(OutputError, match=r"special is a symlink") as e:
+        convert(src, dst, cfg(max_shard_size=6000, **{mode: True}))
+    assert e.value.exit_code == 5
+    assert sorted(p.name for p in outside.iterdir()) == ["chat_template.jinja"]
+    assert (outside / "chat_template.jinja").read_text() == "foreign"
+
+
+def test_open_new_refuses_a_symlinked_parent_and_never_follows_the_leaf(tmp_path) -> None:
+    dst, outside = tmp_path / "q", tmp_path / "outside"
+    dst.mkdir()
+    outside.mkdir()
+    (dst / "sub").symlink_to(outside)
+    with pytest.raises(OutputError, match="sub is a symlink"):
+        writer.open_new(dst, "sub/x.partial")
+    victim = outside / "v"
+    victim.write_text("precious")
+    (dst / "x.partial").symlink_to(victim)
+    os.close(writer.open_new(dst, "x.partial"))  # the link is replaced by a new empty file of ours
+    assert victim.read_text() == "precious" and writer.is_regular(dst / "x.partial")
+    writer.atomic_write(dst / "y.json", "{}")
+    (dst / "y.json.partial").symlink_to(victim)
+    writer.atomic_write(dst / "y.json", "[]")
+    assert victim.read_text() == "precious" and (dst / "y.json").read_text() == "[]"
+
+
+def test_partial_shards_replaced_by_symlinks_are_never_written_through(src, tmp_path) -> None:
+    """After an interrupted run, each *.partial is replaced by a symlink to a victim file: --resume
+    rewrites the shards as files of its own; no victim changes; no finished shard is a symlink. One of
+    them recorded as finished links to a byte-identical copy: still not renamed into place."""
+    dst = tmp_path / "q"
+    with pytest.MonkeyPatch.context() as mp:
+        ck.crash_after_first_shard(mp, dst, hard=True)  # like kill -9: the open .partial stays
+        with pytest.raises(RuntimeError):
+            convert(src, dst, cfg(max_shard_size=6000))
+    partials = sorted(dst.glob("*.partial"))
+    finished = sorted(dst.glob("*.safetensors"))
+    assert partials and finished
+    victims = []
+    for i, p in enumerate(partials):
+        v = tmp_path / f"victim{i}"
+        v.write_text("precious")
+        victims.append(v)
+        p.unlink()
+        p.symlink_to(v)
+    # A shard recorded as finished but not renamed yet: its .partial links to an identical outside copy.
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(finished[0].read_bytes())
+    finished[0].unlink()
+    (dst / (finished[0].name + ".partial")).symlink_to(copy)
+    convert(src, dst, cfg(max_shard_size=6000, resume=True))
+    assert all(v.read_text() == "precious" for v in victims)
+    shards = sorted(dst.glob("*.safetensors"))
+    assert shards and all(writer.is_regular(p) for p in shards)
+    assert not list(dst.glob("*.partial"))
+    assert copy.read_bytes() == (dst / finished[0].name).read_bytes()
+    assert inspect_checkpoint(str(dst), check_files=True)["ok"]
