@@ -7,7 +7,9 @@ scale, or ModelOpt's 1/gs). The bytes equal a direct ``quantize --format TARGET`
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import resource
 import time
 from dataclasses import replace
@@ -17,9 +19,9 @@ from .config import ConvertConfig
 from .errors import CheckpointFormatError, ConfigError
 from .formats import get_format
 from .layout import load_quantized, read_layout
-from .manifest import MANIFEST_NAME, file_digest, manifest_problem
+from .manifest import MANIFEST_NAME, manifest_problem
 from .plan import QUANTIZE, Decision, Plan, check_collisions, layout_shards
-from .safetensors_io import ITEMSIZE, OutEntry, TensorInfo
+from .safetensors_io import ITEMSIZE, OutEntry, TensorInfo, open_regular
 from .source import open_source
 from .distributed import World, run_writes
 from .writer import ConvertResult, Progress, run_identity
@@ -85,21 +87,30 @@ def verify_files(root: Path, manifest: dict, weight_files: list[str]) -> None:
     if unlisted:
         raise CheckpointFormatError(f"{root / unlisted[0]}: not listed in {MANIFEST_NAME}'s files; the manifest does "
                                     "not match the checkpoint: re-create it with fp4convert quantize")
+    top = os.path.realpath(root)
     for rel, rec in sorted(manifest["files"].items()):
-        path = root / rel
+        path = root / rel  # relative and without '..' (the manifest schema checked it)
+        real = os.path.realpath(path)
+        if os.path.lexists(path) and not real.startswith(top.rstrip(os.sep) + os.sep):
+            raise CheckpointFormatError(f"{path}: resolves to {real}, outside {root}; not read")
         try:
-            if not path.is_file():
-                raise CheckpointFormatError(f"{path}: listed in {MANIFEST_NAME} but missing; the native checkpoint "
-                                            "is incomplete: re-create it with fp4convert quantize")
-            size = path.stat().st_size
+            fd = open_regular(path)  # never a FIFO or device: they would hang the read
+        except FileNotFoundError:
+            raise CheckpointFormatError(f"{path}: listed in {MANIFEST_NAME} but missing; the native checkpoint "
+                                        "is incomplete: re-create it with fp4convert quantize") from None
+        except OSError as exc:
+            raise CheckpointFormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+        with open(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             if size != rec["size"]:
                 raise CheckpointFormatError(f"{path}: {size} bytes, the manifest records {rec['size']}; the native "
                                             "checkpoint is corrupted: re-create it with fp4convert quantize")
-            if file_digest(path) != rec["sha256"]:
+            h = hashlib.sha256()
+            while block := f.read(16 << 20):
+                h.update(block)
+            if h.hexdigest() != rec["sha256"]:
                 raise CheckpointFormatError(f"{path}: sha256 differs from the manifest; the native checkpoint is "
                                             "corrupted: re-create it with fp4convert quantize")
-        except OSError as exc:
-            raise CheckpointFormatError(f"{path}: cannot read ({exc.strerror})") from exc
 
 
 def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress | None = None) -> ConvertResult:

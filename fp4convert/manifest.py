@@ -234,7 +234,7 @@ def _check(v: object, spec: object, where: str) -> str | None:
         if not isinstance(v, dict):
             return f"{where} is {_json_kind(v)}, not an object"
         for k, sub in spec.fields.items():
-            at = f"{where}.{k}" if where else k
+            at = f"{where}.{k!r}" if where else repr(k)
             if k not in v:
                 if isinstance(sub, _Missing):
                     continue
@@ -256,7 +256,7 @@ def manifest_problem(m: object) -> str | None:
     if not isinstance(made_by, dict) or made_by.get("name") != "fp4convert":
         return "the manifest was not written by fp4convert (producer.name)"
     why = _check(m, SCHEMA, "")
-    return None if why is None else f"the manifest's {why}"
+    return None if why is None else f"the manifest is malformed: {why}"
 
 
 def portable_description(source: Source) -> dict:
