@@ -8,7 +8,6 @@ scale, or ModelOpt's 1/gs). The bytes equal a direct ``quantize --format TARGET`
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import resource
 import time
@@ -21,7 +20,7 @@ from .formats import get_format
 from .layout import load_quantized, read_layout
 from .manifest import MANIFEST_NAME, manifest_problem
 from .plan import QUANTIZE, Decision, Plan, check_collisions, layout_shards
-from .safetensors_io import ITEMSIZE, OutEntry, TensorInfo, open_regular
+from .safetensors_io import DTYPE_BITS, OutEntry, TensorInfo, dtype_nbytes, open_regular
 from .source import open_source
 from .distributed import World, run_writes
 from .writer import ConvertResult, Progress, run_identity
@@ -53,7 +52,7 @@ def plan_export(src: str, config: ConvertConfig):
             raise CheckpointFormatError(f"{where}: tensor {name!r} lists outputs the shards do not hold "
                                         f"({', '.join(missing[:3]) or 'none'}); the checkpoint does not match "
                                         "its manifest")
-        if rec["dtype"] not in ITEMSIZE:
+        if rec["dtype"] not in DTYPE_BITS:
             raise CheckpointFormatError(f"{where}: tensor {name!r} has unknown dtype {rec['dtype']!r}")
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if rec["action"] == QUANTIZE and module not in layout.modules:
@@ -66,7 +65,7 @@ def plan_export(src: str, config: ConvertConfig):
     decisions = []
     for name, rec in sorted(manifest["tensors"].items(), key=first_output):
         shape = tuple(rec["shape"])
-        nbytes = ITEMSIZE[rec["dtype"]] * math.prod(shape)  # the original tensor's size, for the summary
+        nbytes = dtype_nbytes(rec["dtype"], shape)  # the original tensor's size, for the summary
         info = TensorInfo(name, rec["dtype"], shape, rec["source_file"], 0, nbytes)
         if rec["action"] == QUANTIZE:
             module = name[: -len(".weight")]

@@ -554,10 +554,15 @@ class OutEntry:
 
     @property
     def nbytes(self) -> int:
-        n = ITEMSIZE[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
+        return dtype_nbytes(self.dtype, self.shape)
+
+
+def dtype_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
+    """Bytes of a tensor of any safetensors dtype (sub-byte ones pack: F4 is half a byte an element)."""
+    n = DTYPE_BITS[dtype]
+    for d in shape:
+        n *= d
+    return n // 8
 
 
 def header_bytes(entries: list[OutEntry], metadata: dict[str, str] | None = None) -> bytes:
