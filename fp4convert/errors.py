@@ -16,7 +16,9 @@ EXIT_CODES: dict[int, str] = {
     6: "inspect found problems",
     7: "the CUDA kernels cannot be built or run here (--device cpu always works)",
     130: "interrupted (Ctrl-C); --resume continues",
+    141: "stdout was closed early (e.g. piped into head): output stopped, no error",
 }
+STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell shows for a command stopped by a closed pipe
 
 
 class FP4ConvertError(Exception):
@@ -134,6 +136,10 @@ class RankFailed(FP4ConvertError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.exit_code))
+
+
+class NotRegularFile(OSError):
+    """A FIFO, device, socket or folder where a regular file was expected (never opened for reading)."""
 
 
 class RankStopped(Exception):

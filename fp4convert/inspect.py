@@ -44,6 +44,11 @@ from .tensor import dequantize
 DEFAULT_MAX_ERROR = 0.25
 
 OK, FAILED, NOT_QUANTIZED = "ok", "failed", "not quantized"
+# A sound checkpoint that most loaders still get wrong: transformers ignores compressed-tensors'
+# transform_config, loads the rotated weights without error and computes garbage (cosine ~0 against
+# the original in the issue 23 campaign); vLLM applies the rotation.
+ROTATED_CT_WARNING = ("had16-rotated compressed-tensors weights: only vLLM applies transform_config; transformers "
+                      "ignores it and computes wrong outputs without an error")
 CARD_MARKER = "<!-- fp4convert:card-start -->"
 
 
@@ -153,6 +158,9 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
     problems += engine
     checksums = _check_files(source, manifest, layout, problems, full=check_files)
     report = _summary(source, layout, globals_, groups)
+    report["warnings"] = []
+    if layout.format == "compressed-tensors" and layout.rotate:
+        report["warnings"].append(ROTATED_CT_WARNING)
     report["checks"] = {
         "problems": problems,
         "notes": notes,
@@ -685,8 +693,11 @@ def render(r: dict) -> list[str]:
     if problems:
         lines.append(f"  {len(problems)} problem(s):")
         lines += [f"    - {p}" for p in problems]
+    for w in r.get("warnings", []):
+        lines.append(f"  warning: {w}")
     if r["verdict"] == OK:
-        lines.append("  verdict: OK" + (" (verified against the source)" if v else ""))
+        lines.append("  verdict: OK" + (" (verified against the source)" if v else "")
+                     + (f", with {len(r['warnings'])} warning(s) above" if r.get("warnings") else ""))
     elif r["verdict"] == NOT_QUANTIZED:
         lines.append("  verdict: NOT QUANTIZED (nothing to check; inspect expects an FP4 checkpoint)")
     else:

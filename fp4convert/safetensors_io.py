@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from . import stages
-from .errors import CheckpointFormatError
+from .errors import CheckpointFormatError, NotRegularFile
 
 if TYPE_CHECKING:
     import torch
@@ -350,10 +350,6 @@ def _numel(shape: list[int]) -> int:
 def _short(v: list) -> str:
     s = str(v)
     return s if len(s) <= 80 else s[:80] + "...]"
-
-
-class NotRegularFile(OSError):
-    """A path that is a FIFO, device, socket or folder where a regular file was expected."""
 
 
 def open_regular(path: str | os.PathLike) -> int:
