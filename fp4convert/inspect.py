@@ -193,12 +193,17 @@ def _manifest_state(source: Source, layout: CheckpointLayout) -> str:
         ("config.json names fp4convert",
          (source.config().get("quantization_config") or {}).get("quant_method") == "fp4convert"),
         ("hf_quant_config.json names fp4convert as producer",
-         (read_json(source.root / "hf_quant_config.json").get("producer") or {}).get("name") == "fp4convert"),
+         _producer_name(read_json(source.root / "hf_quant_config.json")) == "fp4convert"),
         ("README.md is an fp4convert model card", CARD_MARKER in _small_text(source, "README.md")),
     ) if hit]
     if layout.format == "fp4convert" and not hints:
         hints = ["the native format is described by its manifest"]
     return f"missing ({'; '.join(hints)})" if hints else "not expected (not an fp4convert output)"
+
+
+def _producer_name(obj: dict) -> object:
+    p = obj.get("producer")
+    return p.get("name") if isinstance(p, dict) else None
 
 
 def _check_against_manifest(manifest: dict, layout: CheckpointLayout, stored: dict[str, torch.Tensor]) -> list[str]:

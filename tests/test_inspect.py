@@ -668,3 +668,15 @@ def test_modelopt_config_of_wrong_types_is_a_finding(engine_outputs, tmp_path, q
     (dst / "hf_quant_config.json").write_text(json.dumps(hq))
     res = CliRunner().invoke(main, ["inspect", str(dst)])
     assert res.exit_code == 6 and "Traceback" not in res.output and words in res.output, res.output
+
+
+def test_hf_quant_config_producer_of_a_wrong_type(engine_outputs, tmp_path) -> None:
+    """Found by tests/test_fuzz_checkpoints.py: a string 'producer' was an internal error (exit 1)."""
+    dst = tmp_path / "mo"
+    shutil.copytree(engine_outputs["modelopt-nvfp4"], dst)
+    (dst / "fp4convert.json").unlink()
+    hq = json.loads((dst / "hf_quant_config.json").read_text())
+    hq["producer"] = "fp4convert"
+    (dst / "hf_quant_config.json").write_text(json.dumps(hq))
+    res = CliRunner().invoke(main, ["inspect", str(dst)])
+    assert res.exit_code in (0, 6) and "internal error" not in res.output, res.output
