@@ -139,6 +139,8 @@ class _LineProgress:
 
 
 class _NoProgress:
+    total = 0
+
     def update(self, n: int) -> None:
         pass
 
@@ -452,7 +454,8 @@ def export(src, dst, fmt, token, max_shard_size, overwrite, resume, verify_sourc
     if _rank() > 0:
         quiet, as_json = True, False
     _setup_logging(quiet, status=not as_json)
-    result = run_export(src, dst, config)
+    with _progress(0, "export", quiet or as_json) as bar:
+        result = run_export(src, dst, config, bar=bar)
     if _rank() > 0:
         return
     if push_repo:
@@ -512,8 +515,9 @@ def _print_plan(plan, quiet: bool = False) -> None:
 @click.option("--revision", default=None, help="Hub revision when CHECKPOINT is a repo id.")
 @click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token for Hub repos.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar for --check-files / --verify (the report is printed).")
 @_library_errors
-def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision, token, as_json) -> None:
+def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision, token, as_json, quiet) -> None:
     """Check a quantized CHECKPOINT (folder or Hub repo id) and give a verdict (exit 0 only when it is OK).
 
     Reads headers, configs and global scales by default; --check-files reads all data; --verify SRC
@@ -523,8 +527,11 @@ def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision,
         raise click.UsageError("--plot needs --verify SRC")
     from .inspect import DEFAULT_MAX_ERROR, inspect_checkpoint, render, write_plot  # imports torch
 
-    report = inspect_checkpoint(checkpoint, check_files=check_files, verify=verify_src, revision=revision,
-                                max_error=DEFAULT_MAX_ERROR if max_error is None else max_error, token=token)
+    long = check_files or verify_src  # reads every byte: a bar (nothing with --json or --quiet)
+    with _progress(0, "inspect", quiet or as_json or not long) as bar:
+        report = inspect_checkpoint(checkpoint, check_files=check_files, verify=verify_src, revision=revision,
+                                    max_error=DEFAULT_MAX_ERROR if max_error is None else max_error, token=token,
+                                    progress=None if isinstance(bar, _NoProgress) else bar)
     if plot_path:
         try:
             written = write_plot(report, plot_path)

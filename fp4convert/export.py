@@ -78,7 +78,7 @@ def plan_export(src: str, config: ConvertConfig):
     return source, layout, manifest, plan, fmt
 
 
-def verify_files(root: Path, manifest: dict, weight_files: list[str]) -> None:
+def verify_files(root: Path, manifest: dict, weight_files: list[str], progress=None) -> None:
     """Every weight file is listed in the native manifest, and every file it lists has its recorded size and
     sha256, before anything is written: a corrupted native checkpoint must not be re-exported with fresh
     checksums for its bad bytes."""
@@ -107,17 +107,28 @@ def verify_files(root: Path, manifest: dict, weight_files: list[str]) -> None:
             h = hashlib.sha256()
             while block := f.read(16 << 20):
                 h.update(block)
+                if progress is not None:
+                    progress.update(len(block))
             if h.hexdigest() != rec["sha256"]:
                 raise CheckpointFormatError(f"{path}: sha256 differs from the manifest; the native checkpoint is "
                                             "corrupted: re-create it with fp4convert quantize")
 
 
-def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress | None = None) -> ConvertResult:
-    """Write native checkpoint ``src`` as ``config.format`` into ``dst``."""
+def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress | None = None,
+           bar=None) -> ConvertResult:
+    """Write native checkpoint ``src`` as ``config.format`` into ``dst``.
+
+    ``bar``: a progress bar (``total``, ``update(n)``; the CLI's tqdm) for the whole export: the sha256
+    check of every listed file, then the writing, in bytes; ``progress`` alone counts the writing."""
     t0 = time.perf_counter()
     dst = Path(dst)
     source, layout, manifest, plan, fmt = plan_export(src, config)
-    verify_files(source.root, manifest, source.weight_files)
+    if bar is not None:
+        bar.total = sum(rec["size"] for rec in manifest["files"].values()) + plan.summary()["bytes_in"]
+        if hasattr(bar, "refresh"):
+            bar.refresh()
+        progress = progress or bar.update
+    verify_files(source.root, manifest, source.weight_files, progress=bar)
     identity = run_identity(plan.config, source, exported_from=manifest.get("identity"))
 
     def process(unit: list[Decision], writers) -> dict[str, dict]:

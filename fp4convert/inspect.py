@@ -108,8 +108,12 @@ def _check_shapes(m: QuantizedModule) -> list[str]:
 
 def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: str | None = None,
                        revision: str | None = None, max_error: float = DEFAULT_MAX_ERROR,
-                       verify_revision: str | None = None, token: str | None = None) -> dict:
-    """Everything ``fp4convert inspect`` reports, as a dict (``ok`` is True only for a sound quantized checkpoint)."""
+                       verify_revision: str | None = None, token: str | None = None, progress=None) -> dict:
+    """Everything ``fp4convert inspect`` reports, as a dict (``ok`` is True only for a sound quantized checkpoint).
+
+    ``progress``: an object with ``total`` and ``update(n)`` (a tqdm bar) that the long parts (the
+    sha256 of --check-files, the layers of --verify) advance in bytes; their totals are added to
+    ``total`` when known."""
     source = open_source(path_or_repo, revision, token=token)
     manifest_errors: list[str] = []
     layout = read_layout(source, manifest_errors=manifest_errors)
@@ -156,7 +160,7 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
         problems += _check_against_manifest(manifest, layout, stored)
     engine = _check_engine_config(source, layout) if layout.quantized else []
     problems += engine
-    checksums = _check_files(source, manifest, layout, problems, full=check_files)
+    checksums = _check_files(source, manifest, layout, problems, full=check_files, progress=progress)
     report = _summary(source, layout, globals_, groups)
     report["warnings"] = []
     if layout.format == "compressed-tensors" and layout.rotate:
@@ -171,7 +175,8 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
         "checksums": checksums,
     }
     if verify:
-        v = verify_against(source, layout, verify, max_error=max_error, revision=verify_revision, token=token)
+        v = verify_against(source, layout, verify, max_error=max_error, revision=verify_revision, token=token,
+                           progress=progress)
         report["verify"] = v
         problems += v["problems"]
     if not layout.quantized:
@@ -256,7 +261,7 @@ def _check_against_manifest(manifest: dict, layout: CheckpointLayout, stored: di
 
 
 def _check_files(source: Source, manifest: dict | None, layout: CheckpointLayout, problems: list[str],
-                 full: bool) -> str:
+                 full: bool, progress=None) -> str:
     if full:
         for m in layout.modules.values():
             s = read_tensor(source.local_path(m.scale.file), m.scale)
@@ -274,6 +279,8 @@ def _check_files(source: Source, manifest: dict | None, layout: CheckpointLayout
         return "not checked (Hub source)"
     bad = 0
     listed = manifest.get("files", {})
+    if full:
+        _add_total(progress, sum(rec["size"] for rec in listed.values()))
     for rel, rec in sorted(listed.items()):
         # Only a relative path resolving to a regular file inside the folder is stat'ed or read (the
         # manifest schema already refused absolute paths and '..'; symlinks out are refused here).
@@ -298,7 +305,7 @@ def _check_files(source: Source, manifest: dict | None, layout: CheckpointLayout
             if size != rec["size"]:
                 problems.append(f"{rel}: size {size}, manifest says {rec['size']}")
                 bad += 1
-            elif full and _digest(f) != rec["sha256"]:
+            elif full and _digest(f, progress=progress) != rec["sha256"]:
                 problems.append(f"{rel}: sha256 differs from {MANIFEST_NAME}")
                 bad += 1
     for rel in _walk(source.root):
@@ -332,11 +339,20 @@ def _small_text(source: Source, rel: str, limit: int = 16 << 20) -> str:
         return ""
 
 
-def _digest(f, chunk: int = 16 << 20) -> str:
+def _digest(f, chunk: int = 16 << 20, progress=None) -> str:
     h = hashlib.sha256()
     while block := f.read(chunk):
         h.update(block)
+        if progress is not None:
+            progress.update(len(block))
     return h.hexdigest()
+
+
+def _add_total(progress, n: int) -> None:
+    if progress is not None:
+        progress.total = (progress.total or 0) + n
+        if hasattr(progress, "refresh"):
+            progress.refresh()
 
 
 def _walk(root) -> list[str]:
@@ -585,7 +601,7 @@ def _structure_check(manifest: dict | None, orig: dict) -> list[str]:
 
 
 def verify_against(source: Source, layout: CheckpointLayout, src: str, *, max_error: float = DEFAULT_MAX_ERROR,
-                   revision: str | None = None, token: str | None = None) -> dict:
+                   revision: str | None = None, token: str | None = None, progress=None) -> dict:
     """Dequantize every quantized weight and compare it with the original: per layer and overall.
 
     Fails (``problems``) when SRC is not the source the manifest names, when a quantized weight is
@@ -602,6 +618,7 @@ def verify_against(source: Source, layout: CheckpointLayout, src: str, *, max_er
     layers: dict[str, dict] = {}
     missing: list[str] = []
     sum_err2 = sum_ref2 = 0.0
+    _add_total(progress, sum(orig[m + ".weight"].nbytes for m in layout.modules if m + ".weight" in orig))
     for m in layout.modules.values():
         info = orig.get(m.module + ".weight")
         if info is None:
@@ -609,6 +626,8 @@ def verify_against(source: Source, layout: CheckpointLayout, src: str, *, max_er
             layers[m.module] = {"error": "not in the source checkpoint"}
             continue
         x = read_tensor(original.local_path(info.file), info).to(torch.float32)
+        if progress is not None:
+            progress.update(info.nbytes)
         w = dequantize(load_quantized(source, layout, m), torch.float32)
         if w.shape != x.shape:
             layers[m.module] = {"error": f"shape {list(w.shape)} vs source {list(x.shape)}"}

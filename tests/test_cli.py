@@ -553,3 +553,49 @@ def test_rotated_compressed_tensors_warning_survives_quiet_and_is_in_json(src, t
         args = ("--rotate", rotate) if rotate else ()
         r = run("quantize", src, tmp_path / f"{fmt}{rotate}", "--format", fmt, *args, "--device", "cpu", "-q")
         assert r.exit_code == 0 and "transform_config" not in r.stderr
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.total, self.done = 0, 0
+
+    def update(self, n: int) -> None:
+        self.done += n
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+@pytest.mark.parametrize("command", ["inspect --check-files", "inspect --verify", "export"])
+def test_inspect_and_export_show_progress(src, tmp_path, monkeypatch, command) -> None:
+    """Issue 23 item 17: inspect --verify and export were 18 s of silence on a 374 MB model. Their bar
+    counts every byte they read; --quiet (and --json) show none."""
+    import fp4convert.cli as cli_mod
+
+    native = tmp_path / "native"
+    assert run("quantize", src, native, "--device", "cpu", "-q").exit_code == 0
+    bars = []
+    real = cli_mod._progress
+
+    def recording(total, desc, quiet):
+        bars.append((desc, quiet))
+        return real(total, desc, quiet) if quiet else _Recorder()
+
+    monkeypatch.setattr(cli_mod, "_progress", recording)
+    args = {"inspect --check-files": ["inspect", native, "--check-files"],
+            "inspect --verify": ["inspect", native, "--verify", src],
+            "export": ["export", native, tmp_path / "ct", "--format", "compressed-tensors"]}[command]
+    seen = []
+    monkeypatch.setattr(_Recorder, "__exit__", lambda self, *e: seen.append((self.total, self.done)))
+    r = run(*args)
+    assert r.exit_code == 0, r.output
+    assert bars == [(args[0], False)] and len(seen) == 1
+    total, done = seen[0]
+    assert total > 0 and done == total, seen
+    bars.clear()
+    quiet_args = args + (["--overwrite"] if command == "export" else []) + ["-q"]
+    assert run(*quiet_args).exit_code == 0
+    assert bars == [(args[0], True)]
