@@ -680,3 +680,12 @@ def test_hf_quant_config_producer_of_a_wrong_type(engine_outputs, tmp_path) -> N
     (dst / "hf_quant_config.json").write_text(json.dumps(hq))
     res = CliRunner().invoke(main, ["inspect", str(dst)])
     assert res.exit_code in (0, 6) and "internal error" not in res.output, res.output
+
+
+def test_hf_quant_config_nested_too_deep_is_no_internal_error(engine_outputs, tmp_path) -> None:
+    """Found by tests/test_fuzz_checkpoints.py: 100,000 nested '[' in hf_quant_config.json was a RecursionError."""
+    dst = tmp_path / "mo"
+    shutil.copytree(engine_outputs["modelopt-nvfp4"], dst)
+    (dst / "hf_quant_config.json").write_text("[" * 100000)
+    res = CliRunner().invoke(main, ["inspect", str(dst)])
+    assert res.exit_code in (0, 6) and "internal error" not in res.output, res.output
