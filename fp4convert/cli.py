@@ -20,7 +20,7 @@ import click
 from tqdm import tqdm
 
 from .config import ConvertConfig, human_bytes, parse_size
-from .errors import EXIT_CODES, FP4ConvertError, InspectFailed, Interrupted, RankFailed
+from .errors import EXIT_CODES, STDOUT_CLOSED, FP4ConvertError, InspectFailed, Interrupted, RankFailed
 from .formats import OUTPUT_FORMATS
 from .scheme import SCHEMES
 
@@ -46,10 +46,29 @@ class _CliHandler(logging.Handler):
 
     def filter(self, record: logging.LogRecord) -> bool:
         mine = record.name == "fp4convert" or record.name.startswith("fp4convert.")
+        if mine and str(record.msg).startswith(ROTATION_WARNING_START):
+            return False  # the command prints its own, even with --quiet (_warn_rotation)
         return record.levelno >= (self.ours if mine else self.others)
 
     def emit(self, record: logging.LogRecord) -> None:
         tqdm.write(self.format(record), file=sys.stderr)
+
+
+ROTATION_WARNING_START = "Had16-rotated compressed-tensors checkpoint"
+ROTATION_WARNING = (f"{ROTATION_WARNING_START}: vLLM rotates activations from transform_config (tensor parallel 1 "
+                    "only); transformers ignores transform_config and computes WRONG outputs from these weights "
+                    "(serve it with vLLM, or convert without --rotate for transformers)")
+
+
+def _warn_rotation(fmt: str, rotate: str | None, warnings: list | None = None) -> None:
+    """A had16 compressed-tensors output loads in transformers without error and computes garbage. That
+    is too easy to miss for ``--quiet`` to hide: the warning goes to stderr in every mode (--quiet
+    included; it is one line), and into --json's "warnings"."""
+    if fmt != "compressed-tensors" or not rotate or _rank() > 0:
+        return
+    click.echo(f"warning: {ROTATION_WARNING}", err=True)
+    if warnings is not None and ROTATION_WARNING not in warnings:
+        warnings.append(ROTATION_WARNING)
 
 
 _installed: list[tuple[_CliHandler, int]] = []  # (handler, the root level before it), while a command runs
@@ -120,6 +139,8 @@ class _LineProgress:
 
 
 class _NoProgress:
+    total = 0
+
     def update(self, n: int) -> None:
         pass
 
@@ -165,9 +186,11 @@ def _library_errors(fn: Callable) -> Callable:
         except BaseException as exc:  # noqa: BLE001 - the boundary: classify, one line, exit code
             if isinstance(exc, SystemExit):
                 raise
+            if isinstance(exc, BrokenPipeError) and exc.filename is None:
+                _stdout_closed()
             if isinstance(exc, RankFailed) and _rank() > 0:  # under torchrun rank 0 names the failing rank
                 sys.exit(exc.exit_code)
-            err = _classify(exc, kwargs.get("src"), kwargs.get("dst"))
+            err = _classify(exc, kwargs.get("src"), kwargs.get("dst"), command=fn.__name__)
             if debug:
                 import traceback
 
@@ -182,15 +205,44 @@ def _library_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-def _classify(exc: BaseException, src: str | None, dst: str | None) -> FP4ConvertError:
+def _stdout_closed() -> None:
+    """Whoever read our stdout stopped (``| head``): not an error. Exit 141 (128 + SIGPIPE, what a shell
+    reports for a command a closed pipe stopped) without a message or traceback; stdout is pointed at
+    /dev/null first so that the interpreter's final flush cannot complain either."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    os._exit(STDOUT_CLOSED) if _rank() > 0 else sys.exit(STDOUT_CLOSED)
+
+
+# What Ctrl-C (or SIGTERM) means for each command: only the writing ones keep finished shards for --resume.
+INTERRUPTED = {
+    "quantize": "interrupted; finished shards are kept: run the same command with --resume to continue",
+    "export": "interrupted; finished shards are kept: run the same export with --resume to continue",
+    "inspect": "interrupted; inspect writes nothing: run it again",
+    "push": "interrupted; run the same push again: only what is missing is uploaded",
+}
+
+
+def _classify(exc: BaseException, src: str | None, dst: str | None, command: str = "quantize") -> FP4ConvertError:
     """Any exception as the FP4ConvertError the user sees."""
     import errno
-    import os
 
     if isinstance(exc, FP4ConvertError):
         return exc
     if isinstance(exc, KeyboardInterrupt):
-        return Interrupted("interrupted; finished shards are kept: run the same command with --resume to continue")
+        return Interrupted(INTERRUPTED.get(command, "interrupted"))
+    if isinstance(exc, RuntimeError) and str(exc).startswith("Symlink loop from "):  # pathlib.resolve()
+        from .errors import OutputError, SourceError
+
+        where = str(exc)[len("Symlink loop from "):].strip("'")
+        full = os.path.abspath(where)
+        if dst and (full + os.sep).startswith(os.path.abspath(dst) + os.sep) or dst and \
+                (os.path.abspath(dst) + os.sep).startswith(full + os.sep):
+            return OutputError(f"{where}: a symlink loop in the destination path; choose another DST")
+        return SourceError(f"{where}: a symlink loop; fix the path")
     if isinstance(exc, OSError):
         from .errors import OutputError, SourceError
 
@@ -268,12 +320,13 @@ def main() -> None:
 @main.command(epilog=EXIT_CODE_HELP)
 @click.argument("src")
 @click.argument("dst", type=click.Path(file_okay=False))
-@click.option("--scheme", type=click.Choice(list(SCHEMES)), default="nvfp4", show_default=True, help="FP4 scheme.")
-@click.option("--rotate", type=click.Choice(["had16"]), default=None, help="Rotate weights with a 16-point Hadamard first.")
-@click.option("--scale-rule", type=click.Choice(SCALE_RULES), default=None,
+@click.option("--scheme", type=click.Choice(list(SCHEMES), case_sensitive=False), default="nvfp4", show_default=True, help="FP4 scheme.")
+@click.option("--rotate", type=click.Choice(["had16"], case_sensitive=False), default=None, help="Rotate weights with a 16-point Hadamard first.")
+@click.option("--scale-rule", type=click.Choice(SCALE_RULES, case_sensitive=False), default=None,
               help="How block scales are chosen. NVFP4: max (default), 4over6, mse; MXFP4: floor (default, OCP), "
                    "rceil, mse. The search rules (4over6, mse) never give a block more error than the default.")
-@click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS)), default="fp4convert", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS), case_sensitive=False), default="fp4convert",
+              show_default=True,
               help="On-disk convention: fp4convert (native, swizzled scales; export it for engines), "
                    "compressed-tensors (vLLM, transformers) or modelopt (vLLM/SGLang/TensorRT-LLM, NVFP4).")
 @click.option("--device", default="auto", show_default=True,
@@ -341,6 +394,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard
             click.echo(json.dumps(plan.to_json(), indent=2))
         else:
             _print_plan(plan, quiet)
+        _warn_rotation(fmt, rotate)
         if nothing:
             raise PlanError("the plan quantizes no tensor (see the warnings); pass --allow-nothing-quantized "
                             "to write an unquantized copy anyway")
@@ -366,12 +420,14 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard
     if as_json:
         ages["summary"] = stages.process_age()
         s = result.to_json()
+        _warn_rotation(fmt, rotate, s.setdefault("warnings", []))
         if None not in ages.values():
             s["process_s"] = {k: round(v, 3) for k, v in ages.items()}
         click.echo(json.dumps(s, indent=2))
         return
     s = result.to_json()
     if quiet:
+        _warn_rotation(fmt, rotate)
         return
     click.echo(
         f"{dst}: {s['quantized']} tensors quantized ({scheme}{', had16' if rotate else ''}), {s['kept']} kept; "
@@ -382,12 +438,13 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard
     )
     for w in s.get("warnings", []):
         click.echo(f"warning: {w}", err=True)
+    _warn_rotation(fmt, rotate)
 
 
 @main.command(epilog=EXIT_CODE_HELP)
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.argument("dst", type=click.Path(file_okay=False))
-@click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS)), required=True,
+@click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS), case_sensitive=False), required=True,
               help="Target convention: compressed-tensors or modelopt (fp4convert re-shards).")
 @click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token for --push-to-hub.")
 @_output_options
@@ -403,17 +460,22 @@ def export(src, dst, fmt, token, max_shard_size, overwrite, resume, verify_sourc
     if _rank() > 0:
         quiet, as_json = True, False
     _setup_logging(quiet, status=not as_json)
-    result = run_export(src, dst, config)
+    with _progress(0, "export", quiet or as_json) as bar:
+        result = run_export(src, dst, config, bar=bar)
     if _rank() > 0:
         return
     if push_repo:
         _push(dst, push_repo, private, token, quiet)
     s = result.to_json()
+    rotate = result.plan.config.rotate
     if as_json:
+        _warn_rotation(fmt, rotate, s.setdefault("warnings", []))
         click.echo(json.dumps(s, indent=2))
-    elif not quiet:
+        return
+    if not quiet:
         click.echo(f"{dst}: {s['quantized']} quantized weights and {s['kept']} other tensors as {fmt}, "
                    f"{human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s); {s['wall_s']:.1f} s")
+    _warn_rotation(fmt, rotate)
 
 
 @main.command(epilog=EXIT_CODE_HELP)
@@ -459,8 +521,9 @@ def _print_plan(plan, quiet: bool = False) -> None:
 @click.option("--revision", default=None, help="Hub revision when CHECKPOINT is a repo id.")
 @click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token for Hub repos.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar for --check-files / --verify (the report is printed).")
 @_library_errors
-def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision, token, as_json) -> None:
+def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision, token, as_json, quiet) -> None:
     """Check a quantized CHECKPOINT (folder or Hub repo id) and give a verdict (exit 0 only when it is OK).
 
     Reads headers, configs and global scales by default; --check-files reads all data; --verify SRC
@@ -470,8 +533,11 @@ def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision,
         raise click.UsageError("--plot needs --verify SRC")
     from .inspect import DEFAULT_MAX_ERROR, inspect_checkpoint, render, write_plot  # imports torch
 
-    report = inspect_checkpoint(checkpoint, check_files=check_files, verify=verify_src, revision=revision,
-                                max_error=DEFAULT_MAX_ERROR if max_error is None else max_error, token=token)
+    long = check_files or verify_src  # reads every byte: a bar (nothing with --json or --quiet)
+    with _progress(0, "inspect", quiet or as_json or not long) as bar:
+        report = inspect_checkpoint(checkpoint, check_files=check_files, verify=verify_src, revision=revision,
+                                    max_error=DEFAULT_MAX_ERROR if max_error is None else max_error, token=token,
+                                    progress=None if isinstance(bar, _NoProgress) else bar)
     if plot_path:
         try:
             written = write_plot(report, plot_path)

@@ -84,10 +84,16 @@ class ConvertConfig:
 
 
 def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB', '1000' -> bytes."""
+    """'5GB', '500MB', '2GiB', '1000B' -> bytes.
+
+    A unit is required: a bare ``10`` (which would mean 10 bytes, one shard per tensor) is refused,
+    since ``--max-shard-size 10`` almost always meant 10 GB."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)?\s*", text.upper())
     if not m:
         raise ConfigError(f"cannot read size {text!r}; write e.g. 5GB, 500MB or 2GiB")
+    if not m.group(2) and float(m.group(1)) > 0:
+        raise ConfigError(f"size {text.strip()!r} has no unit (it would mean {text.strip()} bytes); write e.g. "
+                          f"{text.strip()}GB or {text.strip()}MB, or {text.strip()}B if you mean bytes")
     num, unit = float(m.group(1)), (m.group(2) or "B")
     unit = unit if unit.endswith("B") else unit + "B"
     base = 1024 if "I" in unit else 1000

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from . import stages
 from .cuda.runtime import D2H, H2D, DeviceArena, Runtime, align
-from .errors import NonFiniteError
+from .errors import nonfinite_error
 from .schedule import Batch, Settings
 from .swizzle import padded_shape
 
@@ -159,7 +159,7 @@ def write_batch(batch: Batch, result: Callable[[], tuple], s: Settings, fmt, wri
         out, layout, bad, amax, ga, gs = result()
         for i, d in enumerate(batch.members):
             if bad[i]:
-                raise NonFiniteError(f"{d.name} (in {d.info.file}) holds NaN or Inf; fix the source or --ignore it")
+                raise nonfinite_error(d.name, d.info.file, s.rotate)
         for i, d in enumerate(batch.members):
             p_off, p_n, s_off, s_n = layout[i]
             g = None if gs is None else gs[i]

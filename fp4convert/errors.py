@@ -16,7 +16,9 @@ EXIT_CODES: dict[int, str] = {
     6: "inspect found problems",
     7: "the CUDA kernels cannot be built or run here (--device cpu always works)",
     130: "interrupted (Ctrl-C); --resume continues",
+    141: "stdout was closed early (e.g. piped into head): output stopped, no error",
 }
+STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell shows for a command stopped by a closed pipe
 
 
 class FP4ConvertError(Exception):
@@ -49,6 +51,31 @@ class QuantizationError(FP4ConvertError, ValueError):
 
 class NonFiniteError(QuantizationError):
     """The tensor holds NaN or Inf, which no FP4 code can represent."""
+
+
+class RotationOverflowError(NonFiniteError):
+    """A finite tensor whose Had16-rotated values overflow fp32 (its values are near the fp32 limit)."""
+
+
+HAD16_GAIN = 4.0  # the largest |rotated value| / max|x| of the normalised 16-point Hadamard (16 / sqrt(16))
+FP32_MAX = 3.4028234663852886e38
+
+
+def nonfinite_error(name: str, file: str, rotate: str | None, amax: float | None = None) -> NonFiniteError:
+    """The error for a tensor whose quantization met NaN/Inf. Without a rotation the source holds them;
+    with one, a finite source near the fp32 limit overflows in the rotation: with the source's max |x|
+    (``amax``) known the message says which, otherwise it names both causes and the limit."""
+    where = f"{name} (in {file})"
+    if not rotate:
+        return NonFiniteError(f"{where} holds NaN or Inf; fix the source or --ignore it")
+    if amax is not None and amax == amax and amax != float("inf"):
+        return RotationOverflowError(
+            f"{where}: the {rotate} rotation overflowed fp32 (the source is finite, max |x| {amax:.3g}; a rotated "
+            f"value reaches up to {HAD16_GAIN:g}x that, fp32 ends at {FP32_MAX:.3g}); convert without --rotate "
+            "or --ignore it")
+    return NonFiniteError(
+        f"{where} holds NaN or Inf, or finite values above {FP32_MAX / HAD16_GAIN:.3g} that overflow fp32 in the "
+        f"{rotate} rotation (up to {HAD16_GAIN:g}x); fix the source, convert without --rotate, or --ignore it")
 
 
 class ShapeError(QuantizationError):
@@ -134,6 +161,10 @@ class RankFailed(FP4ConvertError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.exit_code))
+
+
+class NotRegularFile(OSError):
+    """A FIFO, device, socket or folder where a regular file was expected (never opened for reading)."""
 
 
 class RankStopped(Exception):

@@ -7,7 +7,8 @@ scale, or ModelOpt's 1/gs). The bytes equal a direct ``quantize --format TARGET`
 
 from __future__ import annotations
 
-import math
+import hashlib
+import os
 import resource
 import time
 from dataclasses import replace
@@ -17,9 +18,9 @@ from .config import ConvertConfig
 from .errors import CheckpointFormatError, ConfigError
 from .formats import get_format
 from .layout import load_quantized, read_layout
-from .manifest import MANIFEST_NAME, file_digest, manifest_problem
+from .manifest import MANIFEST_NAME, manifest_problem
 from .plan import QUANTIZE, Decision, Plan, check_collisions, layout_shards
-from .safetensors_io import ITEMSIZE, OutEntry, TensorInfo
+from .safetensors_io import DTYPE_BITS, OutEntry, TensorInfo, dtype_nbytes, open_regular
 from .source import open_source
 from .distributed import World, run_writes
 from .writer import ConvertResult, Progress, run_identity
@@ -51,7 +52,7 @@ def plan_export(src: str, config: ConvertConfig):
             raise CheckpointFormatError(f"{where}: tensor {name!r} lists outputs the shards do not hold "
                                         f"({', '.join(missing[:3]) or 'none'}); the checkpoint does not match "
                                         "its manifest")
-        if rec["dtype"] not in ITEMSIZE:
+        if rec["dtype"] not in DTYPE_BITS:
             raise CheckpointFormatError(f"{where}: tensor {name!r} has unknown dtype {rec['dtype']!r}")
         module = name[: -len(".weight")] if name.endswith(".weight") else None
         if rec["action"] == QUANTIZE and module not in layout.modules:
@@ -64,7 +65,7 @@ def plan_export(src: str, config: ConvertConfig):
     decisions = []
     for name, rec in sorted(manifest["tensors"].items(), key=first_output):
         shape = tuple(rec["shape"])
-        nbytes = ITEMSIZE[rec["dtype"]] * math.prod(shape)  # the original tensor's size, for the summary
+        nbytes = dtype_nbytes(rec["dtype"], shape)  # the original tensor's size, for the summary
         info = TensorInfo(name, rec["dtype"], shape, rec["source_file"], 0, nbytes)
         if rec["action"] == QUANTIZE:
             module = name[: -len(".weight")]
@@ -77,7 +78,7 @@ def plan_export(src: str, config: ConvertConfig):
     return source, layout, manifest, plan, fmt
 
 
-def verify_files(root: Path, manifest: dict, weight_files: list[str]) -> None:
+def verify_files(root: Path, manifest: dict, weight_files: list[str], progress=None) -> None:
     """Every weight file is listed in the native manifest, and every file it lists has its recorded size and
     sha256, before anything is written: a corrupted native checkpoint must not be re-exported with fresh
     checksums for its bad bytes."""
@@ -85,29 +86,49 @@ def verify_files(root: Path, manifest: dict, weight_files: list[str]) -> None:
     if unlisted:
         raise CheckpointFormatError(f"{root / unlisted[0]}: not listed in {MANIFEST_NAME}'s files; the manifest does "
                                     "not match the checkpoint: re-create it with fp4convert quantize")
+    top = os.path.realpath(root)
     for rel, rec in sorted(manifest["files"].items()):
-        path = root / rel
+        path = root / rel  # relative and without '..' (the manifest schema checked it)
+        real = os.path.realpath(path)
+        if os.path.lexists(path) and not real.startswith(top.rstrip(os.sep) + os.sep):
+            raise CheckpointFormatError(f"{path}: resolves to {real}, outside {root}; not read")
         try:
-            if not path.is_file():
-                raise CheckpointFormatError(f"{path}: listed in {MANIFEST_NAME} but missing; the native checkpoint "
-                                            "is incomplete: re-create it with fp4convert quantize")
-            size = path.stat().st_size
+            fd = open_regular(path)  # never a FIFO or device: they would hang the read
+        except FileNotFoundError:
+            raise CheckpointFormatError(f"{path}: listed in {MANIFEST_NAME} but missing; the native checkpoint "
+                                        "is incomplete: re-create it with fp4convert quantize") from None
+        except OSError as exc:
+            raise CheckpointFormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+        with open(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             if size != rec["size"]:
                 raise CheckpointFormatError(f"{path}: {size} bytes, the manifest records {rec['size']}; the native "
                                             "checkpoint is corrupted: re-create it with fp4convert quantize")
-            if file_digest(path) != rec["sha256"]:
+            h = hashlib.sha256()
+            while block := f.read(16 << 20):
+                h.update(block)
+                if progress is not None:
+                    progress.update(len(block))
+            if h.hexdigest() != rec["sha256"]:
                 raise CheckpointFormatError(f"{path}: sha256 differs from the manifest; the native checkpoint is "
                                             "corrupted: re-create it with fp4convert quantize")
-        except OSError as exc:
-            raise CheckpointFormatError(f"{path}: cannot read ({exc.strerror})") from exc
 
 
-def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress | None = None) -> ConvertResult:
-    """Write native checkpoint ``src`` as ``config.format`` into ``dst``."""
+def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress | None = None,
+           bar=None) -> ConvertResult:
+    """Write native checkpoint ``src`` as ``config.format`` into ``dst``.
+
+    ``bar``: a progress bar (``total``, ``update(n)``; the CLI's tqdm) for the whole export: the sha256
+    check of every listed file, then the writing, in bytes; ``progress`` alone counts the writing."""
     t0 = time.perf_counter()
     dst = Path(dst)
     source, layout, manifest, plan, fmt = plan_export(src, config)
-    verify_files(source.root, manifest, source.weight_files)
+    if bar is not None:
+        bar.total = sum(rec["size"] for rec in manifest["files"].values()) + plan.summary()["bytes_in"]
+        if hasattr(bar, "refresh"):
+            bar.refresh()
+        progress = progress or bar.update
+    verify_files(source.root, manifest, source.weight_files, progress=bar)
     identity = run_identity(plan.config, source, exported_from=manifest.get("identity"))
 
     def process(unit: list[Decision], writers) -> dict[str, dict]:

@@ -15,7 +15,9 @@ The verdict is ``ok`` (every check passed), ``failed`` (the report lists why) or
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import math
+import os
 import re
 from collections import defaultdict
 
@@ -26,9 +28,9 @@ from .errors import SourceError
 from .formats import all_formats, get_format, quantized_tensor_names
 from .formats.base import QuantizedModule, read_json
 from .layout import CheckpointLayout, load_quantized, read_global, read_layout
-from .manifest import MANIFEST_NAME, PROGRESS_NAME, file_digest
+from .manifest import MANIFEST_NAME, PROGRESS_NAME
 from .plan import fused_group
-from .safetensors_io import read_tensor
+from .safetensors_io import open_regular, read_regular_file, read_tensor
 from .scheme import SCHEMES, get_scheme
 from .source import Source, open_source
 from .swizzle import padded_shape
@@ -42,6 +44,11 @@ from .tensor import dequantize
 DEFAULT_MAX_ERROR = 0.25
 
 OK, FAILED, NOT_QUANTIZED = "ok", "failed", "not quantized"
+# A sound checkpoint that most loaders still get wrong: transformers ignores compressed-tensors'
+# transform_config, loads the rotated weights without error and computes garbage (cosine ~0 against
+# the original in the issue 23 campaign); vLLM applies the rotation.
+ROTATED_CT_WARNING = ("had16-rotated compressed-tensors weights: only vLLM applies transform_config; transformers "
+                      "ignores it and computes wrong outputs without an error")
 CARD_MARKER = "<!-- fp4convert:card-start -->"
 
 
@@ -101,10 +108,15 @@ def _check_shapes(m: QuantizedModule) -> list[str]:
 
 def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: str | None = None,
                        revision: str | None = None, max_error: float = DEFAULT_MAX_ERROR,
-                       verify_revision: str | None = None, token: str | None = None) -> dict:
-    """Everything ``fp4convert inspect`` reports, as a dict (``ok`` is True only for a sound quantized checkpoint)."""
+                       verify_revision: str | None = None, token: str | None = None, progress=None) -> dict:
+    """Everything ``fp4convert inspect`` reports, as a dict (``ok`` is True only for a sound quantized checkpoint).
+
+    ``progress``: an object with ``total`` and ``update(n)`` (a tqdm bar) that the long parts (the
+    sha256 of --check-files, the layers of --verify) advance in bytes; their totals are added to
+    ``total`` when known."""
     source = open_source(path_or_repo, revision, token=token)
-    layout = read_layout(source)
+    manifest_errors: list[str] = []
+    layout = read_layout(source, manifest_errors=manifest_errors)
     notes: list[str] = []
     if not layout.quantized:
         guessed = _guess_layout(source, layout)
@@ -112,7 +124,7 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
             notes.append(f"no {MANIFEST_NAME} and no quantization config: format {guessed.format} recognised "
                          "from the tensor names and scale shapes")
             layout = guessed
-    problems = list(layout.problems)
+    problems = [*manifest_errors, *layout.problems]
     globals_: dict[str, float] = {}
     stored: dict[str, torch.Tensor] = {}  # the global tensors as stored (ModelOpt: 1/gs)
     for m in layout.modules.values():
@@ -141,15 +153,18 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
                 problems.append(f"fused group {g} has {len(vals)} different global scales (engines need one)")
 
     manifest = layout.manifest
-    manifest_state = _manifest_state(source, layout)
+    manifest_state = "malformed (see the problems)" if manifest_errors else _manifest_state(source, layout)
     if manifest_state.startswith("missing"):
         problems.append(f"{MANIFEST_NAME} is {manifest_state}")
     if manifest:
         problems += _check_against_manifest(manifest, layout, stored)
     engine = _check_engine_config(source, layout) if layout.quantized else []
     problems += engine
-    checksums = _check_files(source, manifest, layout, problems, full=check_files)
+    checksums = _check_files(source, manifest, layout, problems, full=check_files, progress=progress)
     report = _summary(source, layout, globals_, groups)
+    report["warnings"] = []
+    if layout.format == "compressed-tensors" and layout.rotate:
+        report["warnings"].append(ROTATED_CT_WARNING)
     report["checks"] = {
         "problems": problems,
         "notes": notes,
@@ -160,7 +175,8 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
         "checksums": checksums,
     }
     if verify:
-        v = verify_against(source, layout, verify, max_error=max_error, revision=verify_revision, token=token)
+        v = verify_against(source, layout, verify, max_error=max_error, revision=verify_revision, token=token,
+                           progress=progress)
         report["verify"] = v
         problems += v["problems"]
     if not layout.quantized:
@@ -182,13 +198,17 @@ def _manifest_state(source: Source, layout: CheckpointLayout) -> str:
         ("config.json names fp4convert",
          (source.config().get("quantization_config") or {}).get("quant_method") == "fp4convert"),
         ("hf_quant_config.json names fp4convert as producer",
-         (read_json(source.root / "hf_quant_config.json").get("producer") or {}).get("name") == "fp4convert"),
-        ("README.md is an fp4convert model card",
-         (source.root / "README.md").is_file() and CARD_MARKER in (source.root / "README.md").read_text(errors="replace")),
+         _producer_name(read_json(source.root / "hf_quant_config.json")) == "fp4convert"),
+        ("README.md is an fp4convert model card", CARD_MARKER in _small_text(source, "README.md")),
     ) if hit]
     if layout.format == "fp4convert" and not hints:
         hints = ["the native format is described by its manifest"]
     return f"missing ({'; '.join(hints)})" if hints else "not expected (not an fp4convert output)"
+
+
+def _producer_name(obj: dict) -> object:
+    p = obj.get("producer")
+    return p.get("name") if isinstance(p, dict) else None
 
 
 def _check_against_manifest(manifest: dict, layout: CheckpointLayout, stored: dict[str, torch.Tensor]) -> list[str]:
@@ -218,11 +238,17 @@ def _check_against_manifest(manifest: dict, layout: CheckpointLayout, stored: di
     for key in ("scheme", "format", "rotate"):
         if key in settings and settings[key] != manifest.get(key):
             out.append(f"{MANIFEST_NAME}: settings.{key} is {settings[key]!r} but {key} is {manifest.get(key)!r}")
-    quantized = {n[: -len(".weight")] for n, r in manifest.get("tensors", {}).items() if r.get("action") == "quantize"}
-    if quantized != set(layout.modules):
-        diff = sorted(quantized ^ set(layout.modules))
-        out.append(f"{MANIFEST_NAME} lists {len(quantized)} quantized weights, the shards hold {len(layout.modules)} "
-                   f"(e.g. {diff[0]})")
+    # A quantized source tensor becomes one module (a 2-D weight) or several (stacked experts split per
+    # expert): its outputs name them, so the modules are counted through the outputs, not the names.
+    owner = {t.name: m.module for m in layout.modules.values() for t in m.tensors}
+    quantized = {name: {owner[o] for o in rec.get("outputs", {}) if o in owner}
+                 for name, rec in manifest.get("tensors", {}).items() if rec.get("action") == "quantize"}
+    covered = set().union(*quantized.values()) if quantized else set()
+    empty = sorted(n for n, mods in quantized.items() if not mods)
+    stray = sorted(set(layout.modules) - covered)
+    if empty or stray:
+        out.append(f"{MANIFEST_NAME} lists {len(quantized)} quantized weights ({len(covered)} quantized modules), "
+                   f"the shards hold {len(layout.modules)} (e.g. {(empty + stray)[0]})")
     fmt = get_format(layout.format)
     for name, rec in sorted(manifest.get("tensors", {}).items()):
         module = name[: -len(".weight")]
@@ -235,7 +261,7 @@ def _check_against_manifest(manifest: dict, layout: CheckpointLayout, stored: di
 
 
 def _check_files(source: Source, manifest: dict | None, layout: CheckpointLayout, problems: list[str],
-                 full: bool) -> str:
+                 full: bool, progress=None) -> str:
     if full:
         for m in layout.modules.values():
             s = read_tensor(source.local_path(m.scale.file), m.scale)
@@ -253,26 +279,90 @@ def _check_files(source: Source, manifest: dict | None, layout: CheckpointLayout
         return "not checked (Hub source)"
     bad = 0
     listed = manifest.get("files", {})
+    if full:
+        _add_total(progress, sum(rec["size"] for rec in listed.values()))
     for rel, rec in sorted(listed.items()):
+        # Only a relative path resolving to a regular file inside the folder is stat'ed or read (the
+        # manifest schema already refused absolute paths and '..'; symlinks out are refused here).
+        why = _not_inside(source, rel)
+        if why:
+            problems.append(f"{rel}: listed in {MANIFEST_NAME} but {why}; not read")
+            bad += 1
+            continue
         p = source.root / rel
-        if not p.exists():
+        try:
+            fd = open_regular(p)
+        except FileNotFoundError:
             problems.append(f"{rel}: listed in {MANIFEST_NAME} but missing")
             bad += 1
-        elif p.stat().st_size != rec["size"]:
-            problems.append(f"{rel}: size {p.stat().st_size}, manifest says {rec['size']}")
+            continue
+        except OSError as exc:
+            problems.append(f"{rel}: listed in {MANIFEST_NAME} but cannot be read ({exc.strerror or exc})")
             bad += 1
-        elif full and file_digest(p) != rec["sha256"]:
-            problems.append(f"{rel}: sha256 differs from {MANIFEST_NAME}")
-            bad += 1
-    for p in sorted(source.root.rglob("*")):
-        rel = p.relative_to(source.root).as_posix()
-        if p.is_file() and rel not in listed and rel != MANIFEST_NAME and not _hidden(rel):
+            continue
+        with open(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != rec["size"]:
+                problems.append(f"{rel}: size {size}, manifest says {rec['size']}")
+                bad += 1
+            elif full and _digest(f, progress=progress) != rec["sha256"]:
+                problems.append(f"{rel}: sha256 differs from {MANIFEST_NAME}")
+                bad += 1
+    for rel in _walk(source.root):
+        if rel not in listed and rel != MANIFEST_NAME and not _hidden(rel):
             problems.append(f"{rel}: not listed in {MANIFEST_NAME} (added after the conversion?)")
             bad += 1
     what = "sha256" if full else "size"
     if bad:
         return f"{bad} of {len(listed)} file(s) fail the {what} check"
     return "sha256 verified" if full else "sizes verified (sha256 with --check-files)"
+
+
+def _not_inside(source: Source, rel: str) -> str | None:
+    """Why ``rel`` is not a file inside the checkpoint folder (None when it is, or does not exist)."""
+    p = source.root / rel
+    if not os.path.lexists(p):
+        return None
+    real = os.path.realpath(p)
+    if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in source.roots):
+        return "it resolves outside the checkpoint folder"
+    return None
+
+
+def _small_text(source: Source, rel: str, limit: int = 16 << 20) -> str:
+    """A small file of the folder as text ("" when absent, outside the folder, special or unreadable)."""
+    if not os.path.lexists(source.root / rel) or _not_inside(source, rel):
+        return ""
+    try:
+        return read_regular_file(source.root / rel, limit).decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _digest(f, chunk: int = 16 << 20, progress=None) -> str:
+    h = hashlib.sha256()
+    while block := f.read(chunk):
+        h.update(block)
+        if progress is not None:
+            progress.update(len(block))
+    return h.hexdigest()
+
+
+def _add_total(progress, n: int) -> None:
+    if progress is not None:
+        progress.total = (progress.total or 0) + n
+        if hasattr(progress, "refresh"):
+            progress.refresh()
+
+
+def _walk(root) -> list[str]:
+    """Every entry under ``root`` that is not a folder (symlinks included, never followed), relative."""
+    out = []
+    for d, dirs, files in os.walk(root, followlinks=False):
+        rel_d = os.path.relpath(d, root)
+        for name in files + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+            out.append(name if rel_d == "." else f"{rel_d}/{name}".replace(os.sep, "/"))
+    return sorted(out)
 
 
 def _hidden(rel: str) -> bool:
@@ -291,14 +381,36 @@ def _matches_ct(pattern: str, module: str) -> bool:
 
 
 def _kept_2d(layout: CheckpointLayout) -> list[str]:
-    return sorted(t.name[: -len(".weight")] for t in layout.kept
-                  if t.name.endswith(".weight") and len(t.shape) == 2 and t.dtype in ("BF16", "F16", "F32"))
+    """Kept 2-D float weights an engine would take for Linear layers; a rotated compressed-tensors
+    module's own transform (``<module>.had16_input.weight``, 16x16) is part of that module, not one."""
+    transforms = {f"{m}.{layout.rotate}_input" for m in layout.modules} if layout.rotate else set()
+    return sorted(n for n in (t.name[: -len(".weight")] for t in layout.kept
+                              if t.name.endswith(".weight") and len(t.shape) == 2 and t.dtype in ("BF16", "F16", "F32"))
+                  if n not in transforms)
 
 
-def _ignore_agrees(ignore: list, layout: CheckpointLayout, match, key: str) -> list[str]:
+def _bad_patterns(ignore: list, key: str, regex: bool) -> list[str]:
+    """Entries of an ignore list that are not strings, or (compressed-tensors) ``re:`` patterns that do
+    not compile: engines would fail to load the config."""
+    out = []
+    for i, p in enumerate(ignore):
+        if not isinstance(p, str):
+            out.append(f"{key}[{i}] is {_kind(p)}, not a module name or pattern")
+        elif regex and p.startswith("re:"):
+            try:
+                re.compile(p[3:])
+            except (re.error, RecursionError, OverflowError) as exc:
+                out.append(f"{key}[{i}] {p[:60]!r}: the regular expression does not compile ({exc})")
+    return out
+
+
+def _ignore_agrees(ignore: object, layout: CheckpointLayout, match, key: str, regex: bool = False) -> list[str]:
     out = []
     if not isinstance(ignore, list):
-        return [f"{key} is not a list"]
+        return [f"{key} is {_kind(ignore)}, not a list"]
+    bad = _bad_patterns(ignore, key, regex)
+    if bad:
+        return bad
     missing = [m for m in _kept_2d(layout) if not any(match(p, m) for p in ignore)]
     if missing:
         out.append(f"{key} misses {len(missing)} kept 2-D weight(s), e.g. {missing[0]}: an engine would load it as FP4")
@@ -308,7 +420,16 @@ def _ignore_agrees(ignore: list, layout: CheckpointLayout, match, key: str) -> l
     return out
 
 
+def _kind(v: object) -> str:
+    if v is None:
+        return "null"
+    return {bool: "true/false", str: "a string", int: "an integer", float: "a number", list: "a list",
+            dict: "an object"}.get(type(v), type(v).__name__)
+
+
 def _check_engine_config(source: Source, layout: CheckpointLayout) -> list[str]:
+    """The engine config files against the tensors. Every value is type-checked before use: a value of
+    the wrong type is a finding (one line naming the key), never an exception."""
     cfg = source.config()
     qc = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else None
     out: list[str] = []
@@ -317,47 +438,63 @@ def _check_engine_config(source: Source, layout: CheckpointLayout) -> list[str]:
         if qc is None:
             return ["config.json has no quantization_config: engines will not read the weights as compressed-tensors"]
         groups = qc.get("config_groups") or {}
+        if not isinstance(groups, dict):
+            return [f"quantization_config.config_groups is {_kind(groups)}, not an object"]
         if not groups:
             out.append("quantization_config has no config_groups")
         for gname, g in groups.items():
-            w = (g or {}).get("weights") or {}
-            where = f"quantization_config.config_groups.{gname}.weights"
+            where = f"quantization_config.config_groups.{gname}"
+            w = (g or {}).get("weights") if isinstance(g, dict) else None
+            if not isinstance(g, dict) or not isinstance(w, dict):
+                out.append(f"{where}{'' if not isinstance(g, dict) else '.weights'} is "
+                           f"{_kind(w if isinstance(g, dict) else g)}, not an object")
+                continue
+            where += ".weights"
             if w.get("num_bits") != 4 or w.get("type") != "float":
-                out.append(f"{where}: num_bits {w.get('num_bits')} type {w.get('type')}, FP4 is 4 / float")
+                out.append(f"{where}: num_bits {w.get('num_bits')!r} type {w.get('type')!r}, FP4 is 4 / float")
             if scheme is not None:
                 if w.get("group_size") != scheme.block_size:
-                    out.append(f"{where}.group_size is {w.get('group_size')}, the {scheme.name} scales are per {scheme.block_size}")
+                    out.append(f"{where}.group_size is {w.get('group_size')!r}, the {scheme.name} scales are per "
+                               f"{scheme.block_size}")
                 want = "tensor_group" if scheme.global_scale else "group"
                 if w.get("strategy") != want:
-                    out.append(f"{where}.strategy is {w.get('strategy')!r}, {scheme.name} tensors need {want!r}")
+                    out.append(f"{where}.strategy is {w.get('strategy')!r:.40}, {scheme.name} tensors need {want!r}")
                 fmt = g.get("format") or qc.get("format")
                 if fmt != f"{scheme.name}-pack-quantized":
-                    out.append(f"quantization_config format {fmt!r} does not match the {scheme.name} tensors "
+                    out.append(f"quantization_config format {fmt!r:.60} does not match the {scheme.name} tensors "
                                f"({scheme.scale_dtype} block scales)")
-        gs = next((((g or {}).get("weights") or {}).get("group_size") for g in groups.values()), None)
-        if isinstance(gs, int) and gs > 0:
+        gs = next(((g.get("weights") or {}).get("group_size") for g in groups.values()
+                   if isinstance(g, dict) and isinstance(g.get("weights"), dict)), None)
+        if type(gs) is int and gs > 0:
             for m in layout.modules.values():
                 k = m.shape[-1]
                 if not m.swizzled and m.scale.shape[-1] * gs != k:
                     out.append(f"{m.module}: {m.scale.shape[-1]} scales per row for K={k} disagree with group_size {gs}")
                     break
-        out += _ignore_agrees(qc.get("ignore", []), layout, _matches_ct, "quantization_config.ignore")
+        out += _ignore_agrees(qc.get("ignore", []), layout, _matches_ct, "quantization_config.ignore", regex=True)
+        transform = qc.get("transform_config")
+        if transform is not None and not isinstance(transform, dict):
+            out.append(f"quantization_config.transform_config is {_kind(transform)}, not an object")
     elif layout.format == "modelopt":
         hq = read_json(source.root / "hf_quant_config.json").get("quantization")  # a Hub snapshot has it too
-        section = hq or qc
+        section = hq if hq is not None else qc
+        where = "hf_quant_config.json's quantization" if hq is not None else "config.json's quantization_config"
         if section is None:
             return ["neither hf_quant_config.json nor config.json's quantization_config describes the weights"]
+        if not isinstance(section, dict):
+            return [f"{where} is {_kind(section)}, not an object"]
         if section.get("quant_algo") != "NVFP4":
-            out.append(f"ModelOpt quant_algo is {section.get('quant_algo')!r}, the tensors are NVFP4")
+            out.append(f"ModelOpt quant_algo is {section.get('quant_algo')!r:.40}, the tensors are NVFP4")
         if section.get("group_size", 16) != 16:
-            out.append(f"ModelOpt group_size is {section.get('group_size')}, NVFP4 scales are per 16")
+            out.append(f"ModelOpt group_size is {section.get('group_size')!r:.40}, NVFP4 scales are per 16")
         exclude = section.get("exclude_modules", section.get("ignore", []))
         out += _ignore_agrees(exclude, layout, lambda p, m: fnmatch.fnmatchcase(m, p), "exclude_modules")
     elif layout.format == "fp4convert" and qc is not None:
         if scheme is not None and qc.get("scheme") not in (None, scheme.name):
-            out.append(f"config.json's quantization_config says {qc.get('scheme')}, the tensors are {scheme.name}")
+            out.append(f"config.json's quantization_config says {qc.get('scheme')!r:.40}, the tensors are {scheme.name}")
         if scheme is not None and qc.get("block_size") not in (None, scheme.block_size):
-            out.append(f"config.json's quantization_config block_size {qc.get('block_size')}, {scheme.name} has {scheme.block_size}")
+            out.append(f"config.json's quantization_config block_size {qc.get('block_size')!r:.40}, {scheme.name} has "
+                       f"{scheme.block_size}")
     return out
 
 
@@ -464,7 +601,7 @@ def _structure_check(manifest: dict | None, orig: dict) -> list[str]:
 
 
 def verify_against(source: Source, layout: CheckpointLayout, src: str, *, max_error: float = DEFAULT_MAX_ERROR,
-                   revision: str | None = None, token: str | None = None) -> dict:
+                   revision: str | None = None, token: str | None = None, progress=None) -> dict:
     """Dequantize every quantized weight and compare it with the original: per layer and overall.
 
     Fails (``problems``) when SRC is not the source the manifest names, when a quantized weight is
@@ -481,6 +618,7 @@ def verify_against(source: Source, layout: CheckpointLayout, src: str, *, max_er
     layers: dict[str, dict] = {}
     missing: list[str] = []
     sum_err2 = sum_ref2 = 0.0
+    _add_total(progress, sum(orig[m + ".weight"].nbytes for m in layout.modules if m + ".weight" in orig))
     for m in layout.modules.values():
         info = orig.get(m.module + ".weight")
         if info is None:
@@ -488,6 +626,8 @@ def verify_against(source: Source, layout: CheckpointLayout, src: str, *, max_er
             layers[m.module] = {"error": "not in the source checkpoint"}
             continue
         x = read_tensor(original.local_path(info.file), info).to(torch.float32)
+        if progress is not None:
+            progress.update(info.nbytes)
         w = dequantize(load_quantized(source, layout, m), torch.float32)
         if w.shape != x.shape:
             layers[m.module] = {"error": f"shape {list(w.shape)} vs source {list(x.shape)}"}
@@ -577,8 +717,11 @@ def render(r: dict) -> list[str]:
     if problems:
         lines.append(f"  {len(problems)} problem(s):")
         lines += [f"    - {p}" for p in problems]
+    for w in r.get("warnings", []):
+        lines.append(f"  warning: {w}")
     if r["verdict"] == OK:
-        lines.append("  verdict: OK" + (" (verified against the source)" if v else ""))
+        lines.append("  verdict: OK" + (" (verified against the source)" if v else "")
+                     + (f", with {len(r['warnings'])} warning(s) above" if r.get("warnings") else ""))
     elif r["verdict"] == NOT_QUANTIZED:
         lines.append("  verdict: NOT QUANTIZED (nothing to check; inspect expects an FP4 checkpoint)")
     else:

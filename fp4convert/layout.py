@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .errors import CheckpointFormatError
 from .formats import detect, get_format
 from .formats.base import QuantizedModule
 from .manifest import load_manifest
@@ -40,18 +41,35 @@ class CheckpointLayout:
         return self.format != UNQUANTIZED
 
 
-def read_layout(source: Source) -> CheckpointLayout:
-    """The layout from headers, config files and the manifest (no tensor data read)."""
-    manifest = load_manifest(source.root)
+def read_layout(source: Source, *, manifest_errors: list[str] | None = None) -> CheckpointLayout:
+    """The layout from headers, config files and the manifest (no tensor data read).
+
+    A damaged manifest raises CheckpointFormatError; with ``manifest_errors`` (``inspect``) it is
+    appended there instead and the folder is read as if it had none."""
+    try:
+        manifest = load_manifest(source.root, source.roots)
+    except CheckpointFormatError as exc:
+        if manifest_errors is None:
+            raise
+        manifest_errors.append(str(exc))
+        manifest = None
     config = source.config()
-    fmt = detect(source.root, config, manifest)
+    try:
+        fmt = detect(source.root, config, manifest)
+    except (AttributeError, TypeError) as exc:  # a value of the wrong type in an engine config
+        raise CheckpointFormatError(f"{source.label}: the quantization config is malformed ({exc}); "
+                                    "config.json's quantization_config / hf_quant_config.json") from None
     listed = source.tensors(check_index=False)  # an index that disagrees is a finding, not a crash
     tensors = {t.name: t for t in listed}
     index_problems = source.index_problems(listed)
     if fmt is None:
         return CheckpointLayout(UNQUANTIZED, None, None, {}, list(tensors.values()), tensors, manifest,
                                 index_problems)
-    modules, problems = fmt.find_modules(tensors, manifest)
+    # A tensor the manifest records as a kept tensor's output is kept, whatever its name and dtype say
+    # (ModelOpt's packed weights are U8 ``.weight``: so is a source's kept U8 ``.weight``).
+    kept_outputs = _kept_outputs(manifest)
+    candidates = {n: t for n, t in tensors.items() if n not in kept_outputs}
+    modules, problems = fmt.find_modules(candidates, manifest)
     problems = index_problems + problems
     used = {t.name for m in modules.values() for t in m.tensors}
     kept = [t for n, t in tensors.items() if n not in used]
@@ -59,8 +77,20 @@ def read_layout(source: Source) -> CheckpointLayout:
     if len(schemes) > 1:
         problems.append(f"mixed schemes in one checkpoint: {sorted(schemes)}")
     scheme = schemes.pop() if len(schemes) == 1 else None
-    rotate = fmt.rotation(source.root, config, manifest)
+    try:
+        rotate = fmt.rotation(source.root, config, manifest)
+    except (AttributeError, TypeError) as exc:
+        problems.append(f"config.json's quantization_config.transform_config is malformed ({exc})")
+        rotate = None
     return CheckpointLayout(fmt.name, scheme, rotate, modules, kept, tensors, manifest, problems)
+
+
+def _kept_outputs(manifest: dict | None) -> set[str]:
+    """The output names of the tensors a (validated) manifest records as kept."""
+    if not manifest:
+        return set()
+    return {o for rec in manifest.get("tensors", {}).values() if rec.get("action") == "keep"
+            for o in rec.get("outputs", {})}
 
 
 def read_global(source: Source, layout: CheckpointLayout, m: QuantizedModule) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,37 +86,177 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
     }
 
 
+# ---------------------------------------------------------------------------------------------
+# The manifest's schema: every field inspect, export and --resume read, with its type
+# ---------------------------------------------------------------------------------------------
+#
+# A spec is a Python type (``str``, ``int``: not bool, ``float``: any finite JSON number, ``bool``,
+# ``dict``: any object, ``list``: any array), a tuple of allowed constant values, or one of the
+# small classes below. Keys not named are allowed (newer fp4convert versions may add some).
+
+class _Opt:
+    """The value may also be null."""
+
+    def __init__(self, spec: object) -> None:
+        self.spec = spec
+
+
+class _ListOf:
+    def __init__(self, spec: object, min_value: int | None = None) -> None:
+        self.spec, self.min_value = spec, min_value
+
+
+class _MapOf:
+    """An object whose keys are free (tensor or file names) and whose values all follow ``spec``."""
+
+    def __init__(self, spec: object, key_check=None) -> None:
+        self.spec, self.key_check = spec, key_check
+
+
+class _Obj:
+    """An object with named fields: ``{key: spec}`` required, ``{key: _Missing(spec)}`` optional."""
+
+    def __init__(self, fields: dict[str, object]) -> None:
+        self.fields = fields
+
+
+class _Missing:
+    def __init__(self, spec: object) -> None:
+        self.spec = spec
+
+
+class _Scales:
+    """A global scale or amax record: a finite number, or (stacked experts) nested lists of them."""
+
+
+def _relative_file(name: str) -> str | None:
+    if not name or name.startswith("/") or "\\" in name or "\0" in name or ".." in name.split("/") \
+            or any(p in ("", ".") for p in name.split("/")):
+        return "is not a plain relative path inside the folder"
+    return None
+
+
+_SHAPE = _ListOf(int, min_value=0)
+_OUTPUT = _Obj({"dtype": str, "shape": _SHAPE, "file": _Missing(str)})
+_MATRIX = _Obj({"amax": _Missing(_Scales()), "global_scale": _Missing(_Scales())})
+_TENSOR = _Obj({
+    "action": ("quantize", "keep"),
+    "reason": str,
+    "group": _Missing(_Opt(str)),
+    "dtype": str,
+    "shape": _SHAPE,
+    "source_file": str,
+    "outputs": _MapOf(_OUTPUT),
+    "global_scale": _Missing(_Scales()),
+    "amax": _Missing(_Scales()),
+    "matrices": _Missing(_MapOf(_MATRIX)),
+})
+_FILE = _Obj({"sha256": str, "size": "size"})
+_SOURCE_RECORD = _Obj({"type": _Missing(_Opt(str)), "files": _Missing(_MapOf(dict))})
+SCHEMA = _Obj({
+    "manifest_version": int,
+    "producer": _Obj({"name": ("fp4convert",), "version": _Missing(_Opt(str))}),
+    "format": "format",
+    "scheme": "scheme",
+    "rotate": _Missing(_Opt(("had16",))),
+    "scale_rule": _Missing(_Opt(str)),
+    "block_size": _Missing(_Opt(int)),
+    "settings": dict,
+    "identity": _Missing(_Obj({"source": _Missing(_Opt(_SOURCE_RECORD)),
+                               "exported_from": _Missing(_Opt(_Obj({"source": _Missing(_Opt(_SOURCE_RECORD))})))})),
+    "source": _Missing(dict),
+    "summary": _Missing(dict),
+    "groups": _Missing(_MapOf(_ListOf(str))),
+    "tensors": _MapOf(_TENSOR),
+    "files": _MapOf(_FILE, key_check=_relative_file),
+})
+
+_KIND = {str: "a string", int: "an integer", float: "a number", bool: "true/false", dict: "an object", list: "an array"}
+
+
+def _json_kind(v: object) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true/false"
+    return {str: "a string", int: "an integer", float: "a number", dict: "an object", list: "an array"}.get(
+        type(v), type(v).__name__)
+
+
+def _check(v: object, spec: object, where: str) -> str | None:
+    """Why ``v`` does not follow ``spec`` (None when it does); ``where`` names the field."""
+    if isinstance(spec, _Opt):
+        return None if v is None else _check(v, spec.spec, where)
+    if spec is int:
+        return None if type(v) is int else f"{where} is {_json_kind(v)}, not an integer"
+    if spec is float:
+        ok = type(v) in (int, float) and math.isfinite(v)
+        return None if ok else f"{where} is {_json_kind(v)}, not a finite number"
+    if spec in (str, bool, dict, list):
+        return None if type(v) is spec else f"{where} is {_json_kind(v)}, not {_KIND[spec]}"
+    if spec == "size":
+        return None if type(v) is int and v >= 0 else f"{where} is {_json_kind(v)}, not a size in bytes"
+    if spec in ("format", "scheme"):
+        from .formats import OUTPUT_FORMATS
+        from .scheme import SCHEMES
+
+        known = OUTPUT_FORMATS if spec == "format" else SCHEMES
+        return None if isinstance(v, str) and v in known else \
+            f"{where} is {v!r:.40}, not one of {', '.join(known)}"
+    if isinstance(spec, tuple):
+        return None if isinstance(v, (str, int)) and v in spec else f"{where} is {v!r:.40}, not one of {list(spec)}"
+    if isinstance(spec, _Scales):
+        if type(v) in (int, float):
+            return None if math.isfinite(v) else f"{where} is not finite"
+        if isinstance(v, list) and len(json.dumps(v)) < 1 << 24:
+            return next((w for i, x in enumerate(v) if (w := _check(x, spec, f"{where}[{i}]"))), None)
+        return f"{where} is {_json_kind(v)}, not a number"
+    if isinstance(spec, _ListOf):
+        if not isinstance(v, list):
+            return f"{where} is {_json_kind(v)}, not an array"
+        for i, x in enumerate(v):
+            if (why := _check(x, spec.spec, f"{where}[{i}]")):
+                return why
+            if spec.min_value is not None and x < spec.min_value:
+                return f"{where}[{i}] is {x}, below {spec.min_value}"
+        return None
+    if isinstance(spec, _MapOf):
+        if not isinstance(v, dict):
+            return f"{where} is {_json_kind(v)}, not an object"
+        for k, x in v.items():
+            at = f"{where}[{k!r:.80}]"
+            if spec.key_check and (why := spec.key_check(k)):
+                return f"{at} {why}"
+            if (why := _check(x, spec.spec, at)):
+                return why
+        return None
+    if isinstance(spec, _Obj):
+        if not isinstance(v, dict):
+            return f"{where} is {_json_kind(v)}, not an object"
+        for k, sub in spec.fields.items():
+            at = f"{where}.{k!r}" if where else repr(k)
+            if k not in v:
+                if isinstance(sub, _Missing):
+                    continue
+                return f"{at} is missing"
+            if (why := _check(v[k], sub.spec if isinstance(sub, _Missing) else sub, at)):
+                return why
+        return None
+    raise TypeError(f"unknown schema spec {spec!r}")  # a bug in SCHEMA, not in the manifest
+
+
 def manifest_problem(m: object) -> str | None:
-    """Why ``m`` is not a well-formed fp4convert manifest (None when it is): checked before anything
-    trusts what it lists (export reads it, --overwrite deletes the files it names)."""
+    """Why ``m`` is not a well-formed fp4convert manifest (None when it is): checked against
+    :data:`SCHEMA` before anything trusts what it lists (inspect and export read it, --overwrite deletes
+    the files it names). The answer is one line naming the field, e.g. "the manifest's
+    files['model.safetensors'].sha256 is an integer, not a string"."""
     if not isinstance(m, dict):
         return "the manifest is not a JSON object"
     made_by = m.get("producer")
     if not isinstance(made_by, dict) or made_by.get("name") != "fp4convert":
         return "the manifest was not written by fp4convert (producer.name)"
-    if not isinstance(m.get("manifest_version"), int):
-        return "the manifest has no integer manifest_version"
-    for key in ("format", "scheme"):
-        if not isinstance(m.get(key), str):
-            return f"the manifest's {key!r} is not a string"
-    files, tensors = m.get("files"), m.get("tensors")
-    if not isinstance(files, dict):
-        return "the manifest's 'files' is not an object"
-    for name, rec in files.items():
-        if (not isinstance(rec, dict) or not isinstance(rec.get("sha256"), str) or type(rec.get("size")) is not int
-                or name.startswith("/") or ".." in name.split("/")):
-            return f"the manifest's record of file {name!r} is malformed"
-    if not isinstance(tensors, dict):
-        return "the manifest's 'tensors' is not an object"
-    for name, rec in tensors.items():
-        if (not isinstance(rec, dict) or rec.get("action") not in ("quantize", "keep")
-                or not isinstance(rec.get("dtype"), str) or not isinstance(rec.get("source_file"), str)
-                or not isinstance(rec.get("shape"), list) or not all(type(d) is int and d >= 0 for d in rec["shape"])
-                or not isinstance(rec.get("outputs"), dict) or not isinstance(rec.get("reason"), str)):
-            return f"the manifest's record of tensor {name!r} is malformed"
-    if not isinstance(m.get("groups", {}), dict):
-        return "the manifest's 'groups' is not an object"
-    return None
+    why = _check(m, SCHEMA, "")
+    return None if why is None else f"the manifest is malformed: {why}"
 
 
 def portable_description(source: Source) -> dict:
@@ -126,18 +267,39 @@ def portable_description(source: Source) -> dict:
     return desc
 
 
-def load_manifest(root: Path) -> dict | None:
-    """The manifest of a finished conversion in ``root``, or None; a damaged one is an error naming it."""
+MAX_MANIFEST = 1 << 30  # bytes; a manifest lists every tensor (~1 kB each), far below this
+
+
+def load_manifest(root: Path, roots: tuple[str, ...] | None = None) -> dict | None:
+    """The manifest of a finished conversion in ``root``, or None; a damaged one is an error naming it.
+
+    The file must be a regular file (a FIFO would hang the read) and, when ``roots`` is given, resolve
+    inside one of them (a symlink out of the checkpoint is not followed). The content must follow
+    :data:`SCHEMA`: every reader may then index the fields it uses without further checks.
+    """
+    import os
+
+    from .safetensors_io import read_regular_file
+
     path = root / MANIFEST_NAME
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
+    if roots is not None:
+        real = os.path.realpath(path)
+        if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in roots):
+            raise CheckpointFormatError(f"{path}: a symlink to {real}, outside the checkpoint folder; not read")
     try:
-        m = json.loads(path.read_text())
+        raw = read_regular_file(path, MAX_MANIFEST)
     except OSError as exc:
-        raise CheckpointFormatError(f"{path}: cannot read ({exc.strerror})") from exc
+        raise CheckpointFormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    try:
+        m = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointFormatError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:100]}); the manifest is "
                                     "damaged: re-create the checkpoint, or remove the file") from exc
     if not isinstance(m, dict):
         raise CheckpointFormatError(f"{path}: not a manifest (a JSON {type(m).__name__}, not an object)")
+    why = manifest_problem(m)
+    if why:
+        raise CheckpointFormatError(f"{path}: {why}; re-create the checkpoint with fp4convert, or remove the file")
     return m

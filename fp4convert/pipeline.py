@@ -29,7 +29,7 @@ import torch
 
 from . import reference as ref
 from . import stages
-from .errors import NonFiniteError
+from .errors import nonfinite_error
 from .swizzle import swizzle_scales
 from .tensor import QuantizedTensor
 
@@ -295,7 +295,7 @@ def write_batch(batch: Batch, result: Callable[[], tuple], s: Settings, fmt, wri
         packed, scale, bad, amax, ga, gs, _ = result()
         for i, d in enumerate(batch.members):
             if bad[i]:
-                raise NonFiniteError(f"{d.name} (in {d.info.file}) holds NaN or Inf; fix the source or --ignore it")
+                raise nonfinite_error(d.name, d.info.file, s.rotate)
         for i, d in enumerate(batch.members):
             g = None if gs is None else gs[i].clone().reshape(())
             q = QuantizedTensor(packed[i], scale[i], g, s.scheme.name, s.rotate,

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from . import stages
-from .errors import CheckpointFormatError
+from .errors import CheckpointFormatError, NotRegularFile
 
 if TYPE_CHECKING:
     import torch
@@ -352,16 +352,45 @@ def _short(v: list) -> str:
     return s if len(s) <= 80 else s[:80] + "...]"
 
 
+def open_regular(path: str | os.PathLike) -> int:
+    """A read-only descriptor of ``path`` that is certainly a regular file: opened with O_NONBLOCK (so a
+    FIFO cannot block the open, nor a device the first read) and checked with fstat on the descriptor
+    itself (no race with a rename between a stat and the open). Raises NotRegularFile otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
+                    if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special")
+            raise NotRegularFile(0, f"{kind}, not a regular file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
+    """A small regular file's bytes (config, index, manifest): never blocks on special files, and refuses
+    more than ``limit`` bytes (OSError with EFBIG) before reading them."""
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise OSError(27, f"{size} bytes is too large (at most {limit})", str(path))  # EFBIG
+        return f.read(limit + 1)[:limit]
+
+
 def read_header(path: Path, file: str | None = None) -> tuple[list[TensorInfo], dict[str, str]]:
     """Read and validate only the header of a local safetensors file (the data is never read)."""
     file = file or path.name
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # before open(): a FIFO would block it
-            raise CheckpointFormatError(f"{_f(file)}: not a regular file")
-        with open(path, "rb") as f:
+        with open(open_regular(path), "rb") as f:  # a FIFO or device would block a plain open(path)
             st = os.fstat(f.fileno())
             n = header_length(f.read(8), file, st.st_size)
             raw = f.read(n)
+    except NotRegularFile as exc:
+        raise CheckpointFormatError(f"{_f(file)}: not a regular file ({exc.strerror.split(',')[0]})") from exc
     except OSError as exc:
         raise CheckpointFormatError(f"{_f(file)}: cannot read ({exc.strerror or exc})") from exc
     if len(raw) != n:
@@ -448,7 +477,7 @@ def _read_pieces(pieces: list) -> None:
             try:
                 fd = fds.get(path)
                 if fd is None:
-                    fd = fds[path] = os.open(path, os.O_RDONLY)
+                    fd = fds[path] = open_regular(path)
             except OSError as exc:
                 raise CheckpointFormatError(f"{_f(info.file)}: cannot read tensor {_q(info.name)} "
                                             f"({exc.strerror or exc})") from exc
@@ -521,10 +550,15 @@ class OutEntry:
 
     @property
     def nbytes(self) -> int:
-        n = ITEMSIZE[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
+        return dtype_nbytes(self.dtype, self.shape)
+
+
+def dtype_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
+    """Bytes of a tensor of any safetensors dtype (sub-byte ones pack: F4 is half a byte an element)."""
+    n = DTYPE_BITS[dtype]
+    for d in shape:
+        n *= d
+    return n // 8
 
 
 def header_bytes(entries: list[OutEntry], metadata: dict[str, str] | None = None) -> bytes:

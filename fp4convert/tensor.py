@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from . import reference as ref
-from .errors import ConfigError, NonFiniteError, QuantizationError, ShapeError
+from .errors import HAD16_GAIN, ConfigError, NonFiniteError, QuantizationError, RotationOverflowError, ShapeError
 from .scheme import Scheme, check_rotation, get_scheme
 from .swizzle import swizzle_scales, unswizzle_scales
 
@@ -202,7 +202,7 @@ def _quantize_cuda(
                                                       scale_layout == "swizzled", s.scale_rules.index(rule))
     q = QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
     if flagged():
-        raise NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")
+        raise _nonfinite(x, rotate)
     return q
 
 
@@ -224,8 +224,19 @@ def _quantize_batched(
     q = QuantizedTensor(packed.reshape(*lead, *packed.shape[-2:]), scale.reshape(*lead, *scale.shape[-2:]),
                         None if gs is None else gs.reshape(lead), s.name, rotate, scale_layout, rule)
     if bool(bad):
-        raise NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")
+        raise _nonfinite(x, rotate)
     return q
+
+
+def _nonfinite(x: torch.Tensor, rotate: Rotation | None) -> NonFiniteError:
+    """Why quantizing ``x`` met NaN/Inf (computed on this failure path only): the source holds them, or a
+    finite source near the fp32 limit overflowed in the rotation."""
+    if rotate and bool(torch.isfinite(x).all()):
+        a = float(x.abs().amax())
+        return RotationOverflowError(f"the {rotate} rotation overflowed fp32: the tensor is finite (max |x| {a:.3g}) "
+                                     f"but a rotated value reaches up to {HAD16_GAIN:g}x that; quantize it without "
+                                     "rotation")
+    return NonFiniteError("the tensor holds NaN or Inf; FP4 cannot represent it (fix or exclude the tensor)")
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16, *, backend: Backend = "auto") -> torch.Tensor:

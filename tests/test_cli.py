@@ -221,7 +221,7 @@ def test_version_and_help() -> None:
         assert opt in r.stdout, opt
 
 
-@pytest.mark.parametrize("text,n", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30), ("1000", 1000),
+@pytest.mark.parametrize("text,n", [("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30), ("1000B", 1000),
                                     ("6KB", 6000), ("1.5GB", 1_500_000_000), ("10mb", 10**7), ("3K", 3000)])
 def test_parse_size(text, n) -> None:
     from fp4convert.config import parse_size
@@ -457,3 +457,149 @@ def test_cli_leaves_the_library_logger_alone(src, tmp_path, caplog) -> None:
     with caplog.at_level("WARNING"):
         convert(src, tmp_path / "q2", ConvertConfig(device="cpu", ignore=("nomatch*",)))
     assert sum("nomatch*" in r.getMessage() for r in caplog.records) == 1
+
+
+# --- issue 23: sizes need a unit, case-insensitive choices, Ctrl-C per command, pipes, loops ------
+
+@pytest.mark.parametrize("size", ["10", "1000", "5.5"])
+def test_a_size_without_a_unit_is_refused(src, tmp_path, size) -> None:
+    """``--max-shard-size 10`` meant 10 bytes (one shard per tensor)."""
+    assert_error(run("quantize", src, tmp_path / "q", "--max-shard-size", size, "--dry-run"), 2, "has no unit",
+                 f"{size}GB")
+    assert not (tmp_path / "q").exists()
+
+
+def test_choices_are_case_insensitive(src, tmp_path) -> None:
+    """--scheme NVFP4 (the ecosystem's spelling) was rejected."""
+    r = run("quantize", src, tmp_path / "q", "--scheme", "MXFP4", "--format", "Compressed-Tensors",
+            "--rotate", "HAD16", "--scale-rule", "RCEIL", "--device", "cpu", "-q")
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "q" / "fp4convert.json").read_text())
+    assert (m["scheme"], m["format"], m["rotate"], m["scale_rule"]) == ("mxfp4", "compressed-tensors", "had16", "rceil")
+    r = run("export", tmp_path / "q", tmp_path / "x", "--format", "MODELOPT")
+    assert r.exit_code != 0 and "invalid choice" not in r.output  # accepted; refused later for MXFP4 (exit 2)
+
+
+@pytest.mark.parametrize("command", ["inspect", "export"])
+def test_ctrl_c_in_inspect_and_export_gives_their_own_hint(src, tmp_path, monkeypatch, command) -> None:
+    """Ctrl-C in inspect printed quantize's '--resume' hint."""
+    import fp4convert.inspect as insp
+    import fp4convert.export as exp
+
+    native = tmp_path / "native"
+    assert run("quantize", src, native, "--device", "cpu", "-q").exit_code == 0
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    if command == "inspect":
+        monkeypatch.setattr(insp, "read_layout", interrupt)
+        r = run("inspect", native)
+        assert_error(r, 130, "interrupted", "inspect writes nothing")
+        assert "--resume" not in r.output
+    else:
+        monkeypatch.setattr(exp, "verify_files", interrupt)
+        r = run("export", native, tmp_path / "ct", "--format", "compressed-tensors")
+        assert_error(r, 130, "interrupted", "same export with --resume")
+
+
+def _pipe(cmd: str, src: Path, *args: str):
+    """``fp4convert ... | true`` in a real shell, with the pipeline's exit codes: the reader is gone before
+    our first write (``true`` exits at once; fp4convert takes a second to start), as when ``head`` has
+    read its lines from a long output: the write fails with EPIPE whatever the output's length."""
+    import subprocess
+    import sys
+
+    script = f"{sys.executable} -m fp4convert {cmd} {src} {' '.join(args)} | true; " \
+             "echo \"codes ${PIPESTATUS[0]}\""
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("cmd,args", [("quantize", ("OUT", "--dry-run", "--device", "cpu")),
+                                      ("inspect", ())])
+def test_stdout_closed_by_head_is_exit_141_quietly(src, tmp_path, cmd, args) -> None:
+    """Piping the output into head ended in 'internal error: BrokenPipeError' (exit 1)."""
+    target = src
+    if cmd == "inspect":
+        target = tmp_path / "q"
+        assert run("quantize", src, target, "--device", "cpu", "-q").exit_code == 0
+    args = tuple(str(tmp_path / "out") if a == "OUT" else a for a in args)
+    r = _pipe(cmd, target, *args)
+    assert "codes 141" in r.stdout, (r.stdout, r.stderr)
+    assert r.stderr == "", r.stderr
+
+
+def test_symlink_loop_in_the_destination_path(src, tmp_path) -> None:
+    """A symlink loop in DST's path was 'internal error: RuntimeError: Symlink loop' (exit 1)."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for dst in (tmp_path / "a", tmp_path / "a" / "out"):
+        r = run("quantize", src, dst, "--device", "cpu", "-q")
+        assert r.exit_code in (4, 5) and "internal error" not in r.output and "Traceback" not in r.output, r.output
+        assert "symlink" in r.output.lower() or "loop" in r.output.lower(), r.output
+
+
+def test_rotated_compressed_tensors_warning_survives_quiet_and_is_in_json(src, tmp_path) -> None:
+    """Issue 23 item 13: transformers ignores transform_config; the only signal was a warning -q hid."""
+    r = run("quantize", src, tmp_path / "q", "--format", "compressed-tensors", "--rotate", "had16", "--device",
+            "cpu", "-q")
+    assert r.exit_code == 0 and r.stdout == ""
+    assert r.stderr.count("transformers ignores transform_config") == 1, r.stderr
+    r = run("quantize", src, tmp_path / "j", "--format", "compressed-tensors", "--rotate", "had16", "--device",
+            "cpu", "--json")
+    assert any("transformers ignores transform_config" in w for w in json.loads(r.stdout)["warnings"])
+    r = run("quantize", src, tmp_path / "v", "--format", "compressed-tensors", "--rotate", "had16", "--device", "cpu")
+    assert r.stderr.count("transformers ignores transform_config") == 1, r.stderr  # once, not twice
+    r = run("inspect", tmp_path / "q")
+    assert r.exit_code == 0 and "warning: had16-rotated compressed-tensors" in r.stdout
+    assert "verdict: OK, with 1 warning(s) above" in r.stdout
+    for fmt, rotate in (("compressed-tensors", None), ("fp4convert", "had16")):
+        args = ("--rotate", rotate) if rotate else ()
+        r = run("quantize", src, tmp_path / f"{fmt}{rotate}", "--format", fmt, *args, "--device", "cpu", "-q")
+        assert r.exit_code == 0 and "transform_config" not in r.stderr
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.total, self.done = 0, 0
+
+    def update(self, n: int) -> None:
+        self.done += n
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+@pytest.mark.parametrize("command", ["inspect --check-files", "inspect --verify", "export"])
+def test_inspect_and_export_show_progress(src, tmp_path, monkeypatch, command) -> None:
+    """Issue 23 item 17: inspect --verify and export were 18 s of silence on a 374 MB model. Their bar
+    counts every byte they read; --quiet (and --json) show none."""
+    import fp4convert.cli as cli_mod
+
+    native = tmp_path / "native"
+    assert run("quantize", src, native, "--device", "cpu", "-q").exit_code == 0
+    bars = []
+    real = cli_mod._progress
+
+    def recording(total, desc, quiet):
+        bars.append((desc, quiet))
+        return real(total, desc, quiet) if quiet else _Recorder()
+
+    monkeypatch.setattr(cli_mod, "_progress", recording)
+    args = {"inspect --check-files": ["inspect", native, "--check-files"],
+            "inspect --verify": ["inspect", native, "--verify", src],
+            "export": ["export", native, tmp_path / "ct", "--format", "compressed-tensors"]}[command]
+    seen = []
+    monkeypatch.setattr(_Recorder, "__exit__", lambda self, *e: seen.append((self.total, self.done)))
+    r = run(*args)
+    assert r.exit_code == 0, r.output
+    assert bars == [(args[0], False)] and len(seen) == 1
+    total, done = seen[0]
+    assert total > 0 and done == total, seen
+    bars.clear()
+    quiet_args = args + (["--overwrite"] if command == "export" else []) + ["-q"]
+    assert run(*quiet_args).exit_code == 0
+    assert bars == [(args[0], True)]

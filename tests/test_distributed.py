@@ -21,7 +21,8 @@ from . import checkpoints as ck
 from . import zoo
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARD = "6000"  # small output shards: 12 for the Llama, so both ranks get several
+SHARD_BYTES = 6000  # small output shards: 12 for the Llama, so both ranks get several
+SHARD = f"{SHARD_BYTES}B"  # the CLI needs a unit
 
 
 def env() -> dict:
@@ -40,7 +41,7 @@ def torchrun(*args: str, script: Path | None = None, timeout: int = 300) -> subp
 
 
 def reference(src: Path, dst: Path, **kw) -> Path:
-    convert(src, dst, ConvertConfig(device="cpu", max_shard_size=int(SHARD), **kw))
+    convert(src, dst, ConvertConfig(device="cpu", max_shard_size=SHARD_BYTES, **kw))
     return dst
 
 
@@ -52,7 +53,7 @@ def llama(tmp_path_factory) -> Path:
 
 
 def test_assignment_is_a_deterministic_partition(llama) -> None:
-    _, plan, _ = plan_conversion(str(llama), ConvertConfig(max_shard_size=int(SHARD)))
+    _, plan, _ = plan_conversion(str(llama), ConvertConfig(max_shard_size=SHARD_BYTES))
     shards = {f for f, _ in plan.shards}
     for size in (1, 2, 3, 5, len(shards) + 2):
         parts = [assign(plan, World(r, size, r, size)) for r in range(size)]
@@ -99,7 +100,7 @@ def test_torchrun_moe_and_export(tmp_path) -> None:
     one, two = tmp_path / "ct1", tmp_path / "ct2"
     from fp4convert.export import export
 
-    export(str(ref_dst), one, ConvertConfig(format="compressed-tensors", max_shard_size=int(SHARD)))
+    export(str(ref_dst), one, ConvertConfig(format="compressed-tensors", max_shard_size=SHARD_BYTES))
     r = torchrun("export", str(ref_dst), str(two), "--format", "compressed-tensors", "--max-shard-size", SHARD, "-q")
     assert r.returncode == 0, r.stderr[-3000:]
     assert ck.all_files(two) == ck.all_files(one)
@@ -130,7 +131,7 @@ def by_hand(*args: str) -> list[subprocess.CompletedProcess]:
 def test_a_failing_rank_fails_the_run_on_every_rank(llama, tmp_path) -> None:
     src = tmp_path / "src"
     ck.llama(src, layers=3, zoo=True)
-    _, plan, _ = plan_conversion(str(src), ConvertConfig(max_shard_size=int(SHARD)))
+    _, plan, _ = plan_conversion(str(src), ConvertConfig(max_shard_size=SHARD_BYTES))
     rank1 = assign(plan, World(1, 2, 1, 2))
     shard_of = plan.shard_of()
     victim = next(d for d in plan.decisions if d.action == "quantize" and shard_of[d.outputs[0].name] in rank1)

@@ -207,3 +207,24 @@ def test_export_refuses_non_native(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="native format"):
         export(str(ct), tmp_path / "x", ConvertConfig(format="modelopt"))
     shutil.rmtree(ct)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+def test_an_fp32_model_in_compressed_tensors_loads_with_a_plain_from_pretrained(tmp_path, scheme) -> None:
+    """Issue 23 item 17: compressed-tensors decompresses FP4 weights to bf16, so an fp32 model's output
+    failed at the first forward ('Float and BFloat16'). The output's config says bfloat16 now."""
+    from transformers import AutoModel
+
+    from . import zoo
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(zoo._config("bert")).float().eval()
+    model.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "q", ConvertConfig(device="cpu", format="compressed-tensors", scheme=scheme))
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = AutoModel.from_pretrained(tmp_path / "q")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        got = loaded(input_ids=ids).last_hidden_state.float()
+        want = model(input_ids=ids).last_hidden_state
+    assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.95

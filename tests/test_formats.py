@@ -143,3 +143,26 @@ def test_converted_folder_is_detected_and_named(tmp_path: Path, fmt_name: str, s
     for e in fmt.entries(module, (64, 64), scheme, rotate):
         assert e.name in names
     assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
+
+
+@pytest.mark.parametrize("block", [["a", "b"], [[16], [16]], [None, None], [128], [128, 128, 1], [0, 128],
+                                   [-16, 16], [True, 16], "128x128", 128, [128.5, 128]])
+def test_fp8_weight_block_size_of_a_wrong_type_is_exit_4(tmp_path, block) -> None:
+    """Issue 23 item 10: ["a","b"], [[16],[16]] and [null,null] were internal errors (exit 1)."""
+    from click.testing import CliRunner
+
+    from fp4convert.cli import main
+
+    cfg = ck.llama_config(layers=1)
+    t = ck.llama_tensors(cfg)
+    w = t["model.layers.0.mlp.down_proj.weight"]
+    t["model.layers.0.mlp.down_proj.weight"] = w.float().to(torch.float8_e4m3fn)
+    t["model.layers.0.mlp.down_proj.weight_scale_inv"] = torch.ones(1, 1)
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": block}
+    ck.write(tmp_path / "src", t, cfg)
+    res = CliRunner().invoke(main, ["quantize", str(tmp_path / "src"), str(tmp_path / "q"), "--dry-run"])
+    assert res.exit_code == 4, res.output
+    assert "config.json: quantization_config.weight_block_size is" in res.output and "Traceback" not in res.output
+    cfg["quantization_config"]["weight_block_size"] = [128, 128]  # the same checkpoint with a sound block plans
+    (tmp_path / "src" / "config.json").write_text(json.dumps(cfg))
+    assert CliRunner().invoke(main, ["quantize", str(tmp_path / "src"), str(tmp_path / "q"), "--dry-run"]).exit_code == 0

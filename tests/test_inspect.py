@@ -442,3 +442,250 @@ def test_verify_a_hub_conversion_against_a_folder(copy, src) -> None:
     path.write_text(json.dumps(m))
     r = inspect_checkpoint(str(dst), verify=str(src))
     assert not r["ok"] and any("differs from the converted one" in p and "o_proj" in p for p in r["checks"]["problems"])
+
+
+# --- fresh outputs of every format x scheme x rotation x family pass inspect (no transformers) ----
+
+ZOO_SHAPES = Path(__file__).with_name("zoo_shapes.json")  # tests/zoo.py's families: names, shapes, config
+MATRIX = [(f, s, r) for f in ("fp4convert", "compressed-tensors") for s in ("nvfp4", "mxfp4") for r in (None, "had16")]
+MATRIX.append(("modelopt", "nvfp4", None))
+
+
+def zoo_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
+    """A tiny real-family checkpoint without transformers: the tensor names, shapes and config.json that
+    ``tests.zoo.build(family)`` writes (recorded in zoo_shapes.json), filled with seeded random bf16."""
+    import torch
+
+    spec = json.loads(ZOO_SHAPES.read_text())[family]
+    g = torch.Generator().manual_seed(seed)
+    tensors = {n: (torch.randn(shape, generator=g) * 0.02).to(getattr(torch, {"BF16": "bfloat16"}[dt]))
+               for n, (dt, shape) in spec["tensors"].items()}
+    ck.write(path, tensors, spec["config"])
+    return path
+
+
+@pytest.mark.parametrize("family", sorted(json.loads(ZOO_SHAPES.read_text())))
+def test_every_fresh_output_passes_inspect(family, tmp_path) -> None:
+    """Issue 23 item 12: inspect failed fresh outputs (had16 compressed-tensors: 'ignore misses ...
+    had16_input'; stacked experts: 'lists 6 quantized weights, the shards hold 16')."""
+    src = zoo_checkpoint(family, tmp_path / family)
+    for fmt, scheme, rotate in MATRIX:
+        dst = tmp_path / f"{fmt}-{scheme}-{rotate}"
+        convert(src, dst, ConvertConfig(device="cpu", scheme=scheme, format=fmt, rotate=rotate))
+        r = inspect_checkpoint(str(dst), check_files=True)
+        assert r["verdict"] == "ok", (family, fmt, scheme, rotate, r["checks"]["problems"])
+        assert r["format"] == fmt and r["scheme"] == scheme and r["rotate"] == rotate
+        shutil.rmtree(dst)
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "fp4convert", "compressed-tensors"])
+def test_a_kept_u8_weight_is_not_taken_for_a_packed_one(fmt, tmp_path) -> None:
+    """ModelOpt's packed weights are U8 ``.weight``: a source's kept U8 ``.weight`` is not one (the
+    manifest says it is kept)."""
+    import torch
+
+    cfg = ck.llama_config(layers=1)
+    t = ck.llama_tensors(cfg)
+    t["model.extra.weight"] = torch.arange(32, dtype=torch.uint8).reshape(4, 8)
+    ck.write(tmp_path / "src", t, cfg)
+    convert(tmp_path / "src", tmp_path / "q", ConvertConfig(device="cpu", format=fmt))
+    r = inspect_checkpoint(str(tmp_path / "q"))
+    assert r["verdict"] == "ok", r["checks"]["problems"]
+
+
+# --- crafted folders: nothing outside read, no hang, the manifest validated --------------------
+
+def _manifest(dst: Path) -> dict:
+    return json.loads((dst / "fp4convert.json").read_text())
+
+
+def _save_manifest(dst: Path, m: dict) -> None:
+    (dst / "fp4convert.json").write_text(json.dumps(m))
+
+
+def _one_problem_exit_6(dst: Path, *words: str) -> str:
+    res = CliRunner().invoke(main, ["inspect", str(dst)])
+    assert res.exit_code == 6, res.output
+    assert "Traceback" not in res.output and "verdict: FAILED" in res.stdout
+    hits = [line for line in res.stdout.splitlines() if all(w in line for w in words)]
+    assert hits, (words, res.stdout)
+    return res.stdout
+
+
+def test_manifest_naming_absolute_paths_is_not_followed(copy, monkeypatch) -> None:
+    """Issue 23 item 5: a manifest naming /etc/passwd made inspect stat and hash it."""
+    dst = copy()
+    m = _manifest(dst)
+    m["files"]["/etc/passwd"] = {"sha256": "0" * 64, "size": 1}
+    _save_manifest(dst, m)
+    out = _one_problem_exit_6(dst, "/etc/passwd", "not a plain relative path")
+    assert str(Path("/etc/passwd").stat().st_size) not in out.replace("fp4convert.json", "")
+
+
+@pytest.mark.parametrize("rel", ["../outside.txt", "a/../../outside.txt"])
+def test_manifest_paths_leading_out_are_refused(copy, rel) -> None:
+    dst = copy()
+    (dst.parent / "outside.txt").write_text("secret")
+    m = _manifest(dst)
+    m["files"][rel] = {"sha256": "0" * 64, "size": 6}
+    _save_manifest(dst, m)
+    _one_problem_exit_6(dst, "not a plain relative path")
+
+
+def test_listed_symlink_out_of_the_folder_is_not_read(copy, monkeypatch) -> None:
+    dst = copy()
+    secret = dst.parent / "secret.txt"
+    secret.write_text("x" * 77)
+    (dst / "notes.txt").symlink_to(secret)
+    m = _manifest(dst)
+    m["files"]["notes.txt"] = {"sha256": "0" * 64, "size": 77}  # the right size: a stat would pass it
+    _save_manifest(dst, m)
+    import fp4convert.inspect as insp
+
+    opened = []
+    real = insp.open_regular
+    monkeypatch.setattr(insp, "open_regular", lambda p: opened.append(str(p)) or real(p))
+    out = _one_problem_exit_6(dst, "notes.txt", "outside the checkpoint folder")
+    assert not any(p.endswith("notes.txt") for p in opened) and "size 77" not in out
+
+
+# 13 malformed manifest shapes (issue 23 item 11): each is one line, inspect FAILED (6), export 4.
+def _edit(path: list, value=None, delete: bool = False):
+    def apply(m: dict) -> None:
+        node = m
+        for k in path[:-1]:
+            node = node[k(node) if callable(k) else k]
+        key = path[-1] if not callable(path[-1]) else path[-1](node)
+        if delete:
+            del node[key]
+        else:
+            node[key] = value
+    return apply
+
+
+def _first(d: dict) -> str:
+    return next(iter(d))
+
+
+MALFORMED = {
+    "files a list": (_edit(["files"], ["model.safetensors"]), "'files'"),
+    "sha256 not a string": (_edit(["files", _first, "sha256"], 5), "sha256"),
+    "size negative": (_edit(["files", _first, "size"], -1), "size"),
+    "settings missing": (_edit(["settings"], delete=True), "'settings' is missing"),
+    "settings a string": (_edit(["settings"], "x"), "'settings'"),
+    "tensors a list": (_edit(["tensors"], []), "'tensors'"),
+    "tensor record a number": (_edit(["tensors", _first], 3), "'tensors'["),
+    "action unknown": (_edit(["tensors", _first, "action"], "drop"), "'action'"),
+    "shape of strings": (_edit(["tensors", _first, "shape"], ["a"]), "'shape'"),
+    "outputs a list": (_edit(["tensors", _first, "outputs"], []), "'outputs'"),
+    "output dtype a number": (_edit(["tensors", _first, "outputs", _first, "dtype"], 1), "'dtype'"),
+    "global scale a string": (_edit(["tensors", "model.layers.0.self_attn.q_proj.weight", "global_scale"], "x"),
+                              "'global_scale'"),
+    "groups a list": (_edit(["groups"], ["a"]), "'groups'"),
+    "scheme unknown": (_edit(["scheme"], "int3"), "'scheme'"),
+    "format a number": (_edit(["format"], 4), "'format'"),
+    "identity source a list": (_edit(["identity", "source"], []), "'source'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_manifest_is_one_problem(copy, tmp_path, case) -> None:
+    edit, words = MALFORMED[case]
+    dst = copy()
+    m = _manifest(dst)
+    edit(m)
+    _save_manifest(dst, m)
+    _one_problem_exit_6(dst, "fp4convert.json", "malformed", words)
+    res = CliRunner().invoke(main, ["export", str(dst), str(tmp_path / "ct"), "--format", "compressed-tensors", "-q"])
+    assert res.exit_code == 4, res.output
+    assert res.output.count("\n") == 1 and "malformed" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "ct").exists()
+
+
+def _cli(*args: str, timeout: float = 120):
+    """The CLI in a subprocess with a timeout (a hang fails the test instead of stalling the suite)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "fp4convert", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_special_files_never_hang_inspect_or_export(copy, tmp_path) -> None:
+    """Issue 23 item 11: a FIFO manifest hung inspect and export; a FIFO or /dev/zero entry hung --check-files."""
+    import os
+
+    dst = copy()
+    os.mkfifo(dst / "extra.fifo")
+    (dst / "zero.bin").symlink_to("/dev/zero")
+    m = _manifest(dst)
+    m["files"]["extra.fifo"] = {"sha256": "0" * 64, "size": 0}
+    m["files"]["zero.bin"] = {"sha256": "0" * 64, "size": 0}
+    _save_manifest(dst, m)
+    r = _cli("inspect", str(dst), "--check-files")
+    assert r.returncode == 6 and "Traceback" not in r.stderr, r.stderr
+    assert "extra.fifo: listed in fp4convert.json but cannot be read (a FIFO" in r.stdout
+    assert "zero.bin: listed in fp4convert.json but it resolves outside" in r.stdout
+    (dst / "fp4convert.json").unlink()
+    os.mkfifo(dst / "fp4convert.json")
+    r = _cli("inspect", str(dst))
+    assert r.returncode == 6 and "fp4convert.json: cannot read (a FIFO, not a regular file)" in r.stdout, r
+    r = _cli("export", str(dst), str(tmp_path / "ct"), "--format", "compressed-tensors", "-q")
+    assert r.returncode == 4 and r.stderr.count("\n") == 1 and "a FIFO" in r.stderr, r
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda qc: qc.update(ignore=["re:(unclosed"]), "does not compile"),
+    (lambda qc: qc.update(ignore=[5]), "quantization_config.ignore[0] is an integer"),
+    (lambda qc: qc.update(ignore="lm_head"), "quantization_config.ignore is a string, not a list"),
+    (lambda qc: qc.update(config_groups=["group_0"]), "config_groups is a list, not an object"),
+    (lambda qc: qc["config_groups"].update(group_0=7), "config_groups.group_0 is an integer"),
+    (lambda qc: qc["config_groups"]["group_0"].update(weights=[4]), "group_0.weights is a list"),
+    (lambda qc: qc.update(transform_config=[1]), "transform_config is a list"),
+])
+def test_compressed_tensors_config_of_wrong_types_is_a_finding(engine_outputs, tmp_path, edit, words) -> None:
+    dst = tmp_path / "ct"
+    shutil.copytree(engine_outputs["compressed-tensors-nvfp4"], dst)
+    (dst / "fp4convert.json").unlink()  # as another tool wrote it: the config alone describes the format
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    res = CliRunner().invoke(main, ["inspect", str(dst)])
+    assert res.exit_code in (4, 6) and "Traceback" not in res.output and "internal error" not in res.output
+    assert words in res.output, res.output
+
+
+@pytest.mark.parametrize("quant,words", [
+    ([1], "hf_quant_config.json's quantization is a list"),
+    ({"quant_algo": "NVFP4", "exclude_modules": "lm_head"}, "exclude_modules is a string, not a list"),
+    ({"quant_algo": "NVFP4", "exclude_modules": [None]}, "exclude_modules[0] is null"),
+])
+def test_modelopt_config_of_wrong_types_is_a_finding(engine_outputs, tmp_path, quant, words) -> None:
+    dst = tmp_path / "mo"
+    shutil.copytree(engine_outputs["modelopt-nvfp4"], dst)
+    hq = json.loads((dst / "hf_quant_config.json").read_text())
+    hq["quantization"] = quant
+    (dst / "hf_quant_config.json").write_text(json.dumps(hq))
+    res = CliRunner().invoke(main, ["inspect", str(dst)])
+    assert res.exit_code == 6 and "Traceback" not in res.output and words in res.output, res.output
+
+
+def test_hf_quant_config_producer_of_a_wrong_type(engine_outputs, tmp_path) -> None:
+    """Found by tests/test_fuzz_checkpoints.py: a string 'producer' was an internal error (exit 1)."""
+    dst = tmp_path / "mo"
+    shutil.copytree(engine_outputs["modelopt-nvfp4"], dst)
+    (dst / "fp4convert.json").unlink()
+    hq = json.loads((dst / "hf_quant_config.json").read_text())
+    hq["producer"] = "fp4convert"
+    (dst / "hf_quant_config.json").write_text(json.dumps(hq))
+    res = CliRunner().invoke(main, ["inspect", str(dst)])
+    assert res.exit_code in (0, 6) and "internal error" not in res.output, res.output
+
+
+def test_hf_quant_config_nested_too_deep_is_no_internal_error(engine_outputs, tmp_path) -> None:
+    """Found by tests/test_fuzz_checkpoints.py: 100,000 nested '[' in hf_quant_config.json was a RecursionError."""
+    dst = tmp_path / "mo"
+    shutil.copytree(engine_outputs["modelopt-nvfp4"], dst)
+    (dst / "hf_quant_config.json").write_text("[" * 100000)
+    res = CliRunner().invoke(main, ["inspect", str(dst)])
+    assert res.exit_code in (0, 6) and "internal error" not in res.output, res.output

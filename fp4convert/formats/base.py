@@ -233,7 +233,7 @@ def read_json(path: Path) -> dict:
         return {}
     try:
         obj = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # deep nesting too: a malformed file is absent
         return {}
     return obj if isinstance(obj, dict) else {}
 

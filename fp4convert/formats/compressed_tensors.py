@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..safetensors_io import OutEntry
 from ..scheme import get_scheme
-from .base import OutputFormat, OutputInfo, update_config
+from .base import OutputFormat, OutputInfo, read_json, update_config
 
 if TYPE_CHECKING:
     import torch
@@ -123,6 +123,13 @@ class CompressedTensorsFormat(OutputFormat):
 
     def finalize(self, dst: Path, info: OutputInfo) -> list[str]:
         update_config(dst, "quantization_config", self.quantization_config(info))
+        # compressed-tensors decompresses FP4 weights to bf16 whatever the model's dtype: an fp32/fp16
+        # model would load with bf16 Linear weights and fail at the first matmul ("Float and BFloat16").
+        # The model's dtype becomes bf16, so a plain from_pretrained loads every tensor as bf16.
+        cfg = read_json(dst / "config.json")
+        for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
+            if cfg.get(key) != "bfloat16":
+                update_config(dst, key, "bfloat16")
         if info.rotate:
             log.warning(
                 "Had16-rotated compressed-tensors checkpoint: vLLM rotates activations from transform_config "

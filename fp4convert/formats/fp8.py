@@ -21,13 +21,34 @@ def _logical(info: TensorInfo) -> TensorInfo:
     return TensorInfo(info.name, "F32", info.shape, info.file, info.begin, info.end)
 
 
+DEFAULT_BLOCK = (128, 128)
+MAX_BLOCK = 1 << 20  # a block side larger than this is no FP8 checkpoint's
+
+
+def weight_block_size(config: dict) -> tuple[int, int]:
+    """config.json ``quantization_config.weight_block_size`` as (rows, cols), DEFAULT_BLOCK when absent.
+
+    Anything but two positive integers is refused (exit 4) naming the file and the key: a block size
+    cannot be guessed, and a wrong one decodes every FP8 weight with the wrong scales."""
+    from ..errors import SourceError
+
+    qc = config.get("quantization_config")
+    block = qc.get("weight_block_size") if isinstance(qc, dict) else None
+    if block is None:
+        return DEFAULT_BLOCK
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(type(b) is int and 0 < b <= MAX_BLOCK for b in block)):
+        shown = str(block)[:60]
+        raise SourceError(f"config.json: quantization_config.weight_block_size is {shown}, not two positive "
+                          "integers (e.g. [128, 128]); fix the checkpoint's config.json")
+    return block[0], block[1]
+
+
 class FP8Input(InputFormat):
     name = "fp8"
 
     def decodes(self, tensors: dict[str, TensorInfo], config: dict) -> dict[str, tuple[TensorInfo, Decode]]:
-        qc = config.get("quantization_config")
-        block = (qc or {}).get("weight_block_size") if isinstance(qc, dict) else None
-        block = tuple(int(b) for b in block) if isinstance(block, (list, tuple)) and len(block) == 2 else (128, 128)
+        block = weight_block_size(config)
         out: dict[str, tuple[TensorInfo, Decode]] = {}
         for name, info in tensors.items():
             if info.dtype not in F8 or not name.endswith(".weight") or len(info.shape) != 2:
