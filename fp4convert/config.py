@@ -13,6 +13,8 @@ from .formats import DEFAULT_FORMAT, OUTPUT_FORMATS
 from .scheme import SCHEMES, check_rotation
 
 DEFAULT_MAX_SHARD = 5 * 10**9
+ACTIVATIONS = ("none", "nvfp4", "mxfp4")
+ACTIVATION_SCALES = ("calibrate", "constant")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,14 @@ class ConvertConfig:
     revision: str | None = None
     verify_source: bool = False  # hash the source in full (recorded; --resume compares it)
     lanes: int = 0  # output shards written by this many lanes side by side in one process; 0: auto
+    # W4A4 (docs/formats.md "W4A4"): activation quantization the engines apply, and how its static
+    # scale is found. Part of the identity only when activations != "none" (W4A16 outputs unchanged).
+    activations: str = "none"  # none | nvfp4 | mxfp4
+    activation_scale: str = "calibrate"  # calibrate | constant (ModelOpt's amax 2688: input_scale 1.0)
+    calibration_data: str | None = None  # text or JSON-lines file; None: the model generates its samples
+    calibration_samples: int = 128
+    calibration_seq_len: int = 512
+    calibration_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -46,6 +56,7 @@ class ConvertConfig:
             raise ConfigError(f"--device {self.device!r} is not supported; use auto, cpu or cuda[:N]")
         if not isinstance(self.lanes, int) or self.lanes < 0:
             raise ConfigError(f"--lanes {self.lanes!r}: give a number of lanes (1 or more), or 0 to choose automatically")
+        self._check_activations()
         if self.max_shard_size <= 0:
             raise ConfigError("--max-shard-size must be positive")
         if self.overwrite and self.resume:
@@ -56,6 +67,27 @@ class ConvertConfig:
                     re.compile(p[3:])
                 except re.error as exc:
                     raise ConfigError(f"bad regex in pattern {p!r}: {exc}") from exc
+
+    def _check_activations(self) -> None:
+        """W4A4 settings: only the scheme/format pairs whose engines read activation scales."""
+        if self.activations not in ACTIVATIONS:
+            raise ConfigError(f"--activations {self.activations!r}: choose one of {', '.join(ACTIVATIONS)}")
+        if self.activation_scale not in ACTIVATION_SCALES:
+            raise ConfigError(f"--activation-scale {self.activation_scale!r}: choose one of {', '.join(ACTIVATION_SCALES)}")
+        if self.calibration_samples < 1 or self.calibration_seq_len < 2:
+            raise ConfigError("--calibration-samples must be >= 1 and --calibration-seq-len >= 2")
+        if self.activations == "none":
+            return
+        if self.activations != self.scheme:
+            raise ConfigError(f"--activations {self.activations} needs --scheme {self.activations} "
+                              f"(weights and activations in one FP4 format), not --scheme {self.scheme}")
+        if self.rotate:
+            raise ConfigError("--activations cannot be combined with --rotate (the activation scales would have "
+                              "to be measured on rotated activations); drop one of them")
+        allowed = ("compressed-tensors", "modelopt") if self.activations == "nvfp4" else ("compressed-tensors",)
+        if self.format not in allowed:
+            raise ConfigError(f"--activations {self.activations} is written for --format {' or '.join(allowed)} "
+                              f"only (the engines' W4A4 conventions), not --format {self.format}")
 
     @property
     def rule(self) -> str:
@@ -73,7 +105,20 @@ class ConvertConfig:
             "only": list(self.only),
             "max_shard_size": self.max_shard_size,
             "revision": self.revision,
+            **self.activation_identity(),
         }
+
+    def activation_identity(self) -> dict:
+        """The W4A4 settings in the identity ({} for W4A16, whose identity stays as it was)."""
+        if self.activations == "none":
+            return {}
+        out = {"activations": self.activations}
+        if self.activations == "nvfp4":  # MXFP4 activations are dynamic: nothing is calibrated
+            out["activation_scale"] = self.activation_scale
+            if self.activation_scale == "calibrate":
+                out["calibration"] = {"data": self.calibration_data, "samples": self.calibration_samples,
+                                      "seq_len": self.calibration_seq_len, "seed": self.calibration_seed}
+        return out
 
 
 def parse_size(text: str) -> int:
