@@ -12,7 +12,7 @@ Each layer runs through the base model's own ``forward`` as a one-layer model (t
 final norm and the config's layer count/types narrowed to it), so position embeddings and attention
 masks are exactly those a whole-model forward computes: the amax equals that of the whole model run
 normally (tests/test_calibrate.py checks it with ``torch.equal``). Everything runs in fp32 and the
-amax is a max (order-free), so the result does not depend on batching; the amax is then rounded up to
+amax is a max (order-free); the amax is then rounded up to
 bf16 precision (at most 0.4% larger) so the last-bit GEMM differences between devices rarely reach
 the stored scale.
 
@@ -214,20 +214,27 @@ class LayerwiseModel:
         # RoPE buffers are computed at init: rebuild them on the device (no checkpoint tensors).
         with torch.device("cpu"):  # computed on the CPU as a loaded model's are, then moved
             self.base.rotary_emb = type(self.base.rotary_emb)(config=self.cfg).to(device)
-        self.files: dict[str, object] = {}
+        self.loaded = 0  # parameter bytes materialized now, and the most at once (tests check it is flat)
+        self.peak_loaded = 0
 
     def _read(self, name: str) -> torch.Tensor:
+        """One checkpoint tensor, read with plain reads at its header offsets (no mmap: pages of
+        layers already done are not kept mapped, so resident memory stays one layer's)."""
         import torch
-        from safetensors import safe_open
+
+        from .safetensors_io import torch_dtypes
 
         info = self.infos.get(name)
         if info is None:
             raise PlanError(f"{self.root}: {name} is not in the checkpoint: its names differ from the transformers "
                             "model's; activation calibration cannot load it (use --activation-scale constant)")
-        h = self.files.get(info.file)
-        if h is None:
-            h = self.files[info.file] = safe_open(str(self.root / info.file), "pt")
-        return h.get_tensor(name).to(self.device, torch.float32)
+        if info.dtype not in ("F32", "F16", "BF16"):
+            raise PlanError(f"{name}: dtype {info.dtype}; activation calibration reads F32/F16/BF16 checkpoints")
+        with open(self.root / info.file, "rb") as f:
+            f.seek(info.begin)
+            buf = bytearray(f.read(info.nbytes))
+        t = torch.frombuffer(buf, dtype=torch_dtypes()[info.dtype]).reshape(info.shape)
+        return t.to(self.device, torch.float32)
 
     def load(self, module, prefix: str) -> None:
         """Materialize ``module`` (on meta) with its checkpoint tensors ``prefix + param name``."""
@@ -239,13 +246,17 @@ class LayerwiseModel:
         with torch.no_grad():
             for n, p in module.named_parameters():
                 p.copy_(self._read(prefix + n))
+        self.loaded += sum(p.numel() * p.element_size() for p in module.parameters())
+        self.peak_loaded = max(self.peak_loaded, self.loaded)
         extra = [n for n in self.infos if n.startswith(prefix) and n[len(prefix):] not in dict(module.named_parameters())]
         if extra:
             raise PlanError(f"{extra[0]}: a checkpoint tensor the transformers module has no parameter for; "
                             "activation calibration cannot map this family (use --activation-scale constant)")
 
     def free(self, module) -> None:
+        self.loaded -= sum(p.numel() * p.element_size() for p in module.parameters())
         module.to("meta")
+        _trim_heap()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         import torch
@@ -297,16 +308,37 @@ class LayerwiseModel:
             if saved[1] is not None:
                 self.cfg.layer_types = saved[1]
 
-    def head(self) -> tuple:
+    def head(self, weight: bool = True) -> tuple:
         """(final norm, lm_head weight) loaded; the weight is the embedding's when tied."""
         import torch
 
         norm = self.base.norm
         self.load(norm, self.base_name + ".norm.")
+        if not weight:
+            return norm, None
         name = "lm_head.weight" if "lm_head.weight" in self.infos else self.embed_name + ".weight"
         with torch.no_grad():
             w = self._read(name)
         return norm, w
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc): a freed layer's tensors below malloc's mmap
+    threshold otherwise stay resident as fragments, and resident memory creeps up layer by layer."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
 
 
 def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -373,11 +405,10 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
                 hd.remove()
         lm.free(layer)
     if wanted and "lm_head" in wanted:
-        norm, w = lm.head()
+        norm, _ = lm.head(weight=False)
         with torch.no_grad():
             amax["lm_head"] = torch.stack([norm(h).abs().amax().float().cpu() for h in hs]).amax()
         lm.free(norm)
-        del w
     return amax
 
 
