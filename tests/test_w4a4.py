@@ -199,3 +199,49 @@ def test_input_encode_scale_refuses_zero_and_inf():
     for bad in (0.0, float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError):
             input_encode_scale(bad)
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    t = tensors(dst)
+    edit(t)
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
+def test_inspect_checks_activation_scales(calibrated, tmp_path, fmt):
+    from fp4convert.inspect import inspect_checkpoint
+
+    src = calibrated[fmt]
+    suffix = ".input_global_scale" if fmt == "compressed-tensors" else ".input_scale"
+    assert inspect_checkpoint(str(src))["verdict"] == "ok"
+    p = "model.layers.1."
+
+    def drop(t):
+        del t[p + "mlp.down_proj" + suffix]
+
+    def inf(t):
+        t[p + "self_attn.o_proj" + suffix] = torch.full_like(t[p + "self_attn.o_proj" + suffix], float("inf"))
+
+    def split(t):
+        t[p + "self_attn.k_proj" + suffix] = t[p + "self_attn.k_proj" + suffix] * 2
+
+    for edit, says in ((drop, "W4A4 layer without an activation scale"), (inf, "is not finite and positive"),
+                       (split, "different activation scales")):
+        r = inspect_checkpoint(str(_rewrite(src, tmp_path / edit.__name__, edit)))
+        assert r["verdict"] == "failed"
+        assert any(says in problem for problem in r["checks"]["problems"]), r["checks"]["problems"]
+
+
+def test_inspect_fails_a_declared_w4a4_checkpoint_with_no_scales_at_all(calibrated, tmp_path):
+    from fp4convert.inspect import inspect_checkpoint
+
+    dst = _rewrite(calibrated["compressed-tensors"], tmp_path / "none",
+                   lambda t: [t.pop(k) for k in [k for k in t if k.endswith(".input_global_scale")]])
+    problems = inspect_checkpoint(str(dst))["checks"]["problems"]
+    assert sum("W4A4 layer without an activation scale" in p for p in problems) == 14
