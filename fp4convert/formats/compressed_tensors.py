@@ -128,13 +128,14 @@ class CompressedTensorsFormat(OutputFormat):
     def input_activations(self) -> dict | None:
         """W4A4: compressed-tensors' own NVFP4 / MXFP4 presets (quantization/quant_scheme.py):
         NVFP4 per-16 local FP8 scales computed at run time under the stored static global
-        (``dynamic: "local"``), MXFP4 fully dynamic per-32 E8M0 scales."""
+        (``dynamic: "local"``), MXFP4 fully dynamic per-32 E8M0 scales. ``scale_dtype`` is needed:
+        without it compressed-tensors 0.20 leaves the run-time block scales unrounded (not FP8)."""
         if self.activations == "nvfp4":
             return {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
-                    "symmetric": True, "dynamic": "local"}
+                    "symmetric": True, "dynamic": "local", "scale_dtype": "torch.float8_e4m3fn"}
         if self.activations == "mxfp4":
             return {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
-                    "symmetric": True, "dynamic": True}
+                    "symmetric": True, "dynamic": True, "scale_dtype": "torch.uint8"}
         return None
 
     def finalize(self, dst: Path, info: OutputInfo) -> list[str]:
