@@ -201,6 +201,16 @@ def run(args: argparse.Namespace) -> dict:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps({"partial": True, "rows": rows, **extra}, indent=1) + "\n")
 
+    want = set(args.rows.split(","))
+    for rule in ("mse", "4over6"):  # the weights' scale rule (the activations' block scales are the engine's)
+        if f"file-{rule}" in want:
+            t = time.time()
+            f = convert(bench, work / f"w4a4-file-{rule}", scheme="nvfp4", scale_rule=rule, activations="nvfp4",
+                        calibration_data=str(data), **cal)
+            add(f"fp4convert NVFP4 W4A4 --scale-rule {rule}, calibrated on a text file", f, nvfp4_hook(f),
+                time.time() - t)
+    if "file" not in want:
+        return {"rows": rows, "base_ppl": bench.base_ppl, "partial": True}
     t = time.time()
     f = convert(bench, work / "w4a16", scheme="nvfp4")
     add("fp4convert NVFP4 W4A16 (weights only)", f, None, time.time() - t)
@@ -269,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=32, help="calibration samples (every calibrated variant)")
     p.add_argument("--calib-len", type=int, default=256, help="calibration tokens per sample")
     p.add_argument("--peer-python", help="a python with llmcompressor installed (its own venv)")
+    p.add_argument("--rows", default="file", help="'file' (every row) and/or file-mse, file-4over6 (W4A4 with "
+                                                  "that weight scale rule), comma-separated")
     p.add_argument("--cache", default=str(acc.DEFAULT_CACHE))
     p.add_argument("--threads", type=int)
     p.add_argument("--json")
@@ -279,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers.logging.set_verbosity_error()
     result = run(args)
+    if result.get("partial"):
+        print(json.dumps(result["rows"], indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     print(table(result))
     print(json.dumps({k: result[k] for k in ("hook_vs_compressed_tensors",) if k in result}, indent=1))
     if args.json:
