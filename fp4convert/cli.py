@@ -304,6 +304,42 @@ def _push(dst, repo, private: bool, token, quiet: bool) -> None:
 EXIT_CODE_HELP = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code, text in EXIT_CODES.items())
 
 
+def _activation_options(fn: Callable) -> Callable:
+    """W4A4 (docs/formats.md "W4A4"): --activations and its calibration, gathered into one
+    ``activation`` dict of ConvertConfig fields."""
+    opts = [
+        click.option("--activations", type=click.Choice(["none", "nvfp4", "mxfp4"]), default="none", show_default=True,
+                     help="Also quantize activations (W4A4, Blackwell FP4 GEMMs). nvfp4: with --scheme nvfp4 and "
+                          "--format compressed-tensors or modelopt, a calibrated static scale per linear; mxfp4: with "
+                          "--scheme mxfp4 and --format compressed-tensors, dynamic (nothing calibrated)."),
+        click.option("--activation-scale", type=click.Choice(["calibrate", "constant"]), default="calibrate",
+                     show_default=True,
+                     help="calibrate: measure each linear's input amax, layer by layer. constant: ModelOpt's "
+                          "constant amax 2688 (input_scale 1.0) with no calibration; RISKY: blocks above 2688 "
+                          "clip and small activations underflow FP8 block scales (accuracy loss)."),
+        click.option("--calibration-data", type=click.Path(dir_okay=False), default=None,
+                     help="Calibration text: plain text, or JSON lines with a 'text' field. Default: the model "
+                          "generates its own samples from its tokenizer (seeded; one pass over the weights per token)."),
+        click.option("--calibration-samples", type=click.IntRange(min=1), default=128, show_default=True,
+                     help="Calibration samples."),
+        click.option("--calibration-seq-len", type=click.IntRange(min=2), default=512, show_default=True,
+                     help="Tokens per calibration sample."),
+        click.option("--calibration-seed", type=int, default=0, show_default=True,
+                     help="Seed of self-generated samples."),
+    ]
+    keys = ("activations", "activation_scale", "calibration_data", "calibration_samples", "calibration_seq_len",
+            "calibration_seed")
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        kwargs["activation"] = {k: kwargs.pop(k) for k in keys}
+        return fn(*args, **kwargs)
+
+    for opt in reversed(opts):
+        wrapper = opt(wrapper)
+    return wrapper
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODE_HELP)
 @click.version_option(__version__, prog_name="fp4convert")
 def main() -> None:
@@ -353,10 +389,11 @@ def main() -> None:
               help="The model card's base_model (default: the Hub repo id, or a Hub id config.json names).")
 @_output_options
 @_push_options
+@_activation_options
 @_library_errors
 def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard_size, ignore, only, allow_nothing_quantized,
              allow_no_config, revision, token, cache_dir, delete_source_shards, dry_run, base_model, overwrite, resume,
-             verify_source, quiet, as_json, push_repo, private) -> None:
+             verify_source, quiet, as_json, push_repo, private, activation) -> None:
     """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST."""
     from . import stages
 
@@ -371,6 +408,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard
         max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
         revision=revision, verify_source=verify_source, lanes=lanes, allow_no_config=allow_no_config,
         base_model=base_model,
+        **activation,
     )
     dry_run_out = True
     if _rank() > 0:  # torchrun: one voice (rank 0); the others only report their own errors

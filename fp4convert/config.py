@@ -13,6 +13,8 @@ from .formats import DEFAULT_FORMAT, OUTPUT_FORMATS
 from .scheme import SCHEMES, check_rotation
 
 DEFAULT_MAX_SHARD = 5 * 10**9
+ACTIVATIONS = ("none", "nvfp4", "mxfp4")
+ACTIVATION_SCALES = ("calibrate", "constant")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,14 @@ class ConvertConfig:
     lanes: int = 0  # output shards written by this many lanes side by side in one process; 0: auto
     allow_no_config: bool = False  # convert a source without config.json (nothing can load the output)
     base_model: str | None = None  # the model card's base_model (None: derived from the source)
+    # W4A4 (docs/formats.md "W4A4"): activation quantization the engines apply, and how its static
+    # scale is found. Part of the identity only when activations != "none" (W4A16 outputs unchanged).
+    activations: str = "none"  # none | nvfp4 | mxfp4
+    activation_scale: str = "calibrate"  # calibrate | constant (ModelOpt's amax 2688: input_scale 1.0)
+    calibration_data: str | None = None  # text or JSON-lines file; None: the model generates its samples
+    calibration_samples: int = 128
+    calibration_seq_len: int = 512
+    calibration_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -53,6 +63,7 @@ class ConvertConfig:
 
             if not valid_repo_id(self.base_model):
                 raise ConfigError(f"--base-model {self.base_model!r} is not a Hub model id (org/name)")
+        self._check_activations()
         if self.max_shard_size <= 0:
             raise ConfigError("--max-shard-size must be positive")
         if self.overwrite and self.resume:
@@ -63,6 +74,27 @@ class ConvertConfig:
                     re.compile(p[3:])
                 except re.error as exc:
                     raise ConfigError(f"bad regex in pattern {p!r}: {exc}") from exc
+
+    def _check_activations(self) -> None:
+        """W4A4 settings: only the scheme/format pairs whose engines read activation scales."""
+        if self.activations not in ACTIVATIONS:
+            raise ConfigError(f"--activations {self.activations!r}: choose one of {', '.join(ACTIVATIONS)}")
+        if self.activation_scale not in ACTIVATION_SCALES:
+            raise ConfigError(f"--activation-scale {self.activation_scale!r}: choose one of {', '.join(ACTIVATION_SCALES)}")
+        if self.calibration_samples < 1 or self.calibration_seq_len < 2:
+            raise ConfigError("--calibration-samples must be >= 1 and --calibration-seq-len >= 2")
+        if self.activations == "none":
+            return
+        if self.activations != self.scheme:
+            raise ConfigError(f"--activations {self.activations} needs --scheme {self.activations} "
+                              f"(weights and activations in one FP4 format), not --scheme {self.scheme}")
+        if self.rotate:
+            raise ConfigError("--activations cannot be combined with --rotate (the activation scales would have "
+                              "to be measured on rotated activations); drop one of them")
+        allowed = ("compressed-tensors", "modelopt") if self.activations == "nvfp4" else ("compressed-tensors",)
+        if self.format not in allowed:
+            raise ConfigError(f"--activations {self.activations} is written for --format {' or '.join(allowed)} "
+                              f"only (the engines' W4A4 conventions), not --format {self.format}")
 
     @property
     def rule(self) -> str:
@@ -80,7 +112,20 @@ class ConvertConfig:
             "only": list(self.only),
             "max_shard_size": self.max_shard_size,
             "revision": self.revision,
+            **self.activation_identity(),
         }
+
+    def activation_identity(self) -> dict:
+        """The W4A4 settings in the identity ({} for W4A16, whose identity stays as it was)."""
+        if self.activations == "none":
+            return {}
+        out = {"activations": self.activations}
+        if self.activations == "nvfp4":  # MXFP4 activations are dynamic: nothing is calibrated
+            out["activation_scale"] = self.activation_scale
+            if self.activation_scale == "calibrate":
+                out["calibration"] = {"data": self.calibration_data, "samples": self.calibration_samples,
+                                      "seq_len": self.calibration_seq_len, "seed": self.calibration_seed}
+        return out
 
 
 def parse_size(text: str) -> int:

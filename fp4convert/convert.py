@@ -114,8 +114,37 @@ def plan_conversion(src: str | Source, config: ConvertConfig) -> tuple[Source, P
         raise PlanError(f"{source.label} has no config.json: no loader (transformers, vLLM, SGLang) can load the "
                         "output, and the plan cannot know the model; add the model's config.json, or pass "
                         "--allow-no-config to convert the tensors anyway")
+    if config.activations != "none":
+        fmt = _w4a4_format(source, config, fmt)
     plan = make_plan(source.tensors(), config, fmt, source.config())
     return source, plan, fmt
+
+
+def _w4a4_format(source: Source, config: ConvertConfig, fmt: OutputFormat) -> OutputFormat:
+    """W4A4 (--activations): the format writing activation scales; a model calibration cannot run
+    is refused here, before anything is written (fp4convert.calibrate)."""
+    from .calibrate import check_runnable
+    from .formats.base import with_activations
+
+    check_runnable(source, config)
+    return with_activations(fmt, config.activations)
+
+
+def _calibrate(source: Source, plan: Plan, fmt: OutputFormat, config: ConvertConfig) -> None:
+    """W4A4 NVFP4: every quantized module's activation amax, set on the format before writing."""
+    if getattr(fmt, "activations", "none") != "nvfp4":
+        return
+    from .calibrate import activation_amax
+
+    device = None if config.device == "auto" else config.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with stages.timed("calibrate"):
+        amax, record = activation_amax(source, plan, config, device)
+    fmt.input_amax = amax
+    fmt.calibration = record
 
 
 def _advise_source(source: Source, plan: Plan, mine: set[str]) -> None:
@@ -152,6 +181,7 @@ def convert(
         prewarm_device(config)  # the GPU starts while the source is planned
     with stages.timed("plan"):
         source, plan_, fmt = plan if plan is not None else plan_conversion(src, config)
+    _calibrate(source, plan_, fmt, config)
     _advise_source(source, plan_, assign(plan_, world))
 
     t_start = time.perf_counter()

@@ -160,6 +160,7 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
         problems += _check_against_manifest(manifest, layout, stored)
     engine = _check_engine_config(source, layout) if layout.quantized else []
     problems += engine
+    problems += check_activation_scales(source, layout) if layout.quantized else []
     checksums = _check_files(source, manifest, layout, problems, full=check_files, progress=progress)
     report = _summary(source, layout, globals_, groups)
     report["warnings"] = []
@@ -185,6 +186,63 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
         report["verdict"] = FAILED if problems else OK
     report["ok"] = report["verdict"] == OK
     return report
+
+
+def check_activation_scales(source: Source, layout: CheckpointLayout) -> list[str]:
+    """W4A4 (docs/formats.md "W4A4"): every quantized layer has a finite positive activation scale, and
+    the members of each fused group (q/k/v, gate/up; per MoE layer all experts' w13, all experts' w2)
+    share it. W4A4 is what the checkpoint declares: compressed-tensors NVFP4 ``input_activations``
+    (``dynamic: local``), a ModelOpt ``config.json`` group with ``input_activations``, a manifest
+    ``activations`` section, or any stored activation scale. A weight-only ModelOpt file (no input
+    scale at all) is not judged here. A W4A4 layer without a scale is a problem (FAILED)."""
+    import re
+
+    fmt = get_format(layout.format)
+    suffix = getattr(fmt, "input_suffix", "")
+    if not suffix:
+        return []
+    qc = source.config().get("quantization_config") or {}
+    acts = [g.get("input_activations") for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+    declared = any(isinstance(a, dict) and a.get("num_bits") == 4 and a.get("dynamic") in ("local", False)
+                   for a in acts)
+    m_acts = (layout.manifest or {}).get("activations") or {}
+    declared = declared or m_acts.get("scheme") == "nvfp4"
+    scales = {n[: -len(suffix)]: t for n, t in layout.tensors.items() if n.endswith(suffix)}
+    if not declared and not scales:
+        return []
+    problems: list[str] = []
+    values: dict[str, float] = {}
+    for module, m in sorted(layout.modules.items()):
+        if m.scheme != "nvfp4":
+            continue
+        t = scales.get(module)
+        if t is None:
+            problems.append(f"{module}: W4A4 layer without an activation scale ({module + suffix}); engines would "
+                            "run it with an uninitialised scale")
+            continue
+        if t.dtype != "F32":
+            problems.append(f"{module + suffix}: dtype {t.dtype}, engines read F32")
+            continue
+        v = read_tensor(source.local_path(t.file), t).flatten()
+        if v.numel() == 0 or not bool((torch.isfinite(v) & (v > 0)).all()):
+            problems.append(f"{module + suffix}: activation scale {v[:4].tolist()} is not finite and positive")
+            continue
+        if bool((v != v[0]).any()):
+            problems.append(f"{module + suffix}: differs across its experts (engines use one value)")
+        values[module] = v[0].item()
+    share: dict[str, list[str]] = defaultdict(list)
+    expert = re.compile(r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|w1|w3|down_proj|w2)$")
+    for module in values:
+        hit = expert.match(module)
+        g = (f"{hit.group(1)}:{'w2' if hit.group(2) in ('down_proj', 'w2') else 'w13'}" if hit
+             else fused_group(module + ".weight"))
+        if g:
+            share[g].append(module)
+    for g, members in sorted(share.items()):
+        if len({values[m] for m in members}) > 1:
+            problems.append(f"fused group {g} has {len({values[m] for m in members})} different activation scales "
+                            "(engines take one; members must share it)")
+    return problems
 
 
 def _manifest_state(source: Source, layout: CheckpointLayout) -> str:

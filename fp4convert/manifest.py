@@ -65,7 +65,7 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
     for rel in sorted(set(written) - set(files)):
         p = dst / rel
         files[rel] = {"sha256": file_digest(p), "size": p.stat().st_size}
-    return {
+    out = {
         "manifest_version": MANIFEST_VERSION,
         "producer": producer(),
         "format": fmt.name,
@@ -84,6 +84,17 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
         "tensors": tensors,
         "files": files,
     }
+    out.update(activation_section(fmt))
+    return out
+
+
+def activation_section(fmt: OutputFormat) -> dict:
+    """W4A4: the activation quantization and its calibration ({} for weight-only outputs)."""
+    acts = getattr(fmt, "activations", "none")
+    if acts == "none":
+        return {}
+    return {"activations": {"scheme": acts, "input_scale_suffix": fmt.input_suffix if acts == "nvfp4" else None,
+                            "calibration": getattr(fmt, "calibration", None)}}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -104,6 +104,8 @@ class OutputFormat:
     swizzled = False  # block scales in the 128x4 layout (engines swizzle at load, so theirs are linear)
     schemes: tuple[str, ...] = tuple(SCHEMES)
     packed_suffix, scale_suffix, global_suffix = ".weight_packed", ".weight_scale", ".weight_global_scale"
+    input_suffix = ""  # W4A4: the static activation scale's suffix ("" where the format has none)
+    activations = "none"  # W4A4 formats (with_activations) say which activation quantization they write
 
     def check(self, scheme: str, rotate: str | None) -> None:
         """Refuse settings this format cannot carry faithfully."""
@@ -270,3 +272,78 @@ def update_config(dst: Path, key: str, value: dict) -> None:
     cfg = restore_config(read_json(path))
     cfg[key] = value
     write_json(path, cfg)
+
+
+# -- W4A4: activation quantization the engines apply (docs/formats.md "W4A4") -------------------
+
+CONSTANT_AMAX = 2688.0  # ModelOpt's constant_amax recipe: 6 * 448, i.e. input_scale 1.0 (no calibration)
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 value (as a Python float)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def input_encode_scale(amax: float) -> float:
+    """The activation ENCODE scale 448 * 6 / amax, as fp32 division gives it (one correctly rounded
+    fp32 operation on fp32 operands, which double arithmetic rounded once to fp32 reproduces)."""
+    a = f32(amax)
+    if not (a > 0 and a != float("inf")):
+        raise ValueError(f"activation amax {amax!r} is not finite and positive")
+    return f32(CONSTANT_AMAX / a)
+
+
+class ActivationScales:
+    """Mixin over an OutputFormat: W4A4 (the format's own activation convention).
+
+    NVFP4: one static activation scale per quantized linear, stored beside the weight's global scale
+    with the same shape and the same encode/decode convention as that format's weight global
+    (compressed-tensors ``input_global_scale`` F32 [1], the ENCODE scale; ModelOpt ``input_scale`` F32
+    scalar, the DECODE scale: its reciprocal). MXFP4: dynamic activations, nothing stored. Planning
+    needs names and shapes only; the values (``input_amax``: module -> amax, fused members already
+    sharing) are set by :func:`fp4convert.calibrate.activation_amax` before anything is written.
+    """
+
+    activations: str = "nvfp4"
+    input_amax: dict
+
+    def _input_gs(self, module: str) -> float:
+        try:
+            return input_encode_scale(self.input_amax[module])
+        except KeyError:
+            raise RuntimeError(f"internal: no activation amax for {module} (calibration did not cover it)") from None
+
+    def entries(self, module, shape, scheme, rotate=None):
+        out = super().entries(module, shape, scheme, rotate)
+        if self.activations == "nvfp4":
+            out.append(OutEntry(module + self.input_suffix, "F32", self.global_shape(tuple(shape[:-2]))))
+        return out
+
+    def tensors(self, module, q):
+        out = super().tensors(module, q)
+        if self.activations == "nvfp4":
+            import torch
+
+            lead = tuple(q.packed.shape[:-2])
+            out.append((module + self.input_suffix,
+                        self.global_value(torch.full(lead, self._input_gs(module), dtype=torch.float32))))
+        return out
+
+    def raw_tensors(self, module, packed, scale, gs, scheme, rotate):
+        out = super().raw_tensors(module, packed, scale, gs, scheme, rotate)
+        if self.activations == "nvfp4":  # the raw path writes whole 2-D matrices: one value
+            out.append((module + self.input_suffix, struct.pack("<f", self.global_float(self._input_gs(module)))))
+        return out
+
+
+def with_activations(fmt: OutputFormat, activations: str) -> OutputFormat:
+    """``fmt`` writing W4A4 (a fresh object: the registry's shared one stays weight-only)."""
+    if activations == "none":
+        return fmt
+    if not fmt.input_suffix and activations == "nvfp4":
+        raise ConfigError(f"--format {fmt.name} has no activation scale convention; use compressed-tensors or modelopt")
+    cls = type(f"W4A4{type(fmt).__name__}", (ActivationScales, type(fmt)), {})
+    out = cls()
+    out.activations = activations
+    out.input_amax = {}
+    return out

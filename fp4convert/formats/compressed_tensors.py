@@ -46,6 +46,7 @@ def hadamard16_bf16_bytes() -> bytes:
 class CompressedTensorsFormat(OutputFormat):
     name = "compressed-tensors"
     swizzled = False
+    input_suffix = ".input_global_scale"  # W4A4 NVFP4: the activation ENCODE scale, F32 [1] like weight_global_scale
     transform_scheme = "had16"
 
     def _transform_name(self, module: str) -> str:
@@ -100,6 +101,9 @@ class CompressedTensorsFormat(OutputFormat):
             "ignore": ignore,
             "kv_cache_scheme": None,
         }
+        acts = self.input_activations()
+        if acts is not None:
+            qc["config_groups"]["group_0"]["input_activations"] = acts
         if info.rotate == "had16":
             # W_rot = W @ blockdiag(H16/4) was fused offline ("weight_input", inverse); the runtime must
             # rotate activations the same way ("input"). Only the online entry is executed by vLLM.
@@ -120,6 +124,19 @@ class CompressedTensorsFormat(OutputFormat):
                 }
             }
         return qc
+
+    def input_activations(self) -> dict | None:
+        """W4A4: compressed-tensors' own NVFP4 / MXFP4 presets (quantization/quant_scheme.py):
+        NVFP4 per-16 local FP8 scales computed at run time under the stored static global
+        (``dynamic: "local"``), MXFP4 fully dynamic per-32 E8M0 scales. ``scale_dtype`` is needed:
+        without it compressed-tensors 0.20 leaves the run-time block scales unrounded (not FP8)."""
+        if self.activations == "nvfp4":
+            return {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+                    "symmetric": True, "dynamic": "local", "scale_dtype": "torch.float8_e4m3fn"}
+        if self.activations == "mxfp4":
+            return {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+                    "symmetric": True, "dynamic": True, "scale_dtype": "torch.uint8"}
+        return None
 
     def finalize(self, dst: Path, info: OutputInfo) -> list[str]:
         update_config(dst, "quantization_config", self.quantization_config(info))

@@ -25,6 +25,7 @@ class ModelOptFormat(OutputFormat):
     swizzled = False
     schemes = ("nvfp4",)
     packed_suffix, scale_suffix, global_suffix = ".weight", ".weight_scale", ".weight_scale_2"
+    input_suffix = ".input_scale"  # W4A4: the activation DECODE scale amax / 2688, F32 scalar like weight_scale_2
 
     def check(self, scheme: str, rotate: str | None) -> None:
         if scheme != "nvfp4":
@@ -55,6 +56,12 @@ class ModelOptFormat(OutputFormat):
         exclude = list(info.kept_modules) or ["lm_head"]  # SGLang refuses an empty list
         return {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": exclude}
 
+    def input_activations(self) -> dict | None:
+        """W4A4: ModelOpt's NVFP4 activation entry (static global ``input_scale``, per-16 FP8 scales)."""
+        if self.activations == "nvfp4":
+            return {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+        return None
+
     def finalize(self, dst: Path, info: OutputInfo) -> list[str]:
         producer = version_producer()
         quant = self.quant_section(info)
@@ -65,7 +72,8 @@ class ModelOptFormat(OutputFormat):
         update_config(dst, "quantization_config", {
             "quant_method": "modelopt",
             "quant_algo": "NVFP4",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": self.input_activations()}},
             "group_size": 16,
             "kv_cache_quant_algo": None,
             "ignore": quant["exclude_modules"],
