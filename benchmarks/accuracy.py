@@ -188,15 +188,28 @@ def quantized_linears(model: torch.nn.Module) -> tuple[str, ...]:
 
 
 def load_bench(name: str, n_tokens: int = 16384, seq_len: int = 512, batch: int = 4,
-               cache: Path = DEFAULT_CACHE, dither: bool = False, threads: int | None = None) -> Bench:
-    """Load the model (fp32, eval mode), its text, and the base model's log-probs on that text."""
+               cache: Path = DEFAULT_CACHE, dither: bool = False, threads: int | None = None,
+               export: bool = True) -> Bench:
+    """Load the model (fp32, eval mode), its text, and the base model's log-probs on that text.
+
+    ``export=False`` reads the GGUF directly and writes no checkpoint (``Bench.checkpoint`` is then
+    the GGUF file): for in-process quantization (:func:`quantize_linears`), as the CI test does.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if threads:
         torch.set_num_threads(threads)
-    ckpt = export_checkpoint(name, cache, dither)
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(ckpt)
+    if export:
+        ckpt = export_checkpoint(name, cache, dither)
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(ckpt)
+    else:
+        ckpt = gguf_path(name)
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = AutoModelForCausalLM.from_pretrained(ckpt.parent, gguf_file=ckpt.name, dtype=torch.float32).eval()
+            tok = AutoTokenizer.from_pretrained(ckpt.parent, gguf_file=ckpt.name)
+        if dither:
+            _dither_(model)
     ids = load_text(tok, n_tokens, seq_len)
     bench = Bench(name, model, ckpt, ids, batch=batch, linears=quantized_linears(model))
     nll, count = 0.0, 0
@@ -284,8 +297,45 @@ def load_compressed_tensors(folder: Path, names: tuple[str, ...], rotate: str | 
     return out
 
 
-def fp4convert_weights(bench: Bench, scheme: str, rule: str, rotate: str | None, work: Path) -> dict[str, torch.Tensor]:
-    """Convert the checkpoint with fp4convert (compressed-tensors) and load it back with transformers."""
+def decode_compressed_tensors(folder: Path, names: tuple[str, ...], rotate: str | None = None) -> dict[str, torch.Tensor]:
+    """The same weights as :func:`load_compressed_tensors`, decoded from the files with the reference.
+
+    ``value(code) * sf / gs`` (NVFP4) or ``value(code) * 2^(e - 127)`` (MXFP4), then Had16 for
+    ``rotate``. A tenth of transformers' load time; :func:`run` checks the two agree bit for bit.
+    """
+    from safetensors.torch import load_file
+
+    q: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        q.update(load_file(str(f)))
+    out = {}
+    for n in names:
+        base = n[: -len("weight")]
+        packed, scale = q[base + "weight_packed"], q[base + "weight_scale"]
+        if base + "weight_global_scale" in q:
+            w = ref.nvfp4_dequantize(packed, scale, q[base + "weight_global_scale"].float().reshape(()))
+        else:
+            w = ref.mxfp4_dequantize(packed, scale)
+        out[n] = ref.inverse_had16(w) if rotate == "had16" else w
+    return out
+
+
+def check_loaders(folder: Path, names: tuple[str, ...]) -> None:
+    """Refuse to go on unless transformers' compressed-tensors load equals our decode bit for bit.
+
+    compressed-tensors decompresses in bf16 (even into an fp32 model), so its weights are the exact
+    decode rounded to bf16: that is what is compared. The benchmark evaluates the exact fp32 decode.
+    """
+    loaded = load_compressed_tensors(folder, names)  # both in the stored (rotated) domain
+    decoded = decode_compressed_tensors(folder, names)
+    bad = [n for n in names if not torch.equal(loaded[n], decoded[n].bfloat16().float())]
+    if bad:
+        raise AssertionError(f"{folder.name}: transformers' load differs from the decode for {len(bad)} weights, e.g. {bad[0]}")
+
+
+def fp4convert_weights(bench: Bench, scheme: str, rule: str, rotate: str | None, work: Path,
+                       check: bool = False) -> dict[str, torch.Tensor]:
+    """Convert the checkpoint with fp4convert (compressed-tensors) and decode the output folder."""
     from fp4convert.config import ConvertConfig
     from fp4convert.convert import convert
 
@@ -293,16 +343,60 @@ def fp4convert_weights(bench: Bench, scheme: str, rule: str, rotate: str | None,
     cfg = ConvertConfig(scheme=scheme, scale_rule=rule, rotate=rotate, format="compressed-tensors",
                         device="cpu", overwrite=True)
     convert(str(bench.checkpoint), str(dst), cfg)
-    return load_compressed_tensors(dst, bench.linears, rotate)
+    w = decode_compressed_tensors(dst, bench.linears, rotate)
+    if check:
+        check_loaders(dst, bench.linears)
+    return w
 
 
-def peer_weights(bench: Bench, scheme: str, peer_python: str, work: Path) -> dict[str, torch.Tensor]:
+def peer_weights(bench: Bench, scheme: str, peer_python: str, work: Path, check: bool = False) -> dict[str, torch.Tensor]:
     """llm-compressor's model_free_ptq output (its own venv), loaded the same way as ours."""
     dst = work / f"llmc-{scheme}"
     if not (dst / "config.json").exists():
         subprocess.run([peer_python, "-c", PEER_SNIPPET, str(bench.checkpoint), str(dst), PEER_PRESETS[scheme]],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return load_compressed_tensors(dst, bench.linears)
+    w = decode_compressed_tensors(dst, bench.linears)
+    if check:
+        check_loaders(dst, bench.linears)
+    return w
+
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # groups that share one NVFP4 global scale
+
+
+def fused_groups(names: tuple[str, ...]) -> list[list[str]]:
+    """The linears in the converter's fused groups (q/k/v, gate/up of one layer), others alone."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        key = n
+        for members in FUSED:
+            for m in members:
+                if f".{m}." in n:
+                    key = n.replace(f".{m}.", f".{'+'.join(members)}.")
+        groups.setdefault(key, []).append(n)
+    return list(groups.values())
+
+
+def quantize_linears(bench: Bench, scheme: str, rule: str | None = None, rotate: str | None = None,
+                     backend: str = "auto") -> dict[str, torch.Tensor]:
+    """In-process: the model's linears through fp4convert.quantize / dequantize (fp32), fused groups
+    sharing the NVFP4 global amax as the converter does; Had16 undone on the weight (W' = Q(W H) H^T).
+
+    The same arithmetic as the converter's output (tested bit for bit elsewhere); no files written.
+    """
+    import fp4convert
+
+    params = dict(bench.model.named_parameters())
+    out = {}
+    for group in fused_groups(bench.linears):
+        ws = [params[n].detach() for n in group]
+        amax = None
+        if SCHEMES[scheme].global_scale:
+            amax = torch.stack([fp4convert.amax(w, rotate=rotate) for w in ws]).amax()
+        for n, w in zip(group, ws):
+            q = fp4convert.quantize(w, scheme, rotate=rotate, global_amax=amax, scale_rule=rule, backend=backend)
+            out[n] = fp4convert.dequantize(q, torch.float32, backend=backend)  # the rotation undone
+    return out
 
 
 def weight_mse(bench: Bench, weights: dict[str, torch.Tensor]) -> float:
@@ -329,7 +423,7 @@ def run(args: argparse.Namespace) -> dict:
     for scheme in args.scheme:
         if args.peer_python:
             t = time.time()
-            w = peer_weights(bench, scheme, args.peer_python, work)
+            w = peer_weights(bench, scheme, args.peer_python, work, check=True)
             rows.append({"variant": f"llm-compressor {PEER_PRESETS[scheme]}", "scheme": scheme, "rule": "llm-compressor",
                          "rotate": None, **evaluate(bench, w), "weight_rel_mse": weight_mse(bench, w)})
             log.info("%s (%.0f s)", rows[-1], time.time() - t)
@@ -337,7 +431,8 @@ def run(args: argparse.Namespace) -> dict:
             if args.rules and rule not in args.rules:
                 continue
             t = time.time()
-            w = fp4convert_weights(bench, s, rule, rot, work)
+            # transformers' load is checked against the decode once per scheme and rotation
+            w = fp4convert_weights(bench, s, rule, rot, work, check=(rule == SCHEMES[s].scale_rules[0]))
             rows.append({"variant": f"fp4convert {s} {rule}" + (f" + {rot}" if rot else ""), "scheme": s, "rule": rule,
                          "rotate": rot, **evaluate(bench, w), "weight_rel_mse": weight_mse(bench, w)})
             log.info("%s (%.0f s)", rows[-1], time.time() - t)

@@ -269,10 +269,12 @@ def main() -> None:
 @click.argument("src")
 @click.argument("dst", type=click.Path(file_okay=False))
 @click.option("--scheme", type=click.Choice(list(SCHEMES)), default="nvfp4", show_default=True, help="FP4 scheme.")
-@click.option("--rotate", type=click.Choice(["had16"]), default=None, help="Rotate weights with a 16-point Hadamard first.")
+@click.option("--rotate", type=click.Choice(["had16"]), default=None,
+              help="Rotate weights with a 16-point Hadamard first. For W4A4 serving (activations quantized "
+                   "too); weight-only it raised next-token KL on the models measured (BENCHMARKS.md).")
 @click.option("--scale-rule", type=click.Choice(SCALE_RULES), default=None,
-              help="How block scales are chosen. NVFP4: max (default), 4over6, mse; MXFP4: floor (default, OCP), "
-                   "rceil, mse. The search rules (4over6, mse) never give a block more error than the default.")
+              help="How block scales are chosen. NVFP4: wmse (default), max, 4over6, mse; MXFP4: wmse (default), "
+                   "floor (OCP), rceil, mse. wmse: the lowest x^2-weighted block error, best measured on real LMs.")
 @click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS)), default="fp4convert", show_default=True,
               help="On-disk convention: fp4convert (native, swizzled scales; export it for engines), "
                    "compressed-tensors (vLLM, transformers) or modelopt (vLLM/SGLang/TensorRT-LLM, NVFP4).")
