@@ -420,22 +420,35 @@ def run(args: argparse.Namespace) -> dict:
     work = Path(args.cache) / (args.model + ("-dither" if args.dither else "")) / "out"
     rows = []
     rotations = [None if r == "none" else r for r in args.rotate]
+    wanted = None
+    if args.variants:  # "scheme:rule:rotation" (rule "peer" for llm-compressor), e.g. nvfp4:wmse:had16
+        wanted = {tuple(v.split(":")) for v in args.variants}
+    meta = {"model": args.model, "dither": args.dither, "tokens": int(bench.ids.numel()), "seq_len": args.seq_len,
+            "base_ppl": bench.base_ppl}
+
+    def done(row: dict) -> None:
+        rows.append(row)
+        log.info("%s", row)
+        if args.json:  # after every row, so a long run that is stopped keeps what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({**meta, "rows": rows, "partial": True}, indent=1) + "\n")
+
     for scheme in args.scheme:
-        if args.peer_python:
+        if args.peer_python and (wanted is None or (scheme, "peer", "none") in wanted):
             t = time.time()
             w = peer_weights(bench, scheme, args.peer_python, work, check=True)
-            rows.append({"variant": f"llm-compressor {PEER_PRESETS[scheme]}", "scheme": scheme, "rule": "llm-compressor",
-                         "rotate": None, **evaluate(bench, w), "weight_rel_mse": weight_mse(bench, w)})
-            log.info("%s (%.0f s)", rows[-1], time.time() - t)
+            done({"variant": f"llm-compressor {PEER_PRESETS[scheme]}", "scheme": scheme, "rule": "llm-compressor",
+                  "rotate": None, **evaluate(bench, w), "weight_rel_mse": weight_mse(bench, w), "s": time.time() - t})
         for s, rule, rot in variants([scheme], rotations):
             if args.rules and rule not in args.rules:
                 continue
+            if wanted is not None and (s, rule, rot or "none") not in wanted:
+                continue
             t = time.time()
             # transformers' load is checked against the decode once per scheme and rotation
-            w = fp4convert_weights(bench, s, rule, rot, work, check=(rule == SCHEMES[s].scale_rules[0]))
-            rows.append({"variant": f"fp4convert {s} {rule}" + (f" + {rot}" if rot else ""), "scheme": s, "rule": rule,
-                         "rotate": rot, **evaluate(bench, w), "weight_rel_mse": weight_mse(bench, w)})
-            log.info("%s (%.0f s)", rows[-1], time.time() - t)
+            w = fp4convert_weights(bench, s, rule, rot, work, check=(rule == SCHEMES[s].scale_rules[0] and rot is None))
+            done({"variant": f"fp4convert {s} {rule}" + (f" + {rot}" if rot else ""), "scheme": s, "rule": rule,
+                  "rotate": rot, **evaluate(bench, w), "weight_rel_mse": weight_mse(bench, w), "s": time.time() - t})
     for r in rows:  # KL relative to the peer of the same scheme
         peer = [p for p in rows if p["scheme"] == r["scheme"] and p["rule"] == "llm-compressor"]
         r["kl_vs_peer"] = r["kl"] / peer[0]["kl"] if peer else None
@@ -466,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scheme", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     p.add_argument("--rules", nargs="*", help="only these scale rules (default: every rule of each scheme)")
     p.add_argument("--rotate", nargs="+", default=["none", "had16"], choices=["none", "had16"])
+    p.add_argument("--variants", nargs="*", help="only these, as scheme:rule:rotation (rule 'peer': llm-compressor)")
     p.add_argument("--peer-python", help="a python with llmcompressor installed (its own venv)")
     p.add_argument("--dither", action="store_true", help="the control copy with the release's 4-bit grid smoothed away")
     p.add_argument("--cache", default=str(DEFAULT_CACHE))

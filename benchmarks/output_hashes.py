@@ -14,7 +14,7 @@ manifest records the source path.
 The scale rules are pinned (``PINNED``: NVFP4 ``max``, MXFP4 ``floor``, the defaults until issue 22), so
 the hashes compare like with like across a change of the default rules: the bytes of a pinned run are
 those of the old default run (the manifest records the resolved rule either way). ``--defaults`` runs
-with no ``--scale-rule`` instead (today NVFP4 ``wmse``, MXFP4 ``wmse``), whose bytes moved with issue 22.
+with no ``--scale-rule`` instead (today NVFP4 ``4over6``, MXFP4 ``wmse``), whose bytes moved with issue 22.
 """
 
 from __future__ import annotations

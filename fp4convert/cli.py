@@ -273,8 +273,8 @@ def main() -> None:
               help="Rotate weights with a 16-point Hadamard first. For W4A4 serving (activations quantized "
                    "too); weight-only it raised next-token KL on the models measured (BENCHMARKS.md).")
 @click.option("--scale-rule", type=click.Choice(SCALE_RULES), default=None,
-              help="How block scales are chosen. NVFP4: wmse (default), max, 4over6, mse; MXFP4: wmse (default), "
-                   "floor (OCP), rceil, mse. wmse: the lowest x^2-weighted block error, best measured on real LMs.")
+              help="How block scales are chosen. NVFP4: 4over6 (default), max, mse, wmse; MXFP4: wmse (default), "
+                   "floor (OCP), rceil, mse. The defaults gave the lowest KL on a real LM (BENCHMARKS.md).")
 @click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS)), default="fp4convert", show_default=True,
               help="On-disk convention: fp4convert (native, swizzled scales; export it for engines), "
                    "compressed-tensors (vLLM, transformers) or modelopt (vLLM/SGLang/TensorRT-LLM, NVFP4).")

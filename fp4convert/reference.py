@@ -42,7 +42,7 @@ SCALE_RULES: dict[str, tuple[str, ...]] = {
 # The rule used when none is given: the best measured on real language models (BENCHMARKS.md,
 # benchmarks/accuracy.py). The reference functions' own ``scale_rule`` arguments keep the textbook
 # rules as their defaults; the converter and fp4convert.quantize resolve None to these.
-DEFAULT_SCALE_RULE: dict[str, str] = {"nvfp4": "wmse", "mxfp4": "wmse"}
+DEFAULT_SCALE_RULE: dict[str, str] = {"nvfp4": "4over6", "mxfp4": "wmse"}
 
 E4M3_MAX_CODE = 0x7E  # 448; 0x7F is NaN
 E8M0_MAX_EXP = 254  # 2^127; 255 is NaN

@@ -42,7 +42,7 @@ class Scheme:
         return k // self.block_size
 
 
-NVFP4 = Scheme("nvfp4", 16, "e4m3", "F8_E4M3", True, ("max", "4over6", "mse", "wmse"), "wmse")
+NVFP4 = Scheme("nvfp4", 16, "e4m3", "F8_E4M3", True, ("max", "4over6", "mse", "wmse"), "4over6")
 MXFP4 = Scheme("mxfp4", 32, "e8m0", "U8", False, ("floor", "rceil", "mse", "wmse"), "wmse")
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (NVFP4, MXFP4)}
 ROTATIONS: tuple[str, ...] = ("had16",)

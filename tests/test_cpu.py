@@ -108,7 +108,7 @@ def test_every_rule_matches_reference(scheme: str, rule: str, rotate: str | None
 def test_default_rule_is_the_measured_one_and_positional_callers_keep_working() -> None:
     x = random_weight(8, 64, fresh_seed())[None]
     gs = ref.global_scale(ref.tensor_amax(x[0]).reshape(1))
-    for scheme, g, default in (("nvfp4", gs, "wmse"), ("mxfp4", None, "wmse")):
+    for scheme, g, default in (("nvfp4", gs, "4over6"), ("mxfp4", None, "wmse")):
         assert ref.DEFAULT_SCALE_RULE[scheme] == default
         a = cpu.quantize(x, scheme, g, None, False)
         b = cpu.quantize(x, scheme, g, None, False, default)
