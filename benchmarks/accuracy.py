@@ -409,6 +409,55 @@ def weight_mse(bench: Bench, weights: dict[str, torch.Tensor]) -> float:
     return sum(vals) / len(vals)
 
 
+def mxfp4_block_analysis(checkpoint: Path) -> dict[str, dict[str, float]]:
+    """Why rules differ at the model level: per layer type, the share of 32-blocks whose maximum lands
+    in [7, 8) under the floor exponent (the only blocks where the exponent choice moves the maximum),
+    each rule's share of blocks one exponent up, how often it disagrees with llm-compressor's rule
+    (up when the maximum's mantissa is >= 1.75), its mean relative error on block maxima and its
+    relative weight MSE. ``--analyze`` prints it (BENCHMARKS.md quotes the numbers)."""
+    from collections import defaultdict
+
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(checkpoint).glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    agg: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    rules = ("floor", "rceil", "mse", "wmse")
+    for n, w in sd.items():
+        if not n.endswith("proj.weight") or w.dim() != 2 or w.shape[-1] % 32:
+            continue
+        w = w.float()
+        blocks = w.reshape(w.shape[0], -1, 32)
+        bmax = blocks.abs().amax(-1)
+        e = ref.e8m0_encode_from_bmax(bmax).int()
+        scaled = bmax * ref.pow2_f32(127 - e)
+        llmc = torch.where(scaled >= 7, e + 1, e)
+        idx = blocks.abs().argmax(-1, keepdim=True)
+        xm = blocks.gather(-1, idx)[..., 0]
+        for kind in (n.split(".")[-2], "all"):
+            a = agg[kind]
+            a["blocks"] += bmax.numel()
+            a["max in [7,8)"] += (scaled >= 7).sum().item()
+            a["llm-compressor up"] += (llmc != e).sum().item()
+            a["wsq"] += (blocks**2).sum().item()
+        for rule in rules:
+            p, sc = ref.mxfp4_quantize(w, None, rule)
+            db = ref.mxfp4_dequantize(p, sc).reshape(blocks.shape)
+            for kind in (n.split(".")[-2], "all"):
+                a = agg[kind]
+                a[f"{rule} up"] += (sc.int() != e).sum().item()
+                a[f"{rule} != llm-compressor"] += (sc.int() != llmc).sum().item()
+                a[f"{rule} block-max rel err"] += ((db.gather(-1, idx)[..., 0] - xm).abs() / xm.abs().clamp(min=1e-30)).sum().item()
+                a[f"{rule} rel mse"] += ((db - blocks) ** 2).sum().item()
+    out = {}
+    for kind, a in agg.items():
+        nb = a["blocks"]
+        out[kind] = {k: (v / a["wsq"] if k.endswith("rel mse") else v / nb) for k, v in a.items() if k not in ("blocks", "wsq")}
+        out[kind]["blocks"] = int(nb)
+    return out
+
+
 def variants(schemes: list[str], rotations: list[str | None]) -> list[tuple[str, str, str | None]]:
     return [(s, r, rot) for s in schemes for rot in rotations for r in SCHEMES[s].scale_rules]
 
@@ -485,7 +534,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", default=str(DEFAULT_CACHE))
     p.add_argument("--threads", type=int)
     p.add_argument("--json")
+    p.add_argument("--analyze", action="store_true", help="only the MXFP4 block-maximum analysis of the checkpoint")
     args = p.parse_args(argv)
+    if args.analyze:
+        result = mxfp4_block_analysis(export_checkpoint(args.model, Path(args.cache), args.dither))
+        print(json.dumps(result, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("fp4convert").setLevel(logging.WARNING)
     import transformers
