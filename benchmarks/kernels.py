@@ -3,7 +3,7 @@
 For 8192x8192 and 16384x16384 bf16 it prints, per pass: median time (triton.testing.do_bench,
 which flushes L2 between repetitions), GB/s counting SPEC.md's bytes, and % of the copy bandwidth
 measured in the same run. Then:
-- the scale-rule table (NVFP4 max / 4over6 / mse, MXFP4 floor / rceil / mse, plain and Had16): time,
+- the scale-rule table (NVFP4 max / 4over6 / mse / wmse, MXFP4 floor / rceil / mse / wmse, plain and Had16): time,
   % of copy, and the ratio to the plain rule (issue 13's target: <= 1.5x at 16384^2 on the H100);
 - the input decode kernels (fp8 block / per-row scaled, gpt-oss mxfp4 blocks -> fp32), GB/s vs copy;
 - the public-API overhead rows (issue 10): ``fp4convert.quantize(x, "nvfp4", global_amax=a)`` against
@@ -245,7 +245,7 @@ def run(size: int, rows: list[dict], peers: bool, api_only: bool = False) -> Non
         log.warning("fouroversix peer unavailable: %s: %s", type(exc).__name__, str(exc)[:300])
 
 
-RULES = {"nvfp4": ("max", "4over6", "mse"), "mxfp4": ("floor", "rceil", "mse")}
+RULES = {"nvfp4": ("max", "4over6", "mse", "wmse"), "mxfp4": ("floor", "rceil", "mse", "wmse")}
 
 
 def scale_rules(size: int, xs: list[torch.Tensor], amax, amax_r, add, rows: list[dict]) -> None:

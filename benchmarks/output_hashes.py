@@ -10,6 +10,11 @@ The matrix: the shipped example and a multi-shard MoE (3 source shards, outputs 
 in every output format and scheme the format accepts, with and without Had16 where it applies,
 plus ``export`` of the native output into each engine format. Same work folder both times: the
 manifest records the source path.
+
+The scale rules are pinned (``PINNED``: NVFP4 ``max``, MXFP4 ``floor``, the defaults until issue 22), so
+the hashes compare like with like across a change of the default rules: the bytes of a pinned run are
+those of the old default run (the manifest records the resolved rule either way). ``--defaults`` runs
+with no ``--scale-rule`` instead (today NVFP4 ``4over6``, MXFP4 ``wmse``), whose bytes moved with issue 22.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from click.testing import CliRunner  # noqa: E402
 from fp4convert.cli import main  # noqa: E402
 from tests import checkpoints  # noqa: E402
 
+PINNED = {"nvfp4": "max", "mxfp4": "floor"}  # the rule each run uses unless --defaults
 MATRIX = [
     ("fp4convert", "nvfp4", None), ("fp4convert", "mxfp4", None), ("fp4convert", "nvfp4", "had16"),
     ("compressed-tensors", "nvfp4", None), ("compressed-tensors", "mxfp4", None),
@@ -50,6 +56,7 @@ def run(args: list[str]) -> None:
 def main_() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp4convert-hashes"))
+    ap.add_argument("--defaults", action="store_true", help="the schemes' default scale rules instead of PINNED")
     a = ap.parse_args()
     work: Path = a.work
     shutil.rmtree(work, ignore_errors=True)
@@ -62,7 +69,8 @@ def main_() -> None:
             name = f"{label}-{fmt}-{scheme}{'-' + rot if rot else ''}"
             dst = work / "out" / name
             run(["quantize", str(src), str(dst), "--format", fmt, "--scheme", scheme, "--device", "cpu",
-                 "--max-shard-size", "40kB", "--quiet", *(["--rotate", rot] if rot else [])])
+                 "--max-shard-size", "40kB", "--quiet", *(["--rotate", rot] if rot else []),
+                 *([] if a.defaults else ["--scale-rule", PINNED[scheme]])])
             out[name] = digest(dst)
             if fmt == "fp4convert":
                 for target in ("compressed-tensors", "modelopt"):

@@ -24,8 +24,9 @@
 
 namespace fp4c {
 
-// Scale rules (the launchers' int scale_rule): NVFP4 max / 4over6 / mse, MXFP4 floor / rceil / mse.
-enum : int { RULE_PLAIN = 0, RULE_ALT = 1, RULE_MSE = 2 };
+// Scale rules (the launchers' int scale_rule): NVFP4 max / 4over6 / mse / wmse, MXFP4 floor / rceil /
+// mse / wmse. wmse is mse with the x^2-weighted block error (reference.block_error, weighted=True).
+enum : int { RULE_PLAIN = 0, RULE_ALT = 1, RULE_MSE = 2, RULE_WMSE = 3 };
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
@@ -287,7 +288,9 @@ __device__ __forceinline__ uint32_t encode8(const float* v, float r) {
 // value 1 at the smallest normal, so its bits are exactly idx << 22 for every E2M1 value q (0.5 is
 // the subnormal 2^-127 = 1 << 22, 6 is 1.5 * 2^-124 = 7 << 22): one multiply and one shift-add.
 //   Hardware path: the cvt's codes (signs included), decoded back by the hardware (exact).
-template <int N, bool CLAMP>
+//   WEIGHTED (the wmse rules): e = e * x_i before squaring, one more fp32 multiply; on the software
+// path e * |x| = +-(e * x) exactly, so the square is the reference's.
+template <int N, bool CLAMP, bool WEIGHTED = false>
 __device__ __forceinline__ float block_err_codes(const float* v, float r, float d, uint32_t* codes) {
   float err = 0.0f;
 #if FP4C_HW_E2M1
@@ -300,9 +303,11 @@ __device__ __forceinline__ float block_err_codes(const float* v, float r, float 
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float2 q = e2m1x2_values_hw(codes[j / 8] >> (8 * i));
-      const float e0 = __fsub_rn(__fmul_rn(q.x, d), v[j + 2 * i]);
+      float e0 = __fsub_rn(__fmul_rn(q.x, d), v[j + 2 * i]);
+      if constexpr (WEIGHTED) e0 = __fmul_rn(e0, v[j + 2 * i]);
       err = __fadd_rn(err, __fmul_rn(e0, e0));
-      const float e1 = __fsub_rn(__fmul_rn(q.y, d), v[j + 2 * i + 1]);
+      float e1 = __fsub_rn(__fmul_rn(q.y, d), v[j + 2 * i + 1]);
+      if constexpr (WEIGHTED) e1 = __fmul_rn(e1, v[j + 2 * i + 1]);
       err = __fadd_rn(err, __fmul_rn(e1, e1));
     }
   }
@@ -316,7 +321,8 @@ __device__ __forceinline__ float block_err_codes(const float* v, float r, float 
     const uint32_t idx22 = __float_as_uint(__fmul_rn(q, 0x1p-126f));
     const int j = 4 * (i % 8);
     codes[i / 8] += j <= 22 ? idx22 >> (22 - j) : idx22 << (j - 22);
-    const float e = __fsub_rn(__fmul_rn(q, d), a);
+    float e = __fsub_rn(__fmul_rn(q, d), a);
+    if constexpr (WEIGHTED) e = __fmul_rn(e, a);
     err = i == 0 ? __fmul_rn(e, e) : __fadd_rn(err, __fmul_rn(e, e));  // 0 + e*e is e*e exactly
   }
 #endif
@@ -347,9 +353,9 @@ __device__ __forceinline__ float2 nvfp4_candidate(float gs, uint32_t byte) {
   return make_float2(sf > 0.0f ? fminf(__fdiv_rn(gs, sf), FLT_MAX) : 0.0f, __fdiv_rn(sf, gs));
 }
 
-// NVFP4 4over6 / mse for one block of 16; rd: the (r, d) table above. 4over6: b6 unless b4 has a
-// strictly lower error. mse: the lowest error among {b6, b4, b6 - 1} (b6 - 1 of byte 0 is 0), ties
-// to the larger byte.
+// NVFP4 4over6 / mse / wmse for one block of 16; rd: the (r, d) table above. 4over6: b6 unless b4
+// has a strictly lower error. mse: the lowest error among {b6, b4, b6 - 1} (b6 - 1 of byte 0 is 0),
+// ties to the larger byte; wmse: the same with the weighted error.
 template <int RULE>
 __device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, uint32_t bmax_bits,
                                                    const float2* rd, uint32_t codes[2], uint32_t& byte) {
@@ -360,20 +366,21 @@ __device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, 
   // matrix's own amax that is rare for b6 (subnormal scales) and never happens for b4; a given
   // group amax below the matrix's own saturates at 448 and needs it. b6 - 1 often needs it (about
   // 1 block in 40 on real weights, so most warps would take both paths): always clamped.
+  constexpr bool W = RULE == RULE_WMSE;
   const float bmax = __uint_as_float(bmax_bits);
   uint32_t c6[2], c4[2];
-  const float err6 = __fmul_rn(bmax, k6.x) >= 7.0f ? block_err_codes<16, true>(v, k6.x, k6.y, c6)
-                                                    : block_err_codes<16, false>(v, k6.x, k6.y, c6);
-  const float err4 = __fmul_rn(bmax, k4.x) >= 7.0f ? block_err_codes<16, true>(v, k4.x, k4.y, c4)
-                                                    : block_err_codes<16, false>(v, k4.x, k4.y, c4);
+  const float err6 = __fmul_rn(bmax, k6.x) >= 7.0f ? block_err_codes<16, true, W>(v, k6.x, k6.y, c6)
+                                                    : block_err_codes<16, false, W>(v, k6.x, k6.y, c6);
+  const float err4 = __fmul_rn(bmax, k4.x) >= 7.0f ? block_err_codes<16, true, W>(v, k4.x, k4.y, c4)
+                                                    : block_err_codes<16, false, W>(v, k4.x, k4.y, c4);
   uint32_t best = b6, k0 = c6[0], k1 = c6[1];
-  if constexpr (RULE == RULE_MSE) {
+  if constexpr (RULE == RULE_MSE || RULE == RULE_WMSE) {
     float best_err = err6;
     if (err4 <= best_err) best = b4, k0 = c4[0], k1 = c4[1], best_err = err4;  // a tie: the larger byte
     const uint32_t bm = b6 > 0u ? b6 - 1u : 0u;
     const float2 km = rd[bm];
     uint32_t cm[2];
-    const float errm = block_err_codes<16, true>(v, km.x, km.y, cm);
+    const float errm = block_err_codes<16, true, W>(v, km.x, km.y, cm);
     if (errm < best_err || (errm == best_err && bm > best)) best = bm, k0 = cm[0], k1 = cm[1];
   } else {
     if (err4 < err6) best = b4, k0 = c4[0], k1 = c4[1];  // ties keep the /6 scale
@@ -383,8 +390,9 @@ __device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, 
   byte = best;
 }
 
-// MXFP4 mse for one block of 32: e (floor) against min(e + 1, 254), ties to e. With e + 1 the values
-// stay below 4 (bmax * 2^(127 - e) < 8), so only e's error clamps.
+// MXFP4 mse (wmse: W, the weighted error) for one block of 32: e (floor) against min(e + 1, 254),
+// ties to e. With e + 1 the values stay below 4 (bmax * 2^(127 - e) < 8), so only e's error clamps.
+template <bool W>
 __device__ __forceinline__ void mxfp4_block_mse(const float v[32], uint32_t bmax_bits, uint32_t codes[4],
                                                 uint32_t& byte) {
   uint32_t e;
@@ -392,9 +400,9 @@ __device__ __forceinline__ void mxfp4_block_mse(const float v[32], uint32_t bmax
   const uint32_t e1 = min(e + 1u, 254u);
   const float r1 = pow2i(127 - (int)e1);
   uint32_t k0[4], k1[4];
-  const float err0 = block_err_codes<32, true>(v, r0, pow2i((int)e - 127), k0);
+  const float err0 = block_err_codes<32, true, W>(v, r0, pow2i((int)e - 127), k0);
   // e + 1 keeps every value below 4 (bmax * 2^(127 - e) < 8); e == 254 has no e + 1 (same candidate)
-  const float err1 = e1 == e ? err0 : block_err_codes<32, false>(v, r1, pow2i((int)e1 - 127), k1);
+  const float err1 = e1 == e ? err0 : block_err_codes<32, false, W>(v, r1, pow2i((int)e1 - 127), k1);
   const bool up = err1 < err0;
 #pragma unroll
   for (int w = 0; w < 4; ++w) codes[w] = (up ? k1[w] : k0[w]) | search_signs8(v + 8 * w);

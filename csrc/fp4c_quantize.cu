@@ -104,12 +104,12 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
     }
     const uint32_t mb = max(m0, m1);
     bad = mb >= 0x7F800000u;
-    if constexpr (RULE == RULE_MSE) {
+    if constexpr (RULE == RULE_MSE || RULE == RULE_WMSE) {
       if constexpr (ROT) {
         scale16(v, 0.25f);
         scale16(v + 16, 0.25f);
       }
-      mxfp4_block_mse(v, mb, codes, sb[0]);
+      mxfp4_block_mse<RULE == RULE_WMSE>(v, mb, codes, sb[0]);
     } else {
       float r = mxfp4_scale(mb, sb[0]);
       if constexpr (RULE == RULE_ALT) {  // rceil: the exponent up where the block would saturate
@@ -247,6 +247,7 @@ cudaError_t launch_rule(const QuantArgs& a, const TileArgs& t, int swizzle, int 
     case RULE_PLAIN: launch_one<DT, FMT, ROT, RULE_PLAIN>(a, t, swizzle, st); break;
     case RULE_ALT: launch_one<DT, FMT, ROT, RULE_ALT>(a, t, swizzle, st); break;
     case RULE_MSE: launch_one<DT, FMT, ROT, RULE_MSE>(a, t, swizzle, st); break;
+    case RULE_WMSE: launch_one<DT, FMT, ROT, RULE_WMSE>(a, t, swizzle, st); break;
     default: return (cudaError_t)FP4C_EINVAL;
   }
   return cudaGetLastError();
@@ -262,7 +263,7 @@ cudaError_t launch_dt(const QuantArgs& a, const TileArgs& t, int rotate, int swi
 
 // x: [B, M, K]; packed: [B, M, K/2]; scale: [B, M, K/bs] or [B, Mp, nbp]. NVFP4: amax fp32 [B] in,
 // gs fp32 [B] out (gs = 2688 / amax, 1 for 0, clamped to FLT_MAX); MXFP4: both null. scale_rule:
-// 0 max / floor, 1 4over6 / rceil, 2 mse. flag: int32 [B], zeroed by the caller (one memset for a
+// 0 max / floor, 1 4over6 / rceil, 2 mse, 3 wmse. flag: int32 [B], zeroed by the caller (one memset for a
 // batch of launches, or a store into a mapped pinned flag); flag[b] is set to 1 if a block of matrix
 // b or its given amax holds NaN/Inf. One kernel launch.
 FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int swizzle, int scale_rule, int64_t B,
@@ -271,7 +272,7 @@ FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int sw
   cudaStream_t st = (cudaStream_t)stream;
   const int bs = fmt == FMT_NVFP4 ? 16 : 32;
   if (B <= 0 || M < 0 || K < 0 || K % bs || (fmt != FMT_NVFP4 && fmt != FMT_MXFP4) ||
-      (fmt == FMT_NVFP4 && (!amax || !gs)) || scale_rule < 0 || scale_rule > 2)
+      (fmt == FMT_NVFP4 && (!amax || !gs)) || scale_rule < 0 || scale_rule > 3)
     return FP4C_EINVAL;
   const int64_t n = M * K;
   const int64_t nb = K / bs;

@@ -357,10 +357,12 @@ def main() -> None:
 @click.argument("src")
 @click.argument("dst", type=click.Path(file_okay=False))
 @click.option("--scheme", type=click.Choice(list(SCHEMES), case_sensitive=False), default="nvfp4", show_default=True, help="FP4 scheme.")
-@click.option("--rotate", type=click.Choice(["had16"], case_sensitive=False), default=None, help="Rotate weights with a 16-point Hadamard first.")
+@click.option("--rotate", type=click.Choice(["had16"], case_sensitive=False), default=None,
+              help="Rotate weights with a 16-point Hadamard first. Meant for W4A4 serving (activations quantized "
+                   "too); weight-only it raised NVFP4's next-token KL 1.2-1.8x on the model measured (BENCHMARKS.md).")
 @click.option("--scale-rule", type=click.Choice(SCALE_RULES, case_sensitive=False), default=None,
-              help="How block scales are chosen. NVFP4: max (default), 4over6, mse; MXFP4: floor (default, OCP), "
-                   "rceil, mse. The search rules (4over6, mse) never give a block more error than the default.")
+              help="How block scales are chosen. NVFP4: 4over6 (default), max, mse, wmse; MXFP4: wmse (default), "
+                   "floor (OCP), rceil, mse. The defaults gave the lowest KL on a real LM (BENCHMARKS.md).")
 @click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS), case_sensitive=False), default="fp4convert",
               show_default=True,
               help="On-disk convention: fp4convert (native, swizzled scales; export it for engines), "

@@ -23,7 +23,7 @@ class ConvertConfig:
 
     scheme: str = "nvfp4"
     rotate: str | None = None
-    scale_rule: str | None = None  # None: the scheme's default (NVFP4 max, MXFP4 floor)
+    scale_rule: str | None = None  # None: the scheme's default (scheme.py: NVFP4 4over6, MXFP4 wmse)
     format: str = DEFAULT_FORMAT
     ignore: tuple[str, ...] = ()
     only: tuple[str, ...] = ()

@@ -7,7 +7,7 @@ holds ~10x the tensor at once, which a 24 GiB machine cannot do for the largest 
 in cache. Measured alternatives for the E2M1 step (torch.bucketize on the seven thresholds, a
 2048-entry table on the float bits) were slower than the reference's predicate sum, which is used.
 
-The search scale rules (``4over6``, ``mse``) score each candidate scale on magnitudes only: with
+The search scale rules (``4over6``, ``mse``, ``wmse``) score each candidate scale on magnitudes only: with
 ``y = x * r``, ``|y| = |x| * r`` and ``value(code) * d - x = sign(x) * (|value| * d - |x|)`` exactly
 (IEEE rounding is symmetric), so the squared block error equals the reference's bit for bit while
 the candidates skip the sign and the packing; only the winner is encoded with signs.
@@ -66,14 +66,17 @@ def _e2m1_magnitude_(y: torch.Tensor) -> torch.Tensor:
     return y.div_(step).round_().mul_(step).clamp_(max=ref.E2M1_MAX)
 
 
-def _block_error(a: torch.Tensor, r: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def _block_error(a: torch.Tensor, r: torch.Tensor, d: torch.Tensor, weighted: bool = False) -> torch.Tensor:
     """CONTRACT.md's block error of |x| blocks a [R, nb, n] under multiplier r and step d [R, nb].
 
-    ``e = |value| * d - |x|``, squared, then added in element order (0 + e_0^2 is e_0^2 exactly, so
-    the sum starts from the first term).
+    ``e = |value| * d - |x|`` (times ``|x|`` when ``weighted``: ``(e * x)^2`` equals
+    ``(e' * |x|)^2`` exactly, e' = +-e), squared, then added in element order (0 + e_0^2 is e_0^2
+    exactly, so the sum starts from the first term).
     """
     e = _e2m1_magnitude_(a * r[..., None])
     e.mul_(d[..., None]).sub_(a)
+    if weighted:
+        e.mul_(a)
     e.mul_(e)
     err = e[..., 0].clone()
     for i in range(1, e.shape[-1]):
@@ -88,21 +91,22 @@ def _nvfp4_r_d(c: torch.Tensor, gsb: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def _nvfp4_search(a: torch.Tensor, gsb: torch.Tensor, s: torch.Tensor, rule: str) -> torch.Tensor:
-    """The scale bytes that ``4over6`` / ``mse`` choose (see reference._nvfp4_choose)."""
+    """The scale bytes that ``4over6`` / ``mse`` / ``wmse`` choose (see reference._nvfp4_choose)."""
     b6 = ref.e4m3_encode(torch.nan_to_num(s / ref.E2M1_MAX, nan=0.0))
     b4 = ref.e4m3_encode(torch.nan_to_num(s / 4.0, nan=0.0))
-    best, best_err = b6, _block_error(a, *_nvfp4_r_d(b6, gsb))
+    w = rule == "wmse"
+    best, best_err = b6, _block_error(a, *_nvfp4_r_d(b6, gsb), w)
     if rule == "4over6":
         return torch.where(_block_error(a, *_nvfp4_r_d(b4, gsb)) < best_err, b4, b6)
     for c in (b4, (b6.to(torch.int32) - 1).clamp(min=0).to(torch.uint8)):
-        e = _block_error(a, *_nvfp4_r_d(c, gsb))
+        e = _block_error(a, *_nvfp4_r_d(c, gsb), w)
         take = (e < best_err) | ((e == best_err) & (c > best))
         best, best_err = torch.where(take, c, best), torch.where(take, e, best_err)
     return best
 
 
 def _mxfp4_choose(a: torch.Tensor, bmax: torch.Tensor, rule: str) -> torch.Tensor:
-    """The E8M0 exponents of ``floor`` / ``rceil`` / ``mse`` (see reference._mxfp4_choose)."""
+    """The E8M0 exponents of ``floor`` / ``rceil`` / ``mse`` / ``wmse`` (see reference._mxfp4_choose)."""
     e = ref.e8m0_encode_from_bmax(bmax)
     if rule == "floor":
         return e
@@ -110,8 +114,9 @@ def _mxfp4_choose(a: torch.Tensor, bmax: torch.Tensor, rule: str) -> torch.Tenso
     up = (ei + 1).clamp(max=ref.E8M0_MAX_EXP)
     if rule == "rceil":
         return torch.where(bmax * ref.pow2_f32(127 - ei) > ref.E2M1_MAX, up, ei).to(torch.uint8)
-    err_e = _block_error(a, ref.pow2_f32(127 - ei), ref.pow2_f32(ei - 127))
-    err_up = _block_error(a, ref.pow2_f32(127 - up), ref.pow2_f32(up - 127))
+    w = rule == "wmse"
+    err_e = _block_error(a, ref.pow2_f32(127 - ei), ref.pow2_f32(ei - 127), w)
+    err_up = _block_error(a, ref.pow2_f32(127 - up), ref.pow2_f32(up - 127), w)
     return torch.where(err_up < err_e, up, ei).to(torch.uint8)
 
 

@@ -34,9 +34,15 @@ FLT_MAX = torch.finfo(torch.float32).max
 # Magnitudes of E2M1 codes 0..7; codes 8..15 are the same magnitudes negated.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-# Valid per-block scale rules per scheme, the first one being the default (the textbook scale).
-SCALE_RULES: dict[str, tuple[str, ...]] = {"nvfp4": ("max", "4over6", "mse"), "mxfp4": ("floor", "rceil", "mse")}
-DEFAULT_SCALE_RULE: dict[str, str] = {scheme: rules[0] for scheme, rules in SCALE_RULES.items()}
+# Valid per-block scale rules per scheme, in the kernels' rule-code order (index = launcher code).
+SCALE_RULES: dict[str, tuple[str, ...]] = {
+    "nvfp4": ("max", "4over6", "mse", "wmse"),
+    "mxfp4": ("floor", "rceil", "mse", "wmse"),
+}
+# The rule used when none is given: the best measured on real language models (BENCHMARKS.md,
+# benchmarks/accuracy.py). The reference functions' own ``scale_rule`` arguments keep the textbook
+# rules as their defaults; the converter and fp4convert.quantize resolve None to these.
+DEFAULT_SCALE_RULE: dict[str, str] = {"nvfp4": "4over6", "mxfp4": "wmse"}
 
 E4M3_MAX_CODE = 0x7E  # 448; 0x7F is NaN
 E8M0_MAX_EXP = 254  # 2^127; 255 is NaN
@@ -258,17 +264,24 @@ def _div(a: torch.Tensor, constant: float) -> torch.Tensor:
     return a / torch.full_like(a, constant)
 
 
-def block_error(blocks: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def block_error(blocks: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, weighted: bool = False) -> torch.Tensor:
     """Squared error of each block [..., n] under decode step d [...], in CONTRACT.md's order.
 
     ``err = 0; for i in 0..n-1: e = value(code_i) * d - x_i; err = err + e * e``, every step one fp32
     operation, elements in ascending order. torch's sum would add in another order (and round
     differently), so the loop is explicit: one fp32 op per line across all blocks at once.
+
+    ``weighted`` (the ``wmse`` rules): each error is first multiplied by its weight, ``f = e * x_i;
+    err = err + f * f``, i.e. the squared error weighted by x_i^2. A weight's share of a layer's output
+    error grows with its magnitude (large weights sit on the inputs that matter, and are few per
+    block), and the model-level benchmark shows this measure choosing better scales than plain MSE.
     """
     vals = e2m1_decode(codes)
     err = torch.zeros(blocks.shape[:-1], dtype=_F32, device=blocks.device)
     for i in range(blocks.shape[-1]):
         e = vals[..., i] * d - blocks[..., i]
+        if weighted:
+            e = e * blocks[..., i]
         err = err + e * e
     return err
 
@@ -296,15 +309,17 @@ def _nvfp4_choose(blocks: torch.Tensor, gsb: torch.Tensor, bmax: torch.Tensor, r
         return b6
     b4 = e4m3_encode(_div(s, 4.0))  # saturates at 448 like every E4M3 here
 
+    weighted = rule == "wmse"
+
     def err(c: torch.Tensor) -> torch.Tensor:
-        return block_error(blocks, *nvfp4_candidate(blocks, gsb, c))
+        return block_error(blocks, *nvfp4_candidate(blocks, gsb, c), weighted=weighted)
 
     best, best_err = b6, err(b6)
     if rule == "4over6":
         return torch.where(err(b4) < best_err, b4, b6)  # ties keep the /6 scale
-    # mse: {b6, b4, b6 - 1} (b6 - 1 on the byte, 0 stays 0); the lowest error wins, and among equal
-    # errors the larger byte (= larger scale). That pair order does not depend on the order the
-    # candidates are tried in.
+    # mse / wmse: {b6, b4, b6 - 1} (b6 - 1 on the byte, 0 stays 0); the lowest (weighted) error wins,
+    # and among equal errors the larger byte (= larger scale). That pair order does not depend on the
+    # order the candidates are tried in.
     for c in (b4, (b6.to(torch.int32) - 1).clamp(min=0).to(torch.uint8)):
         e = err(c)
         take = (e < best_err) | ((e == best_err) & (c > best))
@@ -322,7 +337,7 @@ def nvfp4_quantize(
 
     ``global_amax`` replaces each matrix's own amax (fused groups share it); it broadcasts against
     the leading dims. ``scale_rule`` picks each block's scale: "max" (E4M3(gs * bmax / 6)),
-    "4over6" or "mse" (CONTRACT.md); None is the default, "max".
+    "4over6", "mse" or "wmse" (docs/numerics.md); None is the default, DEFAULT_SCALE_RULE["nvfp4"].
     """
     rule = check_scale_rule("nvfp4", scale_rule)
     check_shape(x, NVFP4_BLOCK)
@@ -399,8 +414,9 @@ def _mxfp4_choose(blocks: torch.Tensor, bmax: torch.Tensor, rule: str) -> torch.
     if rule == "rceil":
         saturates = bmax * pow2_f32(127 - e.to(torch.int32)) > E2M1_MAX  # exact scaling, then compare
         return torch.where(saturates, up, e)
-    err_e = block_error(blocks, *mxfp4_candidate(blocks, e))
-    err_up = block_error(blocks, *mxfp4_candidate(blocks, up))
+    weighted = rule == "wmse"
+    err_e = block_error(blocks, *mxfp4_candidate(blocks, e), weighted=weighted)
+    err_up = block_error(blocks, *mxfp4_candidate(blocks, up), weighted=weighted)
     return torch.where(err_up < err_e, up, e)  # ties keep the floor exponent
 
 
@@ -409,8 +425,9 @@ def mxfp4_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., M, K] -> (packed uint8 [..., M, K/2], scale uint8 E8M0 [..., M, K/32]).
 
-    ``scale_rule``: "floor" (OCP), "rceil" (one exponent up when the block would saturate) or "mse"
-    (floor or floor + 1, the lower block error); None is the default, "floor".
+    ``scale_rule``: "floor" (OCP), "rceil" (one exponent up when the block would saturate), "mse"
+    (floor or floor + 1, the lower block error) or "wmse" (the same with the x^2-weighted error); None
+    is the default, DEFAULT_SCALE_RULE["mxfp4"].
     """
     rule = check_scale_rule("mxfp4", scale_rule)
     check_shape(x, MXFP4_BLOCK)

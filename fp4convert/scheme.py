@@ -20,11 +20,12 @@ class Scheme:
     scale_encoding: str  # "e4m3" (float8_e4m3fn bytes) or "e8m0" (power-of-two exponent bytes)
     scale_dtype: str  # safetensors dtype of the stored block scales
     global_scale: bool  # an fp32 encode scale gs = 2688 / amax per matrix
-    scale_rules: tuple[str, ...]  # the first is the default
+    scale_rules: tuple[str, ...]  # in the kernels' rule-code order (index = launcher code)
+    default: str  # the rule used when none is given: the best measured on real models (BENCHMARKS.md)
 
     @property
     def default_rule(self) -> str:
-        return self.scale_rules[0]
+        return self.default
 
     def check_rule(self, rule: str | None) -> str:
         """The rule to use (the default for None); refuses a rule this scheme does not have."""
@@ -41,8 +42,8 @@ class Scheme:
         return k // self.block_size
 
 
-NVFP4 = Scheme("nvfp4", 16, "e4m3", "F8_E4M3", True, ("max", "4over6", "mse"))
-MXFP4 = Scheme("mxfp4", 32, "e8m0", "U8", False, ("floor", "rceil", "mse"))
+NVFP4 = Scheme("nvfp4", 16, "e4m3", "F8_E4M3", True, ("max", "4over6", "mse", "wmse"), "4over6")
+MXFP4 = Scheme("mxfp4", 32, "e8m0", "U8", False, ("floor", "rceil", "mse", "wmse"), "wmse")
 SCHEMES: dict[str, Scheme] = {s.name: s for s in (NVFP4, MXFP4)}
 ROTATIONS: tuple[str, ...] = ("had16",)
 

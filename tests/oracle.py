@@ -67,11 +67,15 @@ def e2m1_value(code: int) -> float:
     return math.copysign(E2M1[code & 7], -1.0 if code & 8 else 1.0)
 
 
-def block_err(blk: list[float], codes: list[int], d: float) -> float:
-    """CONTRACT.md's block error, one fp32 operation per step: e = value * d - x; err = err + e * e."""
+def block_err(blk: list[float], codes: list[int], d: float, weighted: bool = False) -> float:
+    """CONTRACT.md's block error, one fp32 operation per step: e = value * d - x; err = err + e * e.
+
+    ``weighted`` (wmse): e = e * x before the square."""
     err = 0.0
     for x, c in zip(blk, codes):
         e = f32(f32(e2m1_value(c) * d) - x)
+        if weighted:
+            e = f32(e * x)
         err = f32(err + f32(e * e))
     return err
 
@@ -80,12 +84,12 @@ def _rotate_rows(rows: list[list[float]]) -> list[list[float]]:
     return [sum((had16(r[i : i + 16]) for i in range(0, len(r), 16)), []) for r in rows]
 
 
-def nvfp4_candidate(blk: list[float], gs: float, c: int) -> tuple[list[int], float]:
+def nvfp4_candidate(blk: list[float], gs: float, c: int, weighted: bool = False) -> tuple[list[int], float]:
     """Codes and block error of E4M3 scale byte c."""
     sf = E4M3[c]
     r = min(f32(gs / sf), FLT_MAX) if sf > 0 else 0.0
     codes = [e2m1(f32(t * r)) for t in blk]
-    return codes, block_err(blk, codes, f32(sf / gs))
+    return codes, block_err(blk, codes, f32(sf / gs), weighted)
 
 
 def nvfp4_choose(blk: list[float], gs: float, rule: str = "max") -> int:
@@ -97,9 +101,9 @@ def nvfp4_choose(blk: list[float], gs: float, rule: str = "max") -> int:
         return b6
     if rule == "4over6":
         return b4 if nvfp4_candidate(blk, gs, b4)[1] < nvfp4_candidate(blk, gs, b6)[1] else b6
-    assert rule == "mse"
+    assert rule in ("mse", "wmse")
     cands = {b6, b4, max(b6 - 1, 0)}
-    return min(cands, key=lambda c: (nvfp4_candidate(blk, gs, c)[1], -c))
+    return min(cands, key=lambda c: (nvfp4_candidate(blk, gs, c, rule == "wmse")[1], -c))
 
 
 def nvfp4_row_codes(
@@ -127,10 +131,10 @@ def nvfp4_row_codes(
     return codes, scales, gs
 
 
-def mxfp4_candidate(blk: list[float], c: int) -> tuple[list[int], float]:
+def mxfp4_candidate(blk: list[float], c: int, weighted: bool = False) -> tuple[list[int], float]:
     """Codes and block error of E8M0 exponent c (multiplier 2^(127-c), step 2^(c-127), both exact)."""
     codes = [e2m1(f32(t * 2.0 ** (127 - c))) for t in blk]
-    return codes, block_err(blk, codes, 2.0 ** (c - 127))
+    return codes, block_err(blk, codes, 2.0 ** (c - 127), weighted)
 
 
 def mxfp4_choose(blk: list[float], rule: str = "floor") -> int:
@@ -141,8 +145,9 @@ def mxfp4_choose(blk: list[float], rule: str = "floor") -> int:
         return e
     if rule == "rceil":
         return up if f32(bmax * 2.0 ** (127 - e)) > 6.0 else e
-    assert rule == "mse"
-    return up if mxfp4_candidate(blk, up)[1] < mxfp4_candidate(blk, e)[1] else e
+    assert rule in ("mse", "wmse")
+    w = rule == "wmse"
+    return up if mxfp4_candidate(blk, up, w)[1] < mxfp4_candidate(blk, e, w)[1] else e
 
 
 def mxfp4_row_codes(

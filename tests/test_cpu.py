@@ -105,12 +105,13 @@ def test_every_rule_matches_reference(scheme: str, rule: str, rotate: str | None
         assert torch.equal(swz.view(torch.uint8), swizzle_scales(scale).view(torch.uint8))
 
 
-def test_default_rule_is_the_plain_one_and_positional_callers_keep_working() -> None:
+def test_default_rule_is_the_measured_one_and_positional_callers_keep_working() -> None:
     x = random_weight(8, 64, fresh_seed())[None]
     gs = ref.global_scale(ref.tensor_amax(x[0]).reshape(1))
-    for scheme, g, plain in (("nvfp4", gs, "max"), ("mxfp4", None, "floor")):
+    for scheme, g, default in (("nvfp4", gs, "4over6"), ("mxfp4", None, "wmse")):
+        assert ref.DEFAULT_SCALE_RULE[scheme] == default
         a = cpu.quantize(x, scheme, g, None, False)
-        b = cpu.quantize(x, scheme, g, None, False, plain)
+        b = cpu.quantize(x, scheme, g, None, False, default)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8))
 
 
@@ -140,3 +141,20 @@ def test_magnitude_rounding_equals_the_encoder_on_every_tie_and_range() -> None:
     expected = ref.e2m1_decode(ref.e2m1_encode(a))
     got = cpu._e2m1_magnitude_(a.clone())
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+def test_wmse_golden_edge_cases_match_reference() -> None:
+    """The wmse golden rows (an exact block max kept, weighted errors that underflow to a tie, a
+    clipped MXFP4 max that wmse keeps and mse does not) through the CPU path, byte for byte."""
+    from .test_reference_scale_rules import NV_GOLDEN_BLOCKS, nv_row
+
+    rows = [nv_row(0, NV_GOLDEN_BLOCKS), nv_row(66, NV_GOLDEN_BLOCKS[2:5]) * 1.0]
+    for x in rows:
+        gs = ref.global_scale(ref.tensor_amax(x).reshape(1))
+        rp, rs, _ = ref.nvfp4_quantize(x, None, None, "wmse")
+        p, s, _ = cpu.quantize(x[None], "nvfp4", gs, None, False, "wmse")
+        assert torch.equal(p[0], rp) and torch.equal(s[0].view(torch.uint8), rs.view(torch.uint8))
+    x = torch.tensor([[7.5] + [1.5] * 10 + [0.0] * 21, [7.5 * 2.0**-70] + [0.0] * 31])
+    rp, rs = ref.mxfp4_quantize(x, None, "wmse")
+    p, s, _ = cpu.quantize(x[None], "mxfp4", None, None, False, "wmse")
+    assert torch.equal(p[0], rp) and torch.equal(s[0], rs) and s[0].reshape(-1).tolist() == [128, 57]

@@ -126,10 +126,10 @@ def test_scale_rule_codes() -> None:
     """The launchers' rule codes (CONTRACT.md order) and the refusals, checked before any launch."""
     from fp4convert.cuda import ops
 
-    assert [ops.scale_rule_code("nvfp4", r) for r in ("max", "4over6", "mse")] == [0, 1, 2]
-    assert [ops.scale_rule_code("mxfp4", r) for r in ("floor", "rceil", "mse")] == [0, 1, 2]
-    assert ops.scale_rule_code("mxfp4", 2) == 2
-    for scheme, bad in (("nvfp4", "floor"), ("nvfp4", "rceil"), ("mxfp4", "max"), ("mxfp4", "4over6"), ("nvfp4", 3),
+    assert [ops.scale_rule_code("nvfp4", r) for r in ("max", "4over6", "mse", "wmse")] == [0, 1, 2, 3]
+    assert [ops.scale_rule_code("mxfp4", r) for r in ("floor", "rceil", "mse", "wmse")] == [0, 1, 2, 3]
+    assert ops.scale_rule_code("mxfp4", 3) == 3
+    for scheme, bad in (("nvfp4", "floor"), ("nvfp4", "rceil"), ("mxfp4", "max"), ("mxfp4", "4over6"), ("nvfp4", 4),
                         ("mxfp4", -1), ("nvfp4", True)):
         with pytest.raises(CUDAKernelError):
             ops.scale_rule_code(scheme, bad)

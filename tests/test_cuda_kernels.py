@@ -28,7 +28,7 @@ pytestmark = [
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 BLOCK = {"nvfp4": 16, "mxfp4": 32}
-RULES = {"nvfp4": ("max", "4over6", "mse"), "mxfp4": ("floor", "rceil", "mse")}
+RULES = {"nvfp4": ("max", "4over6", "mse", "wmse"), "mxfp4": ("floor", "rceil", "mse", "wmse")}
 SCHEME_RULES = [(s, r) for s in ("nvfp4", "mxfp4") for r in RULES[s]]
 # (B, M, K): a single row; M not a multiple of 128 with K % 64 != 0; a batch whose matrices start
 # mid-16-byte (M * K % 32 == 16: tail groups); a regular batch; odd M with K % 64 == 32.
@@ -200,6 +200,8 @@ def _contract_nvfp4_bytes(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, tor
         r = torch.where(sf > 0, torch.clamp(gs / sf, max=ref.FLT_MAX), torch.zeros_like(sf))
         d = sf / gs
         e = ref.e2m1_decode(ref.e2m1_encode(blk * r[..., None])) * d[..., None] - blk
+        if rule == "wmse":  # the x^2-weighted error: e * x, then squared
+            e = e * blk
         acc = torch.zeros_like(sf)
         for i in range(16):  # element order, one fp32 op at a time
             acc = acc + e[..., i] * e[..., i]
@@ -233,7 +235,7 @@ def test_nvfp4_rule_ties_golden(rule, dev) -> None:
         b6 = _contract_nvfp4_bytes(x, "max")[0]
         if rule == "4over6":
             assert bool((want[ties] == b6[ties]).all())
-        if rule == "mse":  # an exact b6/b4 tie at error 0: the largest zero-error byte, above b6
+        if rule in ("mse", "wmse"):  # an exact b6/b4 tie at error 0: the largest zero-error byte, above b6
             zero = ties & (e6 == 0)
             assert bool((want[zero] > b6[zero]).all())
         _, s, _, flag = ops.quantize(x.to(dev), "nvfp4", None, None, False, rule)
@@ -385,14 +387,35 @@ def test_nonfinite_given_amax_flagged(bad, swizzle, dev) -> None:
         assert flag.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+def test_wmse_golden_edge_cases(layout, dev) -> None:
+    """The reference's wmse golden rows on the device, byte for byte: an exact NVFP4 block max kept
+    where mse takes b6 - 1, weighted errors that underflow to a tie (larger byte), an MXFP4 block max
+    that mse clips and wmse keeps, and one whose weighted errors underflow (floor kept)."""
+    from .test_reference_scale_rules import NV_GOLDEN_BLOCKS, nv_row
+
+    swz = layout == "swizzled"
+    for x in (nv_row(0, NV_GOLDEN_BLOCKS), nv_row(66, NV_GOLDEN_BLOCKS[2:5])):
+        want_p, want_s, want_gs = _ref(x[None], "nvfp4", None, "wmse", swz)
+        p, s, gs, flag = ops.quantize(x[None].to(dev), "nvfp4", None, None, swz, "wmse")
+        assert flag.tolist() == [0]
+        assert torch.equal(p.cpu(), want_p) and torch.equal(_bits(s.cpu()), _bits(want_s))
+        assert torch.equal(_bits(gs.cpu()), _bits(want_gs))
+    x = torch.tensor([[7.5] + [1.5] * 10 + [0.0] * 21, [7.5 * 2.0**-70] + [0.0] * 31])
+    want_p, want_s, _ = _ref(x[None], "mxfp4", None, "wmse", swz)
+    p, s, _, flag = ops.quantize(x[None].to(dev), "mxfp4", None, None, swz, "wmse")
+    assert torch.equal(p.cpu(), want_p) and torch.equal(_bits(s.cpu()), _bits(want_s))
+    assert ref.mxfp4_quantize(x, None, "wmse")[1].reshape(-1).tolist() == [128, 57]
+
+
 def test_quantize_argument_errors(dev) -> None:
     x = torch.randn(1, 16, 64, device=dev)
     with pytest.raises(CUDAKernelError, match="does not apply"):
         ops.quantize(x, "nvfp4", None, None, False, "rceil")
     with pytest.raises(CUDAKernelError, match="does not apply"):
         ops.quantize(x, "mxfp4", None, None, False, "4over6")
-    with pytest.raises(CUDAKernelError, match="not 0, 1 or 2"):
-        ops.quantize(x, "nvfp4", None, None, False, 3)
+    with pytest.raises(CUDAKernelError, match="not 0, 1, 2 or 3"):
+        ops.quantize(x, "nvfp4", None, None, False, 4)
     with pytest.raises(CUDAKernelError, match="amax must be None"):
         ops.quantize(x, "mxfp4", torch.ones(1, device=dev), None, False)
     with pytest.raises(CUDAKernelError, match="amax per matrix"):

@@ -47,7 +47,7 @@ def test_card_of_a_local_conversion(src, tmp_path, fmt, scheme, library) -> None
     assert str(src.parent) not in (dst / "README.md").read_text()
     section = body.split(START, 1)[1].split(END, 1)[0]
     assert f"| scheme | {scheme.upper()}" in section and f"| format | {fmt} |" in section
-    assert f"| scale rule | {'max' if scheme == 'nvfp4' else 'floor'} |" in section
+    assert f"| scale rule | {'4over6' if scheme == 'nvfp4' else 'wmse'} |" in section  # the defaults (issue 22)
     assert "`model.layers.0.self_attn.o_proj`" in section and "`lm_head`" in section and "`model.embed_tokens`" in section
     serve = {"fp4convert": "fp4convert export", "compressed-tensors": "vllm serve",
              "modelopt": "--quantization modelopt_fp4"}[fmt]

@@ -31,7 +31,7 @@ def test_quantization_config_names_fp4convert(native) -> None:
     qc = cfg["quantization_config"]
     assert qc["quant_method"] == "fp4convert" and qc["format"] == "fp4convert"
     assert qc["scheme"] == "nvfp4" and qc["block_size"] == 16 and qc["scale_layout"] == "128x4"
-    assert qc["scale_rule"] == "max" and qc["rotate"] is None
+    assert qc["scale_rule"] == "4over6" and qc["rotate"] is None  # the default rule (issue 22)
     assert qc["ignore"] == ["lm_head", "model.embed_tokens", "model.layers.0.self_attn.o_proj"]
     assert qc["model_type"] == source_cfg["model_type"] == "llama" and cfg["model_type"] == "fp4convert"
     assert "fp4convert export" in qc["note"]

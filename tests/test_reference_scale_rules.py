@@ -14,8 +14,8 @@ from fp4convert.errors import NonFiniteError, QuantizationError
 
 from . import oracle
 
-NV_RULES = ("max", "4over6", "mse")
-MX_RULES = ("floor", "rceil", "mse")
+NV_RULES = ("max", "4over6", "mse", "wmse")
+MX_RULES = ("floor", "rceil", "mse", "wmse")
 
 
 def nv_row(gs_log2: int, blocks: list[list[float]]) -> torch.Tensor:
@@ -55,8 +55,13 @@ def check_oracle_mx(x: torch.Tensor, rule: str, rotate: bool = False) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def test_scale_rules_per_scheme_and_defaults() -> None:
-    assert ref.SCALE_RULES == {"nvfp4": ("max", "4over6", "mse"), "mxfp4": ("floor", "rceil", "mse")}
-    assert ref.check_scale_rule("nvfp4", None) == "max" and ref.check_scale_rule("mxfp4", None) == "floor"
+    assert ref.SCALE_RULES == {"nvfp4": ("max", "4over6", "mse", "wmse"), "mxfp4": ("floor", "rceil", "mse", "wmse")}
+    # the defaults are the rules measured best on real language models (BENCHMARKS.md)
+    assert ref.check_scale_rule("nvfp4", None) == "4over6" and ref.check_scale_rule("mxfp4", None) == "wmse"
+    from fp4convert.scheme import SCHEMES
+
+    for name, scheme in SCHEMES.items():  # the registry and the reference agree, codes in the same order
+        assert scheme.scale_rules == ref.SCALE_RULES[name] and scheme.default_rule == ref.DEFAULT_SCALE_RULE[name]
     assert ref.check_scale_rule("mxfp4", "mse") == "mse"
 
 
@@ -85,18 +90,22 @@ NV_GOLDEN_BLOCKS = [
     [6.0, 3.0],  # b6 = 1.0 (0x38) and b4 = 1.5 (0x3C) both exact: 4over6 ties to b6, mse to the larger byte
     [-7.75, 8.75, -3.5],  # b6 = 1.5 (0x3C), b4 = 2.25 (0x41); mse: b6 - 1 = 1.375 (err 0.890625), 8.75 saturates at 6
     [4.75, 8.5, 6.25],  # b6 = 1.375 (0x3B), b4 = 2.0 (0x40, tie 2.125 to even); mse: b4 (b6 - 1 = 1.25 errs 2.625)
-    [4.75, 8.25, 4.75],  # b6 = 1.375 exactly; b6 - 1 = 1.25 (0x3A) errs 0.6875, the lowest: mse takes it
+    [4.75, 8.25, 4.75],  # b6 = 1.375 exactly; b6 - 1 = 1.25 (0x3A) errs 0.6875, the lowest: mse takes it;
+    # wmse keeps b6, which holds the 8.25 exactly: weighted errors 2 * (0.625 * 4.75)^2 = 17.6 for b6
+    # against 2 * (0.25 * 4.75)^2 + (0.75 * 8.25)^2 = 41.1 for b6 - 1
     [-0.0, 0.0, -0.0],  # all zero: b6 = b4 = 0 and b6 - 1 of byte 0 stays 0 (codes stay 0 / 8)
 ]
 NV_GOLDEN_BYTES = {
     "max": [0x7E, 0x33, 0x38, 0x3C, 0x3B, 0x3B, 0x00],
     "4over6": [0x7E, 0x38, 0x38, 0x41, 0x40, 0x3B, 0x00],  # block 4: err(b4) 0.875 < err(b6) 1.015625
     "mse": [0x7E, 0x38, 0x3C, 0x3B, 0x40, 0x3A, 0x00],
+    "wmse": [0x7E, 0x38, 0x3C, 0x3B, 0x40, 0x3B, 0x00],
 }
 NV_GOLDEN_CODES = {  # the first three codes of blocks 1.. in the chosen scale
     "max": [[7, 0, 0], [7, 5, 0], [0xF, 7, 0xC], [5, 7, 6], [5, 7, 5], [8, 0, 8]],
     "4over6": [[6, 0, 0], [7, 5, 0], [0xD, 6, 0xB], [4, 6, 5], [5, 7, 5], [8, 0, 8]],
     "mse": [[6, 0, 0], [6, 4, 0], [0xF, 7, 0xD], [4, 6, 5], [6, 7, 6], [8, 0, 8]],
+    "wmse": [[6, 0, 0], [6, 4, 0], [0xF, 7, 0xD], [4, 6, 5], [5, 7, 5], [8, 0, 8]],
 }
 
 
@@ -118,6 +127,7 @@ def test_nvfp4_golden_block_errors() -> None:
     assert errs["max"][1:] == [0.015625, 0.0, 1.875, 1.015625, 0.78125, 0.0]
     assert errs["4over6"][1:] == [0.0, 0.0, 1.078125, 0.875, 0.78125, 0.0]
     assert errs["mse"][1:] == [0.0, 0.0, 0.890625, 0.875, 0.6875, 0.0]
+    assert errs["wmse"][1:] == [0.0, 0.0, 0.890625, 0.875, 0.78125, 0.0]  # more squared error, exact block max
 
 
 # Subnormal E4M3 scales: gs = 2^20, so y = 2^20 x and the byte is E4M3(y / 6) in units of 2^-9.
@@ -127,7 +137,7 @@ NV_SUB_BLOCKS = [
     [-0.001220703125],  # b6 = b4 = 0 (and b6 - 1 stays 0): every rule writes a zero scale, the code a signed zero
     [2.0**-12],  # likewise, with a positive zero
 ]
-NV_SUB_BYTES = {"max": [0x7E, 5, 0, 0, 0], "4over6": [0x7E, 7, 1, 0, 0], "mse": [0x7E, 7, 1, 0, 0]}
+NV_SUB_BYTES = {"max": [0x7E, 5, 0, 0, 0], "4over6": [0x7E, 7, 1, 0, 0], "mse": [0x7E, 7, 1, 0, 0], "wmse": [0x7E, 7, 1, 0, 0]}
 
 
 @pytest.mark.parametrize("rule", NV_RULES)
@@ -155,7 +165,15 @@ def test_nvfp4_saturation_at_448_never_writes_nan(rule: str) -> None:
     check_oracle_nv(x, rule, amax=100.0)
 
 
-@pytest.mark.parametrize("rule", NV_RULES)
+def test_nvfp4_wmse_weighted_errors_that_underflow_tie_to_the_larger_byte() -> None:
+    # gs = 2^66: (e * x)^2 ~ 2^-260 is below fp32's smallest subnormal in IEEE arithmetic (not a
+    # flush): every candidate's weighted error is 0, and the tie goes to the larger byte, b4.
+    x = nv_row(66, NV_GOLDEN_BLOCKS[2:5])
+    assert scale_bytes(ref.nvfp4_quantize(x, scale_rule="wmse")[1])[1:] == [0x41, 0x40, 0x40]
+    check_oracle_nv(x, "wmse")
+
+
+@pytest.mark.parametrize("rule", [r for r in NV_RULES if r != "wmse"])
 def test_nvfp4_subnormal_block_errors_are_not_flushed(rule: str) -> None:
     # gs = 2^66: the golden blocks' squared errors become subnormal (~2^-134). Flushing them to zero
     # would make every candidate tie and mse pick the largest byte.
@@ -181,16 +199,19 @@ MX_GOLDEN_BLOCKS = [
     [-0.0, 0.0, -0.0],  # bmax = 0: e = 0 for every rule (mse ties at err 0 -> e)
     [1.875 * 2.0**-125],  # e clamps to 0, rceil takes 1; both squared errors underflow to 0: mse ties -> 0
     [7.5 * 2.0**-70],  # e = 57; squared errors 2.25 * 2^-140 and 2^-142 are subnormal, not zero: mse -> 58
+    # (wmse's weighted errors, ~2^-280, underflow to 0: a tie, which keeps 57)
 ]
 MX_GOLDEN_BYTES = {
     "floor": [127, 127, 127, 127, 127, 0, 0, 57],
     "rceil": [128, 128, 128, 128, 127, 0, 1, 58],
     "mse": [127, 127, 128, 127, 127, 0, 0, 58],
+    "wmse": [127, 127, 128, 127, 127, 0, 0, 57],
 }
 MX_GOLDEN_FIRST_CODES = {
     "floor": [7, 7, 7, 7, 7, 8, 7, 7],
     "rceil": [6, 5, 6, 5, 7, 8, 6, 6],
     "mse": [7, 7, 6, 7, 7, 8, 7, 6],
+    "wmse": [7, 7, 6, 7, 7, 8, 7, 7],
 }
 
 
@@ -215,7 +236,19 @@ def test_mxfp4_golden_block_errors() -> None:
         row += b + [0.0] * (32 - len(b))
     x = torch.tensor([row])
     errs = {r: ref.mxfp4_block_errors(x, *ref.mxfp4_quantize(x, scale_rule=r)).reshape(-1).tolist() for r in MX_RULES}
-    assert errs == {"floor": [1.0, 0.25, 2.25, 0.25], "rceil": [1.0, 0.25, 0.25, 0.5], "mse": [1.0, 0.25, 0.25, 0.25]}
+    assert errs == {"floor": [1.0, 0.25, 2.25, 0.25], "rceil": [1.0, 0.25, 0.25, 0.5], "mse": [1.0, 0.25, 0.25, 0.25],
+                    "wmse": [1.0, 0.25, 0.25, 0.25]}
+
+
+def test_mxfp4_wmse_goes_up_for_a_block_max_that_mse_would_clip() -> None:
+    # bmax 7.5 (floor clips it to 6, error 1.5) beside ten 1.5s (exact under floor): one exponent up
+    # rounds 7.5 to 8 (error 0.5) but each 1.5 to 2 (0.75 -> 1 at step 2, error 0.5). Plain squared
+    # error: floor 2.25 < up 0.25 + 10 * 0.25 = 2.75, so mse clips the max; weighted by x^2: floor
+    # 2.25 * 56.25 = 126.6 > up 0.25 * 56.25 + 10 * 0.25 * 2.25 = 19.7, so wmse keeps it.
+    x = torch.tensor([[7.5] + [1.5] * 10 + [0.0] * 21])
+    assert ref.mxfp4_quantize(x, scale_rule="mse")[1].tolist() == [[127]]
+    assert ref.mxfp4_quantize(x, scale_rule="wmse")[1].tolist() == [[128]]
+    check_oracle_mx(x, "wmse")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,6 +328,9 @@ def test_nvfp4_search_rules_never_lose_on_any_block(rotate: str | None) -> None:
         assert bool((err["4over6"] <= err["max"]).all())
         assert bool((err["mse"] <= err["4over6"]).all())  # mse's candidates include 4over6's
         assert bool((err["mse"] < err["max"]).any())  # and the search does find something
+        werr = {r: weighted_errors(x, amax, rotate, r) for r in NV_RULES}
+        assert bool((werr["wmse"] <= werr["max"]).all()) and bool((werr["wmse"] <= werr["mse"]).all())
+        assert bool((werr["wmse"] < werr["mse"]).any())  # the two measures do choose differently
 
 
 @pytest.mark.parametrize("rotate", [None, "had16"])
@@ -304,6 +340,21 @@ def test_mxfp4_search_rule_never_loses_on_any_block(rotate: str | None) -> None:
     assert bool((err["mse"] <= err["floor"]).all())
     assert bool((err["mse"] <= err["rceil"]).all())
     assert bool((err["rceil"] > err["floor"]).any())  # rceil can lose, which is why mse exists
+    werr = {r: weighted_errors(x, None, rotate, r, "mxfp4") for r in MX_RULES}
+    assert all(bool((werr["wmse"] <= werr[r]).all()) for r in MX_RULES)
+    assert bool((werr["wmse"] < werr["mse"]).any())
+
+
+def weighted_errors(x: torch.Tensor, amax, rotate, rule: str, scheme: str = "nvfp4") -> torch.Tensor:
+    """The x^2-weighted block error (what wmse minimises) of x quantized under ``rule``."""
+    v = ref.had16(x) if rotate else x.float()
+    if scheme == "nvfp4":
+        packed, scale, gs = ref.nvfp4_quantize(x, amax, rotate, rule)
+        blocks, d = v.reshape(*v.shape[:-1], -1, 16), ref.e4m3_decode(scale) / gs
+    else:
+        packed, scale = ref.mxfp4_quantize(x, rotate, rule)
+        blocks, d = v.reshape(*v.shape[:-1], -1, 32), ref.e8m0_decode(scale)
+    return ref.block_error(blocks, ref.unpack_nibbles(packed).reshape(blocks.shape), d, weighted=True)
 
 
 def test_block_errors_are_measured_in_element_order() -> None:

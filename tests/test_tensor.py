@@ -21,11 +21,11 @@ def test_shapes_dtypes_and_reference_equality(dtype, fmt, bs, rotate) -> None:
     assert q.scale.dtype == (torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8)
     if fmt == "nvfp4":
         assert q.global_scale.shape == (2,) and q.global_scale.dtype == torch.float32
-        packed, scale, gs = ref.nvfp4_quantize(x, rotate=rotate)
+        packed, scale, gs = ref.nvfp4_quantize(x, rotate=rotate, scale_rule=ref.DEFAULT_SCALE_RULE["nvfp4"])
         assert torch.equal(gs, q.global_scale)
     else:
         assert q.global_scale is None
-        packed, scale = ref.mxfp4_quantize(x, rotate=rotate)
+        packed, scale = ref.mxfp4_quantize(x, rotate=rotate, scale_rule=ref.DEFAULT_SCALE_RULE["mxfp4"])
     assert torch.equal(q.packed, packed) and torch.equal(q.scale.view(torch.uint8), scale.view(torch.uint8))
     w = fp4convert.dequantize(q, dtype)
     assert w.shape == x.shape and w.dtype == dtype

@@ -25,7 +25,7 @@ _FMTS = {"nvfp4": 0, "mxfp4": 1}
 _BLOCK = {"nvfp4": 16, "mxfp4": 32}
 _SCALE_DTYPE = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.uint8}
 # Scale rules by launcher code (index): CONTRACT.md.
-SCALE_RULES = {"nvfp4": ("max", "4over6", "mse"), "mxfp4": ("floor", "rceil", "mse")}
+SCALE_RULES = {"nvfp4": ("max", "4over6", "mse", "wmse"), "mxfp4": ("floor", "rceil", "mse", "wmse")}
 
 
 def available() -> bool:
@@ -143,14 +143,14 @@ def _per_matrix_gs(gs: torch.Tensor | None, fmt: str, b: int, device: torch.devi
 
 
 def scale_rule_code(fmt: str, scale_rule: int | str) -> int:
-    """The launchers' int for a scale rule: 0 max / floor, 1 4over6 / rceil, 2 mse (CONTRACT.md)."""
+    """The launchers' int for a scale rule: 0 max / floor, 1 4over6 / rceil, 2 mse, 3 wmse (CONTRACT.md)."""
     if isinstance(scale_rule, str):
         names = SCALE_RULES[fmt]
         if scale_rule not in names:
             raise CUDAKernelError(f"scale rule {scale_rule!r} does not apply to {fmt}; expected one of {', '.join(names)}")
         return names.index(scale_rule)
-    if scale_rule not in (0, 1, 2) or isinstance(scale_rule, bool):
-        raise CUDAKernelError(f"scale rule {scale_rule!r} is not 0, 1 or 2")
+    if scale_rule not in (0, 1, 2, 3) or isinstance(scale_rule, bool):
+        raise CUDAKernelError(f"scale rule {scale_rule!r} is not 0, 1, 2 or 3")
     return int(scale_rule)
 
 
@@ -205,8 +205,8 @@ def quantize(
     Any leading dims work the same way (``[..., M, K]``, each matrix its own amax): the outputs
     keep them, so a 2-D weight needs no reshape on either side (the public API's per-call cost).
 
-    ``scheme`` "nvfp4" / "mxfp4"; ``scale_rule`` 0 / 1 / 2 = max / 4over6 / mse (NVFP4) or floor /
-    rceil / mse (MXFP4), or those names. scale is float8_e4m3fn (NVFP4) or uint8 E8M0 (MXFP4),
+    ``scheme`` "nvfp4" / "mxfp4"; ``scale_rule`` 0 / 1 / 2 / 3 = max / 4over6 / mse / wmse (NVFP4) or
+    floor / rceil / mse / wmse (MXFP4), or those names. scale is float8_e4m3fn (NVFP4) or uint8 E8M0 (MXFP4),
     linear ``[B, M, K/bs]`` or, with swizzle, the 128x4 layout ``[B, Mp, nbp]`` with zero padding.
     NVFP4: ``amax`` is the per-matrix (or fused group's) amax, fp32 [B] on x's device; the kernel
     computes gs = 2688 / amax (1 for 0, clamped to FLT_MAX) and returns it as fp32 [B]: one
