@@ -202,7 +202,9 @@ def check_activation_scales(source: Source, layout: CheckpointLayout) -> list[st
     if not suffix:
         return []
     qc = source.config().get("quantization_config") or {}
-    acts = [g.get("input_activations") for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+    groups = qc.get("config_groups") if isinstance(qc, dict) else None  # wrong types are reported elsewhere
+    acts = [g.get("input_activations") for g in (groups.values() if isinstance(groups, dict) else ())
+            if isinstance(g, dict)]
     declared = any(isinstance(a, dict) and a.get("num_bits") == 4 and a.get("dynamic") in ("local", False)
                    for a in acts)
     m_acts = (layout.manifest or {}).get("activations") or {}
