@@ -386,3 +386,35 @@ def cli_watching_torch(tmp: Path, *args, env: dict | None = None):
     proc = subprocess.run([sys.executable, "-c", _WATCH_TORCH, str(record), *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=300)
     return proc, record.read_text() if record.exists() else "no record: the interpreter died"
+
+
+def definitions_in_process(mp, like_child: bool = False) -> None:
+    """Build model definitions in this process (the caller already imported transformers, or will pay
+    for it once): the planner's child (``python -m fp4convert.modeldef``) would cost a Python start and
+    transformers' imports per model (1-2 s; the sweep builds one per architecture, the checkpoint fuzzer
+    one per mutated config.json). The request and the answer still go through JSON, as they do through
+    the child.
+
+    ``like_child``: an unexpected exception while building becomes :class:`fp4convert.modeldef.Unknown`
+    with the message the planner gives for a child that failed, so a caller that judges the CLI's exit
+    codes (the fuzzer) sees what a user would see; without it the exception propagates (the sweep wants
+    the traceback).
+    """
+    from fp4convert import modeldef
+
+    def build(model_config: dict, tensors: list) -> object:
+        req = json.loads(json.dumps({"config": model_config, "tensors": [[t.name, list(t.shape)] for t in tensors]},
+                                    default=str))
+        infos = [TensorInfo(n, "BF16", tuple(shape), "", 0, 0) for n, shape in req["tensors"]]
+        try:
+            d = modeldef._load(req["config"], infos)
+        except modeldef.Unknown:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the child would exit non-zero; the planner says so
+            if not like_child:
+                raise
+            raise modeldef.Unknown(f"the model definition could not be built (exit 1: {type(exc).__name__}: "
+                                   f"{modeldef._one_line(exc)})") from exc
+        return modeldef._from_json(json.loads(json.dumps(modeldef._to_json(d))))
+
+    mp.setattr(modeldef, "_build_in_child", build)

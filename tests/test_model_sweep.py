@@ -52,6 +52,8 @@ except ImportError:  # run as a script: this checkout's fp4convert, not an insta
     sys.path[:0] = [str(Path(__file__).parents[1]), str(Path(__file__).parent)]
     import tiny_configs  # type: ignore[no-redef]  # noqa: E402
 
+from tests.checkpoints import definitions_in_process  # noqa: E402
+
 BLOCK = 16  # NVFP4, the default scheme
 SHARE = 0.95
 
@@ -208,22 +210,6 @@ def _forbidden(mod: nn.Module, name: str, modules: dict) -> str | None:
     if re.search(r"position|relative_attention_bias|rel_pos", name, re.I) and not isinstance(mod, nn.Linear):
         return f"position table ({cname})"
     return None
-
-
-def definitions_in_process(mp) -> None:
-    """Build model definitions in this process (the sweep already imported transformers): the planner's
-    child (``python -m fp4convert.modeldef``) would cost a Python start and transformers' imports per
-    architecture. The request and the answer still go through JSON, as they do through the child."""
-    from fp4convert import modeldef
-    from fp4convert.safetensors_io import TensorInfo
-
-    def build(model_config: dict, tensors: list) -> object:
-        req = json.loads(json.dumps({"config": model_config, "tensors": [[t.name, list(t.shape)] for t in tensors]},
-                                    default=str))
-        infos = [TensorInfo(n, "BF16", tuple(shape), "", 0, 0) for n, shape in req["tensors"]]
-        return modeldef._from_json(json.loads(json.dumps(modeldef._to_json(modeldef._load(req["config"], infos)))))
-
-    mp.setattr(modeldef, "_build_in_child", build)
 
 
 def check(model_type: str, root: Path) -> dict:
