@@ -403,7 +403,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard
     from .convert import convert, plan_conversion, prewarm_device
     from .errors import PlanError
     from .source import open_source
-    from .writer import plan_warnings
+    from .runner import plan_warnings
 
     config = ConvertConfig(
         scheme=scheme, rotate=rotate, scale_rule=scale_rule, format=fmt, ignore=tuple(ignore), only=tuple(only),
@@ -532,7 +532,7 @@ def push(folder, repo, private, token, quiet) -> None:
 
 
 def _print_plan(plan, quiet: bool = False) -> None:
-    from .writer import plan_warnings
+    from .runner import plan_warnings
 
     s = plan.summary()
     width = max((len(d.name) for d in plan.decisions), default=10)
