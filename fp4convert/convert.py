@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .formats.base import OutputFormat
     from .plan import Plan
     from .source import Source
+    from .work import Work
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ def convert(
     backends = open_backends(config, world, plan_, source, settings)
     stages.add("startup", time.perf_counter() - t_start)
     stages.count("lanes", len(backends))
-    works = [QuantizeWork(source, fmt, settings, b) for b in backends]
+    works: list[Work] = [QuantizeWork(source, fmt, settings, b) for b in backends]
     try:
         identity = run_identity(config, source)
         job = Job(source, plan_, fmt, dst, config, identity, others)

@@ -15,15 +15,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import ConvertConfig
+from .distributed import World
 from .errors import CheckpointFormatError, ConfigError
 from .formats import get_format
 from .layout import load_quantized, read_layout
 from .manifest import MANIFEST_NAME, manifest_problem
 from .plan import QUANTIZE, Decision, Plan, check_collisions, layout_shards
+from .runner import ConvertResult, Job, Progress, run
 from .safetensors_io import DTYPE_BITS, OutEntry, TensorInfo, dtype_nbytes, open_regular
 from .source import open_source
-from .distributed import World
-from .runner import ConvertResult, Job, Progress, run
 from .writer import run_identity
 
 

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import stages
 
@@ -71,7 +71,7 @@ class ReadAhead:
     (:func:`~fp4convert.schedule.grouped_offsets`).
     """
 
-    def __init__(self, units: list[list[TensorInfo]], locate: Callable[[str], Path], alloc: Callable[[int], object],
+    def __init__(self, units: list[list[TensorInfo]], locate: Callable[[str], Path], alloc: Callable[[int], Any],
                  init: Callable[[], None] | None = None) -> None:
         from .schedule import grouped_offsets
 
@@ -79,8 +79,8 @@ class ReadAhead:
         self._units = units
         self._set_bytes = max((grouped_offsets(u)[1] for u in units), default=0)
         self._locate = locate
-        self._buffers: dict[int, object] = {}  # set -> its buffer
-        self._pending: dict[int, object] = {}  # set -> the event its last consumer recorded
+        self._buffers: dict[int, Any] = {}  # set -> its buffer
+        self._pending: dict[int, Any] = {}  # set -> the event its last consumer recorded
         self._lock = threading.Lock()
         self._ready: queue.Queue = queue.Queue(maxsize=1)
         self._free = [threading.Event() for _ in range(SETS)]  # set k's last item has been released
@@ -91,7 +91,7 @@ class ReadAhead:
         self._thread = threading.Thread(target=self._run, name="fp4convert-readahead", daemon=True)
         self._thread.start()
 
-    def _fill(self, set_index: int, unit: list[TensorInfo]) -> tuple[object, list[tuple[int, TensorInfo]]]:
+    def _fill(self, set_index: int, unit: list[TensorInfo]) -> tuple[Any, list[tuple[int, TensorInfo]]]:
         """Read an item into set ``set_index``'s buffer, once the set's last copies have finished."""
         from .safetensors_io import read_many
         from .schedule import grouped_offsets
@@ -155,7 +155,7 @@ class ReadAhead:
 
         return release
 
-    def next(self) -> tuple[object, Callable[[object | None], None]]:
+    def next(self) -> tuple[Any, Callable[[Any], None]]:
         """The next item's inputs, and the function that releases them (call it once they are no longer
         needed, or with an event after which they are not)."""
         t0 = time.perf_counter()

@@ -18,6 +18,7 @@ record. The loop calls down, never up:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -148,7 +149,7 @@ def run(job: Job, world: World, works: list[Work], progress: Progress | None = N
         session, done = prepare_destination(job.dst, job.plan, job.config, job.identity, job.source, job.others)
         return done
 
-    done = world.from_rank0(prepare)
+    done: dict = world.from_rank0(prepare)  # type: ignore[assignment]
     try:
         states, error = _run_parts(job, world, parts, works, done, progress or (lambda n: None))
         if world.distributed:
@@ -177,14 +178,13 @@ def _run_parts(job: Job, world: World, parts: list[Part], works: list[Work], don
     states: list[dict] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
+    report = progress
     if len(parts) > 1:
         told = threading.Lock()  # the lanes' writer threads report side by side
 
         def report(n: int) -> None:
             with told:
                 progress(n)
-    else:
-        report = progress
 
     def check() -> None:
         if stop.is_set():
@@ -273,12 +273,12 @@ def _run_part(job: Job, part: Part, work: Work, done: dict, progress: Progress,
                 check()
                 records, write = work.unit(unit)
                 if write is not None:
-                    behind.submit(lambda write=write: write(shards))
+                    behind.submit(functools.partial(write, shards))
                 record.units_done(records)
             if tells(unit):
                 # Progress follows the unit's writes (on the writer thread): a Hub source shard it lets go
                 # of (--delete-source-shards) has then been read for the last time.
-                behind.submit(lambda n=n: progress(n), light=True)
+                behind.submit(functools.partial(progress, n), light=True)
             if id(unit) in pending_ids:
                 step()
         behind.drain(True)

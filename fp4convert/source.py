@@ -27,11 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import (CheckpointFormatError, CheckpointIndexError, FP4ConvertError, OutsideSourceError,
-                     SourceError)
+from .errors import CheckpointFormatError, CheckpointIndexError, FP4ConvertError, OutsideSourceError, SourceError
 from .names import INDEX_NAME, LOCK_NAME, MANIFEST_NAME, OWN_FILES, PROGRESS_NAME  # noqa: F401
-from .safetensors_io import (TensorInfo, header_length, json_error, json_kind, loads_bounded, loads_strict, parse_header,
-                             read_header)
+from .safetensors_io import TensorInfo, header_length, json_error, json_kind, loads_bounded, loads_strict, parse_header, read_header
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,10 @@ WriteJob = Callable[["ShardSet"], None]  # runs on the part's writer thread
 class Work(Protocol):
     """What the run loop asks of a part's work (a conversion's, an export's)."""
 
-    read_wait_s: float
+    @property
+    def read_wait_s(self) -> float:
+        """Seconds the work waited for its inputs (0: reading fully hidden)."""
+        ...
 
     def start(self, pending: list[list[Decision]]) -> None:
         """The units this part will process (those a resume does not skip), in plan order."""
@@ -77,6 +80,7 @@ def write_result(item: Item, result: Result, fmt: OutputFormat, settings: Settin
             records[d.name].update(next(iter(got.values())) if len(d.matrices) == 1 else {"matrices": got})
     scheme = settings.scheme.name
     for (d, m), out in zip(item.matrices, result.matrices):
+        assert out is not None  # refused ones raised above
         for name, data in fmt.outputs(m.module, out.packed, out.scale, out.gs, scheme, settings.rotate):
             shards.write(name, data, owner=result.keep)
     for name, data in result.tensors:
@@ -111,11 +115,11 @@ class QuantizeWork:
         if item is None:
             return {}, None  # a later unit of a batch: quantized and queued with its first unit
         assert self.reader is not None
-        inputs, release = self.reader.next()  # release: exactly once, the reader may then refill the buffer
+        inputs, release = self.reader.next()  # the reader refills the buffer after the first release(event)
         try:
             result = quantize(item, inputs, self.backend, release)
         except BaseException:
-            release()
+            release(None)
             raise
         records: dict[str, dict] = {m.name: {} for m in item.members}
         fmt, settings = self.fmt, self.settings

@@ -85,6 +85,7 @@ class CudaBackend:
         to back (:func:`~fp4convert.schedule.grouped_offsets`)."""
         rt, lib, st, s = self.rt, self.rt.lib, self.rt.stream, self.s
         buf, items = inputs
+        assert isinstance(buf, HostBuffer)  # from host_buffer(): pinned by the runtime
         n = len(item.members)
         total = max(off + info.nbytes for off, info in items)
         din = self.dev_in.at_least(total)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,6 +37,7 @@ class StackedBackend:
         self.s = settings
         self.device = device
         self.cuda = device.type == "cuda"
+        self.ops: Any
         if self.cuda:
             from ..cuda import ops
 
@@ -153,10 +154,11 @@ class StackedBackend:
             staged = self._stage(item, inputs, release)
         if isinstance(staged, Result):
             kept = staged
+            done = kept.keep[1] if isinstance(kept.keep, tuple) else None
 
             def wait_kept() -> Result:
-                if kept.keep[1] is not None:
-                    kept.keep[1].synchronize()
+                if done is not None:
+                    done.synchronize()
                 return kept
 
             return wait_kept

@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import CUDAKernelError, CUDAUnavailableError
+from ..scheme import SCHEMES
 from . import api_ext
 from .build import find_nvcc, load_library
 from .runtime import MIN_CAPABILITY  # the E4M3 conversion instructions
-from ..errors import CUDAKernelError, CUDAUnavailableError
-from ..scheme import SCHEMES
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FMTS = {"nvfp4": 0, "mxfp4": 1}

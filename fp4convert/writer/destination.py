@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 from ..config import human_bytes
 from ..errors import OutputError
 from ..manifest import file_digest
-from ..names import (FORMAT_FILES, INDEX_NAME, LOCK_NAME, MANIFEST_NAME, PART_RECORD, PARTIAL, PROGRESS_NAME,
-                     SHARD_PATTERN)
+from ..names import FORMAT_FILES, INDEX_NAME, LOCK_NAME, MANIFEST_NAME, PART_RECORD, PARTIAL, PROGRESS_NAME, SHARD_PATTERN
 from ..safetensors_io import header_bytes
 from .files import contained, output_error, source_error, through_link, writing
 from .record import merge_states, progress_records, read_record, resumable
@@ -233,7 +232,9 @@ def _check_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: d
     done: dict = {}
     if existing and not (config.overwrite or config.resume):
         raise OutputError(f"{dst} exists and is not empty; pass --overwrite to replace it or --resume to continue")
-    records, damaged, progress = [], [], []
+    records: list[dict] = []
+    damaged: list[str] = []
+    progress: list[dict] = []
     names = [(MANIFEST_NAME, "manifest"), (PROGRESS_NAME, "progress")]
     names += [(p.name, "progress") for p in progress_records(dst) if p.name != PROGRESS_NAME]  # the parts'
     for name, kind in names:

@@ -99,12 +99,13 @@ def _write_model_card(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, 
 
     text = source.read_card()
     src_manifest = _source_manifest(source)
-    ours = own_card(text, src_manifest) if text else False
-    origin = src_manifest.get("source") if ours and isinstance(src_manifest.get("source"), dict) else None
+    ours = bool(text and src_manifest is not None and own_card(text, src_manifest))
+    origin = src_manifest.get("source") if ours and src_manifest and isinstance(src_manifest.get("source"), dict) \
+        else None
     draft = build_manifest(plan, fmt, source, identity, state, dst, [w for w in written if w != CARD_NAME])
     config = source.config()
     base = getattr(plan.config, "base_model", None) or default_base_model(
-        origin or source.describe(), source.root, config, split_card(text)[0] if ours else None)
+        origin or source.describe(), source.root, config, split_card(text)[0] if ours and text else None)
     write_new(dst, CARD_NAME, build_card(draft, text, base_model=base, config=config, original_is_ours=ours,
                                          origin=origin).encode())
     return written if CARD_NAME in written else [*written, CARD_NAME]

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..manifest import PROGRESS_ONLY, file_digest, portable_description
 from ..names import PART_RECORD, PARTIAL, PROGRESS_NAME, SHARD_PATTERN
@@ -103,12 +103,12 @@ def run_identity(config: ConvertConfig, source: Source, **extra) -> dict:
     return identity
 
 
-def identity_mismatch(dst: Path, old: dict, new: dict, verify_source: bool) -> str | None:
+def identity_mismatch(dst: Path, old: Any, new: dict, verify_source: bool) -> str | None:
     """Why a run recorded as ``old`` cannot be resumed as ``new`` (None: it can): names the setting with
     both values, or the changed source file."""
     if not isinstance(old, dict):
         return f"{dst}: the progress record holds no run identity; use --overwrite to start again"
-    os_, ns = old.get("settings"), new.get("settings")
+    os_, ns = old.get("settings"), new.get("settings") or {}
     if os_ != ns:
         if isinstance(os_, dict):
             diffs = [f"{k} was {os_.get(k)!r}, now {ns.get(k)!r}" for k in sorted(set(os_) | set(ns))
@@ -117,7 +117,7 @@ def identity_mismatch(dst: Path, old: dict, new: dict, verify_source: bool) -> s
             diffs = ["unreadable"]
         return (f"{dst} was started with other settings ({'; '.join(diffs)}); --resume needs the same ones "
                 "(or use --overwrite to start again)")
-    osrc, nsrc = old.get("source"), new.get("source")
+    osrc, nsrc = old.get("source"), new.get("source") or {}
     if osrc != nsrc:
         osrc = osrc if isinstance(osrc, dict) else {}
         ofiles, nfiles = osrc.get("files") or {}, nsrc.get("files") or {}
@@ -170,7 +170,7 @@ def save_progress(dst: Path, state: dict, name: str = PROGRESS_NAME) -> None:
         atomic_write(dst / name, json.dumps(state, sort_keys=True, separators=(",", ":")))
 
 
-def read_record(path: Path, kind: str) -> tuple[dict | None, str | None]:
+def read_record(path: Path, kind: str) -> tuple[dict | None, str]:
     """(the record, None) if ``path`` holds a valid manifest/progress record, else (None, why not)."""
     from ..manifest import manifest_problem
 
@@ -193,7 +193,7 @@ def read_record(path: Path, kind: str) -> tuple[dict | None, str | None]:
             why = "a file record is malformed"
         elif not all(isinstance(n, str) for n in obj.get("pending", [])):
             why = "its pending list is malformed"
-    return (obj, None) if why is None else (None, f"{path.name}: {why}")
+    return (obj, "") if why is None else (None, f"{path.name}: {why}")
 
 
 def progress_records(dst: Path) -> list[Path]:
@@ -293,7 +293,8 @@ class PartRecord:
 
     def state(self) -> dict:
         with self._lock:
-            state = {"identity": self.identity, "files": dict(self.files), "tensors": dict(self.tensors)}
+            state: dict[str, Any] = {"identity": self.identity, "files": dict(self.files),
+                                     "tensors": dict(self.tensors)}
             if self.pending:
                 state["pending"] = list(self.pending)
             return state

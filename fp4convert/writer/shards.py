@@ -52,7 +52,8 @@ class _ChunkPool:
     stalling every other thread), and these are few (the hash backlog bounds those in flight)."""
 
     def __init__(self, size: int) -> None:
-        self.size, self._free, self._lock = size, [], threading.Lock()
+        self.size, self._lock = size, threading.Lock()
+        self._free: list[bytearray] = []
 
     def get(self, n: int) -> _Chunk:
         """A buffer of at least ``n`` bytes: a pooled full-size one, or (the last, short chunk of a
@@ -165,7 +166,7 @@ class ShardSet:
         if self.open:  # the plan and the work disagree: never leave this silently
             raise RuntimeError("internal: output shards left incomplete")
 
-    def write(self, name: str, data: bytes | bytearray | memoryview, owner: object = None) -> None:
+    def write(self, name: str, data: bytes | memoryview, owner: object = None) -> None:
         """Write output tensor ``name``, given as its raw bytes (``owner`` keeps their memory alive)."""
         if self.skip(name):
             return
@@ -215,6 +216,7 @@ class ShardSet:
         with fh:
             ahead = _loader().submit(load, *parts[0]) if parts else None
             for k in range(len(parts)):
+                assert ahead is not None
                 chunk, view, flagged = ahead.result()
                 ahead = _loader().submit(load, *parts[k + 1]) if k + 1 < len(parts) else None
                 bad = bad or flagged
