@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import fp4convert.work as work
 from fp4convert import names
-from fp4convert.config import ConvertConfig, human_bytes
+from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert, plan_conversion
 from fp4convert.errors import OutputError
 from fp4convert.inspect import inspect_checkpoint
@@ -39,13 +39,6 @@ def src(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("llama")
     ck.llama(p)
     return p
-
-
-@pytest.mark.parametrize("n,text", [(0, "0 B"), (999, "999 B"), (1000, "1.00 KB"), (1500, "1.50 KB"),
-                                    (2_500_000, "2.50 MB"), (3.2e9, "3.20 GB"), (7e12, "7.00 TB"),
-                                    (9e15, "9000.00 TB")])
-def test_human_bytes_adapts_its_unit(n, text) -> None:
-    assert human_bytes(n) == text
 
 
 def test_progress_record_names_each_shard_before_its_rename(src, tmp_path, monkeypatch) -> None:
