@@ -575,6 +575,6 @@ def layout_shards(decisions: list[Decision], max_shard: int) -> list[tuple[str, 
             size = 0
         shards[-1].extend(d.outputs)
         size += unit_bytes
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    return list(zip(names, shards))
+    from .names import shard_names
+
+    return list(zip(shard_names(len(shards)), shards))

@@ -321,26 +321,35 @@ def tree(root: Path) -> dict[str, str]:
 
 
 def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
-    """Make a convert() die at the first quantized unit after a shard has been finished; ``hard``: like a
+    """Make a convert() die at the first quantized item after a shard has been finished; ``hard``: like a
     kill -9, no cleanup at all (.partial files stay behind)."""
-    import fp4convert.convert as convert_mod
-    import fp4convert.pipeline as pipeline
-    from fp4convert.safetensors_io import StreamWriter
+    import fp4convert.work as work
 
-    real = convert_mod._quantize_unit
+    real = work.quantize
 
     def flaky(*a, **kw):
         if list(Path(dst).glob("*.safetensors")):
             raise RuntimeError("simulated crash")
         return real(*a, **kw)
 
-    monkeypatch.setattr(convert_mod, "_quantize_unit", flaky)
+    monkeypatch.setattr(work, "quantize", flaky)
     # Writes in the calling thread, so "after a shard has been finished" is exact (tests/test_pipeline.py
-    # crashes the write-behind thread itself).
-    monkeypatch.setattr(pipeline.WriteBehind, "submit", lambda self, job, light=False: job())
-    monkeypatch.setattr(StreamWriter, "then", _inline_then)  # and a finished shard's close too
+    # crashes the writer thread itself).
+    inline_writes(monkeypatch)
     if hard:
+        from fp4convert.safetensors_io import StreamWriter
+
         monkeypatch.setattr(StreamWriter, "abort", lambda self: None)
+
+
+def inline_writes(monkeypatch) -> None:
+    """Every write of a run (an item's writes, a finished shard's record, sync and rename) in the thread
+    that queued it, in order: a run's writes are then done when the next item starts."""
+    import fp4convert.schedule as schedule
+    from fp4convert.safetensors_io import StreamWriter
+
+    monkeypatch.setattr(schedule.WriteBehind, "submit", lambda self, job, light=False: job())
+    monkeypatch.setattr(StreamWriter, "then", _inline_then)
 
 
 def _inline_then(self, fn):

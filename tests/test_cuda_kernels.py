@@ -129,7 +129,7 @@ def dev() -> torch.device:
 
 
 def test_e2m1_exhaustive(dev) -> None:
-    """The compiled E2M1 path (software on sm_90, cvt on sm_100a/120a) = SPEC.md's predicate sum on
+    """The compiled E2M1 path (software on sm_90, cvt on sm_100a/120a) = the predicate sum of docs/numerics.md ("E2M1 elements") on
     all 2^32 fp32 inputs (NaN skipped): the plain encoder's codes, and the search rules' codes and
     decoded values (through the block error)."""
     assert ops.e2m1_selftest(dev) == 0
@@ -186,7 +186,7 @@ def test_quantize_bit_exact(fmt, rule, dtype, rotate, layout, dev) -> None:
 
 
 def _contract_nvfp4_bytes(x: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CONTRACT.md's NVFP4 rules written out independently (fp32 x [B, M, K], no rotation): the
+    """The NVFP4 rules of docs/numerics.md ("Scale rules") written out independently (fp32 x [B, M, K], no rotation): the
     chosen scale bytes [B, M*K/16], a mask of the blocks where b4 != b6 tie exactly, and b6's error."""
     b = x.shape[0]
     gs = ref.global_scale(ref.tensor_amax(x)).reshape(b, 1)
