@@ -250,3 +250,14 @@ def test_peak_rss_is_flat_in_layer_count(tmp_path):
     """Real process peak RSS: 16 layers of 13.6 MB (fp32) each would add ~200 MB if they accumulated."""
     rss = {n: peak_rss(_deep(tmp_path / f"r{n}", n, hidden=512, inter=1536)) for n in (2, 16)}
     assert rss[16] < rss[2] * 1.05 + (32 << 20), rss
+
+
+def test_random_tokens_are_seeded_uniform_ids_in_the_vocabulary():
+    a = calibrate.random_tokens(50, 3, 40, seed=7)
+    assert a.shape == (3, 40) and a.dtype == torch.long
+    assert int(a.min()) >= 0 and int(a.max()) < 50
+    assert torch.equal(a, calibrate.random_tokens(50, 3, 40, seed=7))
+    assert not torch.equal(a, calibrate.random_tokens(50, 3, 40, seed=8))
+    assert len(set(a.reshape(-1).tolist())) > 40  # spread over the vocabulary, not a constant
+    with pytest.raises(Exception, match="random calibration tokens"):
+        calibrate.random_tokens(0, 1, 1)
