@@ -600,7 +600,8 @@ def _role(name, target, path, leaf, mod, cname, info, param, axes, converter, pa
     if router is None and not isinstance(mod, nn.Linear) and _GATE_CLASS_RX.search(cname) and param.dim() == 2:
         router = cname
     if router is None:  # a module named like a router (HunYuan's ``mlp.gate`` holds its Linear ``wg``)
-        router = next((f"{c} {a}" for a, c in reversed(ancestors) if a.rpartition(".")[2] in _ROUTER_LEAVES), None)
+        router = next((f"{c} {a.rpartition('.')[2]}" for a, c in reversed(ancestors)
+                       if a.rpartition(".")[2] in _ROUTER_LEAVES), None)
     if router is not None:
         return kept(f"MoE router ({router})")
     projector = next((c for _, c in ancestors if _PROJECTOR_RX.search(c)), None)
@@ -656,8 +657,9 @@ def _role(name, target, path, leaf, mod, cname, info, param, axes, converter, pa
             return kept(f"{leaf} of {cname}: the expert axis or input axis on disk is not known")
         from . import architectures as arch
 
-        if arch.quantized_experts_unread(model_config):
-            return kept(f"{leaf} of {cname}: {arch.quantized_experts_unread(model_config)}")
+        if arch.quantized_experts_unread(model_config):  # kept, with its layout (per-expert names for ignore)
+            return Role(KEPT, path, cname, f"{leaf} of {cname}: {arch.quantized_experts_unread(model_config)}",
+                        input_axis=disk_in, transpose=disk_in == 1, split=split, proj=proj, names=names)
         why = ""
         if fp4 is not None:
             gate, up, down = names or arch.expert_names(model_config)
