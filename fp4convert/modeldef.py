@@ -328,7 +328,10 @@ def _definition(model, tensors: list[TensorInfo], version: str, model_config: di
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))
     modules = dict(model.named_modules(remove_duplicate=False))
-    towers = [p for p, m in modules.items() if p and isinstance(m, PreTrainedModel) and _TOWER_RX.search(type(m).__name__)]
+    # Vision/audio sub-models; never the base model itself (Higgs-Audio-V2's language model is a
+    # HiggsAudioV2Model: "Audio" in its name, but it is the model, not a tower beside one).
+    towers = [p for p, m in modules.items() if p and p != model.base_model_prefix and isinstance(m, PreTrainedModel)
+              and _TOWER_RX.search(type(m).__name__)]
     heads = _heads(model, modules)
 
     mapped = []  # (info, target, pattern) for every tensor a parameter of the model loads

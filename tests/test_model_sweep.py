@@ -100,13 +100,18 @@ def _ancestors(name: str, modules: dict) -> list[tuple[str, nn.Module]]:
     return [(p, modules[p]) for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in modules]
 
 
-def _in_tower(name: str, modules: dict) -> bool:
-    return any(_TOWER_RX.search(type(m).__name__) or _TOWER_RX.search(p.rpartition(".")[2])
-               for p, m in _ancestors(name, modules))
+def _tower_like(path: str, mod: nn.Module, base: str) -> bool:
+    """A vision/audio tower by its class or its name; the base model never is (Higgs-Audio-V2's language
+    model is a HiggsAudioV2Model)."""
+    return path != base and bool(_TOWER_RX.search(type(mod).__name__) or _TOWER_RX.search(path.rpartition(".")[2]))
+
+
+def _in_tower(name: str, modules: dict, base: str = "") -> bool:
+    return any(_tower_like(p, m, base) for p, m in _ancestors(name, modules))
 
 
 def _kept_by_rule(name: str, mod: nn.Module, modules: dict, heads: set[int], in_size: int,
-                  towers: bool = True) -> str | None:
+                  towers: bool = True, base: str = "") -> str | None:
     """The documented keep rule a linear falls under (None: it should be quantized). ``towers``: whether the
     model has a language model beside its vision/audio towers (else the tower rule does not apply)."""
     if id(mod) in heads:
@@ -114,7 +119,7 @@ def _kept_by_rule(name: str, mod: nn.Module, modules: dict, heads: set[int], in_
     for path, m in _ancestors(name, modules):
         leaf = path.rpartition(".")[2]
         cname = type(m).__name__
-        if towers and (_TOWER_RX.search(cname) or _TOWER_RX.search(leaf)):
+        if towers and _tower_like(path, m, base):
             return "vision/audio tower"
         if _PROJECTOR_RX.search(cname) or _PROJECTOR_RX.search(leaf):
             return "multimodal projector"
@@ -505,14 +510,15 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
             unique.append(c)
     # Towers are kept beside a language model; a model that is nothing but its audio/vision encoder is
     # quantized like any model (docs/formats.md).
-    towers_beside_lm = any(not _in_tower(n, c_modules) and id(m) not in heads for _, _, n, m, _ in unique)
+    base = c_model.base_model_prefix
+    towers_beside_lm = any(not _in_tower(n, c_modules, base) and id(m) not in heads for _, _, n, m, _ in unique)
     missing_in_source = set(map(str, src_info.get("missing_keys") or ()))
     eligible: dict[str, int] = {}
     kept_by_rule: dict[str, int] = {}
     for pname, p, name, mod, in_size in unique:
         if pname in missing_in_source:  # transformers does not load it from the bf16 source either
             continue
-        rule = _kept_by_rule(name, mod, c_modules, heads, int(in_size), towers_beside_lm) \
+        rule = _kept_by_rule(name, mod, c_modules, heads, int(in_size), towers_beside_lm, base) \
             or ct.kept_rule(pname, mod, p, on_disk.get(pname), cfg_json)
         (kept_by_rule if rule else eligible)[pname] = p.numel()
     total = sum(eligible.values())

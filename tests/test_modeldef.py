@@ -389,3 +389,13 @@ def test_experts_no_consumer_reads_in_fp4_are_kept_and_listed(sweep_families) ->
     assert d.action == KEEP and "reads no quantized experts" in d.reason
     assert "model.layers.0.mlp.experts.0.gate_proj" in plan.kept_modules(source.config())
     assert any("custom or unsplittable" in w and "experts.fc1" in w for w in plan.warnings)
+
+
+def test_the_base_model_is_never_a_tower(sweep_families) -> None:
+    """Aya Vision's base model is an AyaVisionModel ("Vision" in its class name) holding both the vision
+    tower and the language model: the tower rule must keep only the tower, not the base model (which kept
+    the whole language model unquantized, silently)."""
+    _, plan = _plan(sweep_families("aya_vision"))
+    assert plan.by_name["language_model.model.layers.0.self_attn.q_proj.weight"].action == QUANTIZE
+    tower = [d for d in plan.decisions if d.name.startswith("vision_tower.") and d.name.endswith("proj.weight")]
+    assert tower and all(d.action == KEEP and "tower" in d.reason for d in tower)
