@@ -203,11 +203,14 @@ class _CtLoader:
         q.validate_environment()
         self.dequant = q.get_load_operations()["dequantize"]
         self.serialized = set(q.serialized_names["weight"])
-        with torch.device("meta"):
-            self.model = cls(copy.deepcopy(model.config))
-        before = [type(m).__name__ for m in self.model.modules()]
-        q._convert_model_for_quantization(self.model)
-        self.swapped = before != [type(m).__name__ for m in self.model.modules()]
+        from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
+
+        self.swapped = any(type(m).__name__ in MODULES_TO_PATCH_FOR_QUANTIZATION for m in model.modules())
+        self.model = model  # the loaded bf16 model, unless the quantizer swaps modules: then a meta copy, swapped
+        if self.swapped:
+            with torch.device("meta"):
+                self.model = cls(copy.deepcopy(model.config))
+            q._convert_model_for_quantization(self.model)
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
         self.modules = dict(self.model.named_modules(remove_duplicate=False))
         plain = get_model_conversion_mapping(self.model)
