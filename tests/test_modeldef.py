@@ -139,7 +139,7 @@ def test_unknown_architecture_falls_back_with_a_warning(tmp_path) -> None:
     ck.write(tmp_path / "src", t, cfg)
     _, plan = _plan(tmp_path / "src")
     assert plan.by_name["model.layers.0.mlp.mystery.weight"].reason == UNKNOWN_ROLE
-    assert plan.by_name["model.layers.0.linear_attn.in_proj_qkv.weight"].action == QUANTIZE
+    assert plan.by_name["model.layers.0.self_attn.q_proj.weight"].action == QUANTIZE
     assert any("not from the model definition" in w and "mystery" in w for w in plan.warnings)
     assert plan.to_json()["planned_from"]["source"] == "name rules"
 
