@@ -1,7 +1,7 @@
 """Kernel throughput on the GPU: each pass beside the device-to-device copy and the peers.
 
 For 8192x8192 and 16384x16384 bf16 it prints, per pass: median time (triton.testing.do_bench,
-which flushes L2 between repetitions), GB/s counting SPEC.md's bytes, and % of the copy bandwidth
+which flushes L2 between repetitions), GB/s counting docs/numerics.md's bytes, and % of the copy bandwidth
 measured in the same run. Then:
 - the scale-rule table (NVFP4 max / 4over6 / mse / wmse, MXFP4 floor / rceil / mse / wmse, plain and Had16): time,
   % of copy, and the ratio to the plain rule (issue 13's target: <= 1.5x at 16384^2 on the H100);

@@ -1,5 +1,5 @@
-// fp4convert kernels: decode quantized source checkpoints to fp32 (CONTRACT.md "Input decoding",
-// SPEC.md section 9), bit for bit with reference.fp8_block_dequantize / fp8_scaled_dequantize /
+// fp4convert kernels: decode quantized source checkpoints to fp32 (docs/numerics.md "Quantized inputs"),
+// bit for bit with reference.fp8_block_dequantize / fp8_scaled_dequantize /
 // mxfp4_blocks_dequantize. The quantizer then takes the fp32 result.
 //   fp8_block: w[i, j] = fp32(e4m3[i, j]) * scale_inv[i / bm, j / bn], one fp32 multiply; edge blocks
 //     partial; batched over leading dims (each matrix its own scale_inv, or one broadcast to all).

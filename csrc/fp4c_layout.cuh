@@ -1,6 +1,6 @@
 // fp4convert kernels, layout: what every kernel family shares about memory, independent of the
 // numerics. Element types, the per-thread work unit, 16-byte loads/stores, the input -> fp32 decode of
-// one group, the 128x4 swizzled scale offset (SPEC.md section 6) and the host-side grid helpers.
+// one group, the 128x4 swizzled scale offset (docs/formats.md "The 128x4 scale layout") and the host-side grid helpers.
 //
 // Work split (quantize): one thread owns GROUP = 32 consecutive elements of one matrix (two NVFP4
 // blocks or one MXFP4 block, two Had16 groups), read with 16-byte loads, its 16 bytes of codes written
@@ -78,7 +78,7 @@ __device__ __forceinline__ uint32_t fdiv(uint32_t n, const FastDiv& f) {
   return (__umulhi(n, f.mult) + n) >> f.shift;
 }
 
-// Offset of scale (m, kb) in the 128x4 layout of SPEC.md section 6 (nbp: padded blocks per row).
+// Offset of scale (m, kb) in the 128x4 layout of docs/formats.md "The 128x4 scale layout" (nbp: padded blocks per row).
 __device__ __forceinline__ uint64_t swz_offset(uint32_t m, uint32_t kb, uint32_t nbp) {
   return (uint64_t)(m >> 7) * ((uint64_t)(nbp >> 2) * 512u) + (uint64_t)(kb >> 2) * 512u +
          (m & 31u) * 16u + ((m & 127u) >> 5) * 4u + (kb & 3u);

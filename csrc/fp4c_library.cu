@@ -4,7 +4,7 @@
 // so nvcc alone compile-checks every file for sm_90 / sm_100a / sm_120a and Python calls them via
 // ctypes (fp4convert/cuda/build.py compiles all csrc/*.cu into one shared library).
 //   fp4c_layout.cuh    memory: element types, loads/stores, the 128x4 scale layout, grid helpers
-//   fp4c_numerics.cuh  SPEC.md / CONTRACT.md arithmetic, mirroring fp4convert/reference.py
+//   fp4c_numerics.cuh  docs/numerics.md arithmetic, mirroring fp4convert/reference.py
 //   fp4c_amax.cu, fp4c_quantize.cu, fp4c_dequantize.cu, fp4c_decode.cu, fp4c_selftest.cu: kernels
 // Measurements and the alternatives tried: benchmarks/NOTES.md, BENCHMARKS.md.
 

@@ -1,4 +1,4 @@
-// fp4convert kernels, numerics: SPEC.md sections 1-4 and CONTRACT.md, bit for bit with
+// fp4convert kernels, numerics: docs/numerics.md ("E2M1 elements" to "Had16 rotation", "Scale rules"), bit for bit with
 // fp4convert/reference.py. Each device function names the reference function it mirrors.
 //
 // Every fp32 step is one IEEE operation with round-to-nearest-even (__fmul_rn / __fadd_rn /
@@ -82,13 +82,13 @@ __device__ __forceinline__ float nvfp4_scale(float gs, uint32_t bmax_bits, uint3
   return sf > 0.0f ? fminf(__fdiv_rn(gs, sf), FLT_MAX) : 0.0f;
 }
 
-// CONTRACT.md, NVFP4 candidates: the /4 byte b4 = E4M3((gs * bmax) / 4) (the division by 4 is
+// docs/numerics.md "Scale rules", NVFP4 candidates: the /4 byte b4 = E4M3((gs * bmax) / 4) (the division by 4 is
 // exact as a multiply by 0.25: both are RN of the same real).
 __device__ __forceinline__ uint32_t nvfp4_byte4(float gs, uint32_t bmax_bits) {
   return e4m3_from_f32(__fmul_rn(__fmul_rn(gs, __uint_as_float(bmax_bits)), 0.25f));
 }
 
-// CONTRACT.md, a candidate E4M3 byte c -> (r, d): sf = decode(c); r = sf > 0 ? min(gs / sf,
+// docs/numerics.md "Scale rules", a candidate E4M3 byte c -> (r, d): sf = decode(c); r = sf > 0 ? min(gs / sf,
 // FLT_MAX) : 0; d = sf / gs.
 __device__ __forceinline__ void nvfp4_candidate(float gs, uint32_t byte, float& r, float& d) {
   const float sf = f32_from_e4m3(byte);
@@ -105,7 +105,7 @@ __device__ __forceinline__ float mxfp4_scale(uint32_t bmax_bits, uint32_t& byte)
   return pow2i(127 - e);
 }
 
-// CONTRACT.md, MXFP4 rceil: e + 1 (clamped to 254) when bmax * 2^(127 - e) > 6.
+// docs/numerics.md "Scale rules", MXFP4 rceil: e + 1 (clamped to 254) when bmax * 2^(127 - e) > 6.
 __device__ __forceinline__ uint32_t mxfp4_rceil(uint32_t bmax_bits, uint32_t e, float r) {
   return __fmul_rn(__uint_as_float(bmax_bits), r) > 6.0f ? min(e + 1u, 254u) : e;
 }
@@ -114,7 +114,7 @@ __device__ __forceinline__ uint32_t mxfp4_rceil(uint32_t bmax_bits, uint32_t e, 
 // Had16 (reference.had16)
 // ------------------------------------------------------------------------------------------------
 
-// SPEC.md section 4: butterflies h = 1, 2, 4, 8 in this order (the * 0.25 is separate, below).
+// docs/numerics.md "Had16 rotation": butterflies h = 1, 2, 4, 8 in this order (the * 0.25 is separate, below).
 __device__ __forceinline__ void butterflies16(float v[16]) {
 #pragma unroll
   for (int h = 1; h < 16; h <<= 1) {
@@ -162,7 +162,7 @@ __device__ __forceinline__ bool fold_quarter(float r) {
 // E2M1 (reference.e2m1_encode / e2m1_decode)
 // ------------------------------------------------------------------------------------------------
 
-// reference.e2m1_encode as written there (SPEC.md's predicate sum); the self test compares the fast
+// reference.e2m1_encode as written there (docs/numerics.md's predicate sum); the self test compares the fast
 // paths with it.
 __device__ __forceinline__ uint32_t e2m1_spec(float y) {
   const float a = fabsf(y);
@@ -185,7 +185,7 @@ __device__ __forceinline__ float e2m1_value_spec(uint32_t idx) {
 // R1 = rne(min(2a, 4)), R2 = rne(clamp(a - 2, 0, 2)), R3 = rne(clamp(a/2 - 2, 0, 1)), a = |y|. Each
 // clamp is a .SAT (to [0, 1]) of an exact fp32 value; each rne is the magic add of 2^23 (ulp 1) and
 // is exact with ties to even because the running sum it lands on is even whenever the new term is
-// non-zero (R1 = 4 once a > 2, R1 + R2 = 6 once a > 4). This equals SPEC.md's predicate sum on every
+// non-zero (R1 = 4 once a > 2, R1 + R2 = 6 once a > 4). This equals docs/numerics.md's predicate sum on every
 // fp32 input (checked exhaustively by fp4c_e2m1_selftest). Seven FP32-pipe operations, no compares.
 // The result's bits are 0x4B000000 + idx.
 __device__ __forceinline__ uint32_t e2m1_mag_sw(float y2) {
@@ -279,7 +279,7 @@ __device__ __forceinline__ uint32_t encode8(const float* v, float r) {
 #endif
 }
 
-// CONTRACT.md, the block error of one candidate (multiplier r, step d) over N values, in element
+// docs/numerics.md "Scale rules", the block error of one candidate (multiplier r, step d) over N values, in element
 // order: e = value(E2M1(x_i * r)) * d - x_i; err = err + e * e (each a separate fp32 operation);
 // also the candidate's packed codes (eight per word, element 0 in the low nibble), so the winner
 // needs no second encode. CLAMP: see e2m1_value_of (the hardware conversion saturates by itself).
@@ -349,7 +349,7 @@ __device__ __forceinline__ uint32_t search_signs8(const float* v) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Scale-rule block steps (CONTRACT.md). v: the block's values after the rotation (exact v, not the
+// Scale-rule block steps (docs/numerics.md "Scale rules"). v: the block's values after the rotation (exact v, not the
 // folded u); bmax_bits: max|v| as a bit pattern. Each candidate is scored, and its codes packed, by
 // block_err_codes; the winner's codes are kept. Out: the packed codes and the chosen scale byte.
 // ------------------------------------------------------------------------------------------------

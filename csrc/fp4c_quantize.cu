@@ -1,5 +1,5 @@
 // fp4convert kernels: NVFP4 / MXFP4 quantize, optionally fused with Had16, every scale rule
-// (CONTRACT.md), linear or 128x4-swizzled scales. The data is read once; a search rule tries its
+// (docs/numerics.md "Scale rules"), linear or 128x4-swizzled scales. The data is read once; a search rule tries its
 // candidates on the block held in registers. The rule is a template parameter, so the plain rule's
 // code is exactly what it was before the search rules existed.
 

@@ -1,5 +1,5 @@
 // fp4convert kernels: the exhaustive self test of this target's E2M1 path (software on sm_90,
-// hardware cvt on sm_100a / sm_120a) against SPEC.md's predicate sum, codes and values.
+// hardware cvt on sm_100a / sm_120a) against docs/numerics.md's predicate sum, codes and values.
 
 #include "fp4c_layout.cuh"
 #include "fp4c_numerics.cuh"
@@ -52,7 +52,7 @@ __global__ void e2m1_selftest_kernel(uint64_t start, uint64_t count, unsigned lo
 
 }  // namespace
 
-// Mismatch count of this target's E2M1 paths against SPEC.md's predicate sum over all 2^32 fp32 bit
+// Mismatch count of this target's E2M1 paths against docs/numerics.md's predicate sum over all 2^32 fp32 bit
 // patterns (NaNs skipped); `mismatches` is a device counter the caller zeroes.
 FP4C_API int fp4c_e2m1_selftest(unsigned long long* mismatches, void* stream) {
   cudaStream_t st = (cudaStream_t)stream;

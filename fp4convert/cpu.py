@@ -67,7 +67,7 @@ def _e2m1_magnitude_(y: torch.Tensor) -> torch.Tensor:
 
 
 def _block_error(a: torch.Tensor, r: torch.Tensor, d: torch.Tensor, weighted: bool = False) -> torch.Tensor:
-    """CONTRACT.md's block error of |x| blocks a [R, nb, n] under multiplier r and step d [R, nb].
+    """docs/numerics.md's block error ("Block error") of |x| blocks a [R, nb, n] under multiplier r and step d [R, nb].
 
     ``e = |value| * d - |x|`` (times ``|x|`` when ``weighted``: ``(e * x)^2`` equals
     ``(e' * |x|)^2`` exactly, e' = +-e), squared, then added in element order (0 + e_0^2 is e_0^2

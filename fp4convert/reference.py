@@ -1,15 +1,15 @@
-"""The numerics reference: SPEC.md in pure PyTorch, in the kernels' order of operations.
+"""The numerics reference: docs/numerics.md in pure PyTorch, in the kernels' order of operations.
 
 This module is the readable source of truth that every fast path is tested against bit for bit.
 It imports no compiled code and runs on any torch device. Every arithmetic step is one IEEE fp32
-operation with round-to-nearest-even, written in the order SPEC.md fixes; two expressions that are
+operation with round-to-nearest-even, written in the order docs/numerics.md fixes; two expressions that are
 equal on paper can round differently, so do not "simplify" them.
 
-Scale rules (CONTRACT.md for this wave, SPEC.md sections 2-3): the per-block scale is a choice; the
+Scale rules (docs/numerics.md "Scale rules", "NVFP4", "MXFP4"): the per-block scale is a choice; the
 search rules try a few candidate scales per block and keep the one whose squared block error (fp32,
 summed in element order, see :func:`block_error`) is lowest. The global scale never changes.
 
-Two points where SPEC.md is silent, fixed here for every backend:
+Two points the source specification left open, fixed here for every backend (docs/numerics.md states both):
 - ``gs = min(2688 / amax, FLT_MAX)`` and ``r = min(gs / sf, FLT_MAX)``: without the clamps a tensor with
   amax below ~4e-33 gives ``r = inf`` and ``0 * inf = NaN``, whose sign bit differs between CPUs and
   GPUs. For every other tensor the clamps change nothing.
@@ -85,7 +85,7 @@ def _from_bits(b: torch.Tensor) -> torch.Tensor:
 def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
     """fp32 -> E2M1 codes (uint8, 0..15): round half to even, saturate at 6, keep the sign bit.
 
-    The predicate sum is SPEC.md's rule: each ``>`` sits on a tie that rounds down (to an even
+    The predicate sum is docs/numerics.md's rule: each ``>`` sits on a tie that rounds down (to an even
     mantissa) and each ``>=`` on a tie that rounds up.
     """
     y = y.to(_F32)
@@ -193,7 +193,7 @@ def e8m0_decode(e: torch.Tensor) -> torch.Tensor:
 def had16(x: torch.Tensor) -> torch.Tensor:
     """16-point fast Walsh-Hadamard transform along the last dim, per block of 16, scaled by 0.25.
 
-    Exactly SPEC.md section 4's butterflies (h = 1, 2, 4, 8; v[i] = a + b, v[i+h] = a - b). The
+    Exactly docs/numerics.md "Had16 rotation"'s butterflies (h = 1, 2, 4, 8; v[i] = a + b, v[i+h] = a - b). The
     transform is orthogonal and symmetric, so it is its own inverse.
     """
     if x.shape[-1] % HAD16_SIZE:
@@ -266,7 +266,7 @@ def _div(a: torch.Tensor, constant: float) -> torch.Tensor:
 
 def block_error(blocks: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, weighted: bool = False,
                 input_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Squared error of each block [..., n] under decode step d [...], in CONTRACT.md's order.
+    """Squared error of each block [..., n] under decode step d [...], in docs/numerics.md "Scale rules"'s order.
 
     ``err = 0; for i in 0..n-1: e = value(code_i) * d - x_i; err = err + e * e``, every step one fp32
     operation, elements in ascending order. torch's sum would add in another order (and round
@@ -500,7 +500,7 @@ def mxfp4_block_errors(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantized inputs (SPEC.md section 9): exact fp32 decoders
+# Quantized inputs (docs/numerics.md "Quantized inputs"): exact fp32 decoders
 # ---------------------------------------------------------------------------------------------
 # NaN and Inf propagate (an E4M3 byte 0x7F/0xFF, an E8M0 scale of 255, a NaN scale), so the caller's
 # non-finite check refuses the tensor like any other.

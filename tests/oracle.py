@@ -1,4 +1,4 @@
-"""A second, independent reading of SPEC.md: scalar Python, one element at a time.
+"""A second, independent reading of docs/numerics.md: scalar Python, one element at a time.
 
 Python floats are doubles; every fp32 operation is computed in double and rounded to fp32 with
 ``f32``. For +, -, *, / of two fp32 values that double rounding is exact (53 >= 2*24 + 2), so these
@@ -68,7 +68,7 @@ def e2m1_value(code: int) -> float:
 
 
 def block_err(blk: list[float], codes: list[int], d: float, weighted: bool = False) -> float:
-    """CONTRACT.md's block error, one fp32 operation per step: e = value * d - x; err = err + e * e.
+    """docs/numerics.md's block error ("Block error"), one fp32 operation per step: e = value * d - x; err = err + e * e.
 
     ``weighted`` (wmse): e = e * x before the square."""
     err = 0.0
@@ -93,7 +93,7 @@ def nvfp4_candidate(blk: list[float], gs: float, c: int, weighted: bool = False)
 
 
 def nvfp4_choose(blk: list[float], gs: float, rule: str = "max") -> int:
-    """The scale byte of one block under a CONTRACT.md rule, by brute force over the candidates."""
+    """The scale byte of one block under a docs/numerics.md "Scale rules" rule, by brute force over the candidates."""
     bmax = max(abs(t) for t in blk)
     s = f32(gs * bmax)
     b6, b4 = e4m3(f32(s / 6.0)), e4m3(f32(s / 4.0))
@@ -109,7 +109,7 @@ def nvfp4_choose(blk: list[float], gs: float, rule: str = "max") -> int:
 def nvfp4_row_codes(
     rows: list[list[float]], rotate: bool = False, rule: str = "max", amax: float | None = None
 ) -> tuple[list[list[int]], list[list[int]], float]:
-    """SPEC.md section 2 and CONTRACT.md's rules, literally: returns (codes, scale bytes, gs).
+    """docs/numerics.md "NVFP4" and its "Scale rules", literally: returns (codes, scale bytes, gs).
 
     ``amax`` replaces the rows' own amax (a fused group's).
     """
@@ -153,7 +153,7 @@ def mxfp4_choose(blk: list[float], rule: str = "floor") -> int:
 def mxfp4_row_codes(
     rows: list[list[float]], rule: str = "floor", rotate: bool = False
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """SPEC.md section 3 and CONTRACT.md's rules, literally: returns (codes, E8M0 bytes)."""
+    """docs/numerics.md "MXFP4" and its "Scale rules", literally: returns (codes, E8M0 bytes)."""
     if rotate:
         rows = _rotate_rows(rows)
     codes, scales = [], []

@@ -123,7 +123,7 @@ def test_build_is_cached_per_arch_and_hash(tmp_path, monkeypatch) -> None:
 
 
 def test_scale_rule_codes() -> None:
-    """The launchers' rule codes (CONTRACT.md order) and the refusals, checked before any launch."""
+    """The launchers' rule codes (docs/numerics.md "Scale rules" order) and the refusals, checked before any launch."""
     from fp4convert.cuda import ops
 
     assert [ops.scale_rule_code("nvfp4", r) for r in ("max", "4over6", "mse", "wmse")] == [0, 1, 2, 3]

@@ -1,4 +1,4 @@
-"""The reference numerics against SPEC.md: golden bit patterns, an independent scalar oracle, properties."""
+"""The reference numerics against docs/numerics.md: golden bit patterns, an independent scalar oracle, properties."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def nextafter(v: float, direction: float) -> float:
 # E2M1
 # ---------------------------------------------------------------------------------------------
 
-# (fp32 bit pattern, expected code): every tie of SPEC.md section 1, both signs.
+# (fp32 bit pattern, expected code): every tie of docs/numerics.md "E2M1 elements", both signs.
 TIES = [
     (0x3E800000, 0x0),  # 0.25 -> 0 (even)
     (0x3F400000, 0x2),  # 0.75 -> 1.0
@@ -92,7 +92,7 @@ def test_nibble_order_low_then_high() -> None:
 # ---------------------------------------------------------------------------------------------
 
 def torch_e4m3(s: torch.Tensor) -> list[int]:
-    """SPEC.md's equivalent: torch's own saturating cast."""
+    """docs/numerics.md's equivalent: torch's own saturating cast."""
     return torch.clamp(s, max=448).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
 
 
@@ -235,7 +235,7 @@ def test_nvfp4_subnormal_and_zero_scales() -> None:
 
 
 def test_nvfp4_tiny_amax_keeps_scales_finite() -> None:
-    # SPEC.md is silent here: gs and r are clamped to FLT_MAX so nothing becomes NaN.
+    # docs/numerics.md "The global scale": gs and r are clamped to FLT_MAX so nothing becomes NaN.
     x = torch.zeros(1, 32)
     x[0, 0], x[0, 1], x[0, 16] = 1e-37, -1e-38, 1e-45
     packed, scale, gs = ref.nvfp4_quantize(x)

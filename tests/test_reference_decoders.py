@@ -1,4 +1,4 @@
-"""The exact input decoders (SPEC.md section 9): hand-computed values, torch's own float8 cast, round trips."""
+"""The exact input decoders (docs/numerics.md "Quantized inputs"): hand-computed values, torch's own float8 cast, round trips."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The scale rules of CONTRACT.md in the reference: golden bytes, the brute-force oracle, properties.
+"""The scale rules of docs/numerics.md "Scale rules" in the reference: golden bytes, the brute-force oracle, properties.
 
 Golden rows are built in scaled units: an element of 2688 * 2^-k elsewhere in the row makes
 gs = 2^k exactly, so every expected byte and code below can be checked by hand (comments).

@@ -28,7 +28,7 @@ log = logging.getLogger("fp4convert.cuda")
 SOURCE_NAME = "fp4c_library.cu"  # marks a csrc/ directory; every *.cu beside it is compiled
 LIB_NAME = "libfp4convert_kernels.so"
 ABI_VERSION = 4
-# -fmad=false: SPEC.md forbids FMA contraction; the kernels use explicit __fmaf_rn only where a
+# -fmad=false: docs/numerics.md forbids FMA contraction; the kernels use explicit __fmaf_rn only where a
 # fused multiply-add is exact by construction. No fast math: IEEE division and denormals.
 NVCC_FLAGS = ("-O3", "-std=c++17", "-fmad=false", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 
