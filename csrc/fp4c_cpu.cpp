@@ -222,23 +222,30 @@ FP4C_INLINE float error_term(float v, float r, float d) {
 template <int BS, bool WEIGHTED>
 FP4C_INLINE void block_error(const Tile<BS>& t, const float* r, const float* d, float* err) {
   for (int lane = 0; lane < L; ++lane) err[lane] = error_term<BS, WEIGHTED>(t.v[0][lane], r[lane], d[lane]);
+#pragma GCC unroll 32
   for (int i = 1; i < BS; ++i)
     for (int lane = 0; lane < L; ++lane) err[lane] = err[lane] + error_term<BS, WEIGHTED>(t.v[i][lane], r[lane], d[lane]);
 }
 
 // reference.e2m1_encode(v * r) and pack_nibbles: element 2j in the low nibble of byte j of a block.
+// Each block's codes are assembled in 32-bit words, eight nibbles each, side by side across the
+// lanes (element i at bits 4 (i % 8) of word i / 8: little-endian, so byte j holds elements 2j and
+// 2j + 1), then stored as words.
 template <int BS>
 FP4C_INLINE void encode(const Tile<BS>& t, const float* r, uint8_t* out, int n) {
-  alignas(64) uint8_t c[BS][L];
-  for (int i = 0; i < BS; ++i)
-    for (int lane = 0; lane < L; ++lane) {
-      const float y = t.v[i][lane] * r[lane];
-      const uint32_t idx = e2m1_index(e2m1_value(__builtin_fabsf(y)));
-      c[i][lane] = uint8_t(idx | ((bits_as<uint32_t>(y) >> 28) & 8u));
-    }
+  alignas(64) uint32_t w[BS / 8][L];
+  for (int k = 0; k < BS / 8; ++k) {
+    for (int lane = 0; lane < L; ++lane) w[k][lane] = 0u;
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+      for (int lane = 0; lane < L; ++lane) {
+        const float y = t.v[8 * k + i][lane] * r[lane];
+        const uint32_t code = e2m1_index(e2m1_value(__builtin_fabsf(y))) | ((bits_as<uint32_t>(y) >> 28) & 8u);
+        w[k][lane] |= code << (4 * i);
+      }
+  }
   for (int lane = 0; lane < n; ++lane)
-    for (int j = 0; j < BS / 2; ++j)
-      out[lane * (BS / 2) + j] = uint8_t(c[2 * j][lane] | (c[2 * j + 1][lane] << 4));
+    for (int k = 0; k < BS / 8; ++k) memcpy(out + lane * (BS / 2) + 4 * k, &w[k][lane], 4);
 }
 
 // ------------------------------------------------------------------------------------------------
