@@ -654,6 +654,18 @@ int fp4c_cpu_quantize(const void* x, int dtype, int scheme, int rule, int rotate
   return OK;
 }
 
+// memcpy of n bytes on `threads` threads, in the kernel's job sizes: the memory-bandwidth yardstick of
+// benchmarks/cpu_kernel.py (the kernel reads 2 bytes of bf16 and writes ~0.56 per element).
+int fp4c_cpu_memcpy(void* dst, const void* src, int64_t n, int threads) {
+  if (n < 0 || ((dst == nullptr || src == nullptr) && n > 0)) return BAD_ARGUMENT;
+  const int64_t step = JOB_ELEMS * 4;
+  parallel_jobs((n + step - 1) / step, threads, [&](int64_t j) {
+    const int64_t off = j * step;
+    memcpy(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, size_t(std::min(step, n - off)));
+  });
+  return OK;
+}
+
 // Every fp32 bit pattern except NaNs through the fast E2M1 path (e2m1_value, e2m1_index, the sign
 // bit) against the predicate sum; returns the number of mismatches (0), and the first in *first.
 int64_t fp4c_cpu_e2m1_selftest(int threads, uint32_t* first) {

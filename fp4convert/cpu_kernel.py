@@ -79,7 +79,11 @@ def spec() -> jit.BuildSpec:
 
 def load() -> ctypes.CDLL:
     """Build (or find) and load the library, its functions typed; jit.BuildFailed when it cannot be used."""
-    path = spec().build()
+    return open_library(spec().build())
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """Load a built kernel library and type its functions (jit.BuildFailed if it cannot be used)."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
@@ -95,6 +99,8 @@ def load() -> ctypes.CDLL:
     lib.fp4c_cpu_quantize.restype = c_int
     lib.fp4c_cpu_quantize.argtypes = [c_ptr, c_int, c_int, c_int, c_int, c_int, c_i64, c_i64, c_i64, c_ptr, c_ptr,
                                       c_ptr, c_ptr, c_int]
+    lib.fp4c_cpu_memcpy.restype = c_int
+    lib.fp4c_cpu_memcpy.argtypes = [c_ptr, c_ptr, c_i64, c_int]
     lib.fp4c_cpu_e2m1_selftest.restype = c_i64
     lib.fp4c_cpu_e2m1_selftest.argtypes = [c_int, ctypes.POINTER(ctypes.c_uint32)]
     return lib

@@ -207,6 +207,48 @@ def test_e2m1_path_equals_the_predicate_sum_on_every_fp32_value(lib) -> None:
     assert mismatches == 0, f"first mismatch at fp32 bits {first:#010x}"
 
 
+def x86_levels() -> list[str]:
+    """The x86-64 micro-architecture levels this CPU runs (from /proc/cpuinfo); [] elsewhere."""
+    import platform
+
+    if platform.machine() != "x86_64" or not Path("/proc/cpuinfo").is_file():
+        return []
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    levels = ["x86-64"]
+    for name, need in (("x86-64-v2", {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"}),
+                       ("x86-64-v3", {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}),
+                       ("x86-64-v4", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})):
+        if not need <= flags:
+            break
+        levels.append(name)
+    return levels
+
+
+@pytest.mark.slow
+def test_every_x86_level_gives_the_same_bytes(lib, tmp_path) -> None:
+    """The library's clones are one source compiled per x86-64 level, and the loader picks one per CPU:
+    each level this CPU runs, built alone (no clones), computes the same bytes as the reference."""
+    levels = x86_levels()
+    if not levels:
+        pytest.skip("not an x86-64 Linux machine")
+    base = cpu_kernel.spec()
+    seed = fresh_seed()
+    x = torch.cat([golden_batch(), torch.stack([random_weight(8, 64, seed + i) for i in range(2)])])
+    for level in levels:
+        one = jit.BuildSpec(**{**base.__dict__, "flags": (*base.flags, "-DFP4C_NO_CLONES", f"-march={level}"),
+                               "tag": f"cpu-{level}", "root": tmp_path})
+        built = cpu_kernel.open_library(one.build())
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            for scheme, rule in RULES:
+                for rotate in (None, "had16"):
+                    check_matches_reference(built, xd, scheme, rule, rotate, threads=(2,))
+
+
 def test_bytes_do_not_depend_on_the_callers_flush_to_zero_mode(lib) -> None:
     """torch.set_flush_denormal(True) sets FTZ/DAZ in the calling thread; the kernel still computes IEEE."""
     x = golden_batch()[:1].to(torch.float32)
