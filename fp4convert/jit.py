@@ -9,8 +9,8 @@ builds (threads or processes) serialize on an fcntl lock in the target folder, w
 releases if a builder dies; the library is compiled into a temporary file and renamed into place,
 so a reader never sees half a library.
 
-Nothing here runs at import. Used by the CPU kernel (:mod:`fp4convert.cpu_kernel`); the same shape as
-the CUDA build (:mod:`fp4convert.cuda.build`).
+Nothing here runs at import. Used by the three lazy builds: the CPU kernel (:mod:`fp4convert.cpu_kernel`),
+the CUDA kernels (:mod:`fp4convert.cuda.build`) and the public API's C++ glue (:mod:`fp4convert.cuda.api_ext`).
 """
 
 from __future__ import annotations
@@ -78,18 +78,26 @@ class BuildSpec:
     identity: tuple[str, ...] = ()  # anything else the library depends on (a torch version, ...)
     what: str = "library"  # for the one log line of a real build
     error: type[Exception] = field(default=BuildFailed, compare=False)
+    hint: str = ""  # appended to error messages: what the user can do instead
     root: Path | None = None  # default: cache_root() at build time
 
+    def _fail(self, message: str) -> Exception:
+        return self.error(f"{message}; {self.hint}" if self.hint else message)
+
     def key(self) -> str:
-        """Hash of the sources and headers (names and bytes), flags, link flags, compiler and identity."""
+        """Hash of the sources and headers (names and bytes), flags, link flags, compiler and identity.
+
+        The tag is not hashed: it names the folder (``<tag>-<key>``), and what makes one target's
+        build differ from another's (-march, -gencode) is in the flags.
+        """
         digest = hashlib.sha256()
         for f in (*self.sources, *self.headers):
             digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
         try:
             who = compiler_identity(self.compiler)
         except OSError as exc:
-            raise self.error(f"the compiler {' '.join(self.compiler)!r} was not found ({exc})") from exc
-        for part in (" ".join(self.flags), " ".join(self.link), who, self.tag, *self.identity):
+            raise self._fail(f"the compiler {' '.join(self.compiler)!r} was not found ({exc})") from exc
+        for part in (" ".join(self.flags), " ".join(self.link), who, *self.identity):
             digest.update(part.encode() + b"\0")
         return digest.hexdigest()[:16]
 
@@ -115,7 +123,7 @@ class BuildSpec:
                 proc = subprocess.run(cmd, capture_output=True, text=True)
             except OSError as exc:
                 os.unlink(tmp)
-                raise self.error(f"could not run {cmd[0]} ({exc})") from exc
+                raise self._fail(f"could not run {cmd[0]} ({exc})") from exc
             if proc.returncode != 0:
                 os.unlink(tmp)
                 raise self.error(f"{' '.join(cmd)} failed:\n{proc.stdout}{proc.stderr}"[-4000:])

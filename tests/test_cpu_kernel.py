@@ -326,13 +326,14 @@ def spec_for(tmp_path: Path, compiler: Path, **kw) -> jit.BuildSpec:
                          flags=("-O1",), root=tmp_path / "cache", **kw)
 
 
-def test_cache_key_covers_source_flags_compiler_and_target(tmp_path) -> None:
+def test_cache_path_covers_source_flags_compiler_and_target(tmp_path) -> None:
     cxx = fake_compiler(tmp_path, "exit 1\n")
     base = spec_for(tmp_path, cxx)
     key = base.key()
     assert spec_for(tmp_path, cxx).key() == key
     assert jit.BuildSpec(**{**base.__dict__, "flags": ("-O2",)}).key() != key
-    assert jit.BuildSpec(**{**base.__dict__, "tag": "cpu-aarch64"}).key() != key
+    other = jit.BuildSpec(**{**base.__dict__, "tag": "cpu-aarch64"})
+    assert other.path().parent.name == f"cpu-aarch64-{key}" != base.path().parent.name  # the folder names the target
     assert jit.BuildSpec(**{**base.__dict__, "identity": ("torch 9",)}).key() != key
     src = base.sources[0]
     src.write_text(src.read_text() + "\n")
