@@ -6,7 +6,7 @@ tile of 16 blocks held in L1, vectorised by the compiler and threaded inside, so
 keeps up with the disk. It computes the reference's bytes exactly (tests/test_cpu_kernel.py).
 
 How it is built: the first call compiles one C++ file (plain C ABI, no torch or Python headers;
-~30-60 s of CPU, once) with ``-O3 -fno-fast-math -ffp-contract=off`` into the cache folder of the
+~10 s of CPU, once) with ``-O3 -fno-fast-math -ffp-contract=off`` into the cache folder of the
 CUDA kernels (``$FP4CONVERT_CACHE_DIR``, default ``~/.cache/fp4convert/kernels``), keyed by the
 source's hash, the flags, the compiler's identity and the CPU architecture (:mod:`fp4convert.jit`).
 On x86-64 the library carries AVX-512, AVX2 and baseline clones of its hot functions, picked at load
@@ -74,7 +74,7 @@ def spec() -> jit.BuildSpec:
     if cxx is None:
         raise jit.BuildFailed("no C++ compiler found (install g++ or set CXX)")
     return jit.BuildSpec(lib=LIB_NAME, tag=f"cpu-{platform.machine() or 'unknown'}", compiler=tuple(cxx),
-                         sources=(source_dir() / SOURCE,), flags=CXX_FLAGS, what="CPU kernel (~30-60 s)")
+                         sources=(source_dir() / SOURCE,), flags=CXX_FLAGS, what="CPU kernel (~10 s of CPU)")
 
 
 def load() -> ctypes.CDLL:
@@ -126,6 +126,14 @@ def get() -> ctypes.CDLL | None:
                             "(the same bytes, several times slower): %s", str(exc).strip().splitlines()[0][:500])
                 _state["lib"] = None
     return _state["lib"]  # type: ignore[return-value]
+
+
+def prepare() -> None:
+    """Start building (or loading) the kernel on a background thread, so that a caller who knows it
+    will need it (``convert()`` with ``--device cpu``) overlaps the one-time build with its planning;
+    the first :func:`get` then waits for that thread instead of starting its own build."""
+    if enabled() and "lib" not in _state and not _lock.locked():
+        threading.Thread(target=get, name="fp4convert-cpu-kernel-build", daemon=True).start()
 
 
 def _threads(threads: int | None) -> int:

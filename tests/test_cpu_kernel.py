@@ -238,15 +238,21 @@ def test_every_x86_level_gives_the_same_bytes(lib, tmp_path) -> None:
     base = cpu_kernel.spec()
     seed = fresh_seed()
     x = torch.cat([golden_batch(), torch.stack([random_weight(8, 64, seed + i) for i in range(2)])])
+    built = []
     for level in levels:
         one = jit.BuildSpec(**{**base.__dict__, "flags": (*base.flags, "-DFP4C_NO_CLONES", f"-march={level}"),
                                "tag": f"cpu-{level}", "root": tmp_path})
-        built = cpu_kernel.open_library(one.build())
-        for dtype in (torch.float32, torch.bfloat16):
-            xd = x.to(dtype)
+        built.append((level, cpu_kernel.open_library(one.build())))
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        for rotate in (None, "had16"):
+            gs = ref.global_scale(ref.tensor_amax(xd, rotate).reshape(-1))
             for scheme, rule in RULES:
-                for rotate in (None, "had16"):
-                    check_matches_reference(built, xd, scheme, rule, rotate, threads=(2,))
+                rp, rs, _ = reference(xd, scheme, rule, rotate, None)
+                for level, one_lib in built:
+                    assert torch.equal(cpu_kernel.amax(one_lib, xd, rotate, 2), ref.tensor_amax(xd, rotate)), level
+                    p, s, _ = kernel(one_lib, xd, scheme, rule, rotate, False, gs if scheme == "nvfp4" else None)
+                    assert torch.equal(p, rp) and torch.equal(s, rs), (level, scheme, rule, rotate, dtype)
 
 
 def test_bytes_do_not_depend_on_the_callers_flush_to_zero_mode(lib) -> None:
@@ -423,6 +429,30 @@ def test_no_compiler_warns_once_and_the_torch_path_gives_the_same_bytes(tmp_path
     assert torch.equal(a.packed, ra.packed) and torch.equal(a.scale.view(torch.uint8), ra.scale.view(torch.uint8))
     rb = fp4convert.quantize(x, "mxfp4", rotate="had16", backend="reference")
     assert torch.equal(b.packed, rb.packed) and torch.equal(b.scale, rb.scale)
+
+
+def test_prepare_builds_in_the_background_and_get_waits_for_it(tmp_path, monkeypatch) -> None:
+    """prepare() starts the one build; get() called meanwhile returns the library that build made."""
+    import threading
+
+    monkeypatch.setattr(cpu_kernel, "_state", {})
+    started, release = threading.Event(), threading.Event()
+    sentinel = object()
+    calls = []
+
+    def slow_load():
+        calls.append(1)
+        started.set()
+        release.wait(10)
+        return sentinel
+
+    monkeypatch.setattr(cpu_kernel, "load", slow_load)
+    cpu_kernel.prepare()
+    assert started.wait(10)
+    cpu_kernel.prepare()  # a second call while the first builds: no second build
+    threading.Timer(0.2, release.set).start()
+    assert cpu_kernel.get() is sentinel and cpu_kernel.get() is sentinel
+    assert calls == [1]
 
 
 def test_no_compiler_on_path(tmp_path, monkeypatch) -> None:
