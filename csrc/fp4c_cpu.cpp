@@ -31,8 +31,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -554,29 +559,95 @@ struct IeeeMode {
 #endif
 };
 
+// The library's worker threads, started on first need and kept: a converter calls the kernel a few
+// thousand times (a 64-expert MoE: two calls per expert matrix), and starting 15 threads per call cost
+// more than the work of a small matrix. One parallel call at a time uses them (a second caller waits
+// for the first to finish; a one-thread call never touches the pool, so callers running one thread
+// each, like the pipeline's Python pool, still run side by side). Never destroyed (its threads outlive
+// static destructors); a fork's child gets a fresh, empty pool (the parent's threads do not exist there).
+struct Pool {
+  std::mutex call;  // one parallel call at a time
+  std::mutex m;
+  std::condition_variable wake, done;
+  int size = 0;      // detached worker threads started
+  uint64_t gen = 0;  // one per parallel call
+  int wanted = 0;    // workers taking part in the current call (indices 0..wanted-1)
+  int finished = 0;
+  const std::function<void()>* task = nullptr;
+};
+
+std::atomic<Pool*> the_pool{nullptr};
+
+void pool_after_fork_in_child() { the_pool.store(new Pool); }
+
+Pool* pool() {
+  static const bool registered = [] {
+    the_pool.store(new Pool);
+    pthread_atfork(nullptr, nullptr, pool_after_fork_in_child);
+    return true;
+  }();
+  (void)registered;
+  return the_pool.load();
+}
+
+void pool_worker(Pool* p, int index) {
+  uint64_t seen = 0;
+  std::unique_lock<std::mutex> lk(p->m);
+  for (;;) {
+    p->wake.wait(lk, [&] { return p->gen != seen; });
+    seen = p->gen;
+    if (index < p->wanted) {
+      const std::function<void()>* task = p->task;
+      lk.unlock();
+      (*task)();
+      lk.lock();
+      if (++p->finished == p->wanted) p->done.notify_one();
+    }
+  }
+}
+
+// f() on n threads (the caller's included) and wait for all of them.
+void run_on_threads(int n, const std::function<void()>& f) {
+  if (n <= 1) {
+    f();
+    return;
+  }
+  Pool* p = pool();
+  std::lock_guard<std::mutex> one(p->call);
+  {
+    std::lock_guard<std::mutex> lk(p->m);
+    while (p->size < n - 1) {
+      try {
+        std::thread(pool_worker, p, p->size).detach();
+      } catch (...) {  // no more threads (a resource limit): the others take the work
+        break;
+      }
+      ++p->size;
+    }
+    p->task = &f;
+    p->wanted = std::min(n - 1, p->size);
+    p->finished = 0;
+    ++p->gen;
+  }
+  p->wake.notify_all();
+  f();
+  std::unique_lock<std::mutex> lk(p->m);
+  p->done.wait(lk, [&] { return p->finished == p->wanted; });
+  p->task = nullptr;
+}
+
 // Run body(job) for job in [0, jobs) on `threads` threads (the caller's included), jobs taken in
 // order from a shared counter so an unevenly loaded machine stays balanced.
 template <class Body>
 void parallel_jobs(int64_t jobs, int threads, const Body& body) {
   std::atomic<int64_t> next(0);
-  auto worker = [&]() {
+  const std::function<void()> worker = [&]() {
     IeeeMode mode;
     for (int64_t j = next.fetch_add(1, std::memory_order_relaxed); j < jobs;
          j = next.fetch_add(1, std::memory_order_relaxed))
       body(j);
   };
-  const int n = int(std::max<int64_t>(1, std::min<int64_t>(threads, jobs)));
-  std::vector<std::thread> pool;
-  pool.reserve(size_t(n - 1));
-  for (int i = 1; i < n; ++i) {
-    try {
-      pool.emplace_back(worker);
-    } catch (...) {  // no more threads (a resource limit): the others take the work
-      break;
-    }
-  }
-  worker();
-  for (auto& th : pool) th.join();
+  run_on_threads(int(std::max<int64_t>(1, std::min<int64_t>(threads, jobs))), worker);
 }
 
 // Blocks per job for a matrix of nblk blocks of BS elements: about JOB_ELEMS elements, whole tiles.

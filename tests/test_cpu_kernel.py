@@ -255,6 +255,44 @@ def test_every_x86_level_gives_the_same_bytes(lib, tmp_path) -> None:
                     assert torch.equal(p, rp) and torch.equal(s, rs), (level, scheme, rule, rotate, dtype)
 
 
+def test_threads_outlive_calls_and_a_forked_child_gets_its_own(lib) -> None:
+    """The kernel keeps its worker threads between calls; a child forked after a threaded call (the
+    CLI tests' zygote, torchrun's workers) has none of them and must start its own, not wait forever."""
+    import signal
+    import time
+
+    x = torch.stack([random_weight(67, 2048, fresh_seed())]).to(torch.bfloat16)
+    gs = ref.global_scale(ref.tensor_amax(x).reshape(-1))
+    want = kernel(lib, x, "nvfp4", "4over6", None, False, gs, threads=4)
+    again = kernel(lib, x, "nvfp4", "4over6", None, False, gs, threads=3)  # the pool, reused
+    assert torch.equal(want[0], again[0]) and torch.equal(want[1], again[1])
+    import ctypes
+
+    def raw(t: torch.Tensor) -> bytes:  # no torch op in the child: torch's own OpenMP threads hang after fork
+        return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+
+    expected = raw(want[0]) + raw(want[1])
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when its threaded call gives the same bytes
+        ok = False
+        try:
+            got = cpu_kernel.quantize(lib, x, "nvfp4", gs, None, False, "4over6", 4)
+            ok = raw(got[0]) + raw(got[1]) == expected
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child's threaded kernel call hung")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_bytes_do_not_depend_on_the_callers_flush_to_zero_mode(lib) -> None:
     """torch.set_flush_denormal(True) sets FTZ/DAZ in the calling thread; the kernel still computes IEEE."""
     x = golden_batch()[:1].to(torch.float32)
