@@ -8,14 +8,17 @@ in the machine's load hits all rows alike), median of ``--repeats``:
 - fp4convert on one GPU (when there is one);
 - ``--device cpu`` as the pipeline runs it (``pipeline.CpuBackend``: a pool of Python threads, each
   calling the CPU path on row slices with one kernel thread);
-- ``--device cpu`` with the proposed backend (:class:`ThreadedKernelBackend` below: one kernel call per
-  matrix, threaded inside the kernel, pass 2 behind the compute loop on one helper thread);
+- ``--device cpu`` with the proposed torch-pipeline backend (:class:`ThreadedKernelBackend` below: one
+  kernel call per matrix, threaded inside the kernel, pass 2 behind the compute loop on one helper thread);
+- ``--device cpu`` on the torch-free path (:mod:`fp4convert.cpu_direct`, wired as proposed for convert.py:
+  no torch import, each shape group one threaded kernel call on the reader's buffer, 2 lanes);
 - optionally (``--torch-row``) ``--device cpu`` on the torch path (``FP4CONVERT_CPU_KERNEL=0``).
 
 Every fp4convert row's output is byte-compared with the first fp4convert row's. The checkpoints are
 e2e_vs_copy.py's (made here when ``--work`` lacks them). The backend swap happens in this process
 (``python benchmarks/cpu_backend_ab.py --run ARGS...`` replaces ``pipeline.CpuBackend`` when
-``FP4CONVERT_CPU_BACKEND=threaded``, then runs the CLI), so the library is unchanged.
+``FP4CONVERT_CPU_BACKEND=threaded``, or routes the CPU to cpu_direct when it is ``direct``, then runs the
+CLI), so the library is unchanged.
 
     python benchmarks/cpu_backend_ab.py --work /tmp/e2e --out $OUT --repeats 3
 """
@@ -84,10 +87,22 @@ class ThreadedKernelBackend:
 def run_cli(argv: list[str]) -> None:
     """The fp4convert CLI, with the CPU backend swapped when FP4CONVERT_CPU_BACKEND=threaded."""
     sys.path.insert(0, str(ROOT))
-    from fp4convert import pipeline  # imports torch here in both variants (convert()'s own timer then excludes it)
+    variant = os.environ.get("FP4CONVERT_CPU_BACKEND", "pool")
+    if variant == "direct":  # the torch-free path (fp4convert.cpu_direct), wired as proposed for convert.py
+        from fp4convert import convert as c
+        from fp4convert import cpu_direct, direct
 
-    if os.environ.get("FP4CONVERT_CPU_BACKEND") == "threaded":
-        pipeline.CpuBackend = ThreadedKernelBackend  # type: ignore[misc, assignment]
+        real = c._direct_runtime
+        c._direct_runtime = lambda config, world, plan: (  # type: ignore[assignment]
+            cpu_direct.runtime(config, world, plan) if config.device == "cpu" else real(config, world, plan))
+        real_backend = direct.DirectBackend
+        direct.DirectBackend = lambda rt: (  # type: ignore[misc, assignment]
+            rt.backend() if isinstance(rt, cpu_direct.CpuRuntime) else real_backend(rt))
+    else:
+        from fp4convert import pipeline  # torch imported here in both torch variants, outside convert()'s timer
+
+        if variant == "threaded":
+            pipeline.CpuBackend = ThreadedKernelBackend  # type: ignore[misc, assignment]
     from fp4convert.cli import main
 
     main(argv, prog_name="fp4convert")
@@ -140,6 +155,8 @@ def main() -> None:
         rows.append((f"fp4convert --device cpu ({cores} cores), pipeline.CpuBackend", f"{q} --device cpu"))
         rows.append((f"fp4convert --device cpu ({cores} cores), threaded kernel backend",
                      f"FP4CONVERT_CPU_BACKEND=threaded {q} --device cpu"))
+        rows.append((f"fp4convert --device cpu ({cores} cores), torch-free (cpu_direct)",
+                     f"FP4CONVERT_CPU_BACKEND=direct {q} --device cpu"))
         if args.torch_row:
             rows.append((f"fp4convert --device cpu ({cores} cores), torch path", f"FP4CONVERT_CPU_KERNEL=0 {q} --device cpu"))
         # untimed: the first plan of a new checkpoint builds its model definition (cached on disk after), which

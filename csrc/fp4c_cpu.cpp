@@ -55,7 +55,7 @@
 #endif
 #define FP4C_INLINE inline __attribute__((always_inline))
 
-#define FP4C_CPU_ABI 1
+#define FP4C_CPU_ABI 2
 
 namespace {
 
@@ -658,6 +658,29 @@ bool valid(const void* x, int dtype, int rotate, int64_t batch, int64_t m, int64
          (rotate == 0 || rotate == 1) && (!rotate || k % 16 == 0);
 }
 
+// Helpers of fp4c_cpu_nonfinite: a vectorisable OR over (element & mask) == mask.
+template <class T>
+FP4C_INLINE bool any_all_ones(const unsigned char* x, int64_t n, T mask) {
+  T hit = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    T v;
+    memcpy(&v, x + i * int64_t(sizeof(T)), sizeof(T));
+    hit |= T((v & mask) == mask);
+  }
+  return hit != 0;
+}
+
+FP4C_CLONES bool nonfinite_range(const unsigned char* x, int64_t n, int dtype) {
+  switch (dtype) {
+    case 0: return any_all_ones<uint32_t>(x, n, 0x7F800000u);
+    case 1: return any_all_ones<uint16_t>(x, n, 0x7C00u);
+    case 2: return any_all_ones<uint16_t>(x, n, 0x7F80u);
+    case 3: return any_all_ones<uint64_t>(x, n, 0x7FF0000000000000ull);
+    case 4: return any_all_ones<uint8_t>(x, n, 0x7Fu);
+    default: return any_all_ones<uint8_t>(x, n, 0x7Cu);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -723,6 +746,37 @@ int fp4c_cpu_quantize(const void* x, int dtype, int scheme, int rule, int rotate
     nonfinite[b] = f;
   }
   return OK;
+}
+
+// reference.global_scale for n amax values: gs = 2688 / amax (one fp32 division), 1 for amax == 0,
+// clamped to FLT_MAX (a NaN passes the clamp, as torch.clamp's). For callers without torch.
+int fp4c_cpu_global_scale(const float* amax, float* gs, int64_t n) {
+  if (n < 0 || ((amax == nullptr || gs == nullptr) && n > 0)) return BAD_ARGUMENT;
+  IeeeMode mode;
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = 2688.0f / amax[i];
+    gs[i] = amax[i] == 0.0f ? 1.0f : (q > FLT_MAX_F ? FLT_MAX_F : q);
+  }
+  return OK;
+}
+
+// Any NaN/Inf among n elements at x (no alignment needed) of a safetensors float dtype: code 0 F32,
+// 1 F16, 2 BF16, 3 F64, 4 F8_E4M3 (0x7F/0xFF are its NaN; it has no Inf), 5 F8_E5M2. The writer's check
+// of kept tensors on the torch-free path. Returns 1, 0, or -1 for a bad argument.
+int fp4c_cpu_nonfinite(const void* x, int64_t n, int dtype, int threads) {
+  static const int width[] = {4, 2, 2, 8, 1, 1};
+  if (dtype < 0 || dtype > 5 || n < 0 || (x == nullptr && n > 0)) return -1;
+  const int64_t step = JOB_ELEMS * 4 / width[dtype];
+  const int64_t jobs = (n + step - 1) / step;
+  std::vector<uint8_t> hit(size_t(jobs), 0);
+  parallel_jobs(jobs, threads, [&](int64_t j) {
+    const int64_t e0 = j * step;
+    hit[size_t(j)] = nonfinite_range(static_cast<const unsigned char*>(x) + e0 * width[dtype], std::min(step, n - e0),
+                                     dtype);
+  });
+  for (uint8_t h : hit)
+    if (h) return 1;
+  return 0;
 }
 
 // memcpy of n bytes on `threads` threads, in the kernel's job sizes: the memory-bandwidth yardstick of

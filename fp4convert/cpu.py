@@ -47,7 +47,7 @@ def _prepared(x: torch.Tensor, rotate: str | None) -> torch.Tensor:
 
 def _kernel(x: torch.Tensor):
     """The compiled kernel when it is enabled, built and takes x's dtype; else None (the torch path)."""
-    return cpu_kernel.get() if x.dtype in cpu_kernel.DTYPES else None
+    return cpu_kernel.get() if cpu_kernel.dtype_code(x.dtype) is not None else None
 
 
 def amax(x: torch.Tensor, rotate: str | None, threads: int | None = None) -> torch.Tensor:

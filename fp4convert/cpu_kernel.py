@@ -21,29 +21,31 @@ process (the same bytes, several times slower).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
 import threading
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import jit
-from . import reference as ref
+from .scheme import get_scheme
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("fp4convert.cpu")
 
 SOURCE = "fp4c_cpu.cpp"
 LIB_NAME = "libfp4convert_cpu.so"
-ABI_VERSION = 1
+ABI_VERSION = 2
 # IEEE fp32 exactly as written (docs/numerics.md): no fast math, no FMA contraction, no reassociation.
 # -fno-trapping-math only lets the vectoriser turn the selects on float compares (min(y, 6), ...) into
 # blends: it assumes nobody reads the FP exception flags, and changes no value. -fPIC -shared for a
 # library, -pthread for its std::thread workers.
 CXX_FLAGS = ("-O3", "-std=c++17", "-fno-fast-math", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
              "-fPIC", "-shared", "-pthread")
-DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 SCHEMES = {"nvfp4": 0, "mxfp4": 1}
 # Status codes of fp4c_cpu_quantize / fp4c_cpu_amax.
 OK, BAD_ARGUMENT, UNKNOWN_RULE, NEGATIVE_SCALE = 0, 1, 2, 3
@@ -99,6 +101,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.fp4c_cpu_quantize.restype = c_int
     lib.fp4c_cpu_quantize.argtypes = [c_ptr, c_int, c_int, c_int, c_int, c_int, c_i64, c_i64, c_i64, c_ptr, c_ptr,
                                       c_ptr, c_ptr, c_int]
+    lib.fp4c_cpu_global_scale.restype = c_int
+    lib.fp4c_cpu_global_scale.argtypes = [c_ptr, c_ptr, c_i64]
+    lib.fp4c_cpu_nonfinite.restype = c_int
+    lib.fp4c_cpu_nonfinite.argtypes = [c_ptr, c_i64, c_int, c_int]
     lib.fp4c_cpu_memcpy.restype = c_int
     lib.fp4c_cpu_memcpy.argtypes = [c_ptr, c_ptr, c_i64, c_int]
     lib.fp4c_cpu_e2m1_selftest.restype = c_i64
@@ -136,8 +142,26 @@ def prepare() -> None:
         threading.Thread(target=get, name="fp4convert-cpu-kernel-build", daemon=True).start()
 
 
+@functools.lru_cache(maxsize=None)
+def _dtype_codes() -> dict:
+    import torch
+
+    return {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def dtype_code(dtype: torch.dtype) -> int | None:
+    """The kernel's code for a torch dtype it takes (fp32, bf16, fp16), else None. (This module imports
+    torch only here and in the tensor wrappers below: the torch-free path, fp4convert.cpu_direct,
+    loads the kernel without it.)"""
+    return _dtype_codes().get(dtype)
+
+
 def _threads(threads: int | None) -> int:
-    return max(1, int(threads) if threads else torch.get_num_threads())
+    if threads:
+        return max(1, int(threads))
+    import torch
+
+    return max(1, torch.get_num_threads())
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -146,10 +170,12 @@ def _ptr(t: torch.Tensor) -> int:
 
 def amax(lib: ctypes.CDLL, x: torch.Tensor, rotate: str | None, threads: int | None = None) -> torch.Tensor:
     """max|x| per matrix of a [B, M, K] batch (of the Had16-rotated values with ``rotate``); NaN/Inf propagate."""
+    import torch
+
     x = x.contiguous()
     b, m, k = x.shape
     out = torch.empty(b, dtype=torch.float32)
-    status = lib.fp4c_cpu_amax(_ptr(x), DTYPES[x.dtype], int(rotate == "had16"), b, m, k, _ptr(out), _threads(threads))
+    status = lib.fp4c_cpu_amax(_ptr(x), _dtype_codes()[x.dtype], int(rotate == "had16"), b, m, k, _ptr(out), _threads(threads))
     if status != OK:
         raise RuntimeError(f"internal: fp4c_cpu_amax returned {status} for {tuple(x.shape)} {x.dtype}")
     return out
@@ -167,12 +193,15 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(packed [B, M, K/2], scale [B, M, nb] or swizzled, nonfinite [B] bool), or None where the torch
     path must decide (a rule the kernel lacks, a negative global scale, which that path refuses)."""
-    code = ref.SCALE_RULES[fmt].index(rule)
+    import torch
+
+    scheme = get_scheme(fmt)
+    code = scheme.scale_rules.index(rule)
     if not lib.fp4c_cpu_has_rule(SCHEMES[fmt], code):
         return None
     x = x.contiguous()
     b, m, k = x.shape
-    bs = ref.NVFP4_BLOCK if fmt == "nvfp4" else ref.MXFP4_BLOCK
+    bs = scheme.block_size
     g = None
     if fmt == "nvfp4":
         if gs is None or gs.numel() != b:
@@ -185,7 +214,7 @@ def quantize(
     else:
         scale = torch.empty(b, m, k // bs, dtype=torch.uint8)
     flags = torch.empty(b, dtype=torch.uint8)
-    status = lib.fp4c_cpu_quantize(_ptr(x), DTYPES[x.dtype], SCHEMES[fmt], code, int(rotate == "had16"), int(swizzle),
+    status = lib.fp4c_cpu_quantize(_ptr(x), _dtype_codes()[x.dtype], SCHEMES[fmt], code, int(rotate == "had16"), int(swizzle),
                                    b, m, k, _ptr(g) if g is not None else None, _ptr(packed), _ptr(scale), _ptr(flags),
                                    _threads(threads))
     if status == NEGATIVE_SCALE:
