@@ -2,10 +2,13 @@
 
 Creates two bf16 checkpoints (a dense Llama-3-8B-shaped one with ``--layers`` layers and a
 many-expert MoE), warms the page cache, then for each runs ``--repeats`` times, side by side:
-``cp -r SRC DST && sync``; fp4convert on one GPU; on N GPUs (torchrun) when more are visible; on one
-GPU with ``--procs-per-gpu`` torchrun ranks (parallel host work); and ``--device cpu``. Every
-fp4convert run is followed by ``sync`` too and is byte-compared with the first GPU run. Writes
-``e2e_vs_copy.json`` and ``e2e_vs_copy.md`` into ``--out``.
+``cp -r SRC DST && sync``; with ``--floor`` the write-only floor (the first fp4convert output, in the
+page cache, copied and synced: the output's bytes written and nothing else); fp4convert on one GPU; on
+N GPUs (torchrun) when more are visible; on one GPU with ``--procs-per-gpu`` torchrun ranks; and
+``--device cpu``. Rows are interleaved (every row once per round), the median of ``--repeats`` rounds
+is reported; every fp4convert run is followed by ``sync`` too and byte-compared with the first GPU
+run; fp4convert runs at its defaults unless ``--shard`` is given. Writes ``e2e_vs_copy.json`` and
+``e2e_vs_copy.md`` into ``--out``.
 
     python benchmarks/e2e_vs_copy.py --work /tmp/e2e --out $OUT
 """
@@ -154,6 +157,11 @@ def main() -> None:
     ap.add_argument("--torch-row", action="store_true", help="also run the GPU row on the torch pipeline")
     ap.add_argument("--only", choices=["dense", "moe"], default=None)
     ap.add_argument("--lane-rows", default="", help="comma-separated --lanes values for extra 1-GPU rows (e.g. 1,4)")
+    ap.add_argument("--shard", default=None,
+                    help="--max-shard-size of every fp4convert row (default: the converter's own default, 5GB)")
+    ap.add_argument("--floor", action="store_true",
+                    help="a write-only floor row: the first fp4convert output (in the page cache) copied and synced")
+    ap.add_argument("--cpu-cores", default="", help="taskset CPU list for the --device cpu row (default: all)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -176,57 +184,73 @@ def main() -> None:
             print(f"{case}: created in {time.perf_counter() - t0:.1f} s", flush=True)
         size = warm(src)
         dst = args.work / "dst"
-        shard = {"dense": "512MB", "moe": "256MB"}[case]  # several output shards, so ranks can split them
-        q = f"{py} -m fp4convert quantize {src} {dst} --json --max-shard-size {shard}"
+        ref_out = args.work / f"{case}-ref-out"  # the first fp4convert output: the floor row copies it
+        sz = f" --max-shard-size {args.shard}" if args.shard else ""
+        q = f"{py} -m fp4convert quantize {src} {dst} --json{sz}"
         tr = f"{py} -m torch.distributed.run --standalone"
         rows = [("cp -r + sync", f"cp -r {src} {dst}")]
+        if args.floor:
+            rows.append(("write-only floor: cp -r of the output (page cache) + sync", f"cp -r {ref_out} {dst}"))
         if gpus:
             rows.append(("fp4convert, 1 GPU", f"{q} --device cuda"))
             for n in filter(None, args.lane_rows.split(",")):  # the default row runs with --lanes 0 (auto)
                 rows.append((f"fp4convert, 1 GPU, --lanes {n}", f"{q} --device cuda --lanes {n}"))
-            if args.torch_row:  # the same run on the torch pipeline (same bytes; an A/B of the two CUDA paths)
-                rows.append(("fp4convert, 1 GPU, torch pipeline", f"FP4CONVERT_TORCH_PIPELINE=1 {q} --device cuda"))
+            if args.torch_row:  # the same run on the torch backend (same bytes; an A/B of the two CUDA backends)
+                rows.append(("fp4convert, 1 GPU, --backend stacked", f"{q} --device cuda --backend stacked"))
             if gpus > 1:
                 rows.append((f"fp4convert, {gpus} GPUs (torchrun)",
-                             f"{tr} --nproc-per-node {gpus} -m fp4convert quantize {src} {dst} --json --device cuda "
-                             f"--max-shard-size {shard}"))
+                             f"{tr} --nproc-per-node {gpus} -m fp4convert quantize {src} {dst} --json --device cuda{sz}"))
             if args.procs_per_gpu > 1:
                 rows.append((f"fp4convert, 1 GPU x {args.procs_per_gpu} processes (torchrun)",
                              f"CUDA_VISIBLE_DEVICES=0 {tr} --nproc-per-node {args.procs_per_gpu} -m fp4convert quantize "
-                             f"{src} {dst} --json --device cuda --max-shard-size {shard}"))
+                             f"{src} {dst} --json --device cuda{sz}"))
         if not args.no_cpu:
-            rows.append((f"fp4convert --device cpu ({os.cpu_count()} cores)", f"{q} --device cpu"))
-        out_rows, ref_digest = [], None
-        for label, cmd in rows:
-            walls, inside = [], []
-            same = None
-            for _ in range(args.repeats):
+            pin = f"taskset -c {args.cpu_cores} " if args.cpu_cores else ""
+            cores = args.cpu_cores or f"{os.cpu_count()} cores"
+            rows.append((f"fp4convert --device cpu ({cores})", f"{pin}{q} --device cpu"))
+        if args.floor:  # the output the floor row copies (not timed)
+            shutil.rmtree(ref_out, ignore_errors=True)
+            first = next(c for label, c in rows if label.startswith("fp4convert"))
+            timed(first.replace(str(dst), str(ref_out)), env)
+            warm(ref_out)
+        # Interleaved: every row once per round, so drift (page cache, thermals, other load) hits all alike.
+        walls: dict[str, list[float]] = {label: [] for label, _ in rows}
+        inside: dict[str, list[dict]] = {label: [] for label, _ in rows}
+        digests: dict[str, str] = {}
+        out_bytes: dict[str, int] = {}
+        for _ in range(args.repeats):
+            for label, cmd in rows:
                 shutil.rmtree(dst, ignore_errors=True)
                 subprocess.run(["sync"])
                 w, out, split = timed(cmd, env)
-                walls.append(w)
-                inside.append({**summary(out), "outside": split})
-            if label.startswith("fp4convert"):
-                d = digest(dst)
-                ref_digest = ref_digest or d
-                same = d == ref_digest
-            out_bytes = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
-            row = {"what": label, "cmd": cmd, "median_s": statistics.median(walls), "runs_s": walls,
-                   "out_bytes": out_bytes, "same_bytes_as_first_fp4convert_run": same, "inside": inside}
+                walls[label].append(w)
+                inside[label].append({**summary(out), "outside": split})
+                if label.startswith("fp4convert"):
+                    digests[label] = digest(dst)
+                out_bytes[label] = sum(p.stat().st_size for p in dst.rglob("*") if p.is_file())
+        shutil.rmtree(dst, ignore_errors=True)
+        out_rows, ref_digest = [], None
+        for label, cmd in rows:
+            same = None
+            if label in digests:
+                ref_digest = ref_digest or digests[label]
+                same = digests[label] == ref_digest
+            row = {"what": label, "cmd": cmd, "median_s": statistics.median(walls[label]), "runs_s": walls[label],
+                   "out_bytes": out_bytes[label], "same_bytes_as_first_fp4convert_run": same, "inside": inside[label]}
             out_rows.append(row)
-            print(f"{case}: {label}: median {row['median_s']:.2f} s, runs {[round(x, 2) for x in walls]}", flush=True)
-            for x in inside:
+            print(f"{case}: {label}: median {row['median_s']:.2f} s, runs {[round(x, 2) for x in walls[label]]}",
+                  flush=True)
+            for x in inside[label]:
                 if "wall_s" in x:
                     print(f"    convert() {x['wall_s']} s; process {x.get('process_s')}; {x['outside']}; "
                           f"stages {x.get('stages_s')}; counts {x.get('counts')}", flush=True)
-            shutil.rmtree(dst, ignore_errors=True)
         cp = out_rows[0]["median_s"]
         for r in out_rows:
             r["vs_cp"] = r["median_s"] / cp
         results["cases"][case] = {"bytes_in": size, "rows": out_rows}
     (args.out / "e2e_vs_copy.json").write_text(json.dumps(results, indent=2))
-    lines = [f"GPUs: {gpus}, CPU cores: {os.cpu_count()}; median of {args.repeats}; warm page cache; each command "
-             "followed by `sync`", ""]
+    lines = [f"GPUs: {gpus}, CPU cores: {os.cpu_count()}; median of {args.repeats}, rows interleaved; warm page "
+             f"cache; each command followed by `sync`; --max-shard-size {args.shard or 'default (5GB)'}", ""]
     for case, c in results["cases"].items():
         lines += [f"### {case}: {c['bytes_in'] / 1e9:.2f} GB in", "",
                   "| what | median s | runs s | x cp | out GB | bytes = first fp4convert row |", "|---|---|---|---|---|---|"]

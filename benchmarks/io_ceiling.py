@@ -23,18 +23,21 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def stub_pipeline() -> None:
     import torch
 
-    from fp4convert import pipeline
+    from fp4convert.backend import MatrixOut, Result
+    from fp4convert.backends.cpu import CpuBackend
+    from fp4convert.matrices import as_bytes
 
-    def run(self, batch, hosts, s, free):
-        n, bs = len(batch.members), s.scheme.block_size
-        packed = [torch.zeros(x.shape[0], x.shape[1] // 2, dtype=torch.uint8) for x in hosts]
-        scale = [torch.zeros(x.shape[0], x.shape[1] // bs, dtype=torch.uint8).view(torch.float8_e4m3fn)
-                 for x in hosts]
-        free(None)
-        amax = torch.ones(n)
-        return lambda: (packed, scale, [False] * n, amax, amax, amax * 2688, None)
+    def quantize(self, item, inputs, release):
+        bs = self.s.scheme.block_size
+        outs = []
+        for _, info in inputs[1]:
+            m, k = info.shape
+            outs.append(MatrixOut(as_bytes(torch.zeros(m, k // 2, dtype=torch.uint8)),
+                                  as_bytes(torch.zeros(m, k // bs, dtype=torch.uint8)), 1.0, 2688.0))
+        release(None)
+        return lambda: Result(outs, [False] * len(outs))
 
-    pipeline.CpuBackend.run = run
+    CpuBackend.quantize = quantize
 
 
 def main() -> None:

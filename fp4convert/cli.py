@@ -19,13 +19,14 @@ from functools import wraps
 import click
 from tqdm import tqdm
 
-from .config import ConvertConfig, human_bytes, parse_size
+from .backend import backend_names
+from .config import DEFAULT_MAX_SHARD, ConvertConfig, human_bytes, parse_size
 from .errors import EXIT_CODES, STDOUT_CLOSED, FP4ConvertError, InspectFailed, Interrupted, RankFailed
-from .formats import OUTPUT_FORMATS
-from .scheme import SCHEMES
+from .formats import DEFAULT_FORMAT, OUTPUT_FORMATS
+from .scheme import ROTATIONS, SCHEMES
+from .version import __version__
 
 SCALE_RULES = sorted({r for s in SCHEMES.values() for r in s.scale_rules})
-from .version import __version__
 
 log = logging.getLogger("fp4convert")
 
@@ -265,32 +266,60 @@ def _classify(exc: BaseException, src: str | None, dst: str | None, command: str
                            "(rerun with --debug for the traceback)")
 
 
-def _output_options(fn: Callable) -> Callable:
-    """The options every command that writes a checkpoint shares (quantize, export)."""
-    for opt in reversed([
-        click.option("--max-shard-size", default="5GB", show_default=True,
-                     help="Largest output shard (e.g. 5GB, 500MB, 2GiB)."),
-        click.option("--overwrite", is_flag=True, help="Replace the outputs of an earlier run in DST."),
-        click.option("--resume", is_flag=True, help="Continue an interrupted run with the same settings."),
-        click.option("--verify-source", is_flag=True,
-                     help="Hash every source file in full (recorded; with --resume, compared with the interrupted "
-                          "run's hashes) instead of the default sampled fingerprint."),
-        click.option("--quiet", "-q", is_flag=True, help="Errors only: no progress, status lines or warnings."),
-        click.option("--json", "as_json", is_flag=True, help="Print the plan or the summary as JSON on stdout."),
-    ]):
-        fn = opt(fn)
-    return fn
+# -- options several commands share: each declared once (sqlite-utils' cli.py keeps them the same way) --
+
+def _options(*opts: Callable) -> Callable[[Callable], Callable]:
+    """Apply click options in the order they are listed (the order --help shows)."""
+
+    def apply(fn: Callable) -> Callable:
+        for opt in reversed(opts):
+            fn = opt(fn)
+        return fn
+
+    return apply
 
 
-def _push_options(fn: Callable) -> Callable:
-    """Publishing the output: --push-to-hub REPO [--private] (the token is the command's --token)."""
-    for opt in reversed([
-        click.option("--push-to-hub", "push_repo", metavar="REPO", default=None,
-                     help="Upload DST to this Hub repo when done (created if needed; rerun to resume an upload)."),
-        click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private."),
-    ]):
-        fn = opt(fn)
-    return fn
+token_option = click.option(
+    "--token", default=None, envvar="HF_TOKEN", show_envvar=True,
+    help="Hub token for a gated or private repo and for uploads (default: your `hf auth login`).")
+revision_option = click.option("--revision", default=None,
+                               help="Hub revision (branch, tag or commit) when the checkpoint is a Hub repo id.")
+quiet_option = click.option("--quiet", "-q", is_flag=True, help="Errors only: no progress, status lines or warnings.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+
+
+def _scale_rule_help() -> str:
+    rules = "; ".join(f"{s.name.upper()}: {s.default_rule} (default), "
+                      + ", ".join(r for r in s.scale_rules if r != s.default_rule) for s in SCHEMES.values())
+    return (f"How block scales are chosen. {rules}. The defaults gave the lowest KL on a real LM (BENCHMARKS.md; "
+            "docs/numerics.md defines each rule).")
+
+
+def _backend_help() -> str:
+    return (f"What quantizes: {', '.join(backend_names())} (default: cuda for plain 2-D weights on a GPU, "
+            "stacked for the rest on a GPU, cpu on the CPU). The output bytes do not depend on it.")
+
+
+# The options every command that writes a checkpoint shares (quantize, export).
+_output_options = _options(
+    click.option("--max-shard-size", default=f"{DEFAULT_MAX_SHARD // 10**9}GB", show_default=True,
+                 help="Largest output shard (e.g. 5GB, 500MB, 2GiB)."),
+    click.option("--overwrite", is_flag=True, help="Replace the outputs of an earlier run in DST."),
+    click.option("--resume", is_flag=True, help="Continue an interrupted run with the same settings."),
+    click.option("--verify-source", is_flag=True,
+                 help="Hash every source file in full (recorded; with --resume, compared with the interrupted "
+                      "run's hashes) instead of the default sampled fingerprint."),
+    quiet_option,
+    json_option,
+)
+
+# Publishing the output: --push-to-hub REPO [--private] (the token is the command's --token).
+_push_options = _options(
+    click.option("--push-to-hub", "push_repo", metavar="REPO", default=None,
+                 help="Upload DST to this Hub repo when done (created if needed; rerun to resume an upload)."),
+    click.option("--private", is_flag=True, help="With --push-to-hub: create the repo private."),
+    token_option,
+)
 
 
 def _push(dst, repo, private: bool, token, quiet: bool) -> None:
@@ -357,21 +386,21 @@ def main() -> None:
 @click.argument("src")
 @click.argument("dst", type=click.Path(file_okay=False))
 @click.option("--scheme", type=click.Choice(list(SCHEMES), case_sensitive=False), default="nvfp4", show_default=True, help="FP4 scheme.")
-@click.option("--rotate", type=click.Choice(["had16"], case_sensitive=False), default=None,
+@click.option("--rotate", type=click.Choice(list(ROTATIONS), case_sensitive=False), default=None,
               help="Rotate weights with a 16-point Hadamard first. Meant for W4A4 serving (activations quantized "
                    "too); weight-only it raised NVFP4's next-token KL 1.2-1.8x on the model measured (BENCHMARKS.md).")
 @click.option("--scale-rule", type=click.Choice(SCALE_RULES, case_sensitive=False), default=None,
-              help="How block scales are chosen. NVFP4: 4over6 (default), max, mse, wmse; MXFP4: wmse (default), "
-                   "floor (OCP), rceil, mse. The defaults gave the lowest KL on a real LM (BENCHMARKS.md).")
-@click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS), case_sensitive=False), default="fp4convert",
+              help=_scale_rule_help())
+@click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS), case_sensitive=False), default=DEFAULT_FORMAT,
               show_default=True,
               help="On-disk convention: fp4convert (native, swizzled scales; export it for engines), "
                    "compressed-tensors (vLLM, transformers) or modelopt (vLLM/SGLang/TensorRT-LLM, NVFP4).")
 @click.option("--device", default="auto", show_default=True,
               help="auto (a GPU if its kernels load, else the CPU), cpu, cuda or cuda:N.")
 @click.option("--lanes", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Write this many output shards side by side in one process (0: 2 on a GPU, 1 on the CPU). "
-                   "The output bytes do not depend on it.")
+              help="Write this many output shards side by side in one process (0: the backend's choice, 2 for "
+                   "cuda, 1 otherwise). The output bytes do not depend on it.")
+@click.option("--backend", type=click.Choice(backend_names()), default=None, help=_backend_help())
 @click.option("--ignore", multiple=True, metavar="PATTERN", help="Keep matching tensors unquantized (glob, or re:REGEX). Repeatable.")
 @click.option("--only", multiple=True, metavar="PATTERN", help="Quantize only matching tensors (glob, or re:REGEX). Repeatable.")
 @click.option("--allow-nothing-quantized", is_flag=True,
@@ -379,9 +408,7 @@ def main() -> None:
 @click.option("--allow-no-config", is_flag=True,
               help="Convert a source that has no config.json (otherwise exit 2: nothing can load the output, and "
                    "tensor roles then come from names alone).")
-@click.option("--revision", default=None, help="Hub revision (branch, tag or commit) when SRC is a repo id.")
-@click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True,
-              help="Hub token for a gated/private SRC and for --push-to-hub (default: your huggingface-cli login).")
+@revision_option
 @click.option("--cache-dir", default=None, type=click.Path(file_okay=False),
               help="Hub cache folder for SRC's files (default: HF_HUB_CACHE).")
 @click.option("--delete-source-shards", is_flag=True,
@@ -393,23 +420,28 @@ def main() -> None:
 @_push_options
 @_activation_options
 @_library_errors
-def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard_size, ignore, only, allow_nothing_quantized,
-             allow_no_config, revision, token, cache_dir, delete_source_shards, dry_run, base_model, overwrite, resume,
-             verify_source, quiet, as_json, push_repo, private, activation) -> None:
-    """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST."""
+def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, max_shard_size, ignore, only,
+             allow_nothing_quantized, allow_no_config, revision, cache_dir, delete_source_shards, dry_run, base_model,
+             overwrite, resume, verify_source, quiet, as_json, push_repo, private, token, activation) -> None:
+    """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST.
+
+    \b
+    Example:
+      fp4convert quantize Qwen/Qwen3-8B qwen3-nvfp4 --format compressed-tensors
+    """
     from . import stages
 
     ages = {"cli_start": stages.process_age()}  # where a run's seconds outside convert() go (--json)
     from .convert import convert, plan_conversion, prewarm_device
     from .errors import PlanError
+    from .runner import plan_warnings
     from .source import open_source
-    from .writer import plan_warnings
 
     config = ConvertConfig(
         scheme=scheme, rotate=rotate, scale_rule=scale_rule, format=fmt, ignore=tuple(ignore), only=tuple(only),
         max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
-        revision=revision, verify_source=verify_source, lanes=lanes, allow_no_config=allow_no_config,
-        base_model=base_model,
+        revision=revision, verify_source=verify_source, lanes=lanes, backend=backend,
+        allow_no_config=allow_no_config, base_model=base_model,
         **activation,
     )
     dry_run_out = True
@@ -486,13 +518,17 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, max_shard
 @click.argument("dst", type=click.Path(file_okay=False))
 @click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS), case_sensitive=False), required=True,
               help="Target convention: compressed-tensors or modelopt (fp4convert re-shards).")
-@click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token for --push-to-hub.")
 @_output_options
 @_push_options
 @_library_errors
-def export(src, dst, fmt, token, max_shard_size, overwrite, resume, verify_source, quiet, as_json, push_repo,
-           private) -> None:
-    """Re-layout a native fp4convert checkpoint SRC into an engine format in DST (lossless, no source weights)."""
+def export(src, dst, fmt, max_shard_size, overwrite, resume, verify_source, quiet, as_json, push_repo,
+           private, token) -> None:
+    """Re-layout a native fp4convert checkpoint SRC into an engine format in DST (lossless, no source weights).
+
+    \b
+    Example:
+      fp4convert export qwen3-native qwen3-ct --format compressed-tensors
+    """
     from .export import export as run_export
 
     config = ConvertConfig(format=fmt, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, resume=resume,
@@ -522,17 +558,22 @@ def export(src, dst, fmt, token, max_shard_size, overwrite, resume, verify_sourc
 @click.argument("folder", type=click.Path(exists=True, file_okay=False))
 @click.argument("repo")
 @click.option("--private", is_flag=True, help="Create the repo private.")
-@click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token (default: your login).")
-@click.option("--quiet", "-q", is_flag=True, help="Errors only.")
+@token_option
+@quiet_option
 @_library_errors
 def push(folder, repo, private, token, quiet) -> None:
-    """Upload a finished output FOLDER to Hub repo REPO (rerun after an interruption: only what is missing goes)."""
+    """Upload a finished output FOLDER to Hub repo REPO (rerun after an interruption: only what is missing goes).
+
+    \b
+    Example:
+      fp4convert push qwen3-ct my-org/Qwen3-8B-NVFP4 --private
+    """
     _setup_logging(quiet)
     _push(folder, repo, private, token, quiet)
 
 
 def _print_plan(plan, quiet: bool = False) -> None:
-    from .writer import plan_warnings
+    from .runner import plan_warnings
 
     s = plan.summary()
     width = max((len(d.name) for d in plan.decisions), default=10)
@@ -558,16 +599,20 @@ def _print_plan(plan, quiet: bool = False) -> None:
                    "[default: 0.25; NVFP4 gives ~0.09-0.10, MXFP4 ~0.11-0.15, a wrong source ~1.4].")
 @click.option("--plot", "plot_path", metavar="FILE", default=None,
               help="With --verify: write a per-layer error chart (FILE.png needs matplotlib; else an HTML report).")
-@click.option("--revision", default=None, help="Hub revision when CHECKPOINT is a repo id.")
-@click.option("--token", default=None, envvar="HF_TOKEN", show_envvar=True, help="Hub token for Hub repos.")
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar for --check-files / --verify (the report is printed).")
+@revision_option
+@token_option
+@json_option
+@quiet_option
 @_library_errors
 def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision, token, as_json, quiet) -> None:
     """Check a quantized CHECKPOINT (folder or Hub repo id) and give a verdict (exit 0 only when it is OK).
 
     Reads headers, configs and global scales by default; --check-files reads all data; --verify SRC
-    compares every dequantized weight with the source.
+    compares every dequantized weight with the source (the report is printed even with --quiet).
+
+    \b
+    Example:
+      fp4convert inspect qwen3-nvfp4 --check-files --verify Qwen/Qwen3-8B
     """
     if plot_path and not verify_src:
         raise click.UsageError("--plot needs --verify SRC")

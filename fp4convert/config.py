@@ -35,6 +35,7 @@ class ConvertConfig:
     revision: str | None = None
     verify_source: bool = False  # hash the source in full (recorded; --resume compares it)
     lanes: int = 0  # output shards written by this many lanes side by side in one process; 0: auto
+    backend: str | None = None  # what quantizes (fp4convert.backends); None: chosen from the device and the plan
     allow_no_config: bool = False  # convert a source without config.json (nothing can load the output)
     base_model: str | None = None  # the model card's base_model (None: derived from the source)
     # W4A4 (docs/formats.md "W4A4"): activation quantization the engines apply, and how its static
@@ -56,6 +57,11 @@ class ConvertConfig:
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|(cpu|cuda)(:\d+)?", self.device):
             # checked here, without torch (resolve_device, at run time, finds whether the GPU is there)
             raise ConfigError(f"--device {self.device!r} is not supported; use auto, cpu or cuda[:N]")
+        if self.backend is not None:
+            from .backend import backend_names
+
+            if self.backend not in backend_names():
+                raise ConfigError(f"--backend {self.backend!r}: choose one of {', '.join(backend_names())}")
         if not isinstance(self.lanes, int) or self.lanes < 0:
             raise ConfigError(f"--lanes {self.lanes!r}: give a number of lanes (1 or more), or 0 to choose automatically")
         if self.base_model is not None:
@@ -147,9 +153,10 @@ def parse_size(text: str) -> int:
 
 
 def human_bytes(n: float) -> str:
-    """1234567 -> '1.2 MB' (decimal units, as parse_size reads them)."""
+    """1234567 -> '1.23 MB': decimal units, as parse_size reads them, adapted to the size (a small need
+    never reads '0.00 GB'). The one size formatter of the CLI, the logs and the errors."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return f"{n} B"

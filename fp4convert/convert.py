@@ -1,27 +1,19 @@
-"""The converter: source -> plan -> quantize -> write -> manifest, in an overlapped pipeline.
+"""The converter's entry point: source -> plan -> quantize -> write -> manifest.
 
-A work unit is one tensor or one fused group. Planning reads headers only; then the kernel is
-asked to start reading the source in plan order (``posix_fadvise``) while torch and CUDA
-initialise. Units are read ahead in a background thread (:mod:`fp4convert.readahead`), quantized
-in batches (pass 1: amax of every member, pass 2: block quantization with the unit's global scale;
-on CUDA several units share one launch per shape, see :mod:`fp4convert.pipeline`) and written by a
-writer thread into output shards whose headers the plan fixed in advance, so host memory holds a
-few batches whatever the model or shard size. Units whose tensors are not one whole matrix each
-(3-D stacked experts, gate/up halves, FP8 or MXFP4 inputs decoded first) are computed one at a time
-as their own read batch (:class:`_Complex`); their writes join the same ordered write-behind queue.
-Files are written under ``.partial`` names and
-renamed when complete; the manifest is written last and marks a finished conversion.
+:func:`plan_conversion` opens the source and plans it from headers alone (what ``--dry-run`` shows).
+:func:`convert` then asks the kernel to start reading the source in plan order (``posix_fadvise``)
+while the device starts, opens a backend by name (:mod:`fp4convert.backend`; one per lane) and
+hands the run to the one run loop (:mod:`fp4convert.runner`), which reads, quantizes and writes
+every unit and finishes with the manifest. docs/architecture.md draws the whole data flow.
 
-Under ``torchrun`` each rank writes its share of the shards (:mod:`fp4convert.distributed`).
-Importing this module imports no torch: ``--dry-run`` and argument errors never pay for it.
+Importing this module imports no torch: ``--dry-run``, argument errors and the torch-free CUDA
+backend never pay for it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import resource
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,30 +21,23 @@ from typing import TYPE_CHECKING
 
 from . import stages
 from .config import ConvertConfig
-from .distributed import World, assign, run_writes
-from .errors import ConfigError, CUDAUnavailableError, PlanError
-from .plan import QUANTIZE
+from .distributed import World, assign
+from .errors import ConfigError, CUDAUnavailableError, FP4ConvertError, PlanError
 from .readahead import advise
+from .runner import ConvertResult, Job, Progress, plan_warnings, run
 
 if TYPE_CHECKING:
     import torch
 
+    from .backend import Backend, Settings
     from .formats.base import OutputFormat
-    from .plan import Decision, Matrix, Plan
+    from .plan import Plan
     from .source import Source
-    from .writer import ConvertResult, Progress
+    from .work import Work
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConvertResult", "convert", "plan_conversion", "resolve_device"]
-
-
-def __getattr__(name: str):
-    if name == "ConvertResult":  # re-exported lazily: writer imports torch
-        from .writer import ConvertResult
-
-        return ConvertResult
-    raise AttributeError(name)
+__all__ = ["ConvertResult", "convert", "plan_conversion", "plan_warnings", "resolve_device"]
 
 
 def resolve_device(device: str, world: World | None = None) -> torch.device:
@@ -173,6 +158,11 @@ def convert(
     the plan's warnings first), so the source is planned once. Under torchrun (WORLD_SIZE > 1)
     every rank calls this with the same arguments.
     """
+    from .backend import Settings
+    from .scheme import get_scheme
+    from .work import QuantizeWork
+    from .writer import run_identity
+
     t0 = time.perf_counter()
     stages.reset()
     dst = Path(dst)
@@ -183,175 +173,26 @@ def convert(
         source, plan_, fmt = plan if plan is not None else plan_conversion(src, config)
     _calibrate(source, plan_, fmt, config)
     _advise_source(source, plan_, assign(plan_, world))
+    others = source.other_files(exclude=dst)  # the one walk of the source folder
 
     t_start = time.perf_counter()
-    from .schedule import Settings, WriteBehind
-    from .scheme import get_scheme
-    from .writer import ConvertResult, run_identity
-
-    settings = Settings(get_scheme(config.scheme), config.rotate, fmt.swizzled, {"scale_rule": config.rule})
-    rt = _direct_runtime(config, world, plan_)
-    n_lanes = lane_count(config, world, plan_, source, rt is not None)
-    lanes: list[_Lane] = []
-    if rt is not None:  # the torch-free CUDA path (fp4convert.direct): torch is never imported
-        from . import direct
-
-        torch = None
-        threads = 0
-        for k in range(n_lanes):  # each lane its own stream; one library, one pinned pool
-            lane_rt = rt if k == 0 else rt.lane()
-            lanes.append(_Lane(source, config, fmt, settings, None, direct.DirectBackend(lane_rt),
-                               (direct.BATCH_UNITS, direct.BATCH_BYTES), WriteBehind(init=rt.set_device),
-                               direct.write_batch, 0, rt.pool.get, lane_rt.close if k else None, rt.set_device))
-        nonfinite = rt.host_check
-    else:
-        import torch  # from here on the work needs it (the kernel is reading the source meanwhile)
-
-        from . import pipeline
-        from .pipeline import CpuBackend, StackedBackend
-
-        world.init()
-        device = resolve_device(config.device, world)
-        threads = torch.get_num_threads()
-        cores = threads if not (world.distributed and world.local_size > 1) else max(
-            1, (os.cpu_count() or 1) // world.local_size)  # CPU ranks on one machine share its cores
-        cores = max(1, cores // n_lanes)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # under torchrun: this rank's GPU for every stream and buffer
-        cuda = device.type == "cuda"
-        limits = (pipeline.CUDA_BATCH_UNITS, pipeline.CUDA_BATCH_BYTES) if cuda else (
-            pipeline.CPU_BATCH_UNITS, pipeline.CPU_BATCH_BYTES)
-        stacked = cuda or limits[0] > 1  # the tests run the CUDA scheduling on the CPU with larger batches
-        if not stacked:
-            torch.set_num_threads(1)  # parallel over units instead (see CpuBackend); restored below
-        for _ in range(n_lanes):
-            backend = StackedBackend(device) if stacked else CpuBackend(workers=cores)
-            select = (lambda: torch.cuda.set_device(device)) if cuda else None
-            lanes.append(_Lane(source, config, fmt, settings, device, backend, limits, WriteBehind(init=select),
-                               pipeline.write_batch, cores, init=select))
-        nonfinite = None
+    settings = Settings(get_scheme(config.scheme), config.rotate, fmt.swizzled, config.rule)
+    backends = open_backends(config, world, plan_, source, settings)
     stages.add("startup", time.perf_counter() - t_start)
-    stages.count("lanes", len(lanes))
-    identity = run_identity(config, source)
-
-    closers = [ln.close for ln in lanes] + [rt.close if rt is not None else lambda: torch.set_num_threads(threads)]
+    stages.count("lanes", len(backends))
+    works: list[Work] = [QuantizeWork(source, fmt, settings, b) for b in backends]
     try:
-        report = progress or (lambda n: None)
-        if len(lanes) > 1:
-            from .lanes import write_with_lanes
-
-            told = threading.Lock()  # the lanes' writer threads report side by side
-
-            def shared(n: int) -> None:
-                with told:
-                    report(n)
-
-            done = write_with_lanes(plan_, dst, config, identity, source, fmt,
-                                    [(ln.init, ln.progress(shared), ln.process, ln.start, ln.drain) for ln in lanes],
-                                    nonfinite)
-        else:
-            done = run_writes(world, plan_, dst, config, identity, source, fmt, lanes[0].progress(report),
-                              lanes[0].process, lanes[0].start, lanes[0].drain, nonfinite)
+        identity = run_identity(config, source)
+        job = Job(source, plan_, fmt, dst, config, identity, others)
+        done = run(job, world, works, progress)
     except BaseException:
-        _close_all(closers, raising=False)  # the run's own error is the one to report
+        _close_all([b.close for b in reversed(backends)], raising=False)  # the run's own error is the one to report
         raise
-    _close_all(closers)
+    _close_all([b.close for b in reversed(backends)])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan_.shards))
-    wait = sum(ln.reader.wait_s for ln in lanes if ln.reader is not None)
+    wait = sum(w.read_wait_s for w in works)
     return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, stages.snapshot(), stages.counts())
-
-
-class _Lane:
-    """One stream of work: a reader, a backend (on CUDA its own stream) and a writer thread.
-
-    A run has one; a one-process run may have several side by side, each writing its own output
-    shards (:mod:`fp4convert.lanes`), so the host's writes, hashes and syncs run in parallel.
-    """
-
-    def __init__(self, source: Source, config: ConvertConfig, fmt: OutputFormat, settings, device, backend,
-                 limits: tuple[int, int], behind, write_job, cores: int, host=None,
-                 on_close: Callable[[], None] | None = None, init: Callable[[], None] | None = None) -> None:
-        self.source, self.config, self.fmt, self.settings = source, config, fmt, settings
-        self.init = init  # run first in a lane's own thread (CUDA: select this run's GPU)
-        self.device, self.backend, self.limits, self.behind = device, backend, limits, behind
-        self.write_job, self.cores, self.host, self.on_close = write_job, cores, host, on_close
-        self.reader = None
-        self.item_of: dict[int, object] = {}  # id(first unit) -> its batch (or its own, for a complex unit)
-
-    def start(self, pending: list[list[Decision]]) -> None:
-        """Batch the units this lane will process and start reading them."""
-        from .readahead import ReadAhead
-        from .schedule import Batch, make_batches
-
-        items: list = []
-        run: list[list[Decision]] = []
-
-        def flush() -> None:
-            items.extend(Batch(b) for b in make_batches(run, *self.limits))
-            run.clear()
-
-        for u in pending:
-            if u[0].action != QUANTIZE and u[0].decode is None:
-                flush()  # a kept tensor: copied by the writer thread, nothing to read here
-            elif _simple(u):
-                run.append(u)
-            else:
-                flush()
-                items.append(_Complex(u, self.device, self.config, self.fmt, self.cores))
-        flush()
-        self.item_of.update({id(b.units[0]): b for b in items})
-        device = self.device
-        self.reader = ReadAhead([b.reads() for b in items], self.source.local_path,
-                                pinned=device is not None and device.type == "cuda", device=device, host=self.host)
-
-    def process(self, unit: list[Decision], writers) -> dict[str, dict]:
-        """Quantize a unit's batch (started on the GPU) and queue its writes; returns its records."""
-        d = unit[0]
-        behind = self.behind
-        if d.action != QUANTIZE and d.decode is None:
-            behind.submit(lambda: writers.raw(d.name, self.source.local_path(d.info.file), d.info))
-            return {d.name: {}}
-        item = self.item_of.get(id(unit))
-        if item is None:
-            return {}  # a later unit of a batch: quantized and queued with its first unit
-        reader = self.reader
-        hosts = reader.next()
-        records = {m.name: {} for m in item.members}
-        freed = threading.Event()
-
-        def free(event=None) -> None:  # exactly once: the reader may refill this batch's buffer set
-            if not freed.is_set():
-                freed.set()
-                reader.release(event)
-
-        try:
-            with stages.timed("quantize"):
-                result = _quantize_unit(item, hosts, self.backend, self.settings, free)
-        except BaseException:
-            free()
-            raise
-        if isinstance(item, _Complex):
-            behind.submit(_write_complex(result, writers, records))
-        else:
-            behind.submit(self.write_job(item, result, self.settings, self.fmt, writers, records))
-        return records
-
-    def progress(self, report: Callable[[int], None]) -> Callable[[int], None]:
-        # Progress follows the unit's writes (in the writer thread): a Hub source shard it lets go of
-        # (--delete-source-shards) has then been read for the last time.
-        return lambda n: self.behind.submit(lambda: report(n), light=True)
-
-    def drain(self, ok: bool) -> None:
-        self.behind.drain(ok)
-
-    def close(self) -> None:
-        self.behind.drain(False)  # stops the writer thread when the run failed before the writes began (else a no-op)
-        if self.reader is not None:
-            self.reader.close()
-        self.backend.close()
-        if self.on_close is not None:
-            self.on_close()
 
 
 def _close_all(closers: list[Callable[[], None]], raising: bool = True) -> None:
@@ -369,39 +210,76 @@ def _close_all(closers: list[Callable[[], None]], raising: bool = True) -> None:
         raise error
 
 
-def lane_count(config: ConvertConfig, world: World, plan: Plan, source: Source, direct: bool) -> int:
-    """How many lanes this run gets: ``config.lanes``, else (0: auto) AUTO_LANES on the torch-free
-    CUDA path of a local source and one elsewhere; never more than the shards there are to write."""
-    from .lanes import AUTO_LANES
-
+def lane_count(config: ConvertConfig, world: World, plan: Plan, source: Source, auto: int) -> int:
+    """How many lanes this run gets: ``config.lanes``, else (0: auto) the backend's ``auto`` for a local
+    source in one process, one elsewhere; never more than the shards there are to write."""
     if world.distributed or source.is_hub:
         return 1  # torchrun splits across processes; a Hub source's shards are released in plan order
-    want = config.lanes or (AUTO_LANES if direct else 1)
+    want = config.lanes or auto
     return max(1, min(want, len(plan.shards)))
 
 
-def torch_free(config: ConvertConfig, world: World, plan: Plan) -> bool:
-    """Can this run take the torch-free CUDA path (:mod:`fp4convert.direct`)? From the plan alone.
+def choose_backend(config: ConvertConfig, world: World, plan: Plan) -> str | None:
+    """The backend a run takes from the plan alone: ``--backend`` when given; ``cuda`` (no torch) when
+    one process converts plain 2-D weights on a GPU (``--device auto`` or ``cuda[:N]``); else None:
+    torch's, decided once the device is known (``stacked`` on a GPU, ``cpu`` on the CPU)."""
+    from .backend import get_backend
 
-    Yes when it is one process, the device is CUDA (``auto`` or ``cuda[:N]``) and every quantized
-    unit is plain 2-D bf16/fp16/fp32 weights (no stacked experts, no FP8/MXFP4 input to decode).
-    ``FP4CONVERT_TORCH_PIPELINE=1`` forces the torch pipeline (the same bytes; an A/B switch).
-    """
-    from .direct import DTYPE_CODES
+    if config.backend:
+        return config.backend
+    if world.distributed or _cuda_index(config.device) is None:
+        return None
+    return "cuda" if get_backend("cuda").supports(plan) else None
 
-    if world.distributed or _cuda_index(config.device) is None or os.environ.get("FP4CONVERT_TORCH_PIPELINE") == "1":
-        return False
-    for unit in plan.units():
-        if unit[0].decode is not None:
-            return False
-        if unit[0].action == QUANTIZE and not (_simple(unit) and all(d.info.dtype in DTYPE_CODES for d in unit)):
-            return False
-    return True
+
+def open_backends(config: ConvertConfig, world: World, plan: Plan, source: Source,
+                  settings: Settings) -> list[Backend]:
+    """One backend per lane, chosen by name (:func:`choose_backend`). The torch-free ``cuda`` backend
+    falls back to torch's when the GPU or the kernel library is not there (``auto`` then falls back to
+    the CPU with a warning, ``cuda`` without a GPU is an error)."""
+    from .backend import Context, get_backend
+
+    name = choose_backend(config, world, plan)
+    first = None
+    if name == "cuda":
+        index = _cuda_index(config.device)
+        if index is None:
+            raise ConfigError(f"--backend cuda runs on a GPU; --device {config.device} is not one")
+        lanes = lane_count(config, world, plan, source, get_backend("cuda").auto_lanes)
+        try:
+            first = get_backend("cuda").open(Context(settings, f"cuda:{index}", world, lanes))
+        except FP4ConvertError as exc:
+            if config.backend:
+                raise
+            log.debug("torch-free CUDA path unavailable (%s); using torch", exc)
+            name = None
+    if first is None:
+        world.init()
+        if name is not None and config.device == "auto" and "cuda" not in get_backend(name).devices:
+            import torch
+
+            device = torch.device("cpu")  # --backend cpu on a machine with a GPU
+        else:
+            device = resolve_device(config.device, world)  # from here on the work needs torch
+        name = name or ("stacked" if device.type == "cuda" else "cpu")
+        cls = get_backend(name)
+        if device.type not in cls.devices:
+            raise ConfigError(f"--backend {name} runs on {' or '.join(cls.devices)}, not on {device}; "
+                              f"choose --device {cls.devices[0]} or another backend")
+        lanes = lane_count(config, world, plan, source, cls.auto_lanes)
+        first = cls.open(Context(settings, str(device), world, lanes))
+    backends = [first]
+    try:
+        backends += [first.lane() for _ in range(lanes - 1)]
+    except BaseException:
+        _close_all([b.close for b in reversed(backends)], raising=False)
+        raise
+    return backends
 
 
 def _cuda_index(device: str) -> int | None:
     """The GPU a one-process run on ``device`` would use: ``auto`` / ``cuda`` -> 0, ``cuda:N`` -> N;
-    None for the CPU or a malformed index (the torch pipeline reports that one)."""
+    None for the CPU or a malformed index (torch's device parsing reports that one)."""
     if device in ("auto", "cuda"):
         return 0
     if not device.startswith("cuda:"):
@@ -416,182 +294,8 @@ def prewarm_device(config: ConvertConfig) -> None:
     """A one-process CUDA run: start the GPU (driver, kernel library, context) in the background now,
     while the source is planned. Imports nothing heavy; a machine without a GPU costs nothing."""
     index = _cuda_index(config.device)
-    if index is None or World.from_env().distributed:
+    if index is None or World.from_env().distributed or config.backend not in (None, "cuda"):
         return
     from .cuda.runtime import prewarm
 
     prewarm(index)
-
-
-def _direct_runtime(config: ConvertConfig, world: World, plan: Plan):
-    """The torch-free CUDA runtime when this run can use it and the GPU and kernel library are there;
-    else None, and the torch pipeline runs (it reports errors as it always did: ``auto`` falls back
-    to the CPU with a warning, ``cuda`` without a GPU is an error)."""
-    if not torch_free(config, world, plan):
-        return None
-    from .cuda.runtime import Runtime
-    from .errors import FP4ConvertError
-
-    try:
-        return Runtime(_cuda_index(config.device))  # no driver or GPU, an old GPU, no nvcc: CUDAUnavailableError
-    except FP4ConvertError as exc:
-        log.debug("torch-free CUDA path unavailable (%s); using the torch pipeline", exc)
-        return None
-
-
-def weight_of(d: Decision, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The weight a decision works on: the tensor itself, or the fp32 weight a quantized input encodes."""
-    if d.decode is None:
-        return tensors[0]
-    from .errors import FP4ConvertError
-    from .tensor import dequantize_input
-
-    try:
-        w = dequantize_input(d.decode.kind, tensors, block=d.decode.block)
-    except FP4ConvertError as exc:
-        raise type(exc)(f"{d.name} (in {d.info.file}): {exc}") from exc
-    return w.transpose(-1, -2) if d.decode.transpose else w
-
-
-def _batches(d: Decision, x: torch.Tensor) -> list[tuple[list[Matrix], torch.Tensor]]:
-    """A decision's matrices as batches ``[B, N, K]`` (all experts of one gate/up/down part in one batch)."""
-    if len(d.matrices) == 1 and d.matrices[0].expert is None:  # a whole 2-D weight ([in, out] on disk: W^T)
-        m = d.matrices[0]
-        return [(list(d.matrices), (x.transpose(-1, -2) if m.transpose else x).unsqueeze(0))]
-    parts: dict[tuple, list[Matrix]] = {}
-    for m in d.matrices:
-        parts.setdefault((m.rows, m.transpose), []).append(m)
-    out = []
-    for (rows, transpose), ms in parts.items():
-        v = x.transpose(-1, -2) if transpose else x
-        experts = [m.expert for m in ms]
-        v = v if experts == list(range(v.shape[0])) else v[experts]
-        if rows is not None:
-            v = v[:, rows[0]:rows[1]:rows[2]]
-        out.append((ms, v))
-    return out
-
-
-def _simple(unit: list[Decision]) -> bool:
-    """Every member quantizes its whole 2-D tensor as one matrix (the batched pipeline's case)."""
-    from .plan import QUANTIZE
-
-    for d in unit:
-        if d.action != QUANTIZE or d.decode is not None or len(d.matrices) != 1 or len(d.info.shape) != 2:
-            return False
-        m = d.matrices[0]
-        if (m.expert is not None or m.rows is not None or m.transpose or m.module != d.module
-                or (m.group or d.group) != d.group or tuple(m.shape) != tuple(d.info.shape)):
-            return False
-    return True
-
-
-class _Complex:
-    """A unit the batched pipeline does not run (stacked experts, decoded quantized inputs, a kept
-    decoded input): its own read batch, computed synchronously, written by the write-behind thread."""
-
-    def __init__(self, unit: list[Decision], device, config: ConvertConfig, fmt: OutputFormat,
-                 threads: int = 0) -> None:
-        self.units = [unit]
-        self.members = list(unit)
-        self.device, self.config, self.fmt = device, config, fmt
-        self.threads = threads  # CPU: torch's intra-op threads for this unit (the pool's workers run with one)
-
-    def reads(self) -> list:
-        return [t for d in self.members for t in d.reads]
-
-    def run(self, hosts: list[torch.Tensor], free: Callable) -> Callable[[], tuple]:
-        from .plan import QUANTIZE
-
-        import torch
-
-        unit, device = self.members, self.device
-        before = torch.get_num_threads()
-        if device.type == "cpu" and self.threads:
-            torch.set_num_threads(self.threads)
-        try:
-            on_device = iter([h.to(device, non_blocking=True) for h in hosts])
-            xs = [weight_of(d, [next(on_device) for _ in d.reads]) for d in unit]
-            if unit[0].action != QUANTIZE:  # a kept quantized input: written as the fp32 weight it encodes
-                out = [(unit[0].name, xs[0].contiguous().cpu())]
-                recs: dict[str, dict] = {unit[0].name: {}}
-            else:
-                recs, out = _matrices_unit(unit, xs, self.config, self.fmt)
-        finally:
-            torch.set_num_threads(before)
-            free(None)  # synchronous: outputs are on the host, every copy from these buffers is done
-        return lambda: (recs, out)
-
-
-def _quantize_unit(item, hosts, backend, settings, free):
-    """Pass 1 and pass 2 of one batch (one unit on the CPU), started; returns the writer's result function."""
-    if isinstance(item, _Complex):
-        return item.run(hosts, free)
-    return backend.run(item, hosts, settings, free)
-
-
-def _write_complex(result: Callable[[], tuple], writers, records: dict) -> Callable[[], None]:
-    """The writer-thread job of a complex unit: records first (a finished shard's record is complete), then the tensors."""
-
-    def job() -> None:
-        recs, out = result()
-        for name, rec in recs.items():
-            records[name].update(rec)
-        for name, t in out:
-            writers.tensor(name, t)
-
-    return job
-
-
-def _matrices_unit(unit: list[Decision], xs: list[torch.Tensor], config: ConvertConfig,
-                   fmt: OutputFormat) -> tuple[dict[str, dict], list[tuple[str, torch.Tensor]]]:
-    """Pass 1 (amax of every matrix, max per shared-scale group), then pass 2 (quantize, batched per part)."""
-    import torch
-
-    from .errors import NonFiniteError, QuantizationError
-    from .scheme import get_scheme
-    from .tensor import QuantizedTensor, quantize
-    from .tensor import amax as tensor_amax
-
-    scheme = get_scheme(config.scheme)
-    batches = [(d, ms, t) for d, x in zip(unit, xs) for ms, t in _batches(d, x)]
-    group_amax: list[torch.Tensor | None] = [None] * len(batches)
-    amax_of: dict[str, float] = {}
-    if scheme.global_scale:
-        amaxes = [tensor_amax(t, rotate=config.rotate) for _, _, t in batches]
-        for (d, _, _), a in zip(batches, amaxes):
-            if not bool(torch.isfinite(a).all()):
-                raise NonFiniteError(f"{d.name} (in {d.info.file}) holds NaN or Inf; fix the source or --ignore it")
-        groups: dict[str, torch.Tensor] = {}
-        for (d, ms, _), a in zip(batches, amaxes):
-            for m, v in zip(ms, a):
-                g = m.group or d.group
-                if g:
-                    groups[g] = torch.maximum(groups[g], v) if g in groups else v
-        for i, ((d, ms, _), a) in enumerate(zip(batches, amaxes)):
-            picks = [groups[m.group or d.group] if (m.group or d.group) else v for m, v in zip(ms, a)]
-            group_amax[i] = torch.stack(picks)
-    results: dict[str, QuantizedTensor] = {}
-    for (d, ms, t), ga in zip(batches, group_amax):
-        try:
-            q = quantize(t, config.scheme, rotate=config.rotate, global_amax=ga, scale_rule=config.rule,
-                         scale_layout="swizzled" if fmt.swizzled else "linear")
-        except QuantizationError as exc:
-            raise type(exc)(f"{d.name} (in {d.info.file}): {exc}") from exc
-        if ga is not None:
-            amax_of.update(zip((m.module for m in ms), ga.tolist()))
-        for i, m in enumerate(ms):
-            results[m.module] = q.matrix(i)
-    records: dict[str, dict] = {}
-    outputs: list[tuple[str, torch.Tensor]] = []
-    for d in unit:
-        per: dict[str, dict] = {}
-        for m in d.matrices:
-            q = results[m.module]
-            for name, tensor in fmt.tensors(m.module, q):
-                outputs.append((name, tensor.cpu()))
-            if q.global_scale is not None:
-                per[m.module] = {"global_scale": float(q.global_scale), "amax": amax_of[m.module]}
-        records[d.name] = next(iter(per.values())) if len(d.matrices) == 1 and per else (
-            {"matrices": per} if per else {})
-    return records, outputs

@@ -1,4 +1,4 @@
-"""Scale-out under torchrun: the plan's output shards split across ranks, rank 0 finishes.
+"""Scale-out under torchrun: this process's place in the job, the deterministic split, the collectives.
 
 ``torchrun --nproc-per-node N [--nnodes M ...] -m fp4convert quantize SRC DST ...`` starts N x M
 copies of the same command. Each plans the whole conversion from the headers (cheap, and the same
@@ -7,7 +7,8 @@ and writes only those, on its own GPU (``LOCAL_RANK``) or on the CPU. Coordinati
 ``torch.distributed`` with gloo, initialised only when ``WORLD_SIZE > 1``:
 
 - rank 0 prepares the destination (refuse / --overwrite / --resume checks) and tells the others
-  what a resume may reuse; every rank records its finished shards in its own progress file;
+  what a resume may reuse (:meth:`World.from_rank0`); every rank records its finished shards in its
+  own progress file (the run loop, :mod:`fp4convert.runner`, treats a rank as parts of the run);
 - a failing rank marks the run failed in the rendezvous store, so the others stop at their next
   batch; every rank then exits non-zero, rank 0 naming the failing rank's one-line error;
 - after every rank finished, rank 0 gathers all shard and tensor records, merges the progress
@@ -22,12 +23,10 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import json
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import FP4ConvertError, RankFailed, RankStopped
@@ -175,87 +174,3 @@ def assign(plan: Plan, world: World) -> set[str]:
         if r == world.rank:
             mine.add(f)
     return mine
-
-
-def run_writes(world: World, plan: Plan, dst: Path, config, identity: dict, source, fmt, progress,
-               process, start=None, drain=None, nonfinite=None) -> dict:
-    """Destination policy, this rank's shards, then (rank 0) the finish; returns the reused files.
-
-    One process: exactly prepare_destination -> write_outputs -> finish.
-    """
-    from .writer import finish, prepare_destination, release, write_outputs
-
-    done = world.from_rank0(lambda: prepare_destination(dst, plan, config, identity, source))
-    if not world.distributed:
-        write_outputs(plan, dst, identity, done, progress, process, start, drain=drain, nonfinite=nonfinite)
-        drop_rank_records(dst)  # a resume after ranks or lanes: its own record holds what theirs did
-        finish(source, plan, fmt, dst, identity)
-        return done
-
-    status: dict = {"rank": world.rank}
-    error: Exception | None = None
-    try:
-        status.update(write_share(plan, dst, identity, done, assign(plan, world), world.rank, world.check_failed,
-                                  progress, process, start, drain, nonfinite))
-    except RankStopped:
-        status["stopped"] = True
-    except Exception as exc:
-        error = exc
-        status["error"] = describe(exc)
-        world.mark_failed()
-        log.error("rank %d failed: %s", world.rank, status["error"][0])
-    statuses = world.gather(status)
-    failed = [s for s in statuses if "error" in s]
-    if failed:
-        if world.rank == 0:
-            release(dst)  # rank 0 holds the DST lock (taken in prepare_destination) until finish
-        if error is not None:
-            raise error
-        first = failed[0]
-        raise RankFailed(f"rank {first['rank']} failed: {first['error'][0]}", first["error"][1])
-
-    world.from_rank0(lambda: merge_and_finish(statuses, source, plan, fmt, dst, identity))
-    world.close()
-    return done
-
-
-def write_share(plan: Plan, dst: Path, identity: dict, done: dict, mine: set[str], k: int,
-                check: Callable[[], None], progress, process, start, drain, nonfinite, **kw) -> dict:
-    """One rank's (or lane's) part: its shards ``mine`` with its own progress record; ``check()``
-    before each unit raises RankStopped once another part failed. Returns {files, tensors} to merge."""
-    from .writer import rank_progress_name, write_outputs
-
-    def checked(unit, writers):
-        check()
-        return process(unit, writers)
-
-    files, tensors = write_outputs(plan, dst, identity, done, progress, checked, start, owns=mine.__contains__,
-                                   progress_name=rank_progress_name(k), drain=drain, nonfinite=nonfinite, **kw)
-    return {"files": {f: r for f, r in files.items() if f in mine}, "tensors": tensors}
-
-
-def merge_and_finish(statuses: list[dict], source, plan: Plan, fmt, dst: Path, identity: dict) -> None:
-    """Every rank's (or lane's) shard and tensor records into the one progress record, then the
-    finish (the other files, the index, the manifest last): the bytes of a one-process run."""
-    from .writer import PROGRESS_NAME, atomic_write, finish, merge_tensor_records, release
-
-    state = {"identity": identity, "files": {}, "tensors": {}}
-    for s in statuses:
-        state["files"].update(s["files"])
-        merge_tensor_records(state["tensors"], s["tensors"])
-    try:
-        atomic_write(dst / PROGRESS_NAME, json.dumps(state, indent=1, sort_keys=True))
-        drop_rank_records(dst)
-    except BaseException:
-        release(dst)
-        raise
-    finish(source, plan, fmt, dst, identity)
-
-
-def drop_rank_records(dst: Path) -> None:
-    """Remove the per-rank (or per-lane) progress records once the one record holds their state."""
-    from .writer import PROGRESS_NAME, progress_records
-
-    for p in progress_records(dst):
-        if p.name != PROGRESS_NAME:
-            p.unlink()

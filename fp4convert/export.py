@@ -15,15 +15,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import ConvertConfig
+from .distributed import World
 from .errors import CheckpointFormatError, ConfigError
 from .formats import get_format
 from .layout import load_quantized, read_layout
 from .manifest import MANIFEST_NAME, manifest_problem
 from .plan import QUANTIZE, Decision, Plan, check_collisions, layout_shards
+from .runner import ConvertResult, Job, Progress, run
 from .safetensors_io import DTYPE_BITS, OutEntry, TensorInfo, dtype_nbytes, open_regular
 from .source import open_source
-from .distributed import World, run_writes
-from .writer import ConvertResult, Progress, run_identity
+from .writer import run_identity
 
 
 def plan_export(src: str, config: ConvertConfig):
@@ -131,23 +132,51 @@ def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress 
     verify_files(source.root, manifest, source.weight_files, progress=bar)
     identity = run_identity(plan.config, source, exported_from=manifest.get("identity"))
 
-    def process(unit: list[Decision], writers) -> dict[str, dict]:
-        records = {}
-        for d in unit:
-            if d.action == QUANTIZE:
-                m = layout.modules[d.module]
-                for name, t in fmt.tensors(d.module, load_quantized(source, layout, m)):
-                    writers.tensor(name, t)
-                rec = manifest["tensors"][d.name]
-                records[d.name] = {k: rec[k] for k in ("global_scale", "amax") if k in rec}
-            else:
-                info = layout.tensors[d.name]
-                writers.raw(d.name, source.local_path(info.file), info)
-                records[d.name] = {}
-        return records
-
     world = World.from_env()  # under torchrun each rank writes its share of the shards
     world.init()
-    done = run_writes(world, plan, dst, plan.config, identity, source, fmt, progress or (lambda n: None), process)
+    job = Job(source, plan, fmt, dst, plan.config, identity, source.other_files(exclude=dst))
+    done = run(job, world, [_ExportWork(source, layout, manifest, fmt)], progress)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return ConvertResult(dst, plan, time.perf_counter() - t0, peak, sorted(f for f in done if f in dict(plan.shards)))
+
+
+class _ExportWork:
+    """The run loop's work for an export (:class:`fp4convert.work.Work`): each quantized module loaded
+    from the native shards and written in the target format, every other tensor copied unchanged."""
+
+    read_wait_s = 0.0
+
+    def __init__(self, source, layout, manifest: dict, fmt) -> None:
+        self.source, self.layout, self.manifest, self.fmt = source, layout, manifest, fmt
+
+    def start(self, pending: list[list[Decision]]) -> None:
+        pass
+
+    def unit(self, unit: list[Decision]):
+        records = {}
+        for d in unit:
+            rec = self.manifest["tensors"][d.name]
+            records[d.name] = {k: rec[k] for k in ("global_scale", "amax") if k in rec} if d.action == QUANTIZE else {}
+
+        def job(shards) -> None:
+            for d in unit:
+                if d.action == QUANTIZE:
+                    m = self.layout.modules[d.module]
+                    for name, data in self.fmt.tensors(d.module, load_quantized(self.source, self.layout, m)):
+                        shards.write(name, data)
+                else:
+                    info = self.layout.tensors[d.name]
+                    shards.copy_kept(d.name, self.source.local_path(info.file), info)
+
+        return records, job
+
+    def nonfinite(self, dtype: str, data: memoryview) -> bool:
+        from .matrices import nonfinite_bytes
+
+        return nonfinite_bytes(dtype, data)
+
+    def thread_init(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import CheckpointFormatError
+from .names import LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME  # noqa: F401 - re-exported (names.py states them)
 from .scheme import get_scheme
 from .version import producer
 
@@ -21,9 +22,6 @@ if TYPE_CHECKING:
     from .plan import Plan
     from .source import Source
 
-MANIFEST_NAME = "fp4convert.json"
-PROGRESS_NAME = ".fp4convert-progress.json"
-LOCK_NAME = ".fp4convert.lock"  # flock'd by the run writing the folder (holds its pid)
 # Identity keys kept in the progress record only: the manifest of a copied or touched source stays the same.
 PROGRESS_ONLY = ("source_mtimes", "source_sha256")
 MANIFEST_VERSION = 1

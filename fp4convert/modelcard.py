@@ -22,12 +22,12 @@ import logging
 import re
 from pathlib import Path
 
+from .names import CARD_NAME  # noqa: F401 - re-exported (names.py states it)
 from .scheme import get_scheme
 from .version import __version__
 
 log = logging.getLogger(__name__)
 
-CARD_NAME = "README.md"
 START, END = "<!-- fp4convert:card-start -->", "<!-- fp4convert:card-end -->"
 ORIGINAL_HEADING = "## Original model card"
 PLACEHOLDER = "THIS_MODEL"  # where the card names the folder itself; push_to_hub puts the repo id there

@@ -1,10 +1,11 @@
 """Read-ahead: the next work units' source tensors are read while the current one is quantized.
 
 File reads release the GIL, so a background thread hides disk (or page-cache) time behind
-quantization and writing. Host memory holds at most ``SETS`` batches (the one in work and the
-next). For CUDA the bytes land in pinned buffers, two sets used in turn, so host-to-device copies
-run asynchronously at full speed; a set is refilled only after its copies completed (the consumer
-hands :meth:`ReadAhead.release` the CUDA event recorded after them, and the reader waits on it).
+quantization and writing. Host memory holds at most ``SETS`` items (the one in work and the
+next), in buffers the backend allocates (pinned for a GPU, so host-to-device copies run
+asynchronously at full speed), two sets used in turn; a set is refilled only after its copies
+completed (the consumer hands :meth:`ReadAhead.release` the event recorded after them, and the
+reader waits on it). Imports no torch.
 
 :func:`advise` asks the kernel to start reading the source (``posix_fadvise(WILLNEED)``) in plan
 order: it imports nothing heavy, so the converter calls it before torch and CUDA initialise.
@@ -18,13 +19,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import stages
 
 if TYPE_CHECKING:
-    import torch
-
     from .safetensors_io import TensorInfo
 
 SETS = 2  # buffer sets: the batch in work and the next one
@@ -62,51 +61,38 @@ def advise(ranges: Iterable[tuple[Path, int, int]], limit: int = ADVISE_LIMIT) -
 
 
 class ReadAhead:
-    """Yields each batch's source tensors (host memory, in order) from a background reader.
+    """Yields each item's inputs (one host buffer, in order) from a background reader.
 
-    ``units``: one list of tensor infos per batch (a work unit, or several units batched together).
+    ``units``: one list of tensor infos per item (a work unit, or several units batched together).
+    ``alloc(nbytes)``: a host buffer (the backend's: pinned memory for a GPU); each of the ``SETS``
+    buffer sets is allocated once, for the largest item (growing it item by item cost more pinned
+    allocations, ~0.8 s per GB on the H100 machine). ``init``: run first in the reader's thread.
+    An item's inputs are ``(buffer, [(offset, info)...])``, the members of a shape group back to back
+    (:func:`~fp4convert.schedule.grouped_offsets`).
     """
 
-    def __init__(self, units: list[list[TensorInfo]], locate: Callable[[str], Path], pinned: bool,
-                 device: torch.device | None = None, host: Callable[[int], object] | None = None) -> None:
-        self._device = device  # CUDA: this rank's GPU, so pinned memory never opens a context on GPU 0
-        # The torch-free CUDA path: pinned buffers from fp4convert.cuda.runtime (``host(nbytes)``); a
-        # batch is then (buffer, [(offset, info)...]) instead of tensors.
-        self._host = host
-        self._units = units
-        # Each set's buffer is allocated once, for the largest batch (growing it batch by batch cost
-        # more pinned allocations, ~0.8 s per GB on the H100 machine).
+    def __init__(self, units: list[list[TensorInfo]], locate: Callable[[str], Path], alloc: Callable[[int], Any],
+                 init: Callable[[], None] | None = None) -> None:
         from .schedule import grouped_offsets
 
-        self._set_bytes = max((grouped_offsets(u)[1] for u in units), default=0) if pinned or host else 0
+        self._alloc, self._init = alloc, init
+        self._units = units
+        self._set_bytes = max((grouped_offsets(u)[1] for u in units), default=0)
         self._locate = locate
-        self._pinned = pinned
-        self._buffers: dict[int, object] = {}  # set -> its pinned buffer
-        self._pending: dict[int, object] = {}  # set -> CUDA event its last consumer recorded
+        self._buffers: dict[int, Any] = {}  # set -> its buffer
+        self._pending: dict[int, Any] = {}  # set -> the event its last consumer recorded
         self._lock = threading.Lock()
         self._ready: queue.Queue = queue.Queue(maxsize=1)
-        self._free = threading.Semaphore(SETS)
+        self._free = [threading.Event() for _ in range(SETS)]  # set k's last item has been released
+        for e in self._free:
+            e.set()
         self._stop = threading.Event()
-        self._released = 0
         self.wait_s = 0.0  # how long the consumer waited for data: ~0 when reading is fully hidden
         self._thread = threading.Thread(target=self._run, name="fp4convert-readahead", daemon=True)
         self._thread.start()
 
-    def _read_set(self, set_index: int, unit: list[TensorInfo]):
-        if self._host is not None:  # the torch-free path: (buffer, [(offset, info)])
-            buf, offsets = self._fill(set_index, unit, self._host)
-            return buf, list(zip(offsets, unit))
-        from .safetensors_io import DTYPES, read_tensor  # DTYPES imports torch
-        if not self._pinned:
-            with stages.timed("read"):
-                return [read_tensor(self._locate(info.file), info) for info in unit]
-        buf, offsets = self._fill(set_index, unit, _PinnedTensor)
-        return [buf.tensor[off : off + info.nbytes].view(DTYPES[info.dtype]).reshape(info.shape)
-                for info, off in zip(unit, offsets)]
-
-    def _fill(self, set_index: int, unit: list[TensorInfo], alloc: Callable[[int], object]) -> tuple[object, list[int]]:
-        """Read a batch into set ``set_index``'s pinned buffer (one per set, grown by ``alloc(nbytes)``)
-        at :func:`~fp4convert.schedule.grouped_offsets`, once the set's last copies have finished."""
+    def _fill(self, set_index: int, unit: list[TensorInfo]) -> tuple[Any, list[tuple[int, TensorInfo]]]:
+        """Read an item into set ``set_index``'s buffer, once the set's last copies have finished."""
         from .safetensors_io import read_many
         from .schedule import grouped_offsets
 
@@ -118,29 +104,29 @@ class ReadAhead:
         offsets, total = grouped_offsets(unit)
         buf = self._buffers.get(set_index)
         if buf is None or buf.size < total:
-            buf = self._buffers[set_index] = alloc(max(total, self._set_bytes))
+            buf = self._buffers[set_index] = self._alloc(max(total, self._set_bytes))
         with stages.timed("read"):
             read_many([(self._locate(info.file), info, buf.view(off, info.nbytes)) for info, off in zip(unit, offsets)],
                       READ_THREADS)
-        return buf, offsets
+        return buf, list(zip(offsets, unit))
 
     def _run(self) -> None:
         try:
-            if self._host is None and self._pinned and self._device is not None and self._device.type == "cuda":
-                import torch
-
-                torch.cuda.set_device(self._device)
+            if self._init is not None:
+                self._init()  # CUDA: this run's GPU, so pinned memory never opens a context on GPU 0
             for i, unit in enumerate(self._units):
+                k = i % SETS
                 t0 = time.perf_counter()
-                while not self._free.acquire(timeout=0.1):
-                    if self._stop.is_set():
-                        return
+                while not self._free[k].wait(timeout=0.1):  # its set's previous item is released, whatever
+                    if self._stop.is_set():  # the order items are released in (a CPU pool finishes them
+                        return  # out of order)
+                self._free[k].clear()
                 stages.add("read_waits_buffer", time.perf_counter() - t0)  # both sets still in use
                 if self._stop.is_set():
                     return
-                got = self._read_set(i % SETS, unit)
+                got = self._fill(k, unit)
                 t0 = time.perf_counter()
-                self._put(("ok", got))
+                self._put(("ok", (got, self._releaser(k))))
                 stages.add("read_waits_consumer", time.perf_counter() - t0)
         except BaseException as exc:  # handed to the consumer, which raises it with its context
             self._put(("error", exc))
@@ -153,8 +139,25 @@ class ReadAhead:
             except queue.Full:
                 continue
 
-    def next(self) -> list[torch.Tensor]:
-        """The next batch's tensors; call :meth:`release` once they are no longer needed."""
+    def _releaser(self, k: int) -> Callable[[object | None], None]:
+        done = threading.Event()
+
+        def release(after: object | None = None) -> None:
+            """This item's buffer may be refilled: now, or (GPU) once event ``after`` completed.
+            Exactly once: later calls do nothing."""
+            with self._lock:
+                if done.is_set():
+                    return
+                done.set()
+                if after is not None:
+                    self._pending[k] = after
+            self._free[k].set()
+
+        return release
+
+    def next(self) -> tuple[Any, Callable[[Any], None]]:
+        """The next item's inputs, and the function that releases them (call it once they are no longer
+        needed, or with an event after which they are not)."""
         t0 = time.perf_counter()
         kind, value = self._ready.get()
         self.wait_s += time.perf_counter() - t0
@@ -163,31 +166,6 @@ class ReadAhead:
             raise value
         return value
 
-    def release(self, after: object | None = None) -> None:
-        """The oldest batch's buffers may be refilled: now, or (CUDA) once event ``after`` completed."""
-        if after is not None:
-            with self._lock:
-                self._pending[self._released % SETS] = after
-        self._released += 1
-        self._free.release()
-
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-
-class _PinnedTensor:
-    """A torch pinned uint8 buffer with the torch-free path's buffer interface (size, view)."""
-
-    def __init__(self, n: int) -> None:
-        import torch
-
-        with stages.timed("pin_alloc"):
-            self.tensor = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=True)
-        self.size = self.tensor.numel()
-        stages.count("pinned_MB", self.size / 2**20)
-
-    def view(self, offset: int, n: int) -> memoryview:
-        from .safetensors_io import tensor_memoryview
-
-        return tensor_memoryview(self.tensor[offset : offset + n])

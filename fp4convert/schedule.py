@@ -1,8 +1,11 @@
-"""Scheduling of the overlapped work loop, torch-free: batches of work units and the writer thread.
+"""Scheduling, torch-free: a part's work units as the items a backend quantizes, and the writer thread.
 
-Both CUDA paths (:mod:`fp4convert.pipeline` on torch, :mod:`fp4convert.direct` without it) and the
-CPU path batch units the same way and hand each batch's writes to one :class:`WriteBehind` thread,
-which runs them in plan order.
+A work unit is one tensor or one fused group (:meth:`fp4convert.plan.Plan.units`). Consecutive plain
+units (every member one whole 2-D matrix) are batched up to the backend's limits (:class:`Batch`: a
+GPU launches all experts of a layer at once); any other quantized unit is an item of its own
+(:class:`Complex`: 3-D stacked experts, gate/up halves, FP8 / MXFP4 inputs decoded first); a kept
+tensor ends a batch and is copied by the writer. Each item's writes are one job for the part's
+:class:`WriteBehind` thread, which runs them in plan order.
 """
 
 from __future__ import annotations
@@ -11,26 +14,138 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from . import stages
-from .plan import QUANTIZE, Decision
-from .scheme import Scheme
+from .plan import QUANTIZE, Decision, Matrix
 
 Job = Callable[[], None]
 
-# CUDA batching: consecutive units share launches up to these limits (pinned memory: 2 sets).
-CUDA_BATCH_UNITS = 128
-CUDA_BATCH_BYTES = 256 << 20
-# CPU: one unit per batch, each member quantized in place (stacking would only add a copy).
-CPU_BATCH_UNITS, CPU_BATCH_BYTES = 1, 0
-WRITE_DEPTH = 2  # batches whose writes may wait in the queue
+WRITE_DEPTH = 2  # items whose writes may wait in the queue
+
+
+def is_plain(unit: list[Decision]) -> bool:
+    """Every member quantizes its whole 2-D tensor as one matrix (what a :class:`Batch` holds)."""
+    for d in unit:
+        if d.action != QUANTIZE or d.decode is not None or len(d.matrices) != 1 or len(d.info.shape) != 2:
+            return False
+        m = d.matrices[0]
+        if (m.expert is not None or m.rows is not None or m.transpose or m.module != d.module
+                or (m.group or d.group) != d.group or tuple(m.shape) != tuple(d.info.shape)):
+            return False
+    return True
+
+
+def is_kept_copy(unit: list[Decision]) -> bool:
+    """A kept tensor copied unchanged (a kept quantized input is decoded instead: a :class:`Complex`)."""
+    return unit[0].action != QUANTIZE and unit[0].decode is None
+
+
+class Batch:
+    """Consecutive plain units: their members in plan order, and their shape groups (one launch each)."""
+
+    def __init__(self, units: list[list[Decision]]) -> None:
+        self.units = units
+        self.members = [d for u in units for d in u]
+        self.unit_of = [i for i, u in enumerate(units) for _ in u]
+        self.groups = shape_groups([d.info for d in self.members])
+        self.matrices: list[tuple[Decision, Matrix]] = [(d, d.matrices[0]) for d in self.members]
+        self.keys: list[int | str | None] = list(self.unit_of)  # a unit (a fused group) shares one amax
+
+    def reads(self) -> list:
+        """The tensors to read for this batch, in member order."""
+        return [d.info for d in self.members]
+
+
+class Complex:
+    """One quantized unit whose tensors are not one whole matrix each (stacked experts, gate/up halves,
+    FP8 / MXFP4 inputs), or a kept quantized input (written as the fp32 weight it encodes)."""
+
+    def __init__(self, unit: list[Decision]) -> None:
+        self.units = [unit]
+        self.members = list(unit)
+        self.kept = unit[0].action != QUANTIZE
+        self.matrices = [] if self.kept else [(d, m) for d in unit for m in d.matrices]
+        # matrices with the same group share one global scale; ungrouped ones have their own
+        self.keys: list[int | str | None] = [m.group or d.group for d, m in self.matrices]
+
+    def reads(self) -> list:
+        """Every on-disk tensor of the unit, member by member (a decoded input reads several)."""
+        return [t for d in self.members for t in d.reads]
+
+
+Item = Batch | Complex
+
+
+def make_items(pending: list[list[Decision]], max_units: int, max_bytes: int) -> list[Item]:
+    """The items of a part's pending units, in plan order: plain units batched, other quantized units
+    (and kept quantized inputs, which are decoded) one each; kept copies are no item."""
+    items: list[Item] = []
+    run: list[list[Decision]] = []
+
+    def flush() -> None:
+        items.extend(Batch(b) for b in make_batches(run, max_units, max_bytes))
+        run.clear()
+
+    for u in pending:
+        if is_kept_copy(u):
+            flush()
+        elif is_plain(u):
+            run.append(u)
+        else:
+            flush()
+            items.append(Complex(u))
+    flush()
+    return items
+
+
+def make_batches(pending: list[list[Decision]], max_units: int, max_bytes: int) -> list[list[list[Decision]]]:
+    """Consecutive pending quantize units, batched (each unit whole); a kept unit ends a batch."""
+    out: list[list[list[Decision]]] = []
+    cur: list[list[Decision]] = []
+    size = 0
+    for unit in pending:
+        if unit[0].action != QUANTIZE:
+            if cur:
+                out.append(cur)
+            cur, size = [], 0
+            continue
+        nbytes = sum(d.info.nbytes for d in unit)
+        if cur and (len(cur) >= max_units or size + nbytes > max_bytes):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(unit)
+        size += nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+def shape_groups(infos: list) -> list[list[int]]:
+    """Member indices grouped by (dtype, shape), groups in order of first appearance (a launch each)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, info in enumerate(infos):
+        groups.setdefault((info.dtype, tuple(info.shape)), []).append(i)
+    return list(groups.values())
+
+
+def grouped_offsets(infos: list, align: int = 256) -> tuple[list[int], int]:
+    """Where each tensor of a batch goes in its host buffer, and the buffer's size: the members of
+    a shape group back to back (one [B, M, K] array, so a group is one launch straight from the
+    buffer), each group at an ``align``-byte boundary. Reads still go in file order (scattered)."""
+    offsets = [0] * len(infos)
+    total = 0
+    for g in shape_groups(infos):
+        total = -(-total // align) * align
+        for i in g:
+            offsets[i] = total
+            total += infos[i].nbytes
+    return offsets, -(-total // align) * align
 
 
 class WriteBehind:
     """A writer thread running queued jobs in order; its first error stops it and is re-raised.
 
-    At most ``depth`` heavy jobs (a batch's writes) wait in the queue; light ones (a progress
+    At most ``depth`` heavy jobs (an item's writes) wait in the queue; light ones (a progress
     update, which must follow its unit's writes: a Hub source shard is deleted after its last use)
     take no slot.
     """
@@ -44,8 +159,11 @@ class WriteBehind:
         self._thread.start()
 
     def _run(self) -> None:
-        if self._init is not None:
-            self._init()
+        try:
+            if self._init is not None:
+                self._init()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller at its next submit/drain
+            self._error = exc
         while True:
             item = self._q.get()
             if item is None:
@@ -84,71 +202,3 @@ class WriteBehind:
             self._thread.join()
         if ok:
             self._raise()
-
-
-def make_batches(pending: list[list[Decision]], max_units: int, max_bytes: int) -> list[list[list[Decision]]]:
-    """Consecutive pending quantize units, batched (each unit whole); a kept unit ends a batch."""
-    out: list[list[list[Decision]]] = []
-    cur: list[list[Decision]] = []
-    size = 0
-    for unit in pending:
-        if unit[0].action != QUANTIZE:
-            if cur:
-                out.append(cur)
-            cur, size = [], 0
-            continue
-        nbytes = sum(d.info.nbytes for d in unit)
-        if cur and (len(cur) >= max_units or size + nbytes > max_bytes):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(unit)
-        size += nbytes
-    if cur:
-        out.append(cur)
-    return out
-
-
-def shape_groups(infos: list) -> list[list[int]]:
-    """Member indices grouped by (dtype, shape), groups in order of first appearance (a launch each)."""
-    groups: dict[tuple, list[int]] = {}
-    for i, info in enumerate(infos):
-        groups.setdefault((info.dtype, tuple(info.shape)), []).append(i)
-    return list(groups.values())
-
-
-def grouped_offsets(infos: list, align: int = 256) -> tuple[list[int], int]:
-    """Where each tensor of a batch goes in its pinned buffer, and the buffer's size: the members of
-    a shape group back to back (one [B, M, K] array, so a group is one launch straight from the
-    buffer), each group at an ``align``-byte boundary. Reads still go in file order (scattered)."""
-    offsets = [0] * len(infos)
-    total = 0
-    for g in shape_groups(infos):
-        total = -(-total // align) * align
-        for i in g:
-            offsets[i] = total
-            total += infos[i].nbytes
-    return offsets, -(-total // align) * align
-
-
-@dataclass
-class Settings:
-    """What the quantize stage needs from the config and the format."""
-
-    scheme: Scheme
-    rotate: str | None
-    swizzle: bool
-    extra: dict  # the backend keywords: {"scale_rule": the config's rule}
-
-
-class Batch:
-    """One batch's members in plan order, and their shape groups (one launch each)."""
-
-    def __init__(self, units: list[list[Decision]]) -> None:
-        self.units = units
-        self.members = [d for u in units for d in u]
-        self.unit_of = [i for i, u in enumerate(units) for _ in u]
-        self.groups = shape_groups([d.info for d in self.members])
-
-    def reads(self) -> list:
-        """The tensors to read for this batch, in member order."""
-        return [d.info for d in self.members]

@@ -27,15 +27,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import (CheckpointFormatError, CheckpointIndexError, FP4ConvertError, OutsideSourceError,
-                     SourceError)
-from .manifest import LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME
-from .safetensors_io import (TensorInfo, header_length, json_error, json_kind, loads_bounded, loads_strict, parse_header,
-                             read_header)
+from .errors import CheckpointFormatError, CheckpointIndexError, FP4ConvertError, OutsideSourceError, SourceError
+from .names import INDEX_NAME, LOCK_NAME, MANIFEST_NAME, OWN_FILES, PROGRESS_NAME  # noqa: F401
+from .safetensors_io import TensorInfo, header_length, json_error, json_kind, loads_bounded, loads_strict, parse_header, read_header
 
 log = logging.getLogger(__name__)
 
-INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Weight files of any format: never copied into the output, never downloaded with a Hub snapshot.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".h5", ".hdf5", ".keras",
@@ -45,7 +42,6 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pic
 WEIGHT_DIRS = ("onnx", "openvino", "flax", "tf", "tensorflow", "coreml", "tflite")
 SKIP_DIRS = ("__pycache__",)  # hidden folders (.git, .cache, ...) are skipped too
 KEEP_HIDDEN = (".gitattributes",)  # the only dot-files copied (top level): LFS rules for a Hub upload
-OWN_FILES = (MANIFEST_NAME, PROGRESS_NAME, LOCK_NAME)  # their presence marks a folder as an fp4convert output
 MAX_JSON_FILE = 100_000_000  # bytes; an index or config.json larger than this is not one
 MAX_CARD = 4_000_000  # bytes; a source model card larger than this is not kept below ours
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")

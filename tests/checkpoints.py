@@ -321,26 +321,35 @@ def tree(root: Path) -> dict[str, str]:
 
 
 def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
-    """Make a convert() die at the first quantized unit after a shard has been finished; ``hard``: like a
+    """Make a convert() die at the first quantized item after a shard has been finished; ``hard``: like a
     kill -9, no cleanup at all (.partial files stay behind)."""
-    import fp4convert.convert as convert_mod
-    import fp4convert.pipeline as pipeline
-    from fp4convert.safetensors_io import StreamWriter
+    import fp4convert.work as work
 
-    real = convert_mod._quantize_unit
+    real = work.quantize
 
     def flaky(*a, **kw):
         if list(Path(dst).glob("*.safetensors")):
             raise RuntimeError("simulated crash")
         return real(*a, **kw)
 
-    monkeypatch.setattr(convert_mod, "_quantize_unit", flaky)
+    monkeypatch.setattr(work, "quantize", flaky)
     # Writes in the calling thread, so "after a shard has been finished" is exact (tests/test_pipeline.py
-    # crashes the write-behind thread itself).
-    monkeypatch.setattr(pipeline.WriteBehind, "submit", lambda self, job, light=False: job())
-    monkeypatch.setattr(StreamWriter, "then", _inline_then)  # and a finished shard's close too
+    # crashes the writer thread itself).
+    inline_writes(monkeypatch)
     if hard:
+        from fp4convert.safetensors_io import StreamWriter
+
         monkeypatch.setattr(StreamWriter, "abort", lambda self: None)
+
+
+def inline_writes(monkeypatch) -> None:
+    """Every write of a run (an item's writes, a finished shard's record, sync and rename) in the thread
+    that queued it, in order: a run's writes are then done when the next item starts."""
+    import fp4convert.schedule as schedule
+    from fp4convert.safetensors_io import StreamWriter
+
+    monkeypatch.setattr(schedule.WriteBehind, "submit", lambda self, job, light=False: job())
+    monkeypatch.setattr(StreamWriter, "then", _inline_then)
 
 
 def _inline_then(self, fn):
@@ -386,3 +395,35 @@ def cli_watching_torch(tmp: Path, *args, env: dict | None = None):
     proc = subprocess.run([sys.executable, "-c", _WATCH_TORCH, str(record), *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=300)
     return proc, record.read_text() if record.exists() else "no record: the interpreter died"
+
+
+def definitions_in_process(mp, like_child: bool = False) -> None:
+    """Build model definitions in this process (the caller already imported transformers, or will pay
+    for it once): the planner's child (``python -m fp4convert.modeldef``) would cost a Python start and
+    transformers' imports per model (1-2 s; the sweep builds one per architecture, the checkpoint fuzzer
+    one per mutated config.json). The request and the answer still go through JSON, as they do through
+    the child.
+
+    ``like_child``: an unexpected exception while building becomes :class:`fp4convert.modeldef.Unknown`
+    with the message the planner gives for a child that failed, so a caller that judges the CLI's exit
+    codes (the fuzzer) sees what a user would see; without it the exception propagates (the sweep wants
+    the traceback).
+    """
+    from fp4convert import modeldef
+
+    def build(model_config: dict, tensors: list) -> object:
+        req = json.loads(json.dumps({"config": model_config, "tensors": [[t.name, list(t.shape)] for t in tensors]},
+                                    default=str))
+        infos = [TensorInfo(n, "BF16", tuple(shape), "", 0, 0) for n, shape in req["tensors"]]
+        try:
+            d = modeldef._load(req["config"], infos)
+        except modeldef.Unknown:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the child would exit non-zero; the planner says so
+            if not like_child:
+                raise
+            raise modeldef.Unknown(f"the model definition could not be built (exit 1: {type(exc).__name__}: "
+                                   f"{modeldef._one_line(exc)})") from exc
+        return modeldef._from_json(json.loads(json.dumps(modeldef._to_json(d))))
+
+    mp.setattr(modeldef, "_build_in_child", build)

@@ -26,7 +26,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-import fp4convert.convert as convert_mod
+import fp4convert.work as work
 from fp4convert.cli import main
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert
@@ -84,7 +84,7 @@ def expect(r, code: int, *words: str) -> str:
 
 def interrupted(c: Ctx, dst: Path, *extra, src: Path | None = None) -> None:
     """An in-process run stopped by Ctrl-C once a shard is finished: exit 130, DST resumable."""
-    real = convert_mod._quantize_unit
+    real = work.quantize
 
     def stop(*a, **k):
         if list(dst.glob("*.safetensors")):
@@ -92,7 +92,7 @@ def interrupted(c: Ctx, dst: Path, *extra, src: Path | None = None) -> None:
         return real(*a, **k)
 
     with c.mp.context() as m:
-        m.setattr(convert_mod, "_quantize_unit", stop)
+        m.setattr(work, "quantize", stop)
         expect(quantize(c, dst, *extra, src=src), 130, "interrupted", "--resume")
     assert (dst / PROGRESS).exists() and not (dst / MANIFEST).exists()
 
@@ -681,10 +681,10 @@ def disk_full_keeps_preexisting_empty_dst(c: Ctx) -> None:
 
 @case
 def disk_full_writing_progress_then_resume(c: Ctx) -> None:
-    import fp4convert.writer as writer
+    import fp4convert.writer.record as record
 
     dst = c.tmp / "q"
-    real = writer.atomic_write
+    real = record.atomic_write
     calls = {"n": 0}
 
     def full(path, text):
@@ -694,7 +694,7 @@ def disk_full_writing_progress_then_resume(c: Ctx) -> None:
         return real(path, text)
 
     with c.mp.context() as m:
-        m.setattr(writer, "atomic_write", full)
+        m.setattr(record, "atomic_write", full)
         expect(quantize(c, dst), 5, "no space left", PROGRESS)
     assert not (dst / (PROGRESS + ".partial")).exists()
     resume_completes(c, dst)
@@ -702,18 +702,19 @@ def disk_full_writing_progress_then_resume(c: Ctx) -> None:
 
 @case
 def disk_full_copying_other_files_then_resume(c: Ctx) -> None:
-    import fp4convert.writer as writer
+    import fp4convert.writer.files as files
+    import fp4convert.writer.finish as finish
 
     dst = c.tmp / "q"
-    real = writer._copy_file
+    real = finish._copy_file
 
     def full(src, target, *rest):
         if target.name.startswith("tokenizer"):
-            raise writer.output_error(oserror(errno.ENOSPC), target)
+            raise files.output_error(oserror(errno.ENOSPC), target)
         return real(src, target, *rest)
 
     with c.mp.context() as m:
-        m.setattr(writer, "_copy_file", full)
+        m.setattr(finish, "_copy_file", full)
         expect(quantize(c, dst), 5, "no space left", "tokenizer")
     assert not (dst / MANIFEST).exists() and (dst / PROGRESS).exists()
     resume_completes(c, dst)
@@ -757,24 +758,25 @@ def io_error_writing_shard(c: Ctx) -> None:
 
 @case
 def io_error_reading_source(c: Ctx) -> None:
-    import fp4convert.safetensors_io as readahead  # the read-ahead thread imports read_tensor from here lazily
+    import fp4convert.safetensors_io as sio  # the read-ahead thread imports read_many from here lazily
 
     bad = c.src / "model-00002-of-00003.safetensors"
-    real = readahead.read_tensor
+    real = sio.read_many
 
-    def eio(path, info):
-        if Path(path) == bad:
-            raise oserror(errno.EIO, path)
-        return real(path, info)
+    def eio(items, threads=1):
+        for path, _, _ in items:
+            if Path(path) == bad:
+                raise oserror(errno.EIO, path)
+        return real(items, threads)
 
-    c.mp.setattr(readahead, "read_tensor", eio)
+    c.mp.setattr(sio, "read_many", eio)
     dst = c.tmp / "q"
     expect(quantize(c, dst), 4, "model-00002-of-00003.safetensors", "cannot read")
 
 
 @case
 def source_unreadable_while_copying(c: Ctx) -> None:
-    import fp4convert.writer as writer
+    import fp4convert.writer.shards as shards
 
     real_open = open
 
@@ -783,20 +785,21 @@ def source_unreadable_while_copying(c: Ctx) -> None:
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real_open(path, *a, **k)
 
-    c.mp.setattr(writer, "open", deny, raising=False)
+    c.mp.setattr(shards, "open", deny, raising=False)
     expect(quantize(c, c.tmp / "q"), 4, "model-00003-of-00003.safetensors", "Permission denied")
 
 
 @case
 def user_partial_file_survives_a_failed_finish(c: Ctx) -> None:
-    import fp4convert.writer as writer
+    import fp4convert.writer.files as files
+    import fp4convert.writer.finish as finish
 
     dst = c.tmp / "q"
     dst.mkdir()
     (dst / "draft.partial").write_text("mine")
     with c.mp.context() as m:
-        full = writer.output_error(oserror(errno.ENOSPC), dst / "README.md")
-        m.setattr(writer, "_copy_file", lambda *a: (_ for _ in ()).throw(full))
+        full = files.output_error(oserror(errno.ENOSPC), dst / "README.md")
+        m.setattr(finish, "_copy_file", lambda *a: (_ for _ in ()).throw(full))
         expect(quantize(c, dst, "--overwrite"), 5, "no space left")
     assert (dst / "draft.partial").read_text() == "mine"
 
@@ -917,7 +920,7 @@ def ctrl_c_real_process_then_resume(c: Ctx) -> None:
 def ctrl_c_at_the_first_quantized_tensor(c: Ctx) -> None:
     dst = c.tmp / "q"
     with c.mp.context() as m:
-        m.setattr(convert_mod, "_quantize_unit", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+        m.setattr(work, "quantize", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
         expect(quantize(c, dst), 130, "interrupted", "--resume")
     assert not list(dst.glob("*.partial")) and not (dst / LOCK).exists()
     resume_completes(c, dst)
@@ -925,22 +928,22 @@ def ctrl_c_at_the_first_quantized_tensor(c: Ctx) -> None:
 
 @case
 def ctrl_c_while_checking_the_destination(c: Ctx) -> None:
-    import fp4convert.writer as writer
+    import fp4convert.writer.destination as destination
 
     dst = c.tmp / "q"
-    c.mp.setattr(writer, "_check_space", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    c.mp.setattr(destination, "_check_space", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     expect(quantize(c, dst), 130, "interrupted")
     assert not dst.exists()
 
 
 @case
 def ctrl_c_while_finishing(c: Ctx) -> None:
-    import fp4convert.writer as writer
+    import fp4convert.writer.finish as finish
 
     dst = c.tmp / "q"
-    real = writer._copy_file
+    real = finish._copy_file
     with c.mp.context() as m:
-        m.setattr(writer, "_copy_file", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+        m.setattr(finish, "_copy_file", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
         expect(quantize(c, dst), 130, "interrupted", "--resume")
     assert not list(dst.rglob("*.partial")) and real
     resume_completes(c, dst)
@@ -953,13 +956,13 @@ def sigterm_real_process_then_resume(c: Ctx) -> None:
 
 @case
 def internal_error_one_line(c: Ctx) -> None:
-    c.mp.setattr(convert_mod, "_quantize_unit", lambda *a, **k: (_ for _ in ()).throw(ZeroDivisionError("boom")))
+    c.mp.setattr(work, "quantize", lambda *a, **k: (_ for _ in ()).throw(ZeroDivisionError("boom")))
     expect(quantize(c, c.tmp / "q"), 1, "internal error", "ZeroDivisionError", "--debug")
 
 
 @case
 def debug_shows_the_traceback(c: Ctx) -> None:
-    c.mp.setattr(convert_mod, "_quantize_unit", lambda *a, **k: (_ for _ in ()).throw(ZeroDivisionError("boom")))
+    c.mp.setattr(work, "quantize", lambda *a, **k: (_ for _ in ()).throw(ZeroDivisionError("boom")))
     r = quantize(c, c.tmp / "q", "--debug")
     assert r.exit_code == 1 and "Traceback" in r.stderr and "ZeroDivisionError" in r.stderr
 

@@ -270,9 +270,9 @@ def test_exit_7_no_gpu_for_device_cuda(src, tmp_path, monkeypatch) -> None:
 
 
 def test_ctrl_c_exits_130_with_a_resume_hint(src, tmp_path, monkeypatch) -> None:
-    import fp4convert.convert as conv
+    import fp4convert.work as conv
 
-    real, calls = conv._quantize_unit, []
+    real, calls = conv.quantize, []
 
     def interrupted(*args, **kwargs):
         calls.append(1)
@@ -281,12 +281,12 @@ def test_ctrl_c_exits_130_with_a_resume_hint(src, tmp_path, monkeypatch) -> None
         return real(*args, **kwargs)
 
     dst = tmp_path / "q"
-    monkeypatch.setattr(conv, "_quantize_unit", interrupted)
+    monkeypatch.setattr(conv, "quantize", interrupted)
     r = run("quantize", src, dst, "--device", "cpu", "--max-shard-size", "6KB", "-q")
     assert_error(r, 130, "interrupted", "--resume")
     assert "Aborted" not in r.output
     assert not (dst / "fp4convert.json").exists() and not list(dst.glob("*.partial"))
-    monkeypatch.setattr(conv, "_quantize_unit", real)
+    monkeypatch.setattr(conv, "quantize", real)
     r = run("quantize", src, dst, "--device", "cpu", "--max-shard-size", "6KB", "--resume")
     assert r.exit_code == 0 and "reused" in r.stdout, r.output
     run("quantize", src, tmp_path / "clean", "--device", "cpu", "--max-shard-size", "6KB", "-q")
@@ -327,15 +327,15 @@ def test_sigint_in_a_real_process(tmp_path) -> None:
 def test_progress_lines_when_not_a_tty(src, tmp_path, monkeypatch) -> None:
     import time
 
-    import fp4convert.convert as conv
+    import fp4convert.work as conv
 
-    real = conv._quantize_unit
+    real = conv.quantize
 
     def slow(*args, **kwargs):
         time.sleep(0.03)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(conv, "_quantize_unit", slow)
+    monkeypatch.setattr(conv, "quantize", slow)
     monkeypatch.setenv("FP4CONVERT_PROGRESS_INTERVAL", "0.05")
     r = run("quantize", src, tmp_path / "q", "--device", "cpu")
     assert r.exit_code == 0, r.output

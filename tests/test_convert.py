@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 import fp4convert
 import fp4convert.convert as convert_mod
+import fp4convert.work as work
 from fp4convert import reference as ref
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert
@@ -435,7 +436,7 @@ def test_hard_crash_before_any_shard_then_resume(llama_src, llama_out, tmp_path,
     ref_dst, _ = llama_out
     dst = tmp_path / "q"
     with monkeypatch.context() as mp:
-        mp.setattr(convert_mod, "_quantize_unit", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+        mp.setattr(work, "quantize", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
         mp.setattr(StreamWriter, "abort", lambda self: None)
         with pytest.raises(RuntimeError, match="boom"):
             convert(llama_src, dst, cfg(max_shard_size=6000))

@@ -151,13 +151,13 @@ def test_resume_after_a_rank_was_killed(llama, tmp_path) -> None:
     driver = tmp_path / "die.py"
     driver.write_text(
         "import os\n"
-        "import fp4convert.writer as w\n"
-        "real = w._save_progress\n"
-        "def save(dst, identity, files, *rest):\n"
-        "    real(dst, identity, files, *rest)\n"
-        "    if os.environ['RANK'] == '1' and files:\n"
+        "import fp4convert.writer.record as w\n"
+        "real = w.save_progress\n"
+        "def save(dst, state, *rest):\n"
+        "    real(dst, state, *rest)\n"
+        "    if os.environ['RANK'] == '1' and state['files']:\n"
         "        os._exit(9)\n"
-        "w._save_progress = save\n"
+        "w.save_progress = save\n"
         "from fp4convert.cli import main\n"
         "main(prog_name='fp4convert')\n")
     args = ("quantize", str(llama), str(dst), "--device", "cpu", "--max-shard-size", SHARD, "-q")

@@ -34,6 +34,16 @@ def weight(m: int = 160, k: int = 96, seed: int = SEED) -> torch.Tensor:
     return (torch.randn(m, k, generator=g) * 0.02).to(torch.bfloat16)
 
 
+def written(fmt, module: str, q, scheme: str, rotate: str | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The bytes a format writes for one matrix, read as the tensors its entries promise (what a loader sees)."""
+    entries = fmt.entries(module, tuple(q.shape), scheme, rotate)
+    out = fmt.tensors(module, q)
+    assert [n for n, _ in out] == [e.name for e in entries]
+    assert [len(b) for _, b in out] == [e.nbytes for e in entries]
+    return [(e.name, torch.frombuffer(bytearray(b), dtype=torch.uint8).view(DTYPES[e.dtype]).reshape(e.shape))
+            for e, (_, b) in zip(entries, out)]
+
+
 def test_registry_names_match_modules() -> None:
     assert [f.name for f in all_formats()] == list(OUTPUT_FORMATS)
     with pytest.raises(ConfigError, match="unknown format 'gguf'"):
@@ -48,8 +58,7 @@ def test_tensors_match_entries_and_read_back(fmt_name: str, scheme: str, rotate:
     q = fp4convert.quantize(x, scheme, rotate=rotate, scale_layout="swizzled" if fmt.swizzled else "linear",
                             backend="reference")
     entries = fmt.entries("layer", tuple(x.shape), scheme, rotate)
-    tensors = fmt.tensors("layer", q)
-    assert [(e.name, DTYPES[e.dtype], e.shape) for e in entries] == [(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+    tensors = written(fmt, "layer", q, scheme, rotate)
     infos = {n: TensorInfo(n, e.dtype, e.shape, "f", 0, e.nbytes) for (n, _), e in zip(tensors, entries)}
     data = dict(tensors)
     manifest = {"format": fmt_name, "scale_layout": "128x4" if fmt.swizzled else "linear"}
@@ -66,15 +75,27 @@ def test_tensors_match_entries_and_read_back(fmt_name: str, scheme: str, rotate:
 def test_global_scale_conventions() -> None:
     x = weight()
     q = fp4convert.quantize(x, "nvfp4", backend="reference")
-    native = dict(get_format("fp4convert").tensors("m", fp4convert.quantize(x, scale_layout="swizzled")))
-    ct = dict(get_format("compressed-tensors").tensors("m", q))
-    mo = dict(get_format("modelopt").tensors("m", q))
+    native = dict(written(get_format("fp4convert"), "m", fp4convert.quantize(x, scale_layout="swizzled"), "nvfp4"))
+    ct = dict(written(get_format("compressed-tensors"), "m", q, "nvfp4"))
+    mo = dict(written(get_format("modelopt"), "m", q, "nvfp4"))
     assert native["m.weight_global_scale"].shape == (1,) and native["m.weight_global_scale"].item() == q.global_scale.item()
     assert ct["m.weight_global_scale"].dtype == torch.float32 and ct["m.weight_global_scale"].shape == (1,)
     assert mo["m.weight_scale_2"].shape == () and mo["m.weight_scale_2"].item() == (1.0 / q.global_scale).item()
     assert torch.equal(mo["m.weight"], q.packed) and mo["m.weight_scale"].dtype == torch.float8_e4m3fn
     assert native["m.weight_scale"].shape == (256, 8)  # 160 rows -> 256, 6 blocks -> 8
     assert ct["m.weight_scale"].shape == (160, 6)
+    assert torch.equal(ct["m.weight_scale"].view(torch.uint8), q.scale.view(torch.uint8))
+    assert torch.equal(native["m.weight_scale"].view(torch.uint8),
+                       fp4convert.swizzle_scales(q.scale).view(torch.uint8))
+
+
+def test_had16_transform_is_the_sylvester_matrix_in_bf16() -> None:
+    """compressed-tensors' online rotation tensor: written without torch, equal to torch's bf16 matrix."""
+    from fp4convert.formats.compressed_tensors import sylvester_hadamard
+
+    q = fp4convert.quantize(weight(), "nvfp4", rotate="had16", backend="reference")
+    got = dict(written(get_format("compressed-tensors"), "m", q, "nvfp4", "had16"))["m.had16_input.weight"]
+    assert torch.equal(got.view(torch.int16), sylvester_hadamard(16).to(torch.bfloat16).view(torch.int16))
 
 
 def _info(scheme: str = "nvfp4", rotate: str | None = None) -> OutputInfo:

@@ -10,14 +10,17 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import fp4convert.convert as convert_mod
+import fp4convert.work as work
+from fp4convert.backends.cuda import CudaBackend
 from fp4convert.cli import main
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert, lane_count, plan_conversion
 from fp4convert.distributed import World
 from fp4convert.errors import ConfigError
-from fp4convert.lanes import AUTO_LANES, lane_shards
-from fp4convert.manifest import LOCK_NAME
+from fp4convert.names import LOCK_NAME
+from fp4convert.runner import parts_of
+
+AUTO_LANES = CudaBackend.auto_lanes
 
 from . import checkpoints as ck
 
@@ -67,18 +70,23 @@ def test_lane_shards_partition_the_output(llama) -> None:
     _, plan, _ = plan_conversion(str(llama), cfg())
     shards = {f for f, _ in plan.shards}
     for n in (2, 3, len(shards)):
-        parts = lane_shards(plan, n)
+        parts = [set(p.shards) for p in parts_of(plan, World(), n)]
         assert set().union(*parts) == shards and sum(map(len, parts)) == len(shards)
         assert all(parts)
+    # torchrun ranks x lanes: every rank's lanes together, over the ranks, are every shard once
+    ranks = [parts_of(plan, World(r, 2, r, 2), 2) for r in range(2)]
+    every = [set(p.shards) for rank in ranks for p in rank]
+    assert set().union(*every) == shards and sum(map(len, every)) == len(shards)
+    assert sorted(p.index for rank in ranks for p in rank) == [0, 1, 2, 3]
 
 
 def test_lane_count(llama) -> None:
     source, plan, _ = plan_conversion(str(llama), cfg())
-    assert lane_count(cfg(), World(), plan, source, direct=False) == 1  # the CPU: one unless asked
-    assert lane_count(cfg(), World(), plan, source, direct=True) == AUTO_LANES
-    assert lane_count(cfg(lanes=4), World(), plan, source, direct=False) == 4
-    assert lane_count(cfg(lanes=10**6), World(), plan, source, direct=True) == len(plan.shards)
-    assert lane_count(cfg(lanes=4), World(0, 2, 0, 2), plan, source, direct=True) == 1  # torchrun: ranks instead
+    assert lane_count(cfg(), World(), plan, source, auto=1) == 1  # the CPU: one unless asked
+    assert lane_count(cfg(), World(), plan, source, auto=AUTO_LANES) == AUTO_LANES
+    assert lane_count(cfg(lanes=4), World(), plan, source, auto=1) == 4
+    assert lane_count(cfg(lanes=10**6), World(), plan, source, auto=AUTO_LANES) == len(plan.shards)
+    assert lane_count(cfg(lanes=4), World(0, 2, 0, 2), plan, source, auto=AUTO_LANES) == 1  # torchrun: ranks instead
 
 
 def test_bad_lane_counts_refused(llama, tmp_path) -> None:
@@ -97,7 +105,7 @@ def test_a_failing_lane_fails_the_run_and_resume_finishes_it(llama, one_lane, tm
     shards and writes the bytes of an uninterrupted one-lane run, no lane's progress record left."""
     dst = tmp_path / "q"
     bad = "model.layers.2.mlp.down_proj.weight"
-    real = convert_mod._quantize_unit
+    real = work.quantize
 
     def flaky(item, *a, **kw):
         if any(d.name == bad for d in item.members):
@@ -107,14 +115,14 @@ def test_a_failing_lane_fails_the_run_and_resume_finishes_it(llama, one_lane, tm
             raise RuntimeError("simulated failure in one lane")
         return real(item, *a, **kw)
 
-    monkeypatch.setattr(convert_mod, "_quantize_unit", flaky)
+    monkeypatch.setattr(work, "quantize", flaky)
     with pytest.raises(RuntimeError, match="simulated failure in one lane"):
         convert(llama, dst, cfg(lanes=3))
     left = {p.name for p in dst.iterdir()}
     assert any(n.endswith(".safetensors") for n in left)  # finished shards stay for --resume
     assert not any(n.endswith(".partial") or n == LOCK_NAME for n in left), left
     assert "fp4convert.json" not in left and "model.safetensors.index.json" not in left
-    monkeypatch.setattr(convert_mod, "_quantize_unit", real)
+    monkeypatch.setattr(work, "quantize", real)
     assert any(".rank" in n for n in left)  # the lanes' own progress records, for --resume
     res = convert(llama, dst, cfg(lanes=resume_lanes, resume=True))
     assert res.reused_files

@@ -1,6 +1,7 @@
 """The overlapped pipeline: the bytes never depend on the schedule (write-behind or not, one unit or many
-per batch, per-member or stacked [B, M, K] launches: the CUDA scheduling run on the CPU), errors from
-the writer thread reach the caller, and a crash with writes in flight still resumes to the same bytes."""
+per batch, the ``cpu`` backend's row slices or the ``stacked`` backend's [B, M, K] launches: the CUDA
+scheduling run on the CPU), errors from the writer thread reach the caller, and a crash with writes in
+flight still resumes to the same bytes."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import fp4convert.convert as convert_mod
-import fp4convert.pipeline as pipeline
+import fp4convert.schedule as schedule
+import fp4convert.work as work
 from fp4convert import cpu
+from fp4convert.backends.stacked import StackedBackend
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert, plan_conversion
 from fp4convert.errors import NonFiniteError, OutputError
@@ -21,25 +23,27 @@ from . import checkpoints as ck
 from . import zoo
 
 SCHEDULES = {
-    "sync": dict(units=1, nbytes=0, sync=True),  # the simple path: one unit at a time, writes inline
-    "default": dict(units=1, nbytes=0, sync=False),
-    "stacked-2": dict(units=2, nbytes=1 << 30, sync=False),  # the CUDA scheduling, small batches
-    "stacked-64": dict(units=64, nbytes=1 << 30, sync=False),  # ... whole layers of experts in one launch
-    "stacked-bytes": dict(units=64, nbytes=20000, sync=True),  # ... cut by bytes
-    "row-slices": dict(units=1, nbytes=0, sync=False, chunk=256),  # CPU: each matrix in slices of 1-4 rows
+    "sync": dict(backend="cpu", sync=True),  # the simple path: one unit at a time, writes inline
+    "default": dict(backend="cpu", sync=False),
+    "stacked-1": dict(backend="stacked", units=1, nbytes=0, sync=False),  # the CUDA scheduling, a unit a batch
+    "stacked-2": dict(backend="stacked", units=2, nbytes=1 << 30, sync=False),  # ... small batches
+    "stacked-64": dict(backend="stacked", units=64, nbytes=1 << 30, sync=False),  # ... a layer's experts at once
+    "stacked-bytes": dict(backend="stacked", units=64, nbytes=20000, sync=True),  # ... cut by bytes
+    "row-slices": dict(backend="cpu", sync=False, chunk=256),  # CPU: each matrix in slices of 1-4 rows
 }
 
 
 def run(src: Path, dst: Path, schedule: str, monkeypatch, **cfg) -> dict[str, bytes]:
     sched = SCHEDULES[schedule]
     with monkeypatch.context() as mp:
-        mp.setattr(pipeline, "CPU_BATCH_UNITS", sched["units"])
-        mp.setattr(pipeline, "CPU_BATCH_BYTES", sched["nbytes"])
+        if "units" in sched:
+            mp.setattr(StackedBackend, "batch_units", sched["units"])
+            mp.setattr(StackedBackend, "batch_bytes", sched["nbytes"])
         if sched["sync"]:
-            mp.setattr(pipeline.WriteBehind, "submit", lambda self, job, light=False: job())
+            ck.inline_writes(mp)
         if "chunk" in sched:
             mp.setattr(cpu, "CHUNK_ELEMS", sched["chunk"])
-        convert(src, dst, ConvertConfig(device="cpu", **cfg))
+        convert(src, dst, ConvertConfig(device="cpu", backend=sched["backend"], **cfg))
     return ck.all_files(dst)
 
 
@@ -77,7 +81,7 @@ def test_batches_keep_plan_order_and_break_at_kept_units(tmp_path) -> None:
     _, plan, _ = plan_conversion(str(src), ConvertConfig())
     units = plan.units()
     for max_units, max_bytes in [(1, 0), (3, 1 << 30), (64, 1 << 30), (64, 10000)]:
-        batches = pipeline.make_batches(units, max_units, max_bytes)
+        batches = schedule.make_batches(units, max_units, max_bytes)
         flat = [u for b in batches for u in b]
         assert flat == [u for u in units if u[0].action == QUANTIZE]  # every quantized unit once, in order
         for b in batches:
@@ -85,9 +89,9 @@ def test_batches_keep_plan_order_and_break_at_kept_units(tmp_path) -> None:
             assert len(b) == 1 or sum(d.info.nbytes for u in b for d in u) <= max_bytes
             first, last = units.index(b[0]), units.index(b[-1])
             assert all(u[0].action == QUANTIZE for u in units[first : last + 1])  # no kept unit inside
-    experts = pipeline.make_batches(units, 64, 1 << 30)
-    assert max(len(pipeline.Batch(b).members) for b in experts) >= 15  # a layer's experts share launches
-    assert any(len(g) >= 5 for b in experts for g in pipeline.Batch(b).groups)
+    experts = schedule.make_batches(units, 64, 1 << 30)
+    assert max(len(schedule.Batch(b).members) for b in experts) >= 15  # a layer's experts share launches
+    assert any(len(g) >= 5 for b in experts for g in schedule.Batch(b).groups)
 
 
 @pytest.mark.parametrize("schedule", ["default", "stacked-64"])
@@ -109,7 +113,7 @@ def test_writer_errors_reach_the_caller(tmp_path, monkeypatch) -> None:
     def full(*a, **k):  # an OS error on a DST file, raised in the writer thread
         raise OSError(28, "No space left on device", str(tmp_path / "q" / "model.safetensors.partial"))
 
-    monkeypatch.setattr(pipeline, "write_batch", lambda *a, **k: full)
+    monkeypatch.setattr(work, "write_result", full)
     with pytest.raises(OutputError, match="no space left on the device"):
         convert(src, tmp_path / "q", ConvertConfig(device="cpu"))
     assert not list((tmp_path / "q").glob("*.partial"))
@@ -121,7 +125,7 @@ def test_crash_with_writes_in_flight_then_resume(tmp_path, monkeypatch) -> None:
     ref_dst = tmp_path / "ref"
     convert(src, ref_dst, ConvertConfig(device="cpu", max_shard_size=6000))
     dst = tmp_path / "q"
-    real = convert_mod._quantize_unit
+    real = work.quantize
     calls = []
 
     def flaky(*a, **k):
@@ -131,7 +135,7 @@ def test_crash_with_writes_in_flight_then_resume(tmp_path, monkeypatch) -> None:
         return real(*a, **k)
 
     with monkeypatch.context() as mp:
-        mp.setattr(convert_mod, "_quantize_unit", flaky)
+        mp.setattr(work, "quantize", flaky)
         with pytest.raises(RuntimeError, match="simulated crash"):
             convert(src, dst, ConvertConfig(device="cpu", max_shard_size=6000))
     finished = sorted(dst.glob("*.safetensors"))
@@ -151,8 +155,8 @@ def test_cuda_pipeline_writes_the_cpu_bytes(tmp_path, monkeypatch, units) -> Non
     src = tmp_path / "src"
     ck.moe(src, experts=6, layers=2)
     want = run(src, tmp_path / "cpu", "default", monkeypatch, max_shard_size=20000)
-    monkeypatch.setattr(pipeline, "CUDA_BATCH_UNITS", units)
-    convert(src, tmp_path / "gpu", ConvertConfig(device="cuda", max_shard_size=20000))
+    monkeypatch.setattr(StackedBackend, "batch_units", units)
+    convert(src, tmp_path / "gpu", ConvertConfig(device="cuda", backend="stacked", max_shard_size=20000))
     assert ck.all_files(tmp_path / "gpu") == want
 
 
@@ -184,7 +188,7 @@ def test_light_jobs_take_no_slot_and_run_after_the_writes_before_them() -> None:
     import threading
     import time
 
-    behind = pipeline.WriteBehind(depth=1)
+    behind = schedule.WriteBehind(depth=1)
     gate, order = threading.Event(), []
     behind.submit(lambda: (gate.wait(5), order.append("write 1")))  # holds the one slot while it runs
     t0 = time.monotonic()

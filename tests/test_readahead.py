@@ -1,4 +1,5 @@
-"""Read-ahead: tensors arrive in unit order with the right values, and reader errors reach the caller."""
+"""Read-ahead: items arrive in order with the right bytes, each buffer set is refilled only after its
+own item was released (in whatever order items are released), and reader errors reach the caller."""
 
 from __future__ import annotations
 
@@ -8,22 +9,56 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fp4convert.readahead import ReadAhead
 from fp4convert.errors import CheckpointFormatError
+from fp4convert.matrices import TensorBuffer, tensors
+from fp4convert.readahead import ReadAhead
 from fp4convert.safetensors_io import read_header
 
 
+def _plain(n: int) -> TensorBuffer:
+    return TensorBuffer(n, pinned=False)
+
+
 def test_units_arrive_in_order_with_their_values(tmp_path: Path) -> None:
-    tensors = {f"t{i}": torch.randn(3, 8).to(torch.bfloat16) for i in range(7)}
-    save_file(tensors, tmp_path / "a.safetensors")
+    values = {f"t{i}": torch.randn(3, 8).to(torch.bfloat16) for i in range(7)}
+    save_file(values, tmp_path / "a.safetensors")
     infos = {i.name: i for i in read_header(tmp_path / "a.safetensors")[0]}
     units = [[infos["t0"], infos["t1"]], [infos["t2"]], [infos["t3"], infos["t4"], infos["t5"]], [infos["t6"]]]
-    ra = ReadAhead(units, lambda f: tmp_path / f, pinned=False)
+    ra = ReadAhead(units, lambda f: tmp_path / f, _plain)
     try:
         for unit in units:
-            got = ra.next()
-            assert [torch.equal(g, tensors[i.name]) for g, i in zip(got, unit)] == [True] * len(unit)
-            ra.release()
+            inputs, release = ra.next()
+            got = tensors(inputs)
+            assert [torch.equal(g, values[i.name]) for g, i in zip(got, unit)] == [True] * len(unit)
+            release()
+    finally:
+        ra.close()
+
+
+def test_a_set_is_refilled_only_after_its_own_item_is_released(tmp_path: Path) -> None:
+    """Items released out of order (a CPU pool may finish item 1 before item 0): the reader must not
+    refill item 0's buffer set for item 2 until item 0 itself is released (it once refilled the set of
+    the oldest item still in work, corrupting its inputs)."""
+    import time
+
+    values = {f"t{i}": torch.full((64, 16), float(i)).to(torch.bfloat16) for i in range(4)}
+    save_file(values, tmp_path / "a.safetensors")
+    infos = {i.name: i for i in read_header(tmp_path / "a.safetensors")[0]}
+    units = [[infos[f"t{i}"]] for i in range(4)]
+    ra = ReadAhead(units, lambda f: tmp_path / f, _plain)
+    try:
+        (in0, rel0), (in1, rel1) = ra.next(), ra.next()
+        rel1()  # item 1 first: its set may take item 3, but item 2 goes into item 0's set
+        time.sleep(0.5)  # the reader had time to (wrongly) refill item 0's set
+        assert torch.equal(tensors(in0)[0], values["t0"])
+        rel0()
+        (in2, rel2) = ra.next()
+        assert torch.equal(tensors(in2)[0], values["t2"])
+        rel2()
+        rel2()  # a second release of the same item changes nothing
+        (in3, rel3) = ra.next()
+        assert torch.equal(tensors(in3)[0], values["t3"])
+        rel3()
     finally:
         ra.close()
 
@@ -33,7 +68,7 @@ def test_reader_errors_are_raised_by_next(tmp_path: Path) -> None:
     (info,) = read_header(tmp_path / "a.safetensors")[0]
     with open(tmp_path / "a.safetensors", "r+b") as f:
         f.truncate(info.begin + 8)  # the data is cut short after planning
-    ra = ReadAhead([[info]], lambda f: tmp_path / f, pinned=False)
+    ra = ReadAhead([[info]], lambda f: tmp_path / f, _plain)
     try:
         with pytest.raises(CheckpointFormatError, match="truncated"):
             ra.next()
@@ -70,10 +105,10 @@ def test_host_buffer_path_lays_shape_groups_out_back_to_back(tmp_path: Path) -> 
         allocs.append(n)
         return _FakeHost(n)
 
-    ra = ReadAhead(units, lambda f: tmp_path / f, pinned=True, host=host)
+    ra = ReadAhead(units, lambda f: tmp_path / f, host)
     try:
         for unit in units:
-            buf, items = ra.next()
+            (buf, items), release = ra.next()
             assert [i.name for _, i in items] == [i.name for i in unit]
             starts: dict[tuple, list[tuple[int, int]]] = {}
             for off, info in items:
@@ -84,7 +119,7 @@ def test_host_buffer_path_lays_shape_groups_out_back_to_back(tmp_path: Path) -> 
                 assert group[0][0] % 256 == 0
                 for (o0, n0), (o1, _) in zip(group, group[1:]):
                     assert o1 == o0 + n0  # back to back: the group is one contiguous [B, M, K] array
-            ra.release()
+            release()
     finally:
         ra.close()
     # a0..a2 (3 x 240 B) from 0, b0 (448 B) from 768: 1,216 B -> 1,280; the second batch is smaller.

@@ -13,13 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import fp4convert.convert as conv
-import fp4convert.writer as writer
+import fp4convert.work as work
+from fp4convert import names
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert, plan_conversion
 from fp4convert.errors import OutputError
 from fp4convert.inspect import inspect_checkpoint
-from fp4convert.writer import human_bytes, sample_digest
+from fp4convert.matrices import nonfinite_bytes
+from fp4convert.safetensors_io import StreamWriter
+from fp4convert.writer import destination, files, finish, record
+from fp4convert.writer.record import sample_digest
 
 from . import checkpoints as ck
 
@@ -36,13 +39,6 @@ def src(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("llama")
     ck.llama(p)
     return p
-
-
-@pytest.mark.parametrize("n,text", [(0, "0 B"), (999, "999 B"), (1000, "1.00 KB"), (1500, "1.50 KB"),
-                                    (2_500_000, "2.50 MB"), (3.2e9, "3.20 GB"), (7e12, "7.00 TB"),
-                                    (9e15, "9000.00 TB")])
-def test_human_bytes_adapts_its_unit(n, text) -> None:
-    assert human_bytes(n) == text
 
 
 def test_progress_record_names_each_shard_before_its_rename(src, tmp_path, monkeypatch) -> None:
@@ -68,7 +64,7 @@ def test_progress_record_names_each_shard_before_its_rename(src, tmp_path, monke
 
 def test_a_progress_record_exists_before_any_shard(src, tmp_path, monkeypatch) -> None:
     dst = tmp_path / "q"
-    real = writer.StreamWriter.__init__
+    real = StreamWriter.__init__
     checked = []
 
     def init(self, path, *a, **k):
@@ -76,7 +72,7 @@ def test_a_progress_record_exists_before_any_shard(src, tmp_path, monkeypatch) -
         checked.append(path.name)
         return real(self, path, *a, **k)
 
-    monkeypatch.setattr(writer.StreamWriter, "__init__", init)
+    monkeypatch.setattr(StreamWriter, "__init__", init)
     convert(src, dst, cfg(max_shard_size=6000))
     assert checked
 
@@ -84,12 +80,13 @@ def test_a_progress_record_exists_before_any_shard(src, tmp_path, monkeypatch) -
 def test_lock_refuses_a_second_run_and_is_released(src, tmp_path) -> None:
     dst = tmp_path / "q"
     source, plan, _ = plan_conversion(str(src), cfg())
-    identity = writer.run_identity(cfg(), source)
-    writer.prepare_destination(dst, plan, cfg(), identity, source)  # holds the lock, like a run in progress
+    identity = record.run_identity(cfg(), source)
+    others = source.other_files(exclude=dst)
+    session, _ = destination.prepare_destination(dst, plan, cfg(), identity, source, others)  # like a run in progress
     assert (dst / LOCK).read_text().strip() == str(os.getpid())
     with pytest.raises(OutputError, match=f"in use by another fp4convert run \\(pid {os.getpid()}"):
         convert(src, dst, cfg(resume=True))
-    writer._SESSIONS[writer._key(dst)].fail()
+    session.fail()
     assert not dst.exists()  # it created DST and left it empty
     convert(src, dst, cfg())
     assert not (dst / LOCK).exists() and (dst / "fp4convert.json").exists()
@@ -101,7 +98,7 @@ def test_failed_run_releases_the_lock(src, tmp_path, monkeypatch) -> None:
         ck.crash_after_first_shard(mp, dst)
         with pytest.raises(RuntimeError):
             convert(src, dst, cfg(max_shard_size=6000))
-    assert not (dst / LOCK).exists() and writer._key(dst) not in writer._SESSIONS
+    assert not (dst / LOCK).exists()
     convert(src, dst, cfg(max_shard_size=6000, resume=True))
 
 
@@ -130,7 +127,7 @@ def _flip_values(shard: Path, mtime_ns: int | None) -> None:
 
 
 def _interrupt(src: Path, dst: Path, monkeypatch, config: ConvertConfig) -> None:
-    real = conv._quantize_unit
+    real = work.quantize
     calls = {"n": 0}
 
     def crash_late(*a, **k):
@@ -140,7 +137,7 @@ def _interrupt(src: Path, dst: Path, monkeypatch, config: ConvertConfig) -> None
         return real(*a, **k)
 
     with monkeypatch.context() as mp:
-        mp.setattr(conv, "_quantize_unit", crash_late)
+        mp.setattr(work, "quantize", crash_late)
         with pytest.raises(KeyboardInterrupt):
             convert(str(src), dst, config)
     assert any(dst.glob("*.safetensors")) and not (dst / "fp4convert.json").exists()
@@ -168,12 +165,12 @@ def test_verify_source_sees_a_change_between_the_samples(tmp_path, monkeypatch) 
         (src / p.name).write_bytes(p.read_bytes())
     shard = src / "model-00002-of-00002.safetensors"
     size = shard.stat().st_size
-    assert size > writer.SAMPLE_BLOCK * writer.SAMPLE_COUNT
+    assert size > record.SAMPLE_BLOCK * record.SAMPLE_COUNT
     dst = tmp_path / "out"
     _interrupt(src, dst, monkeypatch, cfg(max_shard_size=200_000, verify_source=True))
     st = shard.stat()
-    step = (size - writer.SAMPLE_BLOCK) / (writer.SAMPLE_COUNT - 1)
-    off = round(step / 2) + writer.SAMPLE_BLOCK // 2  # between sample 0 and sample 1 (in the data region)
+    step = (size - record.SAMPLE_BLOCK) / (record.SAMPLE_COUNT - 1)
+    off = round(step / 2) + record.SAMPLE_BLOCK // 2  # between sample 0 and sample 1 (in the data region)
     before = sample_digest(shard)
     with open(shard, "r+b") as f:
         f.seek(off)
@@ -207,11 +204,11 @@ def test_space_check_counts_every_byte(src, tmp_path, monkeypatch) -> None:
     tensors = sum(e.nbytes for _, entries in plan_conversion(str(src), cfg(max_shard_size=6000))[1].shards
                   for e in entries)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(writer.shutil, "disk_usage", lambda p: usage(10**12, 0, written))
+    monkeypatch.setattr(destination.shutil, "disk_usage", lambda p: usage(10**12, 0, written))
     with pytest.raises(OutputError, match=r"needs [\d.]+ KB for the output, only [\d.]+ KB free"):
         convert(src, tmp_path / "q", cfg(max_shard_size=6000))
     assert written > tensors  # the old check (tensor bytes only) would have let this run start
-    monkeypatch.setattr(writer.shutil, "disk_usage", lambda p: usage(10**12, 0, 4 * written + (1 << 20)))
+    monkeypatch.setattr(destination.shutil, "disk_usage", lambda p: usage(10**12, 0, 4 * written + (1 << 20)))
     convert(src, tmp_path / "q", cfg(max_shard_size=6000))
 
 
@@ -230,7 +227,7 @@ def test_space_check_counts_every_byte(src, tmp_path, monkeypatch) -> None:
 def test_nonfinite_detection(dtype, values, bad) -> None:
     raw = bytearray(values.numpy().tobytes()) if values.dtype != torch.bfloat16 else \
         bytearray(values.view(torch.int16).numpy().tobytes())
-    assert writer._nonfinite(dtype, raw) is bad
+    assert nonfinite_bytes(dtype, raw) is bad
 
 
 @pytest.mark.parametrize("dtype", ["F64", "F32", "F16", "BF16"])
@@ -245,13 +242,13 @@ def test_nonfinite_detection_anywhere_in_a_long_chunk(dtype) -> None:
         x[0] = torch.finfo(tdt).max
         x[-1] = -torch.finfo(tdt).max
         raw = lambda t: bytearray(t.view(torch.uint8).numpy().tobytes())  # noqa: E731
-        assert writer._nonfinite(dtype, raw(x)) is False, (n, seed)
+        assert nonfinite_bytes(dtype, raw(x)) is False, (n, seed)
         for pos in {0, n - 1, n // 2, int(torch.randint(0, n, (), generator=g))}:
             for bad in (float("nan"), float("inf"), float("-inf")):
                 y = x.clone()
                 y[pos] = bad
-                assert writer._nonfinite(dtype, raw(y)) is True, (n, pos, bad, seed)
-    assert writer._nonfinite(dtype, bytearray()) is False
+                assert nonfinite_bytes(dtype, raw(y)) is True, (n, pos, bad, seed)
+    assert nonfinite_bytes(dtype, bytearray()) is False
 
 
 def test_kept_nan_recorded_in_manifest_and_kept_across_resume(tmp_path, monkeypatch) -> None:
@@ -302,7 +299,7 @@ def test_a_resume_interrupted_before_finish_keeps_owning_the_files_finish_wrote(
     files, or run 3's --resume refuses them as files fp4convert did not write (seen once in
     test_crash's random kills under CI load)."""
     dst = tmp_path / "q"
-    real_copy = writer._copy_file
+    real_copy = finish._copy_file
     copies = []
 
     def copy_then_die(a, b, *rest):
@@ -312,23 +309,25 @@ def test_a_resume_interrupted_before_finish_keeps_owning_the_files_finish_wrote(
         real_copy(a, b, *rest)
 
     with monkeypatch.context() as mp:
-        mp.setattr(writer, "_copy_file", copy_then_die)
+        mp.setattr(finish, "_copy_file", copy_then_die)
         with pytest.raises(RuntimeError, match="inside finish"):
             convert(src, dst, cfg())
-    assert copies and json.loads((dst / writer.PROGRESS_NAME).read_text()).get("pending")
-    real_units = writer.Plan.units
+    assert copies and json.loads((dst / names.PROGRESS_NAME).read_text()).get("pending")
+    from fp4convert.plan import Plan
 
-    def units_then_die_in_write_outputs(self):  # right after write_outputs' first progress record
-        if sys._getframe(1).f_code.co_name == "write_outputs":
+    real_units = Plan.units
+
+    def units_then_die_in_the_part(self):  # right after the part's first progress record
+        if sys._getframe(1).f_code.co_name == "_run_part":
             raise RuntimeError("simulated crash at start")
         return real_units(self)
 
     with monkeypatch.context() as mp:
-        mp.setattr(writer.Plan, "units", units_then_die_in_write_outputs)
+        mp.setattr(Plan, "units", units_then_die_in_the_part)
         with pytest.raises(RuntimeError, match="at start"):
             convert(src, dst, cfg(resume=True))
     convert(src, dst, cfg(resume=True))
-    assert (dst / writer.MANIFEST_NAME).is_file() and not (dst / writer.PROGRESS_NAME).exists()
+    assert (dst / names.MANIFEST_NAME).is_file() and not (dst / names.PROGRESS_NAME).exists()
 
 
 # --- containment: nothing is written outside DST, by any path ------------------------------------
@@ -383,15 +382,15 @@ def test_open_new_refuses_a_symlinked_parent_and_never_follows_the_leaf(tmp_path
     outside.mkdir()
     (dst / "sub").symlink_to(outside)
     with pytest.raises(OutputError, match="sub is a symlink"):
-        writer.open_new(dst, "sub/x.partial")
+        files.open_new(dst, "sub/x.partial")
     victim = outside / "v"
     victim.write_text("precious")
     (dst / "x.partial").symlink_to(victim)
-    os.close(writer.open_new(dst, "x.partial"))  # the link is replaced by a new empty file of ours
-    assert victim.read_text() == "precious" and writer.is_regular(dst / "x.partial")
-    writer.atomic_write(dst / "y.json", "{}")
+    os.close(files.open_new(dst, "x.partial"))  # the link is replaced by a new empty file of ours
+    assert victim.read_text() == "precious" and files.is_regular(dst / "x.partial")
+    files.atomic_write(dst / "y.json", "{}")
     (dst / "y.json.partial").symlink_to(victim)
-    writer.atomic_write(dst / "y.json", "[]")
+    files.atomic_write(dst / "y.json", "[]")
     assert victim.read_text() == "precious" and (dst / "y.json").read_text() == "[]"
 
 
@@ -422,7 +421,7 @@ def test_partial_shards_replaced_by_symlinks_are_never_written_through(src, tmp_
     convert(src, dst, cfg(max_shard_size=6000, resume=True))
     assert all(v.read_text() == "precious" for v in victims)
     shards = sorted(dst.glob("*.safetensors"))
-    assert shards and all(writer.is_regular(p) for p in shards)
+    assert shards and all(files.is_regular(p) for p in shards)
     assert not list(dst.glob("*.partial"))
     assert copy.read_bytes() == (dst / finished[0].name).read_bytes()
     assert inspect_checkpoint(str(dst), check_files=True)["ok"]

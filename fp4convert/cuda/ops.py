@@ -15,17 +15,18 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import CUDAKernelError, CUDAUnavailableError
+from ..scheme import SCHEMES
 from . import api_ext
 from .build import find_nvcc, load_library
 from .runtime import MIN_CAPABILITY  # the E4M3 conversion instructions
-from ..errors import CUDAKernelError, CUDAUnavailableError
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _FMTS = {"nvfp4": 0, "mxfp4": 1}
 _BLOCK = {"nvfp4": 16, "mxfp4": 32}
 _SCALE_DTYPE = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.uint8}
-# Scale rules by launcher code (index): CONTRACT.md.
-SCALE_RULES = {"nvfp4": ("max", "4over6", "mse", "wmse"), "mxfp4": ("floor", "rceil", "mse", "wmse")}
+# Scale rules by launcher code: the index in the scheme's list (scheme.py states them, docs/numerics.md "Scale rules").
+SCALE_RULES = {name: s.scale_rules for name, s in SCHEMES.items()}
 
 
 def available() -> bool:
@@ -143,14 +144,16 @@ def _per_matrix_gs(gs: torch.Tensor | None, fmt: str, b: int, device: torch.devi
 
 
 def scale_rule_code(fmt: str, scale_rule: int | str) -> int:
-    """The launchers' int for a scale rule: 0 max / floor, 1 4over6 / rceil, 2 mse, 3 wmse (CONTRACT.md)."""
+    """The launchers' int for a scale rule: its index in the scheme's list (scheme.py: 0 max / floor,
+    1 4over6 / rceil, 2 mse, 3 wmse; docs/numerics.md "Scale rules")."""
     if isinstance(scale_rule, str):
         names = SCALE_RULES[fmt]
         if scale_rule not in names:
             raise CUDAKernelError(f"scale rule {scale_rule!r} does not apply to {fmt}; expected one of {', '.join(names)}")
         return names.index(scale_rule)
-    if scale_rule not in (0, 1, 2, 3) or isinstance(scale_rule, bool):
-        raise CUDAKernelError(f"scale rule {scale_rule!r} is not 0, 1, 2 or 3")
+    codes = range(len(SCALE_RULES[fmt]))
+    if scale_rule not in codes or isinstance(scale_rule, bool):
+        raise CUDAKernelError(f"scale rule {scale_rule!r} is not one of {', '.join(map(str, codes))}")
     return int(scale_rule)
 
 
@@ -385,7 +388,8 @@ def dequantize(
 
 
 def e2m1_selftest(device: torch.device | str = "cuda") -> int:
-    """Mismatches of this GPU's E2M1 path against SPEC.md's predicate sum over every fp32 input."""
+    """Mismatches of this GPU's E2M1 path against the reference's predicate sum (docs/numerics.md "E2M1
+    elements") over every fp32 input."""
     device = torch.device(device)
     counter = torch.zeros(1, dtype=torch.int64, device=device)
     lib = _lib(device)
@@ -394,7 +398,7 @@ def e2m1_selftest(device: torch.device | str = "cuda") -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# Input decoding (CONTRACT.md "Input decoding"): quantized source checkpoints -> fp32
+# Input decoding (docs/numerics.md "Quantized inputs"): quantized source checkpoints -> fp32
 # ------------------------------------------------------------------------------------------------
 
 _FP8 = (torch.float8_e4m3fn, torch.uint8)

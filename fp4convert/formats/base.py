@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+from ..names import CONFIG_NAME
 from ..safetensors_io import OutEntry, TensorInfo
 from ..scheme import SCHEMES, get_scheme
 from ..swizzle import padded_shape
@@ -27,7 +28,6 @@ if TYPE_CHECKING:  # the names and shapes (what planning asks) need no torch; th
 
     from ..tensor import QuantizedTensor
 
-CONFIG_NAME = "config.json"
 
 
 @dataclass(frozen=True)
@@ -117,14 +117,8 @@ class OutputFormat:
     def global_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
         return (*lead, 1)
 
-    def global_value(self, gs: torch.Tensor) -> torch.Tensor:
-        """The stored global tensor from the encode scale gs."""
-        import torch
-
-        return gs.to(torch.float32).reshape(self.global_shape(tuple(gs.shape)))
-
     def encode_scale(self, stored: torch.Tensor) -> torch.Tensor:
-        """Back from the stored global tensor to the encode scale gs (inverse of global_value)."""
+        """Back from the stored global tensor to the encode scale gs (reading; inverse of global_float)."""
         import torch
 
         return stored.to(torch.float32)
@@ -144,30 +138,40 @@ class OutputFormat:
             out.append(OutEntry(module + self.global_suffix, "F32", self.global_shape(lead)))
         return out
 
-    def tensors(self, module: str, q: QuantizedTensor) -> list[tuple[str, torch.Tensor]]:
-        """The output tensors of one quantized weight, in :meth:`entries` order."""
-        if self.swizzled and q.scale_layout != "swizzled":
-            raise ValueError("internal: this format stores swizzled scales; quantize with scale_layout='swizzled'")
-        scale = q.scale if self.swizzled else q.linear_scale()
-        out = [(module + self.packed_suffix, q.packed), (module + self.scale_suffix, scale)]
-        if get_scheme(q.scheme).global_scale:
-            out.append((module + self.global_suffix, self.global_value(q.global_scale)))
-        return out
-
     def global_float(self, gs: float) -> float:
-        """global_value for one matrix, on a Python float (an fp32 value; one fp32 operation at most,
-        which double arithmetic rounded once to fp32 reproduces exactly)."""
+        """The stored global value of one matrix from its encode scale gs, on a Python float (an fp32
+        value; one fp32 operation at most, which double arithmetic rounded once to fp32 reproduces)."""
         return gs
 
-    def raw_tensors(self, module: str, packed: memoryview, scale: memoryview, gs: float | None, scheme: str,
-                    rotate: str | None) -> list[tuple[str, bytes | memoryview]]:
-        """:meth:`tensors` from raw bytes (the torch-free CUDA path): the same names, order and bytes.
-        ``scale``: already in this format's layout; ``gs``: the encode scale (NVFP4)."""
+    def global_value(self, gs: torch.Tensor) -> torch.Tensor:
+        """The stored global tensor of encode scales ``gs`` (``inspect`` compares it with the file), from
+        :meth:`global_float`: the one statement of what a format stores."""
+        import torch
+
+        flat = [self.global_float(v) for v in gs.to(torch.float32).flatten().tolist()]
+        return torch.tensor(flat, dtype=torch.float32).reshape(self.global_shape(tuple(gs.shape)))
+
+    def outputs(self, module: str, packed: memoryview, scale: memoryview, gs: float | None, scheme: str,
+                rotate: str | None) -> list[tuple[str, bytes | memoryview]]:
+        """The bytes of one quantized 2-D matrix, in :meth:`entries` order: what the shards store.
+        ``scale``: already in this format's layout (swizzled or linear); ``gs``: the encode scale (NVFP4).
+        The only method a format writes tensors with."""
         out: list[tuple[str, bytes | memoryview]] = [(module + self.packed_suffix, packed),
                                                      (module + self.scale_suffix, scale)]
         if get_scheme(scheme).global_scale:
             out.append((module + self.global_suffix, struct.pack("<f", self.global_float(gs))))
         return out
+
+    def tensors(self, module: str, q: QuantizedTensor) -> list[tuple[str, bytes | memoryview]]:
+        """:meth:`outputs` of a QuantizedTensor of one matrix (``export`` re-lays out a loaded one): its
+        bytes with the block scales in this format's layout."""
+        from ..matrices import as_bytes
+
+        if self.swizzled and q.scale_layout != "swizzled":
+            raise ValueError("internal: this format stores swizzled scales; quantize with scale_layout='swizzled'")
+        scale = q.scale if self.swizzled else q.linear_scale()
+        gs = None if q.global_scale is None else float(q.global_scale)
+        return self.outputs(module, as_bytes(q.packed.cpu()), as_bytes(scale.cpu()), gs, q.scheme, q.rotate)
 
     # -- writing: beside the shards --------------------------------------------------------
 
@@ -319,19 +323,9 @@ class ActivationScales:
             out.append(OutEntry(module + self.input_suffix, "F32", self.global_shape(tuple(shape[:-2]))))
         return out
 
-    def tensors(self, module, q):
-        out = super().tensors(module, q)
-        if self.activations == "nvfp4":
-            import torch
-
-            lead = tuple(q.packed.shape[:-2])
-            out.append((module + self.input_suffix,
-                        self.global_value(torch.full(lead, self._input_gs(module), dtype=torch.float32))))
-        return out
-
-    def raw_tensors(self, module, packed, scale, gs, scheme, rotate):
-        out = super().raw_tensors(module, packed, scale, gs, scheme, rotate)
-        if self.activations == "nvfp4":  # the raw path writes whole 2-D matrices: one value
+    def outputs(self, module, packed, scale, gs, scheme, rotate):
+        out = super().outputs(module, packed, scale, gs, scheme, rotate)
+        if self.activations == "nvfp4":  # one 2-D matrix: one value
             out.append((module + self.input_suffix, struct.pack("<f", self.global_float(self._input_gs(module)))))
         return out
 

@@ -19,8 +19,6 @@ from .base import OutputFormat, OutputInfo, read_json, update_config
 if TYPE_CHECKING:
     import torch
 
-    from ..tensor import QuantizedTensor
-
 log = logging.getLogger(__name__)
 
 QUANT_METHOD = "compressed-tensors"
@@ -59,16 +57,8 @@ class CompressedTensorsFormat(OutputFormat):
             out.append(OutEntry(self._transform_name(module), "BF16", (16, 16)))
         return out
 
-    def tensors(self, module: str, q: QuantizedTensor):
-        import torch
-
-        out = super().tensors(module, q)
-        if q.rotate == "had16":
-            out.append((self._transform_name(module), sylvester_hadamard(16).to(torch.bfloat16)))
-        return out
-
-    def raw_tensors(self, module, packed, scale, gs, scheme, rotate):
-        out = super().raw_tensors(module, packed, scale, gs, scheme, rotate)
+    def outputs(self, module, packed, scale, gs, scheme, rotate):
+        out = super().outputs(module, packed, scale, gs, scheme, rotate)
         if rotate == "had16":
             out.append((self._transform_name(module), hadamard16_bf16_bytes()))
         return out

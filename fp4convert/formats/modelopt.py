@@ -10,14 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..version import producer as version_producer
 from ..errors import ConfigError
+from ..names import HF_QUANT_CONFIG
+from ..version import producer as version_producer
 from .base import OutputFormat, OutputInfo, read_json, update_config, write_json
 
 if TYPE_CHECKING:
     import torch
-
-HF_QUANT_CONFIG = "hf_quant_config.json"
 
 
 class ModelOptFormat(OutputFormat):
@@ -39,13 +38,8 @@ class ModelOptFormat(OutputFormat):
     def global_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
         return lead  # a scalar per matrix
 
-    def global_value(self, gs: torch.Tensor) -> torch.Tensor:
-        import torch
-
-        return (1.0 / gs.to(torch.float32)).reshape(self.global_shape(tuple(gs.shape)))  # the DECODE scale
-
     def global_float(self, gs: float) -> float:
-        return 1.0 / gs
+        return 1.0 / gs  # the DECODE scale
 
     def encode_scale(self, stored: torch.Tensor) -> torch.Tensor:
         import torch

@@ -1,6 +1,6 @@
-"""The torch-free CUDA path (fp4convert.direct, fp4convert.cuda.runtime): which runs take it, the bytes
-it writes (the torch pipeline's, on the GPU), its error answers, and the format/host pieces it has
-instead of torch (raw tensor bytes, unit amax, the kept tensors' NaN/Inf scan)."""
+"""The ``cuda`` backend (fp4convert.backends.cuda, fp4convert.cuda.runtime): which runs take it, the bytes
+it writes (the ``stacked`` backend's and the CPU's, on the GPU), its error answers, and the host pieces
+it has instead of torch (the kept tensors' NaN/Inf scan, pinned size classes, its launch bookkeeping)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,16 @@ import struct
 import pytest
 import torch
 
-from fp4convert import direct, reference as ref
+from fp4convert import reference as ref
+from fp4convert.backend import Settings
+from fp4convert.backends.cuda import CudaBackend
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert, plan_conversion, torch_free
+from fp4convert.convert import choose_backend, convert, plan_conversion
 from fp4convert.distributed import World
-from fp4convert.formats import OUTPUT_FORMATS, get_format
-from fp4convert.lanes import AUTO_LANES
+from fp4convert.formats import get_format
 from fp4convert.schedule import Batch
-from fp4convert.tensor import quantize
+
+AUTO_LANES = CudaBackend.auto_lanes
 
 from . import checkpoints as ck
 
@@ -31,48 +33,12 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-@pytest.mark.parametrize("fmt", sorted(OUTPUT_FORMATS))
-@pytest.mark.parametrize("scheme,rotate", [("nvfp4", None), ("nvfp4", "had16"), ("mxfp4", None), ("mxfp4", "had16")])
-def test_raw_tensors_are_the_tensors_bytes(fmt, scheme, rotate) -> None:
-    """What the torch-free path writes per weight (names, order, bytes) is what tensors() gives."""
-    f = get_format(fmt)
-    try:
-        f.check(scheme, rotate)
-    except Exception:  # noqa: BLE001 - a combination this format refuses is refused before any writing
-        pytest.skip(f"{fmt} does not store {scheme}/{rotate}")
-    seed = int(torch.randint(0, 2**31, ()).item())
-    w = (torch.randn(200, 96, generator=torch.Generator().manual_seed(seed)) * 3).to(torch.bfloat16)
-    q = quantize(w, scheme, rotate=rotate, scale_layout="swizzled" if f.swizzled else "linear", backend="reference")
-    scale = q.scale if f.swizzled else q.linear_scale()
-    gs = None if q.global_scale is None else float(q.global_scale)
-    want = [(n, _bytes(t)) for n, t in f.tensors("model.layers.0.mlp.up_proj", q)]
-    got = [(n, bytes(b)) for n, b in f.raw_tensors("model.layers.0.mlp.up_proj", memoryview(_bytes(q.packed)),
-                                                  memoryview(_bytes(scale)), gs, scheme, rotate)]
-    assert got == want, seed
-
-
 @pytest.mark.parametrize("amax", [1e-30, 0.37, 3.0e38])
 def test_modelopt_global_float_is_the_fp32_reciprocal(amax) -> None:
     """1/gs on a Python float, packed to fp32, equals torch's fp32 division (one rounding)."""
     gs = ref.global_scale(torch.tensor([amax], dtype=torch.float32))[0]
     f = get_format("modelopt")
     assert struct.pack("<f", f.global_float(float(gs))) == _bytes((1.0 / gs).reshape(1))
-
-
-def test_unit_amax_is_the_max_over_each_fused_group(tmp_path) -> None:
-    src = tmp_path / "m"
-    ck.llama(src)
-    _, plan, _ = plan_conversion(str(src), ConvertConfig())
-    units = [u for u in plan.units() if u[0].action == "quantize"]
-    batch = Batch(units)
-    seed = int(torch.randint(0, 2**31, ()).item())
-    amax = torch.rand(len(batch.members), generator=torch.Generator().manual_seed(seed)).tolist()
-    got = direct._unit_amax(amax, batch)
-    start = 0
-    for u in units:
-        assert got[start : start + len(u)] == [max(amax[start : start + len(u)])] * len(u), seed
-        start += len(u)
-    assert any(len(u) == 3 for u in units)  # q/k/v share one scale: the case this covers
 
 
 @pytest.mark.parametrize("case,device,want", [
@@ -93,13 +59,12 @@ def test_which_runs_are_torch_free(tmp_path, monkeypatch, case, device, want) ->
         src = zoo.build(case, tmp_path / "m")
     config = ConvertConfig(device=device)
     _, plan, _ = plan_conversion(str(src), config)
-    assert torch_free(config, World(), plan) is want
-    monkeypatch.setenv("FP4CONVERT_TORCH_PIPELINE", "1")
-    assert torch_free(config, World(), plan) is False
-    monkeypatch.delenv("FP4CONVERT_TORCH_PIPELINE")
+    assert (choose_backend(config, World(), plan) == "cuda") is want
+    assert CudaBackend.supports(plan) is (case == "llama")
+    assert choose_backend(ConvertConfig(device=device, backend="stacked"), World(), plan) == "stacked"  # by name
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    assert torch_free(config, World.from_env(), plan) is False
+    assert choose_backend(config, World.from_env(), plan) is None  # torchrun: torch's
 
 
 # --- on the GPU ----------------------------------------------------------------------------------
@@ -122,8 +87,7 @@ def test_torch_free_path_writes_the_torch_pipelines_bytes(tmp_path, monkeypatch,
     assert fast.counts["lanes"] == AUTO_LANES  # several shards on their own streams and writer threads
     one = convert(src, tmp_path / "direct1", ConvertConfig(**kw, lanes=1))
     assert one.counts["lanes"] == 1
-    monkeypatch.setenv("FP4CONVERT_TORCH_PIPELINE", "1")
-    convert(src, tmp_path / "torch", ConvertConfig(**kw))
+    convert(src, tmp_path / "torch", ConvertConfig(**kw, backend="stacked"))
     convert(src, tmp_path / "cpu", ConvertConfig(**{**kw, "device": "cpu"}))
     assert ck.all_files(tmp_path / "direct") == ck.all_files(tmp_path / "direct1") == ck.all_files(tmp_path / "torch") \
         == ck.all_files(tmp_path / "cpu")
@@ -146,8 +110,8 @@ def test_lanes_on_a_second_gpu(tmp_path) -> None:
 def test_cli_on_cuda_never_imports_torch(tmp_path) -> None:
     src = tmp_path / "src"
     ck.llama(src, zoo=True)
-    env = {k: v for k, v in os.environ.items() if k != "FP4CONVERT_TORCH_PIPELINE"}
-    proc, stack = ck.cli_watching_torch(tmp_path, "quantize", src, tmp_path / "q", "--device", "cuda", "--json", env=env)
+    proc, stack = ck.cli_watching_torch(tmp_path, "quantize", src, tmp_path / "q", "--device", "cuda", "--json",
+                                        env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr
     assert stack == "", stack
     convert(src, tmp_path / "cpu", ConvertConfig(device="cpu"))
@@ -222,7 +186,7 @@ def test_pinned_size_classes() -> None:
         assert size_class(c) == c  # a class is its own class
 
 
-# --- DirectBackend's bookkeeping on the CPU: a stand-in runtime whose "kernels" stamp each matrix ---
+# --- the cuda backend's bookkeeping on the CPU: a stand-in runtime whose "kernels" stamp each matrix ---
 
 class _Mem:
     """Host memory standing in for device memory (ctypes buffers kept alive here)."""
@@ -316,12 +280,13 @@ def test_group_launches_keep_every_member_apart(scheme, swizzle) -> None:
     import random
     from types import SimpleNamespace
 
-    from fp4convert.schedule import Settings, grouped_offsets
+    from fp4convert.schedule import grouped_offsets
     from fp4convert.scheme import get_scheme
 
     seed = int(torch.randint(0, 2**31, ()).item())
     rng = random.Random(seed)
-    s = Settings(get_scheme(scheme), None, swizzle, {"scale_rule": None})
+    sch = get_scheme(scheme)
+    s = Settings(sch, None, swizzle, sch.default_rule)
     for trial in range(40):
         units, k = [], 0
         for _ in range(rng.randint(1, 6)):
@@ -329,7 +294,9 @@ def test_group_launches_keep_every_member_apart(scheme, swizzle) -> None:
             for _ in range(rng.randint(1, 3)):
                 shape = rng.choice([(16, 32), (32, 32), (16, 64), (48, 32)])
                 info = SimpleNamespace(name=f"m{k}", shape=shape, dtype="F32", file="f", nbytes=4 * shape[0] * shape[1])
-                unit.append(SimpleNamespace(name=info.name, info=info, module=info.name))
+                d = SimpleNamespace(name=info.name, info=info, module=info.name, group=None)
+                d.matrices = (SimpleNamespace(module=info.name, group=None),)
+                unit.append(d)
                 k += 1
             units.append(unit)
         batch = Batch(units)
@@ -346,21 +313,26 @@ def test_group_launches_keep_every_member_apart(scheme, swizzle) -> None:
             v = list((ctypes.c_float * len(v))(*v))  # as stored (fp32)
             values.append(v)
             (ctypes.c_float * len(v)).from_address(buf.ptr + off)[:] = v
-        out, layout, bad, amax, ga, gs = direct.DirectBackend(rt).run(
-            batch, (buf, list(zip(offsets, batch.reads()))), s, lambda e: None)()
+        released = []
+        backend = CudaBackend(s, rt, owner=False)
+        result = backend.quantize(batch, (buf, list(zip(offsets, batch.reads()))), released.append)()
         ctx = f"seed={seed} trial={trial}"
-        assert bad == [i == nan_at for i in range(k)], ctx
+        assert released, ctx  # the inputs are released (the reader's release ignores a second call)
+        # NVFP4 refuses a NaN member after pass 1 (its amax), MXFP4 by pass 2's block flags
+        assert result.refused == [i == nan_at for i in range(k)], ctx
         if nan_at is not None:
             continue
         own = [max(abs(t) for t in v) for v in values]
         unit_of = [j for j, u in enumerate(units) for _ in u]
-        for i in range(k):
-            p_off, p_n, s_off, s_n = layout[i]
+        for i, out in enumerate(result.matrices):
             tag = (i + 1) % 251
-            assert set(bytes(out.view(p_off, p_n))) == {tag} and set(bytes(out.view(s_off, s_n))) == {tag + 7}, ctx
+            assert set(bytes(out.packed)) == {tag} and set(bytes(out.scale)) == {tag + 7}, ctx
             if s.scheme.global_scale:
                 want = max(own[j] for j in range(k) if unit_of[j] == unit_of[i])
-                assert amax[i] == pytest.approx(own[i], rel=1e-6) and ga[i] == pytest.approx(want, rel=1e-6), ctx
-                assert gs[i] == pytest.approx(2688.0 / want, rel=1e-5), ctx
-        spans = sorted([(p, p + n) for p, n, _, _ in layout] + [(q, q + n) for _, _, q, n in layout])
+                assert out.amax == pytest.approx(want, rel=1e-6), ctx
+                assert out.gs == pytest.approx(2688.0 / want, rel=1e-5), ctx
+            else:
+                assert out.gs is None and out.amax is None, ctx
+        spans = sorted((ctypes.addressof(ctypes.c_char.from_buffer(v)), ctypes.addressof(ctypes.c_char.from_buffer(v))
+                        + len(v)) for o in result.matrices for v in (o.packed, o.scale))
         assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), ctx  # no two outputs overlap

@@ -1,0 +1,82 @@
+"""The backend seam (fp4convert.backend): the group amax, the two passes' order, the refusal, the registry."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fp4convert.backend import Result, backend_names, get_backend, refuse_nonfinite, two_passes, unit_amax
+from fp4convert.config import ConvertConfig
+from fp4convert.convert import plan_conversion
+from fp4convert.errors import ConfigError, NonFiniteError
+from fp4convert.schedule import Batch
+
+from . import checkpoints as ck
+
+
+def test_unit_amax_is_the_max_over_each_fused_group(tmp_path) -> None:
+    src = tmp_path / "m"
+    ck.llama(src)
+    _, plan, _ = plan_conversion(str(src), ConvertConfig())
+    units = [u for u in plan.units() if u[0].action == "quantize"]
+    batch = Batch(units)
+    seed = int(torch.randint(0, 2**31, ()).item())
+    amax = torch.rand(len(batch.members), generator=torch.Generator().manual_seed(seed)).tolist()
+    got = unit_amax(amax, batch.keys)
+    start = 0
+    for u in units:
+        assert got[start : start + len(u)] == [max(amax[start : start + len(u)])] * len(u), seed
+        start += len(u)
+    assert any(len(u) == 3 for u in units)  # q/k/v share one scale: the case this covers
+
+
+def test_unit_amax_keys_none_and_nan() -> None:
+    """Key None: a matrix's own amax; a NaN anywhere in a group makes the group's NaN, wherever it sits."""
+    assert unit_amax([1.0, 5.0, 2.0], [None, None, None]) == [1.0, 5.0, 2.0]
+    for pos in range(3):
+        vals = [1.0, 3.0, 2.0]
+        vals[pos] = float("nan")
+        got = unit_amax(vals + [7.0], ["g", "g", "g", None])
+        assert all(math.isnan(v) for v in got[:3]) and got[3] == 7.0, pos
+
+
+class _Item:
+    def __init__(self, names: list[str], keys: list) -> None:
+        from types import SimpleNamespace
+
+        self.matrices = [(SimpleNamespace(name=n, info=SimpleNamespace(file="f.safetensors")), None) for n in names]
+        self.keys = keys
+
+
+def test_two_passes_refuses_before_pass_2_and_releases() -> None:
+    from fp4convert.scheme import MXFP4, NVFP4
+    from fp4convert.backend import Settings
+
+    item = _Item(["a", "b"], [0, 0])
+    calls, released = [], []
+    s = Settings(NVFP4, None, False, "max")
+    result = two_passes(item, s, released.append, lambda: [1.0, float("inf")],
+                        lambda ga: calls.append(ga) or (lambda: Result([], [])))()
+    assert calls == [] and released == [None] and result.refused == [False, True]
+    with pytest.raises(NonFiniteError, match=r"^b \(in f\.safetensors\) holds NaN or Inf"):
+        refuse_nonfinite(item, result.refused, None)
+    two_passes(item, s, released.append, lambda: [1.0, 3.0], lambda ga: calls.append(ga) or (lambda: None))
+    assert calls == [[3.0, 3.0]]  # pass 2 gets each matrix's group amax
+    two_passes(item, Settings(MXFP4, None, False, "floor"), released.append, lambda: 1 / 0,
+               lambda ga: calls.append(ga) or (lambda: None))
+    assert calls[-1] is None  # no global scale: no pass 1
+
+
+def test_registry_lists_the_backend_modules_without_importing_them() -> None:
+    assert backend_names() == ["cpu", "cuda", "stacked"]
+    assert get_backend("cpu").name == "cpu" and get_backend("stacked").devices == ("cuda", "cpu")
+    with pytest.raises(ConfigError, match="unknown backend 'gguf'"):
+        get_backend("gguf")
+    with pytest.raises(ConfigError, match="--backend 'nope'"):
+        ConvertConfig(backend="nope")
+    code = "import sys; from fp4convert.backend import backend_names; backend_names(); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
