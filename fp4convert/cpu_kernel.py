@@ -151,8 +151,8 @@ def _dtype_codes() -> dict:
 
 def dtype_code(dtype: torch.dtype) -> int | None:
     """The kernel's code for a torch dtype it takes (fp32, bf16, fp16), else None. (This module imports
-    torch only here and in the tensor wrappers below: the torch-free path, fp4convert.cpu_direct,
-    loads the kernel without it.)"""
+    torch only here and in the tensor wrappers below: the torch-free ``--device cpu`` backend,
+    fp4convert.backends.cpu_native, loads the kernel without it.)"""
     return _dtype_codes().get(dtype)
 
 
