@@ -2,13 +2,13 @@
 # One device call (issue 21 item 6, "the CPU at the disk's speed"), on the 16-core GPU host:
 #   1. build the CPU kernel (cold, timed) and, meanwhile, the CUDA kernels;
 #   2. the bit-exact CPU tests on this CPU (the kernel's AVX-512 clone where the CPU has it, and every
-#      x86-64 level it runs built alone): tests/test_cpu_kernel.py, tests/test_cpu.py, tests/test_cpu_direct.py;
+#      x86-64 level it runs built alone): tests/test_cpu_kernel.py, tests/test_cpu.py,
+#      tests/test_backend_cpu_native.py;
 #   3. kernel throughput per thread count beside memcpy (benchmarks/cpu_kernel.py);
 #   4. --device cpu beside `cp -r` + sync and the GPU on e2e_vs_copy.py's dense (8 Llama-3-8B layers, 5.6 GB)
-#      and MoE (64 experts x 8 layers, 3 GB) checkpoints, interleaved, median of 3, with three CPU rows
-#      (benchmarks/cpu_backend_ab.py): the pipeline's CpuBackend as merged, the proposed threaded-kernel
-#      backend, and the torch-free path (fp4convert/cpu_direct.py, wired in by the benchmark as proposed
-#      for convert.py); at default settings (the issue's yardstick). AB_ARGS adds
+#      and MoE (64 experts x 8 layers, 3 GB) checkpoints, interleaved, median of 3, with two CPU rows
+#      (benchmarks/cpu_backend_ab.py): the default (the torch-free cpu-native backend) and --backend cpu
+#      (torch); at default settings (the issue's yardstick). AB_ARGS adds
 #      options: --torch-row (one torch-path run per case, ~1 min), --layers N, --only dense|moe.
 # Results in $OUT: env.txt, build*.txt, tests.txt, cpu_kernel.{txt,json}, cpu_backend_ab.{md,json,txt}.
 # Budget: ~7-8 min on an H100 host with 16 cores (checkpoint generation ~1-2 min of it); under the 10-min
@@ -39,7 +39,7 @@ cuda_build=$!
 # 2. bit-exact tests (their status is recorded; the benchmarks run either way)
 set +e
 timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_cpu_kernel.py tests/test_cpu.py \
-    tests/test_cpu_direct.py \
+    tests/test_backend_cpu_native.py \
     > "$OUT/tests_full.txt" 2>&1
 echo "pytest exit status: $?" >> "$OUT/tests_full.txt"
 set -e
