@@ -219,39 +219,45 @@ def lane_count(config: ConvertConfig, world: World, plan: Plan, source: Source, 
     return max(1, min(want, len(plan.shards)))
 
 
+TORCH_FREE = ("cuda", "cpu-native")  # backends opened before torch: if one cannot open, torch's runs instead
+
+
 def choose_backend(config: ConvertConfig, world: World, plan: Plan) -> str | None:
-    """The backend a run takes from the plan alone: ``--backend`` when given; ``cuda`` (no torch) when
-    one process converts plain 2-D weights on a GPU (``--device auto`` or ``cuda[:N]``); else None:
+    """The backend a run takes from the plan alone: ``--backend`` when given; in one process converting
+    plain 2-D weights (:meth:`~fp4convert.backends.cuda.CudaBackend.supports`), a torch-free one: ``cuda``
+    on a GPU (``--device auto`` or ``cuda[:N]``), ``cpu-native`` for ``--device cpu``; else None:
     torch's, decided once the device is known (``stacked`` on a GPU, ``cpu`` on the CPU)."""
     from .backend import get_backend
 
     if config.backend:
         return config.backend
-    if world.distributed or _cuda_index(config.device) is None:
+    name = "cpu-native" if config.device == "cpu" else "cuda" if _cuda_index(config.device) is not None else None
+    if world.distributed or name is None:
         return None
-    return "cuda" if get_backend("cuda").supports(plan) else None
+    return name if get_backend(name).supports(plan) else None
 
 
 def open_backends(config: ConvertConfig, world: World, plan: Plan, source: Source,
                   settings: Settings) -> list[Backend]:
-    """One backend per lane, chosen by name (:func:`choose_backend`). The torch-free ``cuda`` backend
-    falls back to torch's when the GPU or the kernel library is not there (``auto`` then falls back to
-    the CPU with a warning, ``cuda`` without a GPU is an error)."""
+    """One backend per lane, chosen by name (:func:`choose_backend`). A torch-free backend (``cuda``,
+    ``cpu-native``) falls back to torch's when the GPU or the kernel library is not there (``auto`` then
+    falls back to the CPU with a warning, ``cuda`` without a GPU is an error)."""
     from .backend import Context, get_backend
 
     name = choose_backend(config, world, plan)
     first = None
-    if name == "cuda":
+    if name in TORCH_FREE:
         index = _cuda_index(config.device)
-        if index is None:
+        if name == "cuda" and index is None:
             raise ConfigError(f"--backend cuda runs on a GPU; --device {config.device} is not one")
-        lanes = lane_count(config, world, plan, source, get_backend("cuda").auto_lanes)
+        lanes = lane_count(config, world, plan, source, get_backend(name).auto_lanes)
         try:
-            first = get_backend("cuda").open(Context(settings, f"cuda:{index}", world, lanes))
+            device = f"cuda:{index}" if name == "cuda" else "cpu" if config.device == "auto" else config.device
+            first = get_backend(name).open(Context(settings, device, world, lanes))
         except FP4ConvertError as exc:
             if config.backend:
                 raise
-            log.debug("torch-free CUDA path unavailable (%s); using torch", exc)
+            log.debug("torch-free %s backend unavailable (%s); using torch", name, exc)
             name = None
     if first is None:
         world.init()
@@ -291,8 +297,14 @@ def _cuda_index(device: str) -> int | None:
 
 
 def prewarm_device(config: ConvertConfig) -> None:
-    """A one-process CUDA run: start the GPU (driver, kernel library, context) in the background now,
-    while the source is planned. Imports nothing heavy; a machine without a GPU costs nothing."""
+    """Start the device in the background now, while the source is planned: a one-process CUDA run's
+    GPU (driver, kernel library, context), a CPU run's kernel. Imports nothing heavy; a machine without
+    a GPU costs nothing."""
+    if config.device == "cpu" and config.backend in (None, "cpu", "cpu-native"):
+        from . import cpu_kernel
+
+        cpu_kernel.prepare()  # the CPU kernel's one-time build (or load) overlaps the planning
+        return
     index = _cuda_index(config.device)
     if index is None or World.from_env().distributed or config.backend not in (None, "cuda"):
         return

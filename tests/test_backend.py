@@ -72,7 +72,7 @@ def test_two_passes_refuses_before_pass_2_and_releases() -> None:
 
 
 def test_registry_lists_the_backend_modules_without_importing_them() -> None:
-    assert backend_names() == ["cpu", "cuda", "stacked"]
+    assert backend_names() == ["cpu", "cpu-native", "cuda", "stacked"]
     assert get_backend("cpu").name == "cpu" and get_backend("stacked").devices == ("cuda", "cpu")
     with pytest.raises(ConfigError, match="unknown backend 'gguf'"):
         get_backend("gguf")

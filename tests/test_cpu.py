@@ -1,4 +1,9 @@
-"""The CPU fast path against the reference: the same bytes on random data, edge cases and chunk seams."""
+"""The CPU fast path against the reference: the same bytes on random data, edge cases and chunk seams.
+
+Every test runs on both CPU paths (the ``path`` fixture, autouse): the compiled kernel (skipped where no
+C++ compiler exists; tests/test_cpu_kernel.py covers it in depth) and the torch path
+(``FP4CONVERT_CPU_KERNEL=0``), which is also what runs wherever the kernel cannot be built.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,24 @@ import pytest
 import torch
 
 import fp4convert
-from fp4convert import cpu
+from fp4convert import cpu, cpu_kernel, jit
 from fp4convert import reference as ref
 from fp4convert.swizzle import swizzle_scales
 
 from .oracle import fresh_seed, random_weight
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def path(request, monkeypatch) -> str:
+    """Which CPU path the test runs: the compiled kernel or the torch path."""
+    if request.param == "torch":
+        monkeypatch.setenv("FP4CONVERT_CPU_KERNEL", "0")
+    else:
+        monkeypatch.delenv("FP4CONVERT_CPU_KERNEL", raising=False)
+        if jit.cxx() is None:
+            pytest.skip("no C++ compiler: the kernel cannot be built here")
+        assert cpu_kernel.get() is not None, "a compiler is there but the kernel did not build (see the warning)"
+    return request.param
 
 
 def same(a: fp4convert.QuantizedTensor, b: fp4convert.QuantizedTensor) -> bool:

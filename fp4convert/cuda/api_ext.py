@@ -14,24 +14,19 @@ for good if it cannot be built (no compiler, no Python headers): a debug log lin
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import importlib.machinery
 import importlib.util
 import logging
 import os
-import shlex
-import shutil
-import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 from types import ModuleType
 
+from .. import jit
 from ..errors import CUDABuildError
-from .build import cache_root, source_dir
+from .build import source_dir
 
 log = logging.getLogger("fp4convert.cuda")
 
@@ -45,11 +40,7 @@ _state: dict[str, object] = {}  # "thread": the background build, "module": the 
 
 def compiler() -> list[str] | None:
     """$CXX (a command, e.g. ``ccache g++``), or c++ / g++ on PATH."""
-    env = shlex.split(os.environ.get("CXX", ""))
-    if env:
-        return env
-    found = shutil.which("c++") or shutil.which("g++")
-    return [found] if found else None
+    return jit.cxx()
 
 
 def build() -> Path:
@@ -70,29 +61,11 @@ def build() -> Path:
              "-DTORCH_API_INCLUDE_EXTENSION_H", *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{py_inc}"]
     link = [*(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch", "-ltorch_cpu",
             "-ltorch_python"]
-    digest = hashlib.sha256(src.read_bytes())
-    resolved = Path(shutil.which(cxx[-1]) or cxx[-1]).resolve()
-    for part in (torch.__version__, torch.__file__, sys.version, " ".join(cxx + flags + link), str(resolved),
-                 str(resolved.stat().st_mtime_ns) if resolved.exists() else ""):
-        digest.update(part.encode() + b"\0")
-    target_dir = cache_root() / f"api-{digest.hexdigest()[:16]}"
-    target = target_dir / f"{NAME}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
-    if target.is_file():
-        return target
-    target_dir.mkdir(parents=True, exist_ok=True)
-    with open(target_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
-        if target.is_file():
-            return target
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
-        os.close(fd)
-        cmd = [*cxx, *flags, "-o", tmp, str(src), *link]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise CUDABuildError(f"the API glue did not build ({' '.join(cmd)}):\n{proc.stdout}{proc.stderr}"[-4000:])
-        os.replace(tmp, target)
-    return target
+    spec = jit.BuildSpec(lib=f"{NAME}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}", tag="api",
+                         compiler=tuple(cxx), sources=(src,), flags=tuple(flags), link=tuple(link),
+                         identity=(torch.__version__, torch.__file__, sys.version), what="public API's C++ glue",
+                         error=CUDABuildError)
+    return spec.build()
 
 
 def load() -> ModuleType:

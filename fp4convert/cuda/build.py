@@ -6,21 +6,19 @@ nvcc call of ~30-60 s, and the result is reused from ``$FP4CONVERT_CACHE_DIR`` (
 ``~/.cache/fp4convert/kernels``) as ``<sm>-<hash>/libfp4convert_kernels.so``. The hash covers every
 source and header, the flags and nvcc's identity (its resolved path, size and mtime: a cache hit runs
 no subprocess and hashes only the ~100 KB of sources). Concurrent builds serialize on a lock file.
+The caching and locking are :mod:`fp4convert.jit`'s, shared with the CPU kernel and the API glue.
 """
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
-import hashlib
 import logging
 import os
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
+from .. import jit
 from ..errors import CUDABuildError, CUDAUnavailableError
 
 log = logging.getLogger("fp4convert.cuda")
@@ -75,11 +73,7 @@ def arch_flags(capability: tuple[int, int]) -> tuple[str, list[str]]:
 
 
 def cache_root() -> Path:
-    env = os.environ.get("FP4CONVERT_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "fp4convert" / "kernels"
+    return jit.cache_root()
 
 
 def sources(src_dir: Path) -> tuple[list[Path], list[Path]]:
@@ -87,25 +81,18 @@ def sources(src_dir: Path) -> tuple[list[Path], list[Path]]:
     return sorted(src_dir.glob("*.cu")), sorted(src_dir.glob("*.cuh"))
 
 
-def _nvcc_identity(nvcc: str) -> str:
-    """nvcc's resolved path, size and mtime: changes with any toolkit install, costs one stat."""
-    try:
-        path = Path(nvcc).resolve(strict=True)
-        st = path.stat()
-    except OSError as exc:
-        raise CUDAUnavailableError(f"nvcc at {nvcc} was not found ({exc}); use backend='reference'") from exc
-    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+def _spec(src_dir: Path, flags: list[str], nvcc: str, tag: str = "") -> jit.BuildSpec:
+    """The library's build: every .cu into one nvcc call, the headers hashed (fp4convert.jit)."""
+    cu, cuh = sources(src_dir)
+    return jit.BuildSpec(lib=LIB_NAME, tag=tag, compiler=(nvcc,), sources=tuple(cu), headers=tuple(cuh),
+                         flags=tuple(flags), what=f"CUDA kernels for {tag} (~1 min)", error=CUDABuildError,
+                         hint="use backend='reference'")
 
 
 def cache_key(src_dir: Path, flags: list[str], nvcc: str) -> str:
-    """Hash of every source and header (name and bytes), the flags and nvcc's identity."""
-    digest = hashlib.sha256()
-    cu, cuh = sources(src_dir)
-    for f in (*cu, *cuh):
-        digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    digest.update(" ".join(flags).encode())
-    digest.update(_nvcc_identity(nvcc).encode())
-    return digest.hexdigest()[:16]
+    """Hash of every source and header (name and bytes), the flags and nvcc's identity (its resolved
+    path, size and mtime: one stat, no subprocess)."""
+    return _spec(src_dir, flags, nvcc).key()
 
 
 def build_library(capability: tuple[int, int]) -> Path:
@@ -118,26 +105,7 @@ def build_library(capability: tuple[int, int]) -> Path:
             "CUDA toolkit, set CUDA_HOME or FP4CONVERT_NVCC, or use backend='reference'"
         )
     tag, gencode = arch_flags(capability)
-    flags = [*NVCC_FLAGS, *gencode]
-    target_dir = cache_root() / f"{tag}-{cache_key(src_dir, flags, nvcc)}"
-    target = target_dir / LIB_NAME
-    if target.is_file():
-        return target
-    target_dir.mkdir(parents=True, exist_ok=True)
-    with open(target_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.is_file():  # another process built it while we waited
-            return target
-        log.info("building fp4convert CUDA kernels for %s (one time, ~1 min)", tag)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
-        os.close(fd)
-        cmd = [nvcc, *flags, "-o", tmp, *map(str, sources(src_dir)[0])]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise CUDABuildError(f"nvcc failed ({' '.join(cmd)}):\n{proc.stdout}{proc.stderr}")
-        os.replace(tmp, target)
-    return target
+    return _spec(src_dir, [*NVCC_FLAGS, *gencode], nvcc, tag).build()
 
 
 @functools.lru_cache(maxsize=None)
