@@ -1,8 +1,9 @@
 """Where a checkpoint comes from: a local folder or a Hugging Face Hub repo.
 
-Planning reads only safetensors headers. Shard data is fetched when the converter reaches it, one
-shard at a time, through ``huggingface_hub`` (token, cache, offline mode and endpoint from its usual
-environment variables).
+Planning reads only safetensors headers. Shard data is fetched through ``huggingface_hub`` (token,
+cache, offline mode and endpoint from its usual environment variables), one shard at a time in the
+order the run reads them, a few shards ahead of the conversion (:meth:`Source.prefetch`,
+:mod:`fp4convert.prefetch`), or on first use where nothing prefetches (inspect, export).
 
 Containment: every file read resolves (``os.path.realpath``) inside the checkpoint folder, or, for a
 Hub source, inside that repo's snapshot folder or its blob store in the HF cache (snapshot entries
@@ -21,15 +22,21 @@ import errno
 import logging
 import os
 import re
+import shutil
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import CheckpointFormatError, CheckpointIndexError, FP4ConvertError, OutsideSourceError, SourceError
 from .names import INDEX_NAME, LOCK_NAME, MANIFEST_NAME, OWN_FILES, PROGRESS_NAME  # noqa: F401
+from .prefetch import AHEAD, Cancelled, Prefetcher
 from .safetensors_io import TensorInfo, header_length, json_error, json_kind, loads_bounded, loads_strict, parse_header, read_header
+
+if TYPE_CHECKING:
+    from .plan import Decision
 
 log = logging.getLogger(__name__)
 
@@ -284,6 +291,7 @@ class Source:
     _hashes: dict[str, tuple[str, str]] | None = field(default=None, repr=False)  # the Hub's per-file hashes
     _verified: set[str] = field(default_factory=set, repr=False)  # weight files checked against them
     _verify_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _prefetcher: Prefetcher | None = field(default=None, repr=False)  # Hub: shards fetched ahead (prefetch)
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -424,24 +432,83 @@ class Source:
     # --- weight files ----------------------------------------------------------------------------
 
     def local_path(self, file: str) -> Path:
-        """A weight file as a local path inside the source: downloaded (or taken from the cache) on first use."""
+        """A weight file as a local path inside the source: downloaded (or taken from the cache) on first
+        use, or waited for when :meth:`prefetch` fetches it (its error, if it failed, is raised here)."""
         if file not in self.weight_files:
             raise SourceError(f"{_q(file)} is not a weight file of {self.label}")
         if not self.is_hub:
             return _contained(self.root, file, self.roots, "weight file")
+        prefetcher = self._prefetcher
+        if prefetcher is not None:
+            path = prefetcher.get(file)
+            if path is not None:
+                return path
+        return self._fetch(file)
+
+    def prefetch(self, units: Iterable[Iterable[Decision]], ahead: int = AHEAD) -> None:
+        """Hub: fetch the weight files ``units`` read (the units a run will process, in plan order) in
+        the background, ahead of :meth:`local_path` (:mod:`fp4convert.prefetch`); local: nothing to do.
+
+        A fetch ahead of need starts only while the cache's filesystem keeps room for the output the
+        units not yet reached will write (what the destination's pre-check counted on)."""
+        self.stop_prefetch()
+        if not self.is_hub:
+            return
+        order: list[str] = []
+        index: dict[str, int] = {}
+        out_at: list[int] = []  # output bytes of the units that cannot start before file i is reached
+        for unit in units:
+            last, out = 0, 0
+            for d in unit:
+                for t in d.reads:
+                    if t.file not in index:
+                        index[t.file] = len(order)
+                        order.append(t.file)
+                        out_at.append(0)
+                    last = max(last, index[t.file])
+                out += sum(e.nbytes for e in d.outputs) + (0 if d.outputs else d.info.nbytes)
+            if out_at:
+                out_at[last] += out
+        if not order:
+            return
+        cache = self.roots[-1]  # the repo's blob store: where downloads land
+
+        def room(file: str, position: int) -> bool:
+            size = max((t.end for t in self._header_cache.get(file, ([], {}))[0]), default=0)
+            try:
+                free = shutil.disk_usage(cache).free
+            except OSError:
+                return False
+            return free - size >= sum(out_at[position:])
+
+        self._prefetcher = Prefetcher(order, self._fetch, ahead=ahead, room=room)
+
+    def stop_prefetch(self) -> None:
+        """Cancel the background fetches (an in-flight download stops at its next chunk; huggingface_hub
+        removes its partial file) and wait for them to end. Safe to call at any time, repeatedly."""
+        prefetcher, self._prefetcher = self._prefetcher, None
+        if prefetcher is not None:
+            prefetcher.stop()
+
+    def _fetch(self, file: str, cancelled: Callable[[], bool] | None = None) -> Path:
+        """Download ``file`` (or take it from the cache), check its containment and its checksum.
+        ``cancelled``: polled while downloading and hashing; raises :class:`Cancelled` once true."""
         from huggingface_hub import hf_hub_download
 
         try:
             path = Path(hf_hub_download(self.repo_id, file, revision=self.commit or self.revision,
-                                        local_files_only=_offline(), token=self.token, cache_dir=self.cache_dir))
+                                        local_files_only=_offline(), token=self.token, cache_dir=self.cache_dir,
+                                        tqdm_class=_cancellable_bar(cancelled) if cancelled else None))
+        except Cancelled:
+            raise
         except Exception as exc:  # huggingface_hub raises many types; all mean "cannot fetch"
             raise SourceError(f"{self.repo_id}: cannot fetch {file} ({one_line(exc)})") from exc
         real = os.path.realpath(path)
         if not _inside(real, self.roots):
             raise OutsideSourceError(f"{self.repo_id}: {file} resolves to {real}, outside the repo's cache folder")
-        with self._verify_lock:  # once per file, whichever reader thread asks first
+        with self._verify_lock:  # once per file, whichever thread asks first
             if file not in self._verified:
-                self._verify_download(file, path)
+                self._verify_download(file, path, cancelled)
                 self._verified.add(file)
         return path
 
@@ -468,7 +535,7 @@ class Source:
                         self._hashes[info.path] = ("sha1", str(info.blob_id).lower())
         return self._hashes
 
-    def _verify_download(self, file: str, path: Path) -> None:
+    def _verify_download(self, file: str, path: Path, cancelled: Callable[[], bool] | None = None) -> None:
         """A downloaded (or cached) weight file must hash to what the Hub reports for it (its LFS sha256,
         or the blob id the cache named it by when offline), and its header must be the one read by
         range when planning: a CDN serving same-size corrupt or re-laid-out bytes is exit 4, naming the
@@ -487,6 +554,8 @@ class Source:
                         h.update(b"blob %d\0" % os.fstat(fh.fileno()).st_size)
                     while block := fh.read(16 << 20):
                         h.update(block)
+                        if cancelled is not None and cancelled():
+                            raise Cancelled(file)
             except OSError as exc:
                 raise SourceError(f"{self.repo_id}: {file}: cannot read ({exc.strerror or exc})") from exc
             if h.hexdigest() != want:
@@ -571,6 +640,21 @@ class Source:
             if name not in found:
                 problems.append(f"{INDEX_NAME} lists tensor {_q(name)} in {file}, but {file} does not hold it")
         return problems
+
+
+def _cancellable_bar(cancelled: Callable[[], bool]) -> type:
+    """huggingface_hub's own progress bar (shown or not as it decides), whose ``update`` -- called for
+    every chunk a download receives -- raises :class:`Cancelled` once ``cancelled()``: the only way to
+    stop an ``hf_hub_download`` from another thread (it then deletes its temporary file itself)."""
+    from huggingface_hub.utils import tqdm as hf_tqdm
+
+    class CancellableBar(hf_tqdm):  # type: ignore[misc, valid-type]
+        def update(self, n: float | None = 1) -> bool | None:
+            if cancelled():
+                raise Cancelled("download cancelled")
+            return super().update(n)
+
+    return CancellableBar
 
 
 def _offline() -> bool:

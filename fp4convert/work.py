@@ -104,6 +104,7 @@ class QuantizeWork:
         b = self.backend
         items = make_items(pending, b.batch_units, b.batch_bytes)
         self.item_of = {id(it.units[0]): it for it in items}
+        self.source.prefetch(pending)  # a Hub source fetches its shards ahead, in this order
         self.reader = ReadAhead([it.reads() for it in items], self.source.local_path, b.host_buffer, b.thread_init)
 
     def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], WriteJob | None]:
@@ -136,6 +137,7 @@ class QuantizeWork:
         self.backend.thread_init()
 
     def close(self) -> None:
+        self.source.stop_prefetch()  # first: a reader waiting for a shard then ends
         if self.reader is not None:
             self.reader.close()
 

@@ -15,7 +15,10 @@ headers it relies on, the way huggingface.co answers them:
 * ``POST /api/models/{repo}/paths-info/{rev}`` (``get_paths_info``): the same entries as the tree, for
   the paths asked (the LFS sha256 a download is verified against);
 * the CDN serves blobs with ``Range`` support (``206`` + ``Content-Range``), like S3/CloudFront; with
-  ``corrupt_full_get`` it sends same-size corrupt bytes for a whole-file GET of the files named.
+  ``corrupt_full_get`` it sends same-size corrupt bytes for a whole-file GET of the files named; with
+  ``rate`` (bytes/s) every body it sends shares that bandwidth, paced in 64 KiB chunks (a link of
+  that speed, for the prefetch tests and ``benchmarks/hub_prefetch.py``); ``on_full_get(file)`` is
+  called as a whole-file GET begins (a test looks at the client's cache at that moment).
 
 For uploads (``create_repo`` + ``upload_folder``, the legacy LFS path huggingface_hub takes with
 ``HF_HUB_DISABLE_XET=1``; 1.x and 2.x call the same routes):
@@ -45,6 +48,8 @@ import hashlib
 import json
 import os
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -115,6 +120,8 @@ class Request:
     status: int
     sent: int  # body bytes sent
     auth: bool  # an Authorization header came with it
+    started: float = 0.0  # time.monotonic() when the request arrived (one clock for every process here)
+    ended: float = 0.0  # ... and when its answer was sent
 
     @property
     def full_get(self) -> bool:
@@ -130,7 +137,8 @@ class FakeHub:
 
     def __init__(self, *, lifetime: float = 120.0, fail_full_get: dict[str, int] | None = None,
                  fail_api: int | None = None, honor_range: bool = True,
-                 fail_upload: dict[str, int] | None = None, corrupt_full_get: tuple[str, ...] = ()) -> None:
+                 fail_upload: dict[str, int] | None = None, corrupt_full_get: tuple[str, ...] = (),
+                 rate: float | None = None, on_full_get: Callable[[str], None] | None = None) -> None:
         self.repos: dict[str, Repo] = {}
         self.private: dict[str, bool] = {}  # repos created through the API -> private flag
         self.fail_upload = dict(fail_upload or {})  # sha256 -> status for the CDN PUT of that object
@@ -146,6 +154,10 @@ class FakeHub:
         # ranged reads (the header) stay true, as a faulty cache node may serve them
         self.corrupt_full_get = set(corrupt_full_get)
         self.lifetime = lifetime
+        self.on_full_get = on_full_get
+        self._rate = rate
+        self._pace_lock = threading.Lock()
+        self._pace_next = 0.0  # when the shared link is free again (time.monotonic())
         self._lock = threading.Lock()
         self._blobs: dict[str, HubFile] = {}  # sha256 -> file (for the CDN)
         self._servers: list[_Server] = []
@@ -237,6 +249,19 @@ class FakeHub:
         self._threads.append(t)
         return server
 
+    def pace(self, n: int) -> None:
+        """Wait for ``n`` bytes' turn on the shared link (``rate``); at once without one."""
+        if not self._rate:
+            return
+        with self._pace_lock:
+            now = time.monotonic()
+            start = max(now, self._pace_next)
+            self._pace_next = start + n / self._rate
+            until = self._pace_next
+        delay = until - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
     # --- the log ------------------------------------------------------------------------------
 
     def record(self, r: Request) -> None:
@@ -316,6 +341,7 @@ class _Handler(BaseHTTPRequestHandler):
     # --- plumbing -----------------------------------------------------------------------------
 
     def _dispatch(self, method: str) -> None:
+        self._t0 = time.monotonic()
         self._file: str | None = None
         url = urlsplit(self.path)
         self._path = unquote(url.path)
@@ -340,12 +366,17 @@ class _Handler(BaseHTTPRequestHandler):
         sent = 0
         if method != "HEAD" and body:
             try:
-                self.wfile.write(body)
-                sent = len(body)
+                view = memoryview(body)
+                step = 64 << 10
+                for at in range(0, len(body), step):
+                    self.fake.pace(len(view[at:at + step]))
+                    self.wfile.write(view[at:at + step])
+                    sent = at + len(view[at:at + step])
             except ConnectionError:  # the client hung up (e.g. it wanted a range and got the whole file)
                 self.close_connection = True
         self.fake.record(Request(self.server_name, method, self._path, self._file, self.headers.get("Range"), status,
-                                 sent, "authorization" in {k.lower() for k in self.headers}))
+                                 sent, "authorization" in {k.lower() for k in self.headers}, self._t0,
+                                 time.monotonic()))
 
     def _json(self, obj, method: str, headers: dict[str, str] | None = None) -> None:
         self._send(200, json.dumps(obj).encode(), method, headers, "application/json")
@@ -614,6 +645,8 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {"ETag": f'"{f.sha256}"', "Accept-Ranges": "bytes"}
         rng = self.headers.get("Range") if self.fake.honor_range else None
         if rng is None:
+            if self.fake.on_full_get is not None:
+                self.fake.on_full_get(f.path)
             status = self.fake.fail_full_get.get(f.path)
             if status:
                 return self._send(status, b"injected failure", method)

@@ -1,0 +1,144 @@
+"""Hub shards fetched ahead of the conversion, so that downloading and converting overlap.
+
+Without this, a Hub shard is downloaded when the read-ahead first needs one of its tensors: the
+network idles while a shard converts and the converter idles while the next shard downloads. A
+:class:`Prefetcher` fetches the shards a run will read on one background thread, one at a time, in
+the order the run first reads them, and at most ``ahead`` shards beyond the one the run has reached:
+
+* **Bounded disk.** A shard beyond the one in use is on disk early, so with ``--delete-source-shards``
+  (each shard leaves the HF cache after its last use) the cache holds at most ``ahead`` shards more
+  than it would without prefetching. A fetch ahead of need never starts when it would leave the
+  cache's filesystem less free space than the output still needs (``room``): the destination's
+  pre-check counted that space for the output. Such a shard is fetched when it is needed, as before.
+* **One download at a time, in order.** Over a shared link, fetching several shards at once only
+  delays the one needed first and leaves several shards to convert after the last byte arrives.
+  Within one file huggingface_hub parallelises by itself where it can (``hf_xet`` for Xet-backed
+  repos; ``HF_XET_HIGH_PERFORMANCE=1`` raises its concurrency).
+* **Errors where the shard is needed.** A failed fetch is raised by :meth:`Prefetcher.get` in the
+  thread that asks for that shard (the same one-line error naming the file, the same exit code as a
+  fetch on demand); nothing after a failed shard is fetched.
+* **Cancellation.** :meth:`Prefetcher.stop` makes an in-flight download raise at its next chunk
+  (huggingface_hub then deletes its own temporary ``*.incomplete`` file) and joins the thread.
+
+Imports nothing heavy; the fetch itself is the caller's (:meth:`fp4convert.source.Source.prefetch`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+AHEAD = 2  # shards fetched beyond the one the run has reached
+JOIN_S = 60.0  # how long stop() waits for a download stuck without data (huggingface_hub's timeouts end it)
+
+
+class Cancelled(Exception):
+    """Raised inside a download or a checksum pass when the prefetcher stops."""
+
+
+class Prefetcher:
+    """Fetches ``order`` (file names, first use first, no repeats) ahead of :meth:`get`.
+
+    ``fetch(file, cancelled)``: the file's local path after download and checks; it should raise
+    :class:`Cancelled` soon after ``cancelled()`` turns true. ``room(file, position)``: may a fetch
+    ahead of need start now (position: the index in ``order`` the run has reached)?
+    """
+
+    def __init__(self, order: Sequence[str], fetch: Callable[[str, Callable[[], bool]], Path], *,
+                 ahead: int = AHEAD, room: Callable[[str, int], bool] | None = None) -> None:
+        self.order = list(order)
+        self.index = {f: i for i, f in enumerate(self.order)}
+        self.ahead = ahead
+        self._fetch, self._room = fetch, room
+        self._cv = threading.Condition()
+        self._position = 0  # the furthest file (index) asked for: the run's position
+        self._started = 0  # files whose fetch has begun (a prefix of order)
+        self._done: dict[str, Path] = {}
+        self._failed: tuple[str, BaseException] | None = None
+        self._stop = False
+        self._ended = False  # the thread has returned
+        self._thread = threading.Thread(target=self._run, name="fp4convert-prefetch", daemon=True)
+        self._thread.start()
+
+    # --- the consumer's side -------------------------------------------------------------------
+
+    def get(self, file: str) -> Path | None:
+        """``file``'s path once fetched (waiting for it); None when it is not in the order (the caller
+        fetches it itself). Raises the fetch's error for a file that failed or comes after one that
+        did, and :class:`Cancelled` once stopped (a reader waiting here ends instead of downloading)."""
+        i = self.index.get(file)
+        if i is None:
+            return None
+        with self._cv:
+            if i > self._position:
+                self._position = i
+                self._cv.notify_all()
+            while True:
+                if file in self._done:
+                    return self._done[file]
+                if self._failed is not None:
+                    failed, exc = self._failed
+                    if failed == file or self.index[failed] < i:
+                        raise exc  # a shard before this one failed: the run stops there
+                if self._stop:
+                    raise Cancelled(f"{file}: not fetched, the run is stopping")
+                if self._ended:  # pragma: no cover - the thread ends early only on a failure or a stop
+                    return None
+                self._cv.wait(timeout=0.5)
+
+    def stop(self) -> None:
+        """Cancel what is in flight and wait for the thread to end (idempotent)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=JOIN_S)
+            if self._thread.is_alive():  # pragma: no cover - a connection that sends nothing for minutes
+                log.warning("warning: a Hub download did not stop within %.0f s; leaving it to its timeout", JOIN_S)
+
+    def _cancelled(self) -> bool:
+        return self._stop
+
+    # --- the thread ----------------------------------------------------------------------------
+
+    def _may_start(self, i: int) -> bool:
+        if i <= self._position:
+            return True  # needed now: fetched whatever the room
+        if i > self._position + self.ahead:
+            return False
+        return self._room is None or self._room(self.order[i], self._position)
+
+    def _run(self) -> None:
+        try:
+            self._fetch_all()
+        finally:
+            with self._cv:
+                self._ended = True
+                self._cv.notify_all()
+
+    def _fetch_all(self) -> None:
+        for i, file in enumerate(self.order):
+            with self._cv:
+                # room() can turn true without a notification (a shard released, the output's files
+                # closed): look again every second.
+                while not self._stop and not self._may_start(i):
+                    self._cv.wait(timeout=1.0)
+                if self._stop:
+                    return
+                self._started = i + 1
+            try:
+                path = self._fetch(file, self._cancelled)
+            except Cancelled:
+                return
+            except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread by get()
+                with self._cv:
+                    self._failed = (file, exc)
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._done[file] = path
+                self._cv.notify_all()

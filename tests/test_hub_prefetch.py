@@ -1,0 +1,327 @@
+"""Hub shards fetched ahead of the conversion (fp4convert/prefetch.py), against the stand-in Hub.
+
+In process, through huggingface_hub's real download path (``hf_hub_download``) against
+``tests/hubserver.py`` with a throttled link; ``Source.local_path`` is wrapped to log when the run
+first asks for each shard (and to make the "conversion" of a shard take a while), and the server logs
+when each download begins and ends, on the one monotonic clock. The unit tests at the end drive
+:class:`~fp4convert.prefetch.Prefetcher` with a stand-in fetch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fp4convert import prefetch as pf
+from fp4convert.config import ConvertConfig
+from fp4convert.convert import convert, plan_conversion
+from fp4convert.errors import SourceError
+from fp4convert.hub import ShardReleaser
+from fp4convert.source import Source
+
+from . import checkpoints as ck
+
+REPO = "tiny-org/six-shards"
+COMMIT = hashlib.sha1(b"fp4convert prefetch test").hexdigest()
+N = 6
+SHARDS = [f"model-{i:05d}-of-{N:05d}.safetensors" for i in range(1, N + 1)]
+CFG = ConvertConfig(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("prefetch_model")
+    cfg = ck.llama_config(hidden=128, layers=N)
+    t = ck.llama_tensors(cfg, seed=4)
+    shards = [[n for n in t if n.startswith(f"model.layers.{i}.")] for i in range(N)]  # ~300 KB each
+    shards[0].append("model.embed_tokens.weight")
+    shards[-1] += ["model.norm.weight", "lm_head.weight"]
+    ck.write(root, t, cfg, shards)
+    return root
+
+
+@pytest.fixture(scope="module")
+def local_out(model, tmp_path_factory) -> dict[str, bytes]:
+    out = tmp_path_factory.mktemp("prefetch_local") / "out"
+    convert(str(model), out, CFG)
+    return ck.all_files(out)
+
+
+def online(monkeypatch, tmp_path: Path, model: Path, **options):
+    """A started FakeHub serving ``model`` as REPO that huggingface_hub (imported) talks to."""
+    from huggingface_hub import constants
+
+    from .hubserver import FakeHub
+
+    hub = FakeHub(lifetime=120, **options)
+    hub.add(REPO, model, COMMIT)
+    hub.start()
+    monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_PROGRESS_BARS", True)
+    return hub
+
+
+class Asks:
+    """Source.local_path wrapped: when each shard was first asked for; ``hold`` s of 'conversion' after."""
+
+    def __init__(self, monkeypatch, hold: float = 0.0) -> None:
+        self.first: dict[str, float] = {}
+        self.lock = threading.Lock()
+        original = Source.local_path
+
+        def local_path(source: Source, file: str) -> Path:
+            with self.lock:
+                new = file not in self.first
+                if new:
+                    self.first[file] = time.monotonic()
+            path = original(source, file)
+            if new and hold:
+                time.sleep(hold)
+            return path
+
+        monkeypatch.setattr(Source, "local_path", local_path)
+
+
+def downloads(hub) -> list:
+    return [r for r in hub.requests(server="cdn", method="GET") if r.range is None]
+
+
+def shard_outputs(files: dict[str, bytes]) -> dict[str, bytes]:
+    return {k: v for k, v in files.items() if k.endswith((".safetensors", ".index.json"))}
+
+
+def no_prefetch_thread() -> bool:
+    return not [t for t in threading.enumerate() if t.name == "fp4convert-prefetch"]
+
+
+def blobs(cache: Path) -> set[str]:
+    d = cache / ("models--" + REPO.replace("/", "--")) / "blobs"
+    return {p.name for p in d.iterdir()} if d.exists() else set()
+
+
+def test_shards_are_fetched_ahead_and_no_further(model, local_out, tmp_path, monkeypatch) -> None:
+    """Each shard is downloaded once, in order, before the run asks for it, but never more than AHEAD
+    shards beyond the one the run has reached; the output is the local folder's, byte for byte."""
+    hub = online(monkeypatch, tmp_path, model, rate=8e6)  # ~0.05 s a shard; "converting" one takes 0.8 s
+    asks = Asks(monkeypatch, hold=0.8)
+    try:
+        convert(REPO, tmp_path / "out", CFG)
+    finally:
+        hub.stop()
+    got = downloads(hub)
+    assert [r.file for r in got] == SHARDS and all(r.status == 200 for r in got)
+    assert shard_outputs(ck.all_files(tmp_path / "out")) == shard_outputs(local_out)
+    start = {r.file: r.started for r in got}
+    ask = [asks.first[s] for s in SHARDS]
+    for k in range(1, N):
+        assert start[SHARDS[k]] < ask[k], f"{SHARDS[k]} was not fetched ahead"
+    for k in range(pf.AHEAD + 1, N):
+        # The bound: shard k waits until the run reached shard k - AHEAD ...
+        assert start[SHARDS[k]] > ask[k - pf.AHEAD], f"{SHARDS[k]} fetched more than {pf.AHEAD} ahead"
+        # ... and no longer (the download then starts while shard k - AHEAD converts).
+        assert start[SHARDS[k]] < ask[k - pf.AHEAD + 1], f"{SHARDS[k]} not fetched {pf.AHEAD} ahead"
+    assert no_prefetch_thread()
+    assert hub.errors == []
+
+
+def test_delete_source_shards_holds_at_most_ahead_more(model, local_out, tmp_path, monkeypatch) -> None:
+    """--delete-source-shards: whenever a download begins, the cache holds only shards the run has
+    reached and not let go of, plus fewer than AHEAD beyond it; each shard leaves the cache after the
+    run last asked for it, all of them by the end; the output is unchanged."""
+    cache = tmp_path / "cache"
+    seen: list[tuple[str, float, set[str]]] = []
+    hub = online(monkeypatch, tmp_path, model, rate=8e6,
+                 on_full_get=lambda f: seen.append((f, time.monotonic(), blobs(cache))))
+    asks = Asks(monkeypatch, hold=0.4)
+    released: dict[str, float] = {}
+    original = ShardReleaser.release
+
+    def release(self, file: str) -> None:
+        original(self, file)
+        released[file] = time.monotonic()  # gone from the cache by now
+
+    monkeypatch.setattr(ShardReleaser, "release", release)
+    try:
+        source, plan, fmt = plan_conversion(REPO, CFG)
+        convert(source, tmp_path / "out", CFG, progress=ShardReleaser(source, plan), plan=(source, plan, fmt))
+    finally:
+        hub.stop()
+    assert shard_outputs(ck.all_files(tmp_path / "out")) == shard_outputs(local_out)
+    sha = {hashlib.sha256((model / s).read_bytes()).hexdigest(): s for s in SHARDS}
+    assert not blobs(cache) & set(sha) and sorted(released) == SHARDS
+    assert [f for f, _, _ in seen] == SHARDS
+    for file, t, present in seen:
+        reached = max((SHARDS.index(f) for f, at in asks.first.items() if at <= t), default=0)
+        held = [sha[b] for b in present if b in sha]
+        for f in held:  # reached and not released yet, or fetched ahead (within the window)
+            i = SHARDS.index(f)
+            assert i <= reached + pf.AHEAD and (i > reached or released.get(f, t + 1) > t), (file, held)
+        assert len([f for f in held if SHARDS.index(f) > reached]) < pf.AHEAD, (file, held, reached)
+    for f in SHARDS:
+        assert released[f] > asks.first[f]
+
+
+def test_a_failed_download_is_raised_where_the_shard_is_needed(model, tmp_path, monkeypatch) -> None:
+    """The third shard fails on the CDN: the run stops with the one-line error naming it (exit 4), after
+    converting what came before; nothing after it is fetched; no partial download or thread is left."""
+    hub = online(monkeypatch, tmp_path, model, rate=8e6, fail_full_get={SHARDS[2]: 500})
+    asks = Asks(monkeypatch, hold=0.2)
+    try:
+        with pytest.raises(SourceError) as e:
+            convert(REPO, tmp_path / "out", CFG)
+    finally:
+        hub.stop()
+    msg = str(e.value)
+    assert SHARDS[2] in msg and "500" in msg and "\n" not in msg and msg.startswith(REPO)
+    assert e.value.exit_code == 4
+    assert [r.file for r in downloads(hub)] == SHARDS[:3]
+    assert set(asks.first) >= set(SHARDS[:3]) and not set(asks.first) & set(SHARDS[3:])
+    assert not list((tmp_path / "cache").rglob("*.incomplete"))
+    assert no_prefetch_thread()
+
+
+def test_an_interrupted_run_cancels_the_download_in_flight(model, tmp_path, monkeypatch) -> None:
+    """Ctrl-C while a shard downloads ahead (slowly): the download stops part-way, huggingface_hub's
+    temporary file is gone, no thread is left; the shards already complete stay in the cache."""
+    from huggingface_hub import constants
+
+    from fp4convert import work
+
+    # huggingface_hub looks for cancellation once per chunk it reads (10 MB); these shards are 300 KB
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)
+    hub = online(monkeypatch, tmp_path, model, rate=0.15e6)  # 2 s a shard
+    original = work.quantize
+    calls = []
+
+    def interrupted(item, inputs, backend, release):
+        calls.append(1)
+        if len(calls) == 2:  # shard 1 converting; shard 2 on the way
+            raise KeyboardInterrupt
+        return original(item, inputs, backend, release)
+
+    monkeypatch.setattr(work, "quantize", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            convert(REPO, tmp_path / "out", CFG)
+        assert no_prefetch_thread()
+        wait_for(lambda: len(downloads(hub)) == 2)  # the server saw the client hang up
+    finally:
+        hub.stop()
+    size = {s: (model / s).stat().st_size for s in SHARDS}
+    got = downloads(hub)
+    assert [r.file for r in got] == SHARDS[:2]
+    assert got[0].sent == size[SHARDS[0]] and got[1].sent < size[SHARDS[1]], [(r.file, r.sent) for r in got]
+    assert not list((tmp_path / "cache").rglob("*.incomplete"))
+    sha = [hashlib.sha256((model / s).read_bytes()).hexdigest() for s in SHARDS[:2]]
+    assert sha[0] in blobs(tmp_path / "cache") and sha[1] not in blobs(tmp_path / "cache")
+
+
+# --- the Prefetcher alone -------------------------------------------------------------------------
+
+class Fetches:
+    """A stand-in fetch: logs starts, waits for ``gate`` (or cancellation), fails where told."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.started: list[str] = []
+        self.gate = threading.Event()
+        self.fail = fail
+        self.cancelled = False
+
+    def __call__(self, file: str, cancelled) -> Path:
+        self.started.append(file)
+        while not self.gate.wait(0.01):
+            if cancelled():
+                self.cancelled = True
+                raise pf.Cancelled(file)
+        if file == self.fail:
+            raise SourceError(f"org/m: cannot fetch {file} (HTTPError: 500)")
+        return Path("/cache") / file
+
+
+def wait_for(cond, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_window_is_ahead_files_beyond_the_position() -> None:
+    fetch = Fetches()
+    fetch.gate.set()
+    p = pf.Prefetcher(list("abcdef"), fetch, ahead=2)
+    try:
+        wait_for(lambda: len(fetch.started) == 3)
+        time.sleep(0.2)
+        assert fetch.started == list("abc")  # position 0: a, then two ahead
+        assert p.get("b") == Path("/cache/b")  # the run reaches b: d may come
+        wait_for(lambda: len(fetch.started) == 4)
+        time.sleep(0.2)
+        assert fetch.started == list("abcd")
+        assert p.get("f") == Path("/cache/f")  # a jump: everything up to f, in order
+        assert fetch.started == list("abcdef")
+        assert p.get("zz") is None  # not its file: the caller fetches it
+    finally:
+        p.stop()
+
+
+def test_no_room_means_no_fetch_ahead() -> None:
+    """room() refuses: only what the run has reached is fetched; it allows: the window fills."""
+    fetch = Fetches()
+    fetch.gate.set()
+    allowed = threading.Event()
+    p = pf.Prefetcher(list("abcd"), fetch, ahead=2, room=lambda f, pos: allowed.is_set())
+    try:
+        assert p.get("a") == Path("/cache/a")
+        time.sleep(0.3)
+        assert fetch.started == ["a"]
+        assert p.get("b") == Path("/cache/b")  # needed now: fetched regardless
+        time.sleep(0.3)
+        assert fetch.started == ["a", "b"]
+        allowed.set()
+        wait_for(lambda: len(fetch.started) == 4)  # polled: no notification needed
+    finally:
+        p.stop()
+
+
+def test_failure_raised_for_that_file_and_later_ones_only() -> None:
+    fetch = Fetches(fail="b")
+    fetch.gate.set()
+    p = pf.Prefetcher(list("abcd"), fetch, ahead=3)
+    try:
+        assert p.get("a") == Path("/cache/a")
+        for f in "bcd":
+            with pytest.raises(SourceError, match="cannot fetch b"):
+                p.get(f)
+        assert fetch.started == ["a", "b"]  # nothing after the failure
+    finally:
+        p.stop()
+
+
+def test_stop_cancels_the_fetch_in_flight_and_wakes_waiters() -> None:
+    fetch = Fetches()
+    p = pf.Prefetcher(list("ab"), fetch, ahead=1)
+    wait_for(lambda: fetch.started == ["a"])
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            p.get("a")
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.1)
+    p.stop()
+    t.join(5)
+    assert not t.is_alive() and isinstance(errors[0], pf.Cancelled)
+    assert fetch.cancelled and fetch.started == ["a"]
+    assert no_prefetch_thread()
