@@ -20,7 +20,7 @@ from fp4convert.convert import convert, plan_conversion
 from fp4convert.errors import OutputError
 from fp4convert.inspect import inspect_checkpoint
 from fp4convert.matrices import nonfinite_bytes
-from fp4convert.safetensors_io import StreamWriter
+from fp4convert.writer.shards import ShardFile
 from fp4convert.writer import destination, files, finish, record
 from fp4convert.writer.record import sample_digest
 
@@ -46,15 +46,14 @@ def test_progress_record_names_each_shard_before_its_rename(src, tmp_path, monke
     real = os.replace
     seen = []
 
-    def replace(a, b, *args, **kw):
-        b = Path(b)
-        if b.suffix == ".safetensors":
+    def replace(a, b, *args, **kw):  # renames inside DST: names relative to DST's descriptor
+        if Path(b).suffix == ".safetensors":
             state = json.loads((dst / PROGRESS).read_text())
-            rec = state["files"][b.name]  # already recorded ...
-            data = Path(a).read_bytes()
-            assert rec == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}  # ... with its checksum
-            assert not b.exists()
-            seen.append(b.name)
+            rec = state["files"][b]  # already recorded ...
+            data = (dst / a).read_bytes()
+            assert rec == {"chunked_sha256": ck.chunked_sha256(data), "size": len(data)}  # ... with its checksum
+            assert not (dst / b).exists()
+            seen.append(b)
         return real(a, b, *args, **kw)
 
     monkeypatch.setattr(os, "replace", replace)
@@ -64,15 +63,15 @@ def test_progress_record_names_each_shard_before_its_rename(src, tmp_path, monke
 
 def test_a_progress_record_exists_before_any_shard(src, tmp_path, monkeypatch) -> None:
     dst = tmp_path / "q"
-    real = StreamWriter.__init__
+    real = ShardFile.__init__
     checked = []
 
-    def init(self, path, *a, **k):
+    def init(self, where, name, *a, **k):
         assert (dst / PROGRESS).is_file()
-        checked.append(path.name)
-        return real(self, path, *a, **k)
+        checked.append(name)
+        return real(self, where, name, *a, **k)
 
-    monkeypatch.setattr(StreamWriter, "__init__", init)
+    monkeypatch.setattr(ShardFile, "__init__", init)
     convert(src, dst, cfg(max_shard_size=6000))
     assert checked
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..checksum import file_matches, record_problem
 from ..config import human_bytes
 from ..errors import OutputError
-from ..manifest import file_digest
 from ..names import FORMAT_FILES, INDEX_NAME, LOCK_NAME, MANIFEST_NAME, PART_RECORD, PARTIAL, PROGRESS_NAME, SHARD_PATTERN
 from ..safetensors_io import header_bytes
 from .files import contained, output_error, source_error, through_link, writing
@@ -213,8 +213,7 @@ def _owned(dst: Path, records: list[dict], files: list[str]) -> set[str]:
             return True
         p = dst / name
         try:
-            return (p.is_file() and not p.is_symlink() and p.stat().st_size == rec.get("size")
-                    and file_digest(p) == rec.get("sha256"))
+            return p.is_file() and not p.is_symlink() and record_problem(rec) is None and file_matches(p, rec)
         except OSError:
             return False
 
