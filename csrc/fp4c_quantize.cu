@@ -28,6 +28,8 @@ struct QuantArgs {
   int64_t n;          // elements per matrix (M * K)
   int64_t groups;     // ceil(n / GROUP)
   ScaleOut so;
+  const float* iw;    // input_weight fp32 [K] for the search rules' block error, or null
+  int64_t K;          // row length (the column of element e is e % K)
 };
 
 // NVFP4: gs of matrix b from its amax (reference.global_scale). The first thread of the matrix
@@ -62,9 +64,12 @@ __device__ __forceinline__ void fill_candidates(float2* rd, float gs) {
 // One group (raw data loaded): its two 16-element chunks (one if !full), rotated if ROT, scaled and
 // encoded. Out: codes[4] (16 bytes), the scale byte(s) (NVFP4: one per chunk; MXFP4: sb[0]).
 // Returns true when a block held NaN/Inf.
+// iw0 / iw1: the input weights of the group's first / second 16 elements (MXFP4: iw0, all 32), null
+// for the unweighted error; only the search rules read them.
 template <int DT, int FMT, bool ROT, int RULE>
 __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, float gs, const float2* rd,
-                                             uint32_t codes[4], uint32_t sb[2]) {
+                                             uint32_t codes[4], uint32_t sb[2], const float* iw0 = nullptr,
+                                             const float* iw1 = nullptr) {
   bool bad = false;
   if constexpr (FMT == FMT_NVFP4) {
 #pragma unroll
@@ -88,7 +93,7 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
         codes[2 * c + 1] = encode8(v + 8, r);
       } else {
         if constexpr (ROT) scale16(v, 0.25f);  // the errors need v = RN(0.25 u) itself
-        nvfp4_block_search<RULE>(v, gs, mb, rd, codes + 2 * c, sb[c]);
+        nvfp4_block_search<RULE>(v, gs, mb, rd, codes + 2 * c, sb[c], c == 0 ? iw0 : iw1);
       }
     }
   } else {
@@ -109,7 +114,7 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
         scale16(v, 0.25f);
         scale16(v + 16, 0.25f);
       }
-      mxfp4_block_mse<RULE == RULE_WMSE>(v, mb, codes, sb[0]);
+      mxfp4_block_mse<RULE == RULE_WMSE>(v, mb, codes, sb[0], iw0);
     } else {
       float r = mxfp4_scale(mb, sb[0]);
       if constexpr (RULE == RULE_ALT) {  // rceil: the exponent up where the block would saturate
@@ -157,7 +162,13 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_kernel(const QuantArgs a) {
     load_group<DT>(a.x + b * a.n * Elem<DT>::size, g, a.n, raw);
     const bool full = g * GROUP + GROUP <= a.n;  // else only the first 16 (NVFP4, n % 32 == 16)
     uint32_t codes[4], sb[2];
-    if (encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb)) *(volatile int*)(a.flag + b) = 1;
+    const float* iw0 = nullptr;
+    const float* iw1 = nullptr;
+    if (RULE != RULE_PLAIN && a.iw) {  // a 32-group may straddle two rows when K % 32 == 16 (NVFP4)
+      iw0 = a.iw + (g * GROUP) % a.K;
+      iw1 = a.iw + (g * GROUP + 16) % a.K;
+    }
+    if (encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb, iw0, iw1)) *(volatile int*)(a.flag + b) = 1;
     uint8_t* sp = a.so.base + b * a.so.mstride;
     if constexpr (FMT == FMT_NVFP4) {
       sp[2 * g] = (uint8_t)sb[0];
@@ -182,6 +193,7 @@ struct TileArgs {
   float* gs_out;
   int* flag;
   int64_t B, M, K, nb, nbp, mstride;
+  const float* iw;  // input_weight fp32 [K], or null
 };
 
 template <int DT, int FMT, bool ROT, int RULE>
@@ -214,7 +226,8 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs 
         for (int j = 0; j < Raw<DT>::NV; ++j)
           if (j < Raw<DT>::NV / 2 || full) raw.q[j] = ldg16(p + 16 * j);
         uint32_t codes[4], sb[2] = {0, 0};
-        bad |= encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb);
+        const float* iw0 = RULE != RULE_PLAIN && a.iw ? a.iw + kb * BS : nullptr;
+        bad |= encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb, iw0, iw0 ? iw0 + 16 : nullptr);
         if constexpr (FMT == FMT_NVFP4) {
           s2[0] = sb[0];
           s2[1] = full ? sb[1] : 0u;
@@ -266,9 +279,12 @@ cudaError_t launch_dt(const QuantArgs& a, const TileArgs& t, int rotate, int swi
 // 0 max / floor, 1 4over6 / rceil, 2 mse, 3 wmse. flag: int32 [B], zeroed by the caller (one memset for a
 // batch of launches, or a store into a mapped pinned flag); flag[b] is set to 1 if a block of matrix
 // b or its given amax holds NaN/Inf. One kernel launch.
-FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int swizzle, int scale_rule, int64_t B,
-                           int64_t M, int64_t K, const float* amax, float* gs, uint8_t* packed, uint8_t* scale,
-                           int* flag, void* stream) {
+// fp4c_quantize_iw: the same with input_weight (fp32 [K] on the device, finite and >= 0, checked by
+// the caller; null = fp4c_quantize): each search rule's block error weighted per input channel,
+// reference.nvfp4_quantize / mxfp4_quantize's input_weight. The plain rules ignore it.
+FP4C_API int fp4c_quantize_iw(const void* x, int dtype, int fmt, int rotate, int swizzle, int scale_rule, int64_t B,
+                              int64_t M, int64_t K, const float* amax, float* gs, uint8_t* packed, uint8_t* scale,
+                              int* flag, const float* input_weight, void* stream) {
   cudaStream_t st = (cudaStream_t)stream;
   const int bs = fmt == FMT_NVFP4 ? 16 : 32;
   if (B <= 0 || M < 0 || K < 0 || K % bs || (fmt != FMT_NVFP4 && fmt != FMT_MXFP4) ||
@@ -289,7 +305,10 @@ FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int sw
   a.n = n;
   a.groups = (n + GROUP - 1) / GROUP;
   a.so = make_scale_layout(scale, M, nb, swizzle);
+  a.iw = input_weight;
+  a.K = K;
   TileArgs t;
+  t.iw = input_weight;
   t.x = a.x;
   t.packed = packed;
   t.scale = scale;
@@ -313,4 +332,11 @@ FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int sw
     default: return FP4C_EINVAL;
   }
 #undef FP4C_Q
+}
+
+FP4C_API int fp4c_quantize(const void* x, int dtype, int fmt, int rotate, int swizzle, int scale_rule, int64_t B,
+                           int64_t M, int64_t K, const float* amax, float* gs, uint8_t* packed, uint8_t* scale,
+                           int* flag, void* stream) {
+  return fp4c_quantize_iw(x, dtype, fmt, rotate, swizzle, scale_rule, B, M, K, amax, gs, packed, scale, flag,
+                          nullptr, stream);
 }

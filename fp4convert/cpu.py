@@ -166,3 +166,82 @@ def quantize(
     if swizzle:
         scale = swizzle_scales(scale)
     return packed, scale, nonfinite
+
+
+# -- input-channel-weighted search rules (issue 22/24; self-contained so the rework above stays free) --
+
+def quantize_input_weighted(
+    x: torch.Tensor,
+    fmt: str,
+    gs: torch.Tensor | None,
+    rotate: str | None,
+    swizzle: bool,
+    scale_rule: str | None,
+    input_weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize` with each search rule's block error weighted per input channel.
+
+    ``input_weight`` fp32 [K] (finite, >= 0; reference.check_input_weight): the reference's
+    ``err = err + (e * e) * c_i`` in element order, on magnitudes like :func:`_block_error` (the
+    square of +-e is the same), so the bytes equal reference.nvfp4_quantize / mxfp4_quantize with
+    the same ``input_weight`` bit for bit. Rules without a search (max, floor, rceil) ignore it.
+    """
+    rule = ref.check_scale_rule(fmt, scale_rule)
+    b, m, k = x.shape
+    bs = ref.NVFP4_BLOCK if fmt == "nvfp4" else ref.MXFP4_BLOCK
+    iw = ref.check_input_weight(input_weight, k, bs)  # [nb, bs]
+    if rule in ("max", "floor", "rceil"):
+        return quantize(x, fmt, gs, rotate, swizzle, rule)
+    wmse = rule == "wmse"
+
+    def err(a: torch.Tensor, r: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        e = _e2m1_magnitude_(a * r[..., None])
+        e.mul_(d[..., None]).sub_(a)
+        if wmse:
+            e.mul_(a)
+        e.mul_(e).mul_(iw)
+        out = e[..., 0].clone()
+        for i in range(1, e.shape[-1]):
+            out.add_(e[..., i])
+        return out
+
+    packed = torch.empty(b, m, k // 2, dtype=torch.uint8)
+    scale = torch.empty(b, m, k // bs, dtype=torch.uint8)
+    nonfinite = torch.zeros((), dtype=torch.bool)
+    for i in range(b):
+        gsb = gs[i] if gs is not None else None
+        for r0, r1 in _chunks(m, k):
+            blocks = _prepared(x[i, r0:r1], rotate).reshape(r1 - r0, -1, bs)
+            a = blocks.abs()
+            bmax = a.amax(dim=-1)
+            nonfinite |= ~torch.isfinite(bmax).all()
+            if fmt == "nvfp4":
+                s = gsb * bmax
+                b6 = ref.e4m3_encode(torch.nan_to_num(s / ref.E2M1_MAX, nan=0.0))
+                b4 = ref.e4m3_encode(torch.nan_to_num(s / 4.0, nan=0.0))
+                best, best_err = b6, err(a, *_nvfp4_r_d(b6, gsb))
+                if rule == "4over6":
+                    sbits = torch.where(err(a, *_nvfp4_r_d(b4, gsb)) < best_err, b4, b6)
+                else:
+                    for c in (b4, (b6.to(torch.int32) - 1).clamp(min=0).to(torch.uint8)):
+                        e = err(a, *_nvfp4_r_d(c, gsb))
+                        take = (e < best_err) | ((e == best_err) & (c > best))
+                        best, best_err = torch.where(take, c, best), torch.where(take, e, best_err)
+                    sbits = best
+                sf = ref.e4m3_decode(sbits)
+                mult = torch.where(sf > 0, torch.clamp(gsb / sf, max=ref.FLT_MAX), torch.zeros_like(sf))
+            else:
+                ei = ref.e8m0_encode_from_bmax(bmax).to(torch.int32)
+                up = (ei + 1).clamp(max=ref.E8M0_MAX_EXP)
+                e0 = err(a, ref.pow2_f32(127 - ei), ref.pow2_f32(ei - 127))
+                e1 = err(a, ref.pow2_f32(127 - up), ref.pow2_f32(up - 127))
+                sbits = torch.where(e1 < e0, up, ei).to(torch.uint8)
+                mult = ref.pow2_f32(127 - sbits.to(torch.int32))
+            codes = ref.e2m1_encode((blocks * mult[..., None]).reshape(r1 - r0, k))
+            packed[i, r0:r1] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+            scale[i, r0:r1] = sbits
+    if fmt == "nvfp4":
+        scale = scale.view(torch.float8_e4m3fn)
+    if swizzle:
+        scale = swizzle_scales(scale)
+    return packed, scale, nonfinite

@@ -264,7 +264,8 @@ def _div(a: torch.Tensor, constant: float) -> torch.Tensor:
     return a / torch.full_like(a, constant)
 
 
-def block_error(blocks: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, weighted: bool = False) -> torch.Tensor:
+def block_error(blocks: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, weighted: bool = False,
+                input_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Squared error of each block [..., n] under decode step d [...], in CONTRACT.md's order.
 
     ``err = 0; for i in 0..n-1: e = value(code_i) * d - x_i; err = err + e * e``, every step one fp32
@@ -275,6 +276,12 @@ def block_error(blocks: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, weig
     err = err + f * f``, i.e. the squared error weighted by x_i^2. A weight's share of a layer's output
     error grows with its magnitude (large weights sit on the inputs that matter, and are few per
     block), and the model-level benchmark shows this measure choosing better scales than plain MSE.
+
+    ``input_weight`` (broadcastable to blocks, fp32, finite, >= 0): the weight of each element's
+    input channel, ``err = err + (e * e) * c_i``. A linear's output error is ``sum_j c_j * e_j^2``
+    summed over its rows when c_j is the mean square of input channel j (a diagonal model of the
+    activations); the model-level benchmark measures what this choice wins. ``None`` is the
+    unweighted error (a weight of exactly 1 gives the same bits: multiplying by 1 is exact).
     """
     vals = e2m1_decode(codes)
     err = torch.zeros(blocks.shape[:-1], dtype=_F32, device=blocks.device)
@@ -282,8 +289,28 @@ def block_error(blocks: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, weig
         e = vals[..., i] * d - blocks[..., i]
         if weighted:
             e = e * blocks[..., i]
-        err = err + e * e
+        sq = e * e
+        if input_weight is not None:
+            sq = sq * input_weight[..., i]
+        err = err + sq
     return err
+
+
+def check_input_weight(input_weight: torch.Tensor | None, k: int, block: int) -> torch.Tensor | None:
+    """The per-input-channel weights as fp32 [K/block, block] (broadcast over rows), or None.
+
+    Refused (QuantizationError) unless 1-D with K entries, finite and >= 0: a NaN weight would make
+    every candidate's error NaN and the choice arbitrary.
+    """
+    if input_weight is None:
+        return None
+    w = torch.as_tensor(input_weight)
+    if w.dim() != 1 or w.shape[0] != k or not w.is_floating_point():
+        raise QuantizationError(f"input_weight must be a float vector of K={k} entries, got {w.dtype} {tuple(w.shape)}")
+    w = w.to(_F32)
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise QuantizationError("input_weight must be finite and >= 0 (one mean square per input channel)")
+    return w.reshape(-1, block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,8 +328,10 @@ def nvfp4_candidate(blocks: torch.Tensor, gsb: torch.Tensor, c: torch.Tensor) ->
     return codes, sf / gsb
 
 
-def _nvfp4_choose(blocks: torch.Tensor, gsb: torch.Tensor, bmax: torch.Tensor, rule: str) -> torch.Tensor:
-    """The E4M3 scale byte of every block under ``rule`` (uint8 [...])."""
+def _nvfp4_choose(blocks: torch.Tensor, gsb: torch.Tensor, bmax: torch.Tensor, rule: str,
+                  input_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The E4M3 scale byte of every block under ``rule`` (uint8 [...]); ``input_weight`` [nb, 16]
+    weights the search rules' block error (:func:`block_error`)."""
     s = gsb * bmax
     b6 = e4m3_encode(_div(s, E2M1_MAX))  # today's scale: (gs * bmax) / 6
     if rule == "max":
@@ -312,7 +341,7 @@ def _nvfp4_choose(blocks: torch.Tensor, gsb: torch.Tensor, bmax: torch.Tensor, r
     weighted = rule == "wmse"
 
     def err(c: torch.Tensor) -> torch.Tensor:
-        return block_error(blocks, *nvfp4_candidate(blocks, gsb, c), weighted=weighted)
+        return block_error(blocks, *nvfp4_candidate(blocks, gsb, c), weighted=weighted, input_weight=input_weight)
 
     best, best_err = b6, err(b6)
     if rule == "4over6":
@@ -332,15 +361,20 @@ def nvfp4_quantize(
     global_amax: torch.Tensor | float | None = None,
     rotate: str | None = None,
     scale_rule: str | None = "max",
+    input_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[..., M, K] -> (packed uint8 [..., M, K/2], scale float8_e4m3fn [..., M, K/16], gs fp32 [...]).
 
     ``global_amax`` replaces each matrix's own amax (fused groups share it); it broadcasts against
     the leading dims. ``scale_rule`` picks each block's scale: "max" (E4M3(gs * bmax / 6)),
     "4over6", "mse" or "wmse" (docs/numerics.md); None is the default, DEFAULT_SCALE_RULE["nvfp4"].
+    ``input_weight`` (fp32 [K], >= 0): each input channel's weight in the search rules' block error
+    (the mean square of that input, or a data-free stand-in such as the feeding norm's gain squared),
+    in the quantized (rotated) domain. The rule ``max`` has no search and ignores it.
     """
     rule = check_scale_rule("nvfp4", scale_rule)
     check_shape(x, NVFP4_BLOCK)
+    iw = check_input_weight(input_weight, x.shape[-1], NVFP4_BLOCK)
     v = x.to(_F32)
     if rotate == "had16":
         v = had16(v)
@@ -358,7 +392,7 @@ def nvfp4_quantize(
     # 3. Block scale: s = (gs * bmax) / 6, then E4M3; a search rule may pick another byte.
     blocks = v.reshape(*v.shape[:-1], -1, NVFP4_BLOCK)
     bmax = blocks.abs().amax(dim=-1)
-    scale_bits = _nvfp4_choose(blocks, gsb, bmax, rule)
+    scale_bits = _nvfp4_choose(blocks, gsb, bmax, rule, iw)
     # 4-5. r = gs / sf (0 for a zero scale), then the elements.
     codes, _ = nvfp4_candidate(blocks, gsb, scale_bits)
     packed = pack_nibbles(codes.reshape(v.shape))
@@ -405,8 +439,10 @@ def mxfp4_candidate(blocks: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor
     return codes, pow2_f32(ci - 127)  # exact, subnormal for c = 0
 
 
-def _mxfp4_choose(blocks: torch.Tensor, bmax: torch.Tensor, rule: str) -> torch.Tensor:
-    """The E8M0 exponent of every block under ``rule`` (uint8 [...])."""
+def _mxfp4_choose(blocks: torch.Tensor, bmax: torch.Tensor, rule: str,
+                  input_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The E8M0 exponent of every block under ``rule`` (uint8 [...]); ``input_weight`` [nb, 32] as
+    in _nvfp4_choose."""
     e = e8m0_encode_from_bmax(bmax)  # OCP floor rule
     if rule == "floor":
         return e
@@ -415,29 +451,32 @@ def _mxfp4_choose(blocks: torch.Tensor, bmax: torch.Tensor, rule: str) -> torch.
         saturates = bmax * pow2_f32(127 - e.to(torch.int32)) > E2M1_MAX  # exact scaling, then compare
         return torch.where(saturates, up, e)
     weighted = rule == "wmse"
-    err_e = block_error(blocks, *mxfp4_candidate(blocks, e), weighted=weighted)
-    err_up = block_error(blocks, *mxfp4_candidate(blocks, up), weighted=weighted)
+    err_e = block_error(blocks, *mxfp4_candidate(blocks, e), weighted=weighted, input_weight=input_weight)
+    err_up = block_error(blocks, *mxfp4_candidate(blocks, up), weighted=weighted, input_weight=input_weight)
     return torch.where(err_up < err_e, up, e)  # ties keep the floor exponent
 
 
 def mxfp4_quantize(
-    x: torch.Tensor, rotate: str | None = None, scale_rule: str | None = "floor"
+    x: torch.Tensor, rotate: str | None = None, scale_rule: str | None = "floor",
+    input_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., M, K] -> (packed uint8 [..., M, K/2], scale uint8 E8M0 [..., M, K/32]).
 
     ``scale_rule``: "floor" (OCP), "rceil" (one exponent up when the block would saturate), "mse"
     (floor or floor + 1, the lower block error) or "wmse" (the same with the x^2-weighted error); None
-    is the default, DEFAULT_SCALE_RULE["mxfp4"].
+    is the default, DEFAULT_SCALE_RULE["mxfp4"]. ``input_weight``: as in nvfp4_quantize (``floor`` and
+    ``rceil`` have no search and ignore it).
     """
     rule = check_scale_rule("mxfp4", scale_rule)
     check_shape(x, MXFP4_BLOCK)
+    iw = check_input_weight(input_weight, x.shape[-1], MXFP4_BLOCK)
     v = x.to(_F32)
     if rotate == "had16":
         v = had16(v)
     blocks = v.reshape(*v.shape[:-1], -1, MXFP4_BLOCK)
     bmax = blocks.abs().amax(dim=-1)
     _check_finite(bmax)
-    e = _mxfp4_choose(blocks, bmax, rule)
+    e = _mxfp4_choose(blocks, bmax, rule, iw)
     codes, _ = mxfp4_candidate(blocks, e)
     return pack_nibbles(codes.reshape(v.shape)), e
 

@@ -80,6 +80,33 @@ def test_layerwise_amax_equals_the_whole_model_run_normally(models, family):
         assert torch.equal(got[name], want[name]), name
 
 
+def test_mean_squares_equal_the_whole_model_run_normally(models):
+    """E[x_j^2] per linear input (the input_weight of the weight scale rules), layer by layer, equals
+    the whole model's, in fp64 rounded to bf16 the same way; micro-batching does not change it."""
+    import transformers as tf
+
+    tokens = torch.randint(3, 98, (5, 24), generator=torch.Generator().manual_seed(3))
+    lm = calibrate.LayerwiseModel(open_source(str(models["llama"])), torch.device("cpu"))
+    got: dict[str, torch.Tensor] = {}
+    calibrate.layerwise_amax(lm, tokens, micro_batch=2, mean_square=got)
+    model = tf.AutoModelForCausalLM.from_pretrained(str(models["llama"]), dtype=torch.float32).eval()
+    xs: dict[str, list] = {}
+    for n, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and n != "lm_head":
+            m.register_forward_pre_hook(lambda _m, a, _n=n: xs.setdefault(_n, []).append(a[0].detach()))
+    with torch.no_grad():
+        model(tokens)
+    assert set(got) == set(xs) and len(xs) == 14
+    for n, parts in xs.items():
+        x = torch.cat(parts).reshape(-1, parts[0].shape[-1]).double()
+        want = (x * x).mean(0).to(torch.bfloat16).float()
+        assert got[n].shape == want.shape and got[n].dtype == torch.float32
+        # layer-wise and whole-model fp32 activations can differ in the last bit; bf16 absorbs that
+        # except on a rounding boundary: at most one bf16 step apart
+        assert torch.allclose(got[n], want, rtol=2.0**-7, atol=0.0), n
+        assert bool((got[n] > 0).all()), n
+
+
 def test_lm_head_input_is_the_final_norm_output(models):
     tokens = torch.randint(3, 98, (2, 16), generator=torch.Generator().manual_seed(2))
     lm = calibrate.LayerwiseModel(open_source(str(models["llama"])), torch.device("cpu"))
@@ -223,3 +250,14 @@ def test_peak_rss_is_flat_in_layer_count(tmp_path):
     """Real process peak RSS: 16 layers of 13.6 MB (fp32) each would add ~200 MB if they accumulated."""
     rss = {n: peak_rss(_deep(tmp_path / f"r{n}", n, hidden=512, inter=1536)) for n in (2, 16)}
     assert rss[16] < rss[2] * 1.05 + (32 << 20), rss
+
+
+def test_random_tokens_are_seeded_uniform_ids_in_the_vocabulary():
+    a = calibrate.random_tokens(50, 3, 40, seed=7)
+    assert a.shape == (3, 40) and a.dtype == torch.long
+    assert int(a.min()) >= 0 and int(a.max()) < 50
+    assert torch.equal(a, calibrate.random_tokens(50, 3, 40, seed=7))
+    assert not torch.equal(a, calibrate.random_tokens(50, 3, 40, seed=8))
+    assert len(set(a.reshape(-1).tolist())) > 40  # spread over the vocabulary, not a constant
+    with pytest.raises(Exception, match="random calibration tokens"):
+        calibrate.random_tokens(0, 1, 1)

@@ -598,3 +598,89 @@ def test_public_api_glue_and_python_paths_agree_with_reference(path, dev, monkey
         bad.view(-1)[bad.numel() // 2] = float("nan")
         with pytest.raises(NonFiniteError):
             fp4convert.quantize(bad.to(dev), fmt, global_amax=None if a is None else a.to(dev), backend="cuda", **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input-channel-weighted search rules (fp4c_quantize_iw; reference input_weight)
+# ---------------------------------------------------------------------------------------------
+
+def _quantize_iw(x: torch.Tensor, fmt: str, rotate, swizzle: bool, rule: str, iw: torch.Tensor | None):
+    """fp4c_quantize_iw called directly (the Python ops layer does not pass input_weight yet)."""
+    import ctypes
+
+    lib = ops._lib(x.device)
+    c_i64, c_int, c_ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.fp4c_quantize_iw.restype = c_int
+    lib.fp4c_quantize_iw.argtypes = [c_ptr, c_int, c_int, c_int, c_int, c_int, c_i64, c_i64, c_i64, c_ptr, c_ptr,
+                                     c_ptr, c_ptr, c_ptr, c_ptr, c_ptr]
+    b, m, k = x.shape
+    nb = k // BLOCK[fmt]
+    rows, cols = ops.padded(m, nb) if swizzle else (m, nb)
+    packed = _poisoned((b, m, k // 2), torch.uint8, x.device)
+    scale = _poisoned((b, rows, cols), torch.uint8, x.device)
+    flag = torch.zeros(b, dtype=torch.int32, device=x.device)
+    amax = gs = None
+    if fmt == "nvfp4":
+        amax = ref.tensor_amax(x.cpu(), rotate).to(x.device)
+        gs = torch.empty(b, dtype=torch.float32, device=x.device)
+    code = lib.fp4c_quantize_iw(x.data_ptr(), ops._DTYPES[x.dtype], ops._FMTS[fmt], int(rotate == "had16"),
+                                int(swizzle), RULES[fmt].index(rule), b, m, k, ops._ptr(amax), ops._ptr(gs),
+                                packed.data_ptr(), scale.data_ptr(), flag.data_ptr(), ops._ptr(iw),
+                                ops._stream(x.device))
+    assert code == 0, lib.fp4c_error_string(code).decode()
+    torch.cuda.synchronize()
+    return packed.cpu(), scale.cpu(), None if gs is None else gs.cpu(), flag.cpu()
+
+
+def _input_weight(k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.exp(2.0 * torch.randn(k, generator=g))
+    w[: min(3, k)] = 0.0
+    w[k // 2] = 1e30  # overflowing products: inf, the same everywhere
+    return w
+
+
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+@pytest.mark.parametrize("rotate", [None, "had16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt,rule", SCHEME_RULES, ids=[f"{s}-{r}" for s, r in SCHEME_RULES])
+def test_quantize_input_weighted_bit_exact(fmt, rule, dtype, rotate, layout, dev) -> None:
+    """fp4c_quantize_iw = reference.*_quantize(input_weight=...) for every rule, shape (rows that
+    straddle a 32-group when K % 32 == 16), input kind and layout; a null weight = fp4c_quantize."""
+    swz = layout == "swizzled"
+    for shape in SHAPES:
+        b, m, k = shape
+        if k % BLOCK[fmt]:
+            continue
+        for kind in KINDS:
+            seed = _seed()
+            ctx = f"shape={shape} kind={kind} seed={seed}"
+            x = make_input(kind, fmt, shape, dtype, rotate, seed)
+            iw = _input_weight(k, seed)
+            if fmt == "nvfp4":
+                want_p, want_s, want_gs = ref.nvfp4_quantize(x, None, rotate, rule, input_weight=iw)
+            else:
+                (want_p, want_s), want_gs = ref.mxfp4_quantize(x, rotate, rule, input_weight=iw), None
+            if swz:
+                want_s = swizzle_scales(want_s)
+            p, s, gs, flag = _quantize_iw(x.to(dev), fmt, rotate, swz, rule, iw.to(dev))
+            assert flag.tolist() == [0] * b, ctx
+            assert torch.equal(p, want_p), ctx
+            assert torch.equal(_bits(s), _bits(want_s)), ctx
+            if fmt == "nvfp4":
+                assert torch.equal(_bits(gs), _bits(want_gs)), ctx
+            # null input_weight: the unweighted bytes
+            p0, s0, _, _ = _quantize_iw(x.to(dev), fmt, rotate, swz, rule, None)
+            want0 = _ref(x, fmt, rotate, rule, swz)
+            assert torch.equal(p0, want0[0]) and torch.equal(_bits(s0), _bits(want0[1])), ctx
+
+
+def test_input_weight_golden_choice(dev) -> None:
+    """The 4over6 golden case of tests/test_reference_input_weight.py on the device: a zero weight on
+    the 5's channel turns the /4 choice (0x3C) into /6 (0x38)."""
+    row = torch.tensor([[[2688.0] + [0.0] * 15 + [6.0, 5.0] + [0.0] * 14]], device=dev)
+    w = torch.ones(32)
+    _, s1, _, _ = _quantize_iw(row, "nvfp4", None, False, "4over6", w.to(dev))
+    w[17] = 0.0
+    _, s0, _, _ = _quantize_iw(row, "nvfp4", None, False, "4over6", w.to(dev))
+    assert s1.view(torch.uint8)[0, 0, 1].item() == 0x3C and s0.view(torch.uint8)[0, 0, 1].item() == 0x38
