@@ -282,6 +282,44 @@ def test_lock_file_of_a_dead_run_is_taken_over(src, tmp_path) -> None:
     assert not (dst / LOCK).exists()
 
 
+@pytest.mark.parametrize("flag", ["--resume", "--overwrite"])
+def test_a_run_killed_in_its_first_progress_write_can_be_resumed_or_overwritten(src, tmp_path, flag) -> None:
+    """A run killed while writing its first progress record leaves only .fp4convert-progress.json.partial
+    (and the lock); no record lists it, yet it is ours by name: --resume and --overwrite refused the
+    folder (exit 5, 'holds files fp4convert did not write'; test_crash's kill-and-resume test failed 1 run
+    in 20 on this). From the issue-23 campaign."""
+    from click.testing import CliRunner
+
+    from fp4convert.cli import main
+
+    ref = tmp_path / "ref"
+    convert(src, ref, cfg())
+    dst = tmp_path / "q"
+    dst.mkdir()
+    (dst / LOCK).write_text("12345\n")
+    (dst / (PROGRESS + ".partial")).write_text('{"identity": {"a"')  # cut mid-write
+    r = CliRunner().invoke(main, ["quantize", str(src), str(dst), flag, "--device", "cpu", "-q"])
+    assert r.exit_code == 0, r.output
+    assert ck.all_files(dst) == ck.all_files(ref)
+
+
+def test_a_stale_lock_that_is_a_hard_link_is_not_written_through(src, tmp_path) -> None:
+    """A stale DST/.fp4convert.lock that is a hard link to a file outside DST was truncated and given the
+    pid (O_NOFOLLOW stops symlinks only). From the issue-23 campaign."""
+    from click.testing import CliRunner
+
+    from fp4convert.cli import main
+
+    dst = tmp_path / "q"
+    dst.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    os.link(victim, dst / LOCK)
+    r = CliRunner().invoke(main, ["quantize", str(src), str(dst), "--device", "cpu", "-q"])
+    assert victim.read_text() == "precious\n"
+    assert r.exit_code in (0, 5) and "Traceback" not in r.output, r.output
+
+
 def test_containment_uses_resolved_paths(src, tmp_path) -> None:
     link = tmp_path / "alias"
     link.symlink_to(src, target_is_directory=True)
