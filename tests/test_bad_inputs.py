@@ -17,6 +17,7 @@ import os
 import pathlib
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -780,16 +781,15 @@ def io_error_reading_source(c: Ctx) -> None:
 
 @case
 def source_unreadable_while_copying(c: Ctx) -> None:
-    import fp4convert.writer.shards as shards
+    real_open = os.open
 
-    real_open = open
-
-    def deny(path, *a, **k):
-        if str(path).endswith("model-00003-of-00003.safetensors") and Path(path).is_relative_to(c.src):
+    def deny(path, *a, **k):  # only the writer's open of a kept tensor's source file (the reader's still works)
+        if sys._getframe(1).f_globals.get("__name__") == "fp4convert.writer.shards" \
+                and str(path).endswith("model-00003-of-00003.safetensors") and Path(path).is_relative_to(c.src):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real_open(path, *a, **k)
 
-    c.mp.setattr(shards, "open", deny, raising=False)
+    c.mp.setattr(os, "open", deny)
     expect(quantize(c, c.tmp / "q"), 4, "model-00003-of-00003.safetensors", "Permission denied")
 
 
