@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # Identity keys kept in the progress record only: the manifest of a copied or touched source stays the same.
 PROGRESS_ONLY = ("source_mtimes", "source_sha256")
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: weight shards recorded with chunked_sha256 (docs/formats.md); 1: sha256 only
 
 
 def file_digest(path: Path, chunk: int = 16 << 20) -> str:

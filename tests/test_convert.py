@@ -229,7 +229,7 @@ def test_manifest(llama_src, llama_out) -> None:
 
     dst, res = llama_out
     m = json.loads((dst / "fp4convert.json").read_text())
-    assert m["manifest_version"] == 1 and m["producer"] == {"name": "fp4convert", "version": fp4convert.__version__}
+    assert m["manifest_version"] == 2 and m["producer"] == {"name": "fp4convert", "version": fp4convert.__version__}
     assert m["format"] == "fp4convert" and m["scheme"] == "nvfp4" and m["rotate"] is None
     assert m["block_size"] == 16 and m["scale_layout"] == "128x4"
     assert m["settings"]["scheme"] == "nvfp4" and m["settings"]["max_shard_size"] == 6000
