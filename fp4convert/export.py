@@ -7,13 +7,13 @@ scale, or ModelOpt's 1/gs). The bytes equal a direct ``quantize --format TARGET`
 
 from __future__ import annotations
 
-import hashlib
 import os
 import resource
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from . import checksum
 from .config import ConvertConfig
 from .distributed import World
 from .errors import CheckpointFormatError, ConfigError
@@ -153,12 +153,7 @@ def verify_files(root: Path, manifest: dict, weight_files: list[str], progress=N
             if size != rec["size"]:
                 raise CheckpointFormatError(f"{path}: {size} bytes, the manifest records {rec['size']}; the native "
                                             "checkpoint is corrupted: re-create it with fp4convert quantize")
-            h = hashlib.sha256()
-            while block := f.read(16 << 20):
-                h.update(block)
-                if progress is not None:
-                    progress.update(len(block))
-            if h.hexdigest() != rec["sha256"]:
+            if not checksum.matches(f, rec, progress):
                 raise CheckpointFormatError(f"{path}: sha256 differs from the manifest; the native checkpoint is "
                                             "corrupted: re-create it with fp4convert quantize")
 

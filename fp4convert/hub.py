@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from .checksum import matches, record_problem
 from .errors import ConfigError, OutputError, PushError, SourceError
 from .manifest import MANIFEST_NAME, PROGRESS_NAME, file_digest
 from .modelcard import CARD_NAME, PLACEHOLDER, build_card
@@ -91,8 +92,7 @@ def load_push_manifest(folder: Path) -> dict:
             check_relative(name, f"{MANIFEST_NAME}: file")
         except SourceError as exc:
             raise PushError(f"{exc}; nothing pushed") from None
-        if name == MANIFEST_NAME or not isinstance(rec, dict) or not isinstance(rec.get("sha256"), str) \
-                or not isinstance(rec.get("size"), int):
+        if name == MANIFEST_NAME or record_problem(rec):
             raise PushError(f"{folder / MANIFEST_NAME}: the record of {name!r} is malformed; nothing pushed")
     return manifest
 
@@ -100,8 +100,6 @@ def load_push_manifest(folder: Path) -> dict:
 def verify_listed_files(folder: Path, manifest: dict) -> list[str]:
     """Every file the manifest lists: a regular file inside ``folder`` (no symlink on the way) whose size
     and sha256 are the recorded ones. Returns the names; a file that differs is a PushError naming it."""
-    import hashlib
-
     names = sorted(manifest["files"])
     for name in names:
         rec = manifest["files"][name]
@@ -110,10 +108,8 @@ def verify_listed_files(folder: Path, manifest: dict) -> list[str]:
             if size != rec["size"]:
                 raise PushError(f"{folder / name} differs from {MANIFEST_NAME} (size {size}, recorded "
                                 f"{rec['size']}); nothing pushed: re-create the output or restore the file")
-            h = hashlib.sha256()
-            while block := fh.read(16 << 20):
-                h.update(block)
-        if h.hexdigest() != rec["sha256"]:
+            same = matches(fh, rec)
+        if not same:
             raise PushError(f"{folder / name} differs from {MANIFEST_NAME} (sha256); nothing pushed: re-create the "
                             "output or restore the file")
     return names

@@ -15,7 +15,6 @@ The verdict is ``ok`` (every check passed), ``failed`` (the report lists why) or
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import math
 import os
 import re
@@ -23,6 +22,7 @@ from collections import defaultdict
 
 import torch
 
+from . import checksum
 from .config import human_bytes
 from .errors import SourceError
 from .formats import all_formats, get_format, quantized_tensor_names
@@ -302,7 +302,7 @@ def _check_files(source: Source, manifest: dict | None, layout: CheckpointLayout
             if size != rec["size"]:
                 problems.append(f"{rel}: size {size}, manifest says {rec['size']}")
                 bad += 1
-            elif full and _digest(f, progress=progress) != rec["sha256"]:
+            elif full and not checksum.matches(f, rec, progress):
                 problems.append(f"{rel}: sha256 differs from {MANIFEST_NAME}")
                 bad += 1
     for rel in _walk(source.root):
@@ -334,15 +334,6 @@ def _small_text(source: Source, rel: str, limit: int = 16 << 20) -> str:
         return read_regular_file(source.root / rel, limit).decode("utf-8", errors="replace")
     except OSError:
         return ""
-
-
-def _digest(f, chunk: int = 16 << 20, progress=None) -> str:
-    h = hashlib.sha256()
-    while block := f.read(chunk):
-        h.update(block)
-        if progress is not None:
-            progress.update(len(block))
-    return h.hexdigest()
 
 
 def _add_total(progress, n: int) -> None:

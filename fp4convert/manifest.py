@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 # Identity keys kept in the progress record only: the manifest of a copied or touched source stays the same.
 PROGRESS_ONLY = ("source_mtimes", "source_sha256")
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: weight shards recorded with chunked_sha256 (docs/formats.md); 1: sha256 only
 
 
 def file_digest(path: Path, chunk: int = 16 << 20) -> str:
@@ -160,7 +160,7 @@ _TENSOR = _Obj({
     "amax": _Missing(_Scales()),
     "matrices": _Missing(_MapOf(_MATRIX)),
 })
-_FILE = _Obj({"sha256": str, "size": "size"})
+_FILE = "file"  # size and a checksum: fp4convert.checksum.record_problem
 _SOURCE_RECORD = _Obj({"type": _Missing(_Opt(str)), "files": _Missing(_MapOf(dict))})
 SCHEMA = _Obj({
     "manifest_version": int,
@@ -207,6 +207,10 @@ def _check(v: object, spec: object, where: str) -> str | None:
         return None if type(v) is spec else f"{where} is {_json_kind(v)}, not {_KIND[spec]}"
     if spec == "size":
         return None if type(v) is int and v >= 0 else f"{where} is {_json_kind(v)}, not a size in bytes"
+    if spec == "file":
+        from .checksum import record_problem
+
+        return None if (why := record_problem(v)) is None else f"{where} {why}"
     if spec in ("format", "scheme"):
         from .formats import OUTPUT_FORMATS
         from .scheme import SCHEMES

@@ -8,8 +8,9 @@ record. The loop calls down, never up:
 1. the destination is prepared once (rank 0: refuse / ``--overwrite`` / ``--resume``, the lock);
 2. every part walks the plan's units in order: a unit a resume finished is only counted; for any
    other, its :class:`~fp4convert.work.Work` (a reader and a backend for a conversion) gives the
-   unit's records and its write job, which the part's writer thread runs against the passive
-   :class:`~fp4convert.writer.shards.ShardSet`;
+   unit's records and its write job (a kept copy: its pieces), which the part's writer threads run
+   side by side against the passive :class:`~fp4convert.writer.shards.ShardSet` (every byte goes to
+   the offset the plan gave it, so the order they finish in never matters);
 3. a part that fails stops the others at their next unit (lanes: an event; ranks: the rendezvous
    store) and the run raises the first error once all stopped; finished shards stay for ``--resume``;
 4. once every part is done, the parts' records are merged into one and the finish writes the other
@@ -245,7 +246,7 @@ def _gather(world: World, states: list[dict], error: BaseException | None) -> li
 
 def _run_part(job: Job, part: Part, work: Work, done: dict, progress: Progress,
               tells: Callable[[list[Decision]], bool], check: Callable[[], None]) -> dict:
-    """One part: every unit in plan order, its writes on the part's writer thread; returns its record."""
+    """One part: every unit in plan order, its writes on the part's writer threads; returns its record."""
     from .writer.shards import ShardSet
 
     plan = job.plan
@@ -272,12 +273,15 @@ def _run_part(job: Job, part: Part, work: Work, done: dict, progress: Progress,
             if id(unit) in pending_ids:
                 check()
                 records, write = work.unit(unit)
-                if write is not None:
+                if isinstance(write, list):  # a kept copy's pieces: independent, holding nothing until they run
+                    for piece in write:
+                        behind.submit(functools.partial(piece, shards), held=False)
+                elif write is not None:
                     behind.submit(functools.partial(write, shards))
                 record.units_done(records)
             if tells(unit):
-                # Progress follows the unit's writes (on the writer thread): a Hub source shard it lets go
-                # of (--delete-source-shards) has then been read for the last time.
+                # Progress follows the unit's writes and every write before them: a Hub source shard it
+                # lets go of (--delete-source-shards) has then been read for the last time.
                 behind.submit(functools.partial(progress, n), light=True)
             if id(unit) in pending_ids:
                 step()

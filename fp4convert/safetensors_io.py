@@ -1,8 +1,9 @@
-"""The safetensors file format at the byte level: strict header parsing, raw reads and a streaming writer.
+"""The safetensors file format at the byte level: strict header parsing, raw reads, output headers.
 
 We read and write the format ourselves rather than through ``safetensors.torch`` for two reasons:
-planning needs only the JSON header (never the data), and a shard of several GB must be written
-one tensor at a time so that host memory stays bounded. The layout is the documented one: an
+planning needs only the JSON header (never the data), and a shard of several GB is written tensor by
+tensor at offsets its header fixed in advance (:mod:`fp4convert.writer.shards`), so that host memory
+stays bounded. The layout is the documented one: an
 8-byte little-endian header length, a JSON header of ``name -> {dtype, shape, data_offsets}``
 (and an optional ``__metadata__``), then the tensor bytes back to back.
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
-import hashlib
 import itertools
 import json
 import math
@@ -30,15 +30,11 @@ import os
 import re
 import stat
 import struct
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING
 
-from . import stages
 from .errors import CheckpointFormatError, NotRegularFile
 
 if TYPE_CHECKING:
@@ -529,17 +525,6 @@ def read_tensor(path: Path, info: TensorInfo) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(info.shape)
 
 
-def copy_range(src: BinaryIO, dst, begin: int, n: int, chunk: int = 16 << 20) -> None:
-    """Copy n bytes at offset begin, in chunks (kept tensors never sit whole in memory)."""
-    src.seek(begin)
-    while n:
-        block = src.read(min(chunk, n))
-        if not block:
-            raise CheckpointFormatError("unexpected end of file while copying a tensor")
-        dst.write(block)
-        n -= len(block)
-
-
 @dataclass(frozen=True)
 class OutEntry:
     """One tensor of an output file: its name, dtype and shape are known before any data exists."""
@@ -573,142 +558,6 @@ def header_bytes(entries: list[OutEntry], metadata: dict[str, str] | None = None
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
-
-
-_OVERLAP_BYTES = 1 << 20  # chunks from here up are hashed from the caller's buffer (smaller ones are copied)
-HASH_BACKLOG = 256 << 20  # bytes written but not yet hashed, over all files: the memory hashing may hold
-
-
-class _Backlog:
-    """A byte budget shared by every file's hasher: writers wait once this much awaits hashing."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.used = limit, 0
-        self._cv = threading.Condition()
-
-    def take(self, n: int) -> None:
-        n = min(n, self.limit)
-        with self._cv:
-            while self.used and self.used + n > self.limit:
-                self._cv.wait()
-            self.used += n
-
-    def give(self, n: int) -> None:
-        with self._cv:
-            self.used -= min(n, self.limit)
-            self._cv.notify_all()
-
-
-_backlog = _Backlog(HASH_BACKLOG)
-
-
-class StreamWriter:
-    """Writes one safetensors file tensor by tensor, in the order its header fixed in advance.
-
-    The data goes to ``<name>.partial`` and is renamed into place only by :meth:`close`, so an
-    interrupted run never leaves a file that looks finished. Every byte is hashed on the way (no
-    second read) by the file's own hasher thread: sha256 is sequential within a file and slower
-    than writing on some hosts (1.0 GB/s against 1.5 GB/s on the H100 machine), so files hash side
-    by side while the writer moves on; at most ``HASH_BACKLOG`` bytes wait, over all files.
-    """
-
-    def __init__(self, path: Path, entries: list[OutEntry], metadata: dict[str, str] | None = None) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.path = path
-        self.partial = path.with_name(path.name + ".partial")
-        self._entries = entries
-        self._next = 0
-        self._sha256 = hashlib.sha256()
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="fp4convert-sha256")
-        self._last = None  # the newest queued hash (or close) job
-        self.size = 0
-        self._f = open(self.partial, "wb")
-        self.write(header_bytes(entries, metadata))
-
-    def _hash(self, data, n: int, owner: object) -> None:  # owner: held until hashed
-        try:
-            with stages.timed("hash"):
-                self._sha256.update(data)
-        finally:
-            _backlog.give(n)
-
-    def write(self, data: bytes | memoryview, owner: object = None) -> None:
-        """Write ``data`` now and queue it for hashing. A large chunk is hashed from the caller's
-        buffer, so the caller must not reuse it (``owner``: what keeps its memory alive, e.g. the
-        tensor behind a raw view); a small one is copied."""
-        n = len(data)
-        if not n:
-            return
-        t0 = time.perf_counter()
-        self._f.write(data)
-        t1 = time.perf_counter()
-        _backlog.take(n)
-        stages.add("write", t1 - t0)
-        stages.add("hash_backlog_wait", time.perf_counter() - t1)  # hashing fell HASH_BACKLOG behind
-        chunk = data if n >= _OVERLAP_BYTES else bytes(data)
-        self._last = self._hasher.submit(self._hash, chunk, n, owner)
-        self.size += n
-
-    def then(self, fn: Callable[[str], None]):
-        """Run ``fn(sha256 hex digest)`` on this file's hasher thread once every queued hash is done
-        (no more writes may follow); returns its future."""
-        return self._hasher.submit(lambda: fn(self._sha256.hexdigest()))
-
-    def digest(self) -> str:
-        """sha256 of everything written (waits for the hasher; not from the hasher thread itself)."""
-        if self._last is not None:
-            self._last.result()
-        return self._sha256.hexdigest()
-
-    @property
-    def complete(self) -> bool:
-        return self._next == len(self._entries)
-
-    def _expect(self, name: str, nbytes: int) -> None:
-        if self._next >= len(self._entries):
-            raise RuntimeError(f"{self.path.name}: unexpected tensor {name!r} after the last one")
-        e = self._entries[self._next]
-        if e.name != name or e.nbytes != nbytes:
-            raise RuntimeError(f"{self.path.name}: got {name!r} ({nbytes} B), the plan says {e.name!r} ({e.nbytes} B)")
-        self._next += 1
-
-    def write_tensor(self, name: str, t: torch.Tensor) -> None:
-        t = t.detach().to("cpu").contiguous()
-        nbytes = t.numel() * t.element_size()
-        self._expect(name, nbytes)
-        if nbytes:
-            self.write(tensor_memoryview(t), owner=t)
-
-    def write_bytes(self, name: str, data: bytes | memoryview, owner: object = None) -> None:
-        """A tensor given as its raw bytes (the torch-free CUDA path)."""
-        self._expect(name, len(data))
-        self.write(data, owner)
-
-    def copy_raw(self, name: str, src: Path, info: TensorInfo) -> None:
-        self._expect(name, info.nbytes)
-        with open(src, "rb") as f:
-            copy_range(f, self, info.begin, info.nbytes)
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def close(self) -> None:
-        """fsync, then rename into place (all written and hashed first)."""
-        if self._next != len(self._entries):
-            raise RuntimeError(f"{self.path.name}: closed after {self._next} of {len(self._entries)} tensors")
-        with stages.timed("fsync"):
-            self._f.flush()
-            os.fsync(self._f.fileno())
-        self._f.close()
-        os.replace(self.partial, self.path)
-        self._hasher.shutdown(wait=False)
-
-    def abort(self) -> None:
-        self._hasher.shutdown(wait=True, cancel_futures=True)
-        if not self._f.closed:
-            self._f.close()
-        self.partial.unlink(missing_ok=True)
 
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:

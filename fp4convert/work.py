@@ -1,7 +1,8 @@
 """A part's work: its pending units become items, read ahead, quantized by a backend, written by one job.
 
 :class:`QuantizeWork` is what the run loop (:mod:`fp4convert.runner`) asks, unit by unit in plan
-order, for the unit's records and the job that writes it: a kept tensor is copied unchanged; the
+order, for the unit's records and the job that writes it: a kept tensor is copied unchanged (in
+pieces that the part's writer threads copy side by side); the
 first unit of an item takes the item's inputs from the reader (:mod:`fp4convert.readahead`), starts
 the backend on them (:func:`quantize`) and returns :func:`write_result`, the one write job every
 backend's :class:`~fp4convert.backend.Result` goes through; the item's other units have nothing left
@@ -10,6 +11,7 @@ to do. Export (:mod:`fp4convert.export`) brings a work of its own with the same 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     from .source import Source
     from .writer.shards import ShardSet
 
-WriteJob = Callable[["ShardSet"], None]  # runs on the part's writer thread
+WriteJob = Callable[["ShardSet"], None]  # runs on one of the part's writer threads
 
 
 class Work(Protocol):
@@ -43,9 +45,10 @@ class Work(Protocol):
         """The units this part will process (those a resume does not skip), in plan order."""
         ...
 
-    def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], WriteJob | None]:
+    def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], WriteJob | list[WriteJob] | None]:
         """A unit's tensor records (filled in by its write job) and the job that writes it (None:
-        written with an earlier unit of its item)."""
+        written with an earlier unit of its item; a list: independent pieces that hold no memory
+        until they run, e.g. a kept tensor's copy)."""
         ...
 
     def nonfinite(self, dtype: str, data: memoryview) -> bool:
@@ -107,11 +110,11 @@ class QuantizeWork:
         self.source.prefetch(pending)  # a Hub source fetches its shards ahead, in this order
         self.reader = ReadAhead([it.reads() for it in items], self.source.local_path, b.host_buffer, b.thread_init)
 
-    def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], WriteJob | None]:
+    def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], WriteJob | list[WriteJob] | None]:
         d = unit[0]
         if is_kept_copy(unit):
             path = self.source.local_path(d.info.file)
-            return {d.name: {}}, _copy_job(d, path)
+            return {d.name: {}}, _copy_jobs(d, path)
         item = self.item_of.get(id(unit))
         if item is None:
             return {}, None  # a later unit of a batch: quantized and queued with its first unit
@@ -142,9 +145,11 @@ class QuantizeWork:
             self.reader.close()
 
 
-def _copy_job(d: Decision, path: Path) -> WriteJob:
-    def job(shards: ShardSet) -> None:
-        shards.copy_kept(d.name, path, d.info)
+def _copy_jobs(d: Decision, path: Path) -> list[WriteJob]:
+    """A kept tensor's copy, as independent pieces (read, NaN/Inf scan, write at their offsets)."""
+    from .writer.shards import pieces
 
-    return job
+    def piece(at: int, n: int, shards: ShardSet) -> None:
+        shards.copy_piece(d.name, path, d.info, at, n)
 
+    return [functools.partial(piece, at, n) for at, n in pieces(d.info.nbytes)]

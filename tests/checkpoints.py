@@ -10,6 +10,7 @@ source shard boundary. ``infos()`` builds ``TensorInfo`` lists for pure planning
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import struct
@@ -129,6 +130,17 @@ def llama(path: Path, *, hidden: int = 64, layers: int = 2, tie: bool = False, z
     cut2 = names.index(f"model.layers.{layers - 1}.mlp.up_proj.weight")  # gate | up
     shards = [names] if single else [names[:cut1], names[cut1:cut2], names[cut2:]]
     return write(path, t, cfg, shards)
+
+
+def wide_vocab(path: Path, *, vocab: int = 40000, hidden: int = 256, layers: int = 1, seed: int = 3
+               ) -> dict[str, torch.Tensor]:
+    """A Llama whose kept embedding and lm_head are 20 MB each (bf16), in 3 source shards: its output
+    (one shard at the default size) spans several of the checksum's 16 MiB chunks and the copies several
+    pieces."""
+    cfg = llama_config(hidden, layers, vocab_size=vocab)
+    t = llama_tensors(cfg, seed)
+    names = list(t)
+    return write(path, t, cfg, [names[:1], names[1:-1], names[-1:]])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +269,13 @@ def shard_with(root: Path, name: str) -> Path:
     return Path(root) / "model.safetensors"
 
 
+def chunked_sha256(data: bytes) -> str:
+    """docs/formats.md's definition, written out independently of fp4convert.checksum: the sha256 of
+    the concatenated sha256 digests of the data's 16 MiB chunks."""
+    return hashlib.sha256(b"".join(hashlib.sha256(data[o : o + (16 << 20)]).digest()
+                                   for o in range(0, len(data), 16 << 20))).hexdigest()
+
+
 def all_files(root: Path) -> dict[str, bytes]:
     """Every file under root (relative posix name -> bytes)."""
     root = Path(root)
@@ -337,29 +356,30 @@ def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
     # crashes the writer thread itself).
     inline_writes(monkeypatch)
     if hard:
-        from fp4convert.safetensors_io import StreamWriter
+        from fp4convert.writer.shards import ShardFile
 
-        monkeypatch.setattr(StreamWriter, "abort", lambda self: None)
+        monkeypatch.setattr(ShardFile, "abort", lambda self: True)
 
 
 def inline_writes(monkeypatch) -> None:
-    """Every write of a run (an item's writes, a finished shard's record, sync and rename) in the thread
-    that queued it, in order: a run's writes are then done when the next item starts."""
+    """Every write of a run (an item's writes, a kept copy's pieces, a finished chunk's hash, a finished
+    shard's record, sync and rename) in the thread that queued it, in order: a run's writes are then
+    done when the next item starts."""
     import fp4convert.schedule as schedule
-    from fp4convert.safetensors_io import StreamWriter
+    from fp4convert.writer import shards
 
-    monkeypatch.setattr(schedule.WriteBehind, "submit", lambda self, job, light=False: job())
-    monkeypatch.setattr(StreamWriter, "then", _inline_then)
+    monkeypatch.setattr(schedule.WriteBehind, "submit", lambda self, job, light=False, held=True: job())
+    monkeypatch.setattr(shards, "background", _inline)
 
 
-def _inline_then(self, fn):
-    """StreamWriter.then, run in the calling thread (a finished shard is renamed before the next write)."""
+def _inline(kind: str, fn):
+    """shards.background, run in the calling thread (a finished shard is renamed before the next write)."""
     from concurrent.futures import Future
 
     fut: Future = Future()
     try:
-        fut.set_result(fn(self.digest()))
-    except BaseException as exc:  # noqa: BLE001 - handed over exactly as the hasher thread would
+        fut.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - handed over exactly as the helper thread would
         fut.set_exception(exc)
     return fut
 

@@ -18,7 +18,7 @@ from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert
 from fp4convert.errors import OutputError, PlanError, SourceError
 from fp4convert.errors import NonFiniteError
-from fp4convert.safetensors_io import StreamWriter
+from fp4convert.writer.shards import ShardFile
 
 from . import checkpoints as ck
 
@@ -229,7 +229,7 @@ def test_manifest(llama_src, llama_out) -> None:
 
     dst, res = llama_out
     m = json.loads((dst / "fp4convert.json").read_text())
-    assert m["manifest_version"] == 1 and m["producer"] == {"name": "fp4convert", "version": fp4convert.__version__}
+    assert m["manifest_version"] == 2 and m["producer"] == {"name": "fp4convert", "version": fp4convert.__version__}
     assert m["format"] == "fp4convert" and m["scheme"] == "nvfp4" and m["rotate"] is None
     assert m["block_size"] == 16 and m["scale_layout"] == "128x4"
     assert m["settings"]["scheme"] == "nvfp4" and m["settings"]["max_shard_size"] == 6000
@@ -253,9 +253,10 @@ def test_manifest(llama_src, llama_out) -> None:
     assert set(m["tensors"]) == names
     on_disk = {p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.is_file()} - {"fp4convert.json"}
     assert set(m["files"]) == on_disk
-    for rel, rec in m["files"].items():
+    for rel, rec in m["files"].items():  # shards: the chunked sha256 (docs/formats.md); other files: sha256
         data = (dst / rel).read_bytes()
-        assert rec["sha256"] == hashlib.sha256(data).hexdigest() and rec["size"] == len(data), rel
+        want = ck.chunked_sha256(data) if rel.endswith(".safetensors") else hashlib.sha256(data).hexdigest()
+        assert rec == {"chunked_sha256" if rel.endswith(".safetensors") else "sha256": want, "size": len(data)}, rel
     assert m["summary"] == res.plan.summary()
 
 
@@ -437,7 +438,7 @@ def test_hard_crash_before_any_shard_then_resume(llama_src, llama_out, tmp_path,
     dst = tmp_path / "q"
     with monkeypatch.context() as mp:
         mp.setattr(work, "quantize", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
-        mp.setattr(StreamWriter, "abort", lambda self: None)
+        mp.setattr(ShardFile, "abort", lambda self: True)
         with pytest.raises(RuntimeError, match="boom"):
             convert(llama_src, dst, cfg(max_shard_size=6000))
     assert list(dst.glob("*.partial"))

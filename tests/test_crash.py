@@ -7,10 +7,10 @@ shard's progress record and its rename, while the other files, the index or the 
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import time
-import os
 from pathlib import Path
 
 import pytest

@@ -41,35 +41,40 @@ def test_the_source_folder_is_walked_once_per_run(tmp_path, monkeypatch) -> None
     assert len(walks) == 1  # was three: the destination check, the space check and the finish
 
 
-def test_shard_bytes_are_handed_to_the_disk_while_the_run_goes_on(tmp_path, monkeypatch) -> None:
-    """Every shard's bytes are handed to the disk (sync_file_range) in contiguous ranges while it is
-    written, so its fsync finds little left; the output bytes are unchanged."""
+def test_shard_chunks_are_handed_to_the_disk_and_hashed_while_the_run_goes_on(tmp_path, monkeypatch) -> None:
+    """Every complete 16 MiB chunk of a shard is handed to the disk (sync_file_range) and hashed while
+    the run goes on, each chunk once, together the whole file, before the shard's rename; the output
+    bytes are unchanged."""
     import os
 
+    import pytest
+
+    from fp4convert import checksum
     from fp4convert.writer import shards
 
     if shards._sync_file_range() is None:
-        import pytest
-
         pytest.skip("no sync_file_range here")
-    ck.llama(tmp_path / "src", layers=3)
-    convert(tmp_path / "src", tmp_path / "ref", ConvertConfig(device="cpu", max_shard_size=60000))
-    seen: dict[int, list[tuple[int, int]]] = {}
-    real = shards.start_writeback
+    ck.wide_vocab(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "ref", ConvertConfig(device="cpu"))
+    handed: list[tuple[int, int]] = []
+    hashed: list[int] = []
+    real_wb, real_digest = shards.start_writeback, checksum.chunk_digest
 
-    def record(fd: int, offset: int, n: int) -> None:
-        st = os.fstat(fd)
-        seen.setdefault(st.st_ino, []).append((offset, n))
-        real(fd, offset, n)
+    def writeback(fd: int, offset: int, n: int) -> None:
+        assert os.fstat(fd).st_nlink == 1 and (tmp_path / "q" / "model.safetensors.partial").exists()  # not renamed
+        handed.append((offset, n))
+        real_wb(fd, offset, n)
 
-    monkeypatch.setattr(shards, "WRITEBACK", 4096)
-    monkeypatch.setattr(shards, "start_writeback", record)
-    convert(tmp_path / "src", tmp_path / "q", ConvertConfig(device="cpu", max_shard_size=60000))
+    def digest(fd: int, i: int, size: int) -> bytes:
+        hashed.append(i)
+        return real_digest(fd, i, size)
+
+    monkeypatch.setattr(shards, "start_writeback", writeback)
+    monkeypatch.setattr(checksum, "chunk_digest", digest)
+    convert(tmp_path / "src", tmp_path / "q", ConvertConfig(device="cpu"))
     assert ck.all_files(tmp_path / "q") == ck.all_files(tmp_path / "ref")
-    by_file = {(tmp_path / "q" / f).stat().st_ino: (tmp_path / "q" / f).stat().st_size
-               for f in os.listdir(tmp_path / "q") if f.endswith(".safetensors")}
-    assert len(by_file) > 1 and set(seen) <= set(by_file)
-    for ino, ranges in seen.items():
-        assert ranges[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(ranges, ranges[1:]))  # contiguous
-        assert ranges[-1][0] + ranges[-1][1] <= by_file[ino]
-    assert seen  # with 4 KB ranges every multi-KB shard is handed over while written
+    size = (tmp_path / "q" / "model.safetensors").stat().st_size
+    n = checksum.chunk_count(size)
+    assert n >= 3
+    assert sorted(handed) == [checksum.chunk_span(i, size) for i in range(n)]  # each chunk once, all of the file
+    assert sorted(hashed) == list(range(n))

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..checksum import file_matches, record_problem
 from ..config import human_bytes
 from ..errors import OutputError
-from ..manifest import file_digest
 from ..names import FORMAT_FILES, INDEX_NAME, LOCK_NAME, MANIFEST_NAME, PART_RECORD, PARTIAL, PROGRESS_NAME, SHARD_PATTERN
 from ..safetensors_io import header_bytes
 from .files import contained, output_error, source_error, through_link, writing
@@ -109,10 +109,15 @@ def _lock(dst: Path) -> int:
             if exc.errno == errno.ELOOP:
                 raise through_link(dst, LOCK_NAME) from None
             raise output_error(exc, path, resumable=False) from exc
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise OutputError(f"{path} is not a regular file; fp4convert keeps its lock there: remove it or "
                               "choose another DST")
+        if st.st_nlink > 1:  # a hard link (never one of ours): writing the pid would change the other name's file
+            os.close(fd)
+            raise OutputError(f"{path} is a hard link to a file with {st.st_nlink - 1} other name(s), which "
+                              "fp4convert would overwrite with its lock: remove it or choose another DST")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -184,10 +189,20 @@ def _dst_files(dst: Path) -> list[str]:
     return sorted(out)
 
 
+def _own_partial(name: str) -> bool:
+    """The ``.partial`` of a control file (manifest, progress record, a part's record): a name only this
+    tool writes, and a run killed while writing its first record leaves one that no record lists."""
+    if not name.endswith(PARTIAL):
+        return False
+    base = name[: -len(PARTIAL)]
+    return base in (MANIFEST_NAME, PROGRESS_NAME) or bool(PART_RECORD.match(base))
+
+
 def _owned(dst: Path, records: list[dict], files: list[str]) -> set[str]:
     """The files in DST this tool wrote, as a valid record proves: our own control files, shard-named
-    files and the index, and other listed files whose bytes still match the recorded checksum."""
-    owned = {LOCK_NAME} & set(files)
+    files and the index, and other listed files whose bytes still match the recorded checksum. The lock
+    and a control file's ``.partial`` are ours by name, with or without a record."""
+    owned = {f for f in files if f == LOCK_NAME or _own_partial(f)}
     if not records:
         return owned
     listed: dict[str, dict | None] = {}
@@ -213,8 +228,7 @@ def _owned(dst: Path, records: list[dict], files: list[str]) -> set[str]:
             return True
         p = dst / name
         try:
-            return (p.is_file() and not p.is_symlink() and p.stat().st_size == rec.get("size")
-                    and file_digest(p) == rec.get("sha256"))
+            return p.is_file() and not p.is_symlink() and record_problem(rec) is None and file_matches(p, rec)
         except OSError:
             return False
 

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..checksum import file_matches, record_problem
 from ..manifest import PROGRESS_ONLY, file_digest, portable_description
 from ..names import PART_RECORD, PARTIAL, PROGRESS_NAME, SHARD_PATTERN
 from ..version import __version__
@@ -188,8 +189,7 @@ def read_record(path: Path, kind: str) -> tuple[dict | None, str]:
             why = "it is not an fp4convert progress record"
         elif not isinstance(obj.get("files"), dict) or not isinstance(obj.get("tensors", {}), dict):
             why = "its file list is malformed"
-        elif any(not isinstance(r, dict) or not isinstance(r.get("sha256"), str) or not isinstance(r.get("size"), int)
-                 for r in obj["files"].values()):
+        elif any(record_problem(r) for r in obj["files"].values()):
             why = "a file record is malformed"
         elif not all(isinstance(n, str) for n in obj.get("pending", [])):
             why = "its pending list is malformed"
@@ -236,7 +236,7 @@ def merge_tensor_records(into: dict, more: dict) -> None:
 def resumable(dst: Path, records: list[dict], identity: dict, config: ConvertConfig) -> dict:
     """Finished shards of an interrupted run with the same settings and source, re-verified by checksum.
 
-    Returns ``{shard: {sha256, size}, "__tensors__": the units' records, "__pending__": the files an
+    Returns ``{shard: its record (checksum, size)}, "__tensors__": the units' records, "__pending__": the files an
     interrupted finish may have written}``: what :class:`PartRecord` starts from."""
     from ..errors import OutputError
 
@@ -254,11 +254,10 @@ def resumable(dst: Path, records: list[dict], identity: dict, config: ConvertCon
         partial = p.with_name(p.name + PARTIAL)
         try:
             # lstat only: a symlink in place of a shard (or its .partial) is never reused nor renamed into place
-            if not os.path.lexists(p) and is_regular(partial) and partial.stat().st_size == rec["size"] \
-                    and file_digest(partial) == rec["sha256"]:
+            if not os.path.lexists(p) and is_regular(partial) and file_matches(partial, rec):
                 rename_in(dst, partial.name, p.name)  # recorded as finished just before its rename: finish it
-            if is_regular(p) and p.stat().st_size == rec["size"] and file_digest(p) == rec["sha256"]:
-                done[f] = {"sha256": rec["sha256"], "size": rec["size"]}
+            if is_regular(p) and file_matches(p, rec):
+                done[f] = rec
                 continue
         except OSError as exc:
             raise output_error(exc, p) from exc

@@ -1,11 +1,16 @@
 """Output shards: the passive writer. It writes the bytes it is handed where the plan put them.
 
-The plan fixed every shard's header (names, dtypes, shapes, offsets) before a byte was read, so a
-shard's file is opened when its first tensor comes and closed when its last one has been written:
-flushed here, then (on the file's hasher thread) recorded with its checksum, fsync'd and renamed
-from ``NAME.partial`` into place. Kept tensors are copied from the source unchanged, their floats
-scanned for NaN/Inf as they stream. Nothing here decides what is written or when: the run loop
-(:mod:`fp4convert.runner`) and the write jobs it queues call down into :class:`ShardSet`.
+The plan fixed every shard's header (names, dtypes, shapes, offsets) before a byte was read, so every
+tensor's bytes go straight to their offset (``pwrite``), from any of a part's writer threads and in
+any order: a quantized item's outputs, the pieces of a kept tensor's copy. A shard's file is created
+(``NAME.partial``) when its first bytes come. The file is cut into the checksum's chunks
+(:data:`fp4convert.checksum.CHUNK`); once every byte of a chunk is written, the chunk is handed to
+the disk (``sync_file_range``, so the final fsync finds little left to write) and hashed, read back
+from the page cache on the hash threads. Once every chunk is hashed the shard is complete: recorded
+with its ``chunked_sha256`` and size, fsync'd and renamed into place (on a closer thread). Kept
+tensors are copied from the source unchanged, each piece scanned for NaN/Inf before it is written.
+Nothing here decides what is written or when: the run loop (:mod:`fp4convert.runner`) and the write
+jobs it queues call down into :class:`ShardSet`.
 """
 
 from __future__ import annotations
@@ -15,29 +20,29 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import stages
+from .. import checksum, stages
 from ..config import human_bytes
-from ..errors import OutputError, SourceError
+from ..errors import SourceError
 from ..names import PARTIAL
-from ..safetensors_io import StreamWriter
-from .files import open_new, source_error, step, writing
+from ..safetensors_io import header_bytes
+from .files import open_new, rename_in, source_error, step, writing
 
 if TYPE_CHECKING:
     from ..plan import Plan
-    from ..safetensors_io import TensorInfo
+    from ..safetensors_io import OutEntry, TensorInfo
 
 log = logging.getLogger(__name__)
 
 NonfiniteCheck = Callable[[str, memoryview], bool]  # (safetensors dtype, bytes) -> NaN/Inf present
 FLOATS = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")  # the dtypes whose kept bytes are scanned for NaN/Inf
-COPY_CHUNK = 16 << 20
-# A shard's written bytes are handed to the disk in ranges of this size while the run goes on, so the
-# fsync before its rename finds little left to write (it took 1.42 s at the end of the H100 dense run at
-# the default shard size, issue 21).
-WRITEBACK = 64 << 20
+# A kept tensor is copied in pieces of this size, each its own write job (read, scan, write), so the
+# part's writer threads copy one large tensor (an embedding, lm_head) side by side. A piece is also
+# a writer thread's whole copy buffer.
+PIECE = 8 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait for it
 
 
@@ -57,15 +62,25 @@ def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 
 @functools.cache
-def _writeback_pool():
+def _pool(kind: str):
+    """The process's helper threads: ``writeback`` (one: sync_file_range may wait while the device's
+    queue is full, and must never hold up hashing), ``hash`` (the chunks' sha256), ``close`` (a
+    finished shard's record, fsync and rename: an fsync waits for the disk)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    return ThreadPoolExecutor(1, thread_name_prefix="fp4convert-writeback")
+    n = {"writeback": 1, "hash": checksum.threads(), "close": 2}[kind]
+    return ThreadPoolExecutor(n, thread_name_prefix=f"fp4convert-{kind}")
+
+
+def background(kind: str, fn: Callable[[], None]) -> Future:
+    """Run ``fn`` on the ``kind`` helper threads (tests run it inline: a shard then closes within the
+    write that completes it)."""
+    return _pool(kind).submit(fn)
 
 
 def start_writeback(fd: int, offset: int, n: int) -> None:
     """Ask the kernel to start writing ``[offset, offset + n)`` of ``fd`` to the disk (asynchronously, on
-    a helper thread: the call may wait while the device's queue is full); closes ``fd`` (a dup) after."""
+    the writeback thread); closes ``fd`` (a dup) after."""
     fn = _sync_file_range()
     assert fn is not None
 
@@ -76,76 +91,147 @@ def start_writeback(fd: int, offset: int, n: int) -> None:
         finally:
             os.close(fd)
 
-    _writeback_pool().submit(run)
+    background("writeback", run)
 
 
-class _Chunk:
-    """A pooled copy buffer: back in the pool when the last holder (the file's hasher) lets go."""
-
-    def __init__(self, pool: _ChunkPool | None, buf: bytearray) -> None:
-        self.buf, self._pool = buf, pool
-
-    def __del__(self) -> None:
-        if self._pool is not None:
-            self._pool.put(self.buf)
+_local = threading.local()
 
 
-class _ChunkPool:
-    """Reused kept-copy buffers: a fresh bytearray is zero-filled under the GIL (~3 ms per 16 MB,
-    stalling every other thread), and these are few (the hash backlog bounds those in flight)."""
+def _copy_buffer(n: int) -> memoryview:
+    """This thread's copy buffer, at least ``n`` bytes (grown on demand: a small kept tensor never costs
+    a whole piece)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = memoryview(bytearray(max(n, 64 << 10)))
+    return buf[:n]
 
-    def __init__(self, size: int) -> None:
-        self.size, self._lock = size, threading.Lock()
-        self._free: list[bytearray] = []
 
-    def get(self, n: int) -> _Chunk:
-        """A buffer of at least ``n`` bytes: a pooled full-size one, or (the last, short chunk of a
-        tensor: a norm's few KB) one of its own size, so a small kept tensor never costs a full chunk."""
-        if n < self.size:
-            return _Chunk(None, bytearray(n))
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        k = os.pwrite(fd, view, offset)
+        view, offset = view[k:], offset + k
+
+
+class ShardFile:
+    """One shard being written: its ``.partial`` file, created here (inside DST, never through a symlink:
+    :func:`~fp4convert.writer.files.open_new`) with its header; each tensor's span; what is still
+    missing, by tensor and by chunk; the chunks' digests. Writes come from any thread."""
+
+    def __init__(self, dst: Path, name: str, entries: list[OutEntry]) -> None:
+        self.dst, self.name = dst, name
+        self.partial = dst / (name + PARTIAL)
+        header = header_bytes(entries, {"format": "pt"})
+        self.spans: dict[str, tuple[int, int]] = {}
+        off = len(header)
+        for e in entries:
+            self.spans[e.name] = (off, e.nbytes)
+            off += e.nbytes
+        self.size = off
+        n = checksum.chunk_count(self.size)
+        self._missing = [checksum.chunk_span(i, self.size)[1] for i in range(n)]  # bytes not yet written, a chunk
+        self._left = {e.name: e.nbytes for e in entries}  # bytes not yet written, a tensor
+        self.digests: list[bytes | None] = [None] * n
+        self._unhashed = n
+        self._lock = threading.Lock()
+        self.aborted = False
+        self.closing = False  # every chunk hashed: the close (record, fsync, rename) has started
+        self.tasks: list[Future] = []  # its chunks' hashes
+        self.finished: Future = Future()  # the close's outcome
+        self.fd = open_new(dst, name + PARTIAL, os.O_RDWR)  # read back by the hashes
+        try:
+            self.first = self._put(header, 0)  # chunks complete with the header alone (a header-only shard)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def write(self, name: str, data: bytes | memoryview, at: int = 0) -> list[int]:
+        """Write ``data`` as the bytes of tensor ``name`` from byte ``at`` of it; returns the chunks this
+        completed (every byte written)."""
+        off, nbytes = self.spans[name]
+        n = memoryview(data).nbytes
         with self._lock:
-            buf = self._free.pop() if self._free else None
-        return _Chunk(self, buf if buf is not None else bytearray(self.size))
+            left = self._left[name]
+            if at < 0 or at + n > nbytes or n > left:
+                raise RuntimeError(f"internal: {self.name}: {n} B of {name!r} at {at} do not fit its {nbytes} B "
+                                   f"({left} B not yet written)")
+            self._left[name] = left - n
+        return self._put(data, off + at)
 
-    def put(self, buf: bytearray) -> None:
+    def _put(self, data: bytes | memoryview, offset: int) -> list[int]:
+        n = memoryview(data).nbytes
+        if not n:
+            return []
+        with stages.timed("write"):
+            _pwrite_all(self.fd, data, offset)
+        done = []
         with self._lock:
-            self._free.append(buf)
+            i, end = offset // checksum.CHUNK, offset + n
+            while i * checksum.CHUNK < end:
+                lo, hi = max(offset, i * checksum.CHUNK), min(end, (i + 1) * checksum.CHUNK)
+                self._missing[i] -= hi - lo
+                if self._missing[i] == 0:
+                    done.append(i)
+                i += 1
+        return done
 
+    def digested(self, i: int, digest: bytes) -> bool:
+        """Chunk ``i``'s digest is in; True when it was the last one (the shard is complete: close it)."""
+        with self._lock:
+            if self.aborted:
+                return False
+            self.digests[i] = digest
+            self._unhashed -= 1
+            self.closing = self._unhashed == 0
+            return self.closing
 
-_chunks = _ChunkPool(COPY_CHUNK)
+    @property
+    def complete(self) -> bool:
+        with self._lock:
+            return not any(self._missing)
 
+    def checksum(self) -> str:
+        return checksum.combine(d for d in self.digests if d is not None)
 
-@functools.cache
-def _loader():
-    from concurrent.futures import ThreadPoolExecutor
+    def close(self) -> None:
+        """fsync, then rename into place (every byte written and hashed first)."""
+        with stages.timed("fsync"):
+            os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        rename_in(self.dst, self.name + PARTIAL, self.name)
 
-    # Each kept copy waits for its own next chunk; several threads serve lanes copying side by side.
-    return ThreadPoolExecutor(4, thread_name_prefix="fp4convert-copy-read")
+    def fail(self, exc: BaseException) -> None:
+        """A hash or the close failed: the shard's outcome (the first error)."""
+        with self._lock:
+            if not self.finished.done():
+                self.finished.set_exception(exc)
 
-
-def _stream_writer(dst: Path, f: str, entries: list) -> StreamWriter:
-    """A shard's StreamWriter on a ``.partial`` file this run created itself (:func:`open_new`: whatever
-    an interrupted run left there, a symlink included, is removed first, never written through); the
-    file the writer opened is checked to be that one."""
-    fd = open_new(dst, f + PARTIAL)
-    try:
-        with writing(dst / f):
-            w = StreamWriter(dst / f, entries, {"format": "pt"})
-        mine, got = os.fstat(fd), os.fstat(w._f.fileno())
-        if (mine.st_dev, mine.st_ino) != (got.st_dev, got.st_ino):
-            w.abort()
-            raise OutputError(f"{w.partial} was replaced while fp4convert opened it (another process writes into "
-                              f"{dst}?); nothing was written through it: stop the other writer and --resume")
-        return w
-    finally:
-        os.close(fd)
+    def abort(self) -> bool:
+        """Stop, unless every byte is written (then False: its hashes and close go on, and it is kept for
+        --resume as an uninterrupted run would keep it): no close starts, the hashes in flight end, the
+        ``.partial`` file is removed."""
+        with self._lock:
+            if self.closing or not any(self._missing):
+                return False
+            self.aborted = True
+        for t in list(self.tasks):
+            try:
+                t.result()
+            except BaseException:  # noqa: BLE001 - the run is failing already
+                pass
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.partial.unlink(missing_ok=True)
+        return True
 
 
 class ShardSet:
-    """The output shards one part of a run writes (at most two open at once: a unit can straddle a boundary).
+    """The output shards one part of a run writes, from any of its writer threads.
 
     ``done``: shards finished earlier (a resume; never rewritten); ``owns``: the shards this part writes;
-    ``on_close(shard, {sha256, size})``: a shard is complete and hashed, before its rename;
+    ``on_close(shard, {chunked_sha256, size})``: a shard is complete and hashed, before its rename;
     ``check``: the NaN/Inf scan of kept floats; ``on_nonfinite(name, file)``: a kept tensor holds them.
     """
 
@@ -156,148 +242,149 @@ class ShardSet:
         self.check, self.on_nonfinite, self.owns = check, on_nonfinite, owns
         self.entries = dict(plan.shards)
         self.shard_of = plan.shard_of()
-        self.open: dict[str, StreamWriter] = {}
-        self.closing: list = []  # futures of finished shards' closes (on each file's hasher thread)
-        self.handed: dict[str, int] = {}  # shard -> bytes already handed to the disk (start_writeback)
+        self.files: dict[str, ShardFile] = {}  # every shard this run opened, in order
+        self._lock = threading.Lock()
 
     def skip(self, name: str) -> bool:
         """Output tensor ``name`` is not written by this part (another part's shard, or finished earlier)."""
         f = self.shard_of[name]
         return f in self.done or not self.owns(f)
 
-    def _writer(self, name: str) -> StreamWriter:
-        self._check_closing()
-        f = self.shard_of[name]
-        if f not in self.open:
+    def _file(self, f: str) -> ShardFile:
+        with self._lock:
+            self._check_closing()
+            sf = self.files.get(f)
+            if sf is not None:
+                return sf
             try:
-                self.open[f] = _stream_writer(self.dst, f, self.entries[f])
+                with writing(self.dst / f):
+                    sf = ShardFile(self.dst, f, self.entries[f])
             except BaseException:
                 (self.dst / (f + PARTIAL)).unlink(missing_ok=True)
                 raise
-        return self.open[f]
+            self.files[f] = sf
+        self._hand_over(sf, sf.first)
+        return sf
 
-    def _writeback(self, f: str) -> None:
-        """Hand the shard's bytes written since the last time to the disk, once there are WRITEBACK of them."""
-        w = self.open[f]
-        done = self.handed.get(f, 0)
-        if w.size - done < WRITEBACK or _sync_file_range() is None:
-            return
-        with writing(w.partial):
-            w.flush()  # the writer's buffered bytes into the page cache first
-            fd = os.dup(w._f.fileno())
-        self.handed[f] = w.size
-        start_writeback(fd, done, w.size - done)
+    def _hand_over(self, sf: ShardFile, chunks: list[int]) -> None:
+        """Complete chunks: to the disk (writeback) and to the hash threads (each with its own descriptor,
+        so an abort may close the shard's at any time)."""
+        for i in chunks:
+            off, n = checksum.chunk_span(i, sf.size)
+            try:
+                with writing(sf.partial):
+                    if _sync_file_range() is not None:
+                        start_writeback(os.dup(sf.fd), off, n)
+                    fd = os.dup(sf.fd)
+                sf.tasks.append(background("hash", functools.partial(self._hash, sf, i, fd)))
+            except BaseException as exc:
+                sf.fail(exc)  # it will never finish: nothing waits for it
+                raise
 
-    def _maybe_close(self, f: str) -> None:
-        w = self.open[f]
-        if not w.complete:
-            self._writeback(f)
-            return
-        # Flushed here (the last write's thread), so a killed process leaves the whole .partial for
-        # --resume; the rest runs on the file's hasher thread once its hash is complete, while the
-        # writer goes on: record the finished shard (checksum, size) first, then fsync and rename it.
-        # An interruption in between leaves a record that --resume can use (it checks the file).
-        with writing(w.partial):
-            w.flush()
-        del self.open[f]
+    def _hash(self, sf: ShardFile, i: int, fd: int) -> None:
+        try:
+            if sf.aborted:
+                return
+            with stages.timed("hash"), writing(sf.partial):
+                digest = checksum.chunk_digest(fd, i, sf.size)
+            if sf.digested(i, digest):
+                background("close", functools.partial(self._close, sf))
+        except BaseException as exc:  # noqa: BLE001 - reported by the next write or finish()
+            sf.fail(exc)
+        finally:
+            os.close(fd)
 
-        def close(sha256: str) -> None:
-            self.on_close(f, {"sha256": sha256, "size": w.size})
+    def _close(self, sf: ShardFile) -> None:
+        """Record the finished shard (checksum, size) first, then fsync and rename it. An interruption in
+        between leaves a record that --resume can use (it checks the file)."""
+        try:
+            self.on_close(sf.name, {"chunked_sha256": sf.checksum(), "size": sf.size})
             step()
-            with writing(self.dst / f):
-                w.close()
-            log.info("wrote %s (%s)", f, human_bytes(w.size))
-
-        self.closing.append((w, w.then(close)))
+            with writing(self.dst / sf.name):
+                sf.close()
+            log.info("wrote %s (%s)", sf.name, human_bytes(sf.size))
+            sf.finished.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - reported by the next write or finish()
+            sf.fail(exc)
 
     def _check_closing(self) -> None:
-        """Raise a finished shard's close error now (fsync and rename run beside the writes)."""
-        for _, fut in self.closing:
-            if fut.done() and fut.exception() is not None:
-                raise fut.exception()
+        """Raise a shard's hash or close error now (they run beside the writes)."""
+        for sf in self.files.values():
+            if sf.finished.done() and sf.finished.exception() is not None:
+                raise sf.finished.exception()  # type: ignore[misc]
 
     def finish(self) -> None:
-        """Every shard this part owns is written, recorded, synced and renamed; raises the first close error."""
-        for _, fut in self.closing:
-            fut.result()
-        if self.open:  # the plan and the work disagree: never leave this silently
-            raise RuntimeError("internal: output shards left incomplete")
+        """Every shard this part owns is written, recorded, synced and renamed; raises the first error."""
+        for sf in self.files.values():
+            if not sf.complete:  # the plan and the work disagree: never leave this silently
+                raise RuntimeError(f"internal: output shard {sf.name} left incomplete")
+        for sf in self.files.values():
+            sf.finished.result()
 
-    def write(self, name: str, data: bytes | memoryview, owner: object = None) -> None:
-        """Write output tensor ``name``, given as its raw bytes (``owner`` keeps their memory alive)."""
+    def write(self, name: str, data: bytes | memoryview, owner: object = None, at: int = 0) -> None:
+        """Write output tensor ``name`` (or the bytes of it from byte ``at``), given as raw bytes (``owner``:
+        what keeps their memory alive; the bytes are in the page cache when this returns)."""
         if self.skip(name):
             return
-        w = self._writer(name)
-        with writing(w.partial):
-            w.write_bytes(name, data, owner)
-        self._maybe_close(self.shard_of[name])
+        sf = self._file(self.shard_of[name])
+        with writing(sf.partial):
+            done = sf.write(name, data, at)
+        self._hand_over(sf, done)
+
+    def copy_piece(self, name: str, path: Path, info: TensorInfo, at: int, n: int) -> None:
+        """Copy bytes ``[at, at + n)`` of kept tensor ``name`` unchanged, scanning floats for NaN/Inf first
+        (a flagged tensor is recorded before any of its bytes can complete the shard)."""
+        with stages.timed("copy_kept"):
+            # A unit re-done on resume (its shard was finished, its record was not saved yet) is read again
+            # for the NaN/Inf check only, so its warning is the same as in an uninterrupted run.
+            skip = self.skip(name)
+            if skip and (not self.owns(self.shard_of[name]) or info.dtype not in FLOATS):
+                return
+            view = _copy_buffer(n)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise source_error(exc, path) from exc
+            try:
+                got = 0
+                while got < n:
+                    try:
+                        k = os.preadv(fd, [view[got:]], info.begin + at + got)
+                    except OSError as exc:
+                        raise source_error(exc, path) from exc
+                    if not k:
+                        raise SourceError(f"{info.file}: tensor {name!r} is truncated (the file ended while copying it)")
+                    got += k
+            finally:
+                os.close(fd)
+            if info.dtype in FLOATS and self.check(info.dtype, view):
+                self.on_nonfinite(name, info.file)
+            if not skip:
+                self.write(name, view, at=at)
 
     def copy_kept(self, name: str, path: Path, info: TensorInfo) -> None:
-        """Copy a kept tensor's bytes unchanged, checking floats for NaN/Inf as they stream."""
-        with stages.timed("copy_kept"):
-            self._copy_kept(name, path, info)
-
-    def _copy_kept(self, name: str, path: Path, info: TensorInfo) -> None:
-        # A unit re-done on resume (its shard was finished, its record was not saved yet) is read again
-        # for the NaN/Inf check only, so its warning is the same as in an uninterrupted run.
-        w = None if self.skip(name) else self._writer(name)
-        if w is not None:
-            w._expect(name, info.nbytes)
-        elif not self.owns(self.shard_of[name]) or info.dtype not in FLOATS:
-            return
-        try:
-            fh = open(path, "rb")
-        except OSError as exc:
-            raise source_error(exc, path) from exc
-        check = self.check if info.dtype in FLOATS else None
-
-        def load(offset: int, n: int) -> tuple[_Chunk, memoryview, bool]:
-            """Read one chunk into a pooled buffer and scan it (on the loader thread)."""
-            chunk = _chunks.get(n)
-            view = memoryview(chunk.buf)[:n]
-            got = 0
-            while got < n:
-                try:
-                    k = os.preadv(fh.fileno(), [view[got:]], offset + got)
-                except OSError as exc:
-                    raise source_error(exc, path) from exc
-                if not k:
-                    raise SourceError(f"{info.file}: tensor {name!r} is truncated (the file ended while copying it)")
-                got += k
-            return chunk, view, bool(check and check(info.dtype, view))
-
-        # The next chunk is read and scanned on a loader thread while this one is written (the writer
-        # thread writes and nothing else: it is the pipeline's bottleneck on a fast GPU).
-        parts = [(info.begin + o, min(COPY_CHUNK, info.nbytes - o)) for o in range(0, info.nbytes, COPY_CHUNK)]
-        bad = False
-        with fh:
-            ahead = _loader().submit(load, *parts[0]) if parts else None
-            for k in range(len(parts)):
-                assert ahead is not None
-                chunk, view, flagged = ahead.result()
-                ahead = _loader().submit(load, *parts[k + 1]) if k + 1 < len(parts) else None
-                bad = bad or flagged
-                if w is not None:
-                    with writing(w.partial):
-                        w.write(view, owner=chunk)
-                    self._writeback(self.shard_of[name])
-                del chunk, view
-            if ahead is not None:
-                ahead.result()
-        if bad:
-            self.on_nonfinite(name, info.file)
-        if w is not None:
-            self._maybe_close(self.shard_of[name])
+        """Copy a whole kept tensor, piece by piece in this thread (:func:`pieces` are separate jobs for a
+        conversion's copies)."""
+        for at, n in pieces(info.nbytes):
+            self.copy_piece(name, path, info, at, n)
 
     def abort(self) -> None:
-        for _, fut in self.closing:  # a close in flight finishes (its record may already be saved)
+        """A failed part: a shard whose bytes are all written is finished (hashed, recorded, renamed: it
+        stays for --resume); every other unfinished shard's ``.partial`` is removed."""
+        for sf in self.files.values():
+            if sf.finished.done() and sf.finished.exception() is None:
+                continue  # finished and renamed
             try:
-                fut.result()
-            except BaseException:  # noqa: BLE001 - the run is failing already; keep the .partial for --resume
-                pass
-        for w in self.open.values():
-            try:
-                w.abort()
+                if sf.abort():
+                    continue
             except OSError:
+                continue
+            try:
+                sf.finished.result()
+            except BaseException:  # noqa: BLE001 - the run is failing already; the .partial stays for --resume
                 pass
-        self.open.clear()
+
+
+def pieces(nbytes: int) -> list[tuple[int, int]]:
+    """A kept tensor's copy pieces: (offset in the tensor, length)."""
+    return [(o, min(PIECE, nbytes - o)) for o in range(0, nbytes, PIECE)]
