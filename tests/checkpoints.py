@@ -187,7 +187,11 @@ def moe(path: Path, *, hidden: int = 64, experts: int = 3, layers: int = 2, seed
 
 def deepseek(path: Path, *, hidden: int = 64, seed: int = 2) -> dict[str, torch.Tensor]:
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": hidden,
-           "num_hidden_layers": 2, "num_nextn_predict_layers": 1, "vocab_size": 96}
+           "num_hidden_layers": 2, "num_nextn_predict_layers": 1, "vocab_size": 96,
+           # MLA dimensions matching the tensors below (the model definition checks every shape)
+           "num_attention_heads": 2, "num_key_value_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 32,
+           "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32, "moe_intermediate_size": 32,
+           "intermediate_size": 32, "n_routed_experts": 2, "num_experts_per_tok": 1, "first_k_dense_replace": 0}
     s = iter(range(seed * 1000, seed * 1000 + 1000))
     t = {"model.embed_tokens.weight": rand((96, hidden), next(s))}
     for i in range(3):  # layers 0, 1 and the MTP layer 2
