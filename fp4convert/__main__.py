@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .cli import main
+from .cli import entry
 
 if __name__ == "__main__":
-    main(prog_name="fp4convert")
+    entry()

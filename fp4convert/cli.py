@@ -369,6 +369,33 @@ def _activation_options(fn: Callable) -> Callable:
     return wrapper
 
 
+def entry() -> None:
+    """The ``fp4convert`` program (console script and ``python -m fp4convert``): :func:`main`, then exit.
+
+    A process that ran the torch-free CUDA path exits without the interpreter's teardown (``os._exit``
+    once stdout, stderr and the logs are flushed): tearing down the CUDA context and the pinned pool's
+    mappings costs ~0.25 s on the H100 machine, 10% of converting a 3 GB MoE, for nothing, since the
+    kernel reclaims both and every output file is closed and synced by then. Anything else (torch loaded,
+    torchrun) exits normally: torch and torch.distributed register exit handlers."""
+    try:
+        main(prog_name="fp4convert")
+        code: object = 0
+    except SystemExit as exc:
+        code = exc.code
+    if isinstance(code, int) and "fp4convert.cuda.runtime" in sys.modules and "torch" not in sys.modules \
+            and not int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        import logging
+
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODE_HELP)
 @click.version_option(__version__, prog_name="fp4convert")
 def main() -> None:

@@ -299,7 +299,11 @@ def _cuda_index(device: str) -> int | None:
 def prewarm_device(config: ConvertConfig) -> None:
     """Start the device in the background now, while the source is planned: a one-process CUDA run's
     GPU (driver, kernel library, context), a CPU run's kernel. Imports nothing heavy; a machine without
-    a GPU costs nothing."""
+    a GPU costs nothing. The model card's library is imported on a thread too (the card is the run's
+    last step)."""
+    from .modelcard import preload
+
+    preload()
     if config.device == "cpu" and config.backend in (None, "cpu", "cpu-native"):
         from . import cpu_kernel
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .checksum import matches, record_problem
 from .errors import ConfigError, OutputError, PushError, SourceError
-from .manifest import MANIFEST_NAME, PROGRESS_NAME, file_digest
+from .manifest import MANIFEST_NAME, PROGRESS_NAME, file_digest, manifest_text
 from .modelcard import CARD_NAME, PLACEHOLDER, build_card
 from .plan import Plan
 from .source import Source, check_relative, one_line
@@ -141,7 +141,7 @@ def retarget_card(folder: Path, repo_id: str) -> None:
     with _writing(folder):
         write_new(folder, CARD_NAME, new.encode())
         manifest["files"][CARD_NAME] = {"sha256": file_digest(folder / CARD_NAME), "size": len(new.encode())}
-        write_new(folder, MANIFEST_NAME, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+        write_new(folder, MANIFEST_NAME, manifest_text(manifest).encode())
 
 
 def _writing(folder: Path):

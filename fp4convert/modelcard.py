@@ -264,6 +264,25 @@ def kept_modules(manifest: dict) -> list[str]:
 _AUTO = object()  # build_card's base_model: derive it from the manifest's source
 
 
+def preload() -> None:
+    """Import huggingface_hub's card classes on a daemon thread now: the import costs 0.3-2 s (yaml,
+    jinja2, the repocard module) and the card is built at the very end of a run, on its critical path.
+    Called when a run starts (the import is then overlapped with planning and converting); idempotent."""
+    import sys
+    import threading
+
+    if "huggingface_hub.repocard" in sys.modules:
+        return
+
+    def _load() -> None:
+        try:
+            from huggingface_hub import ModelCard, ModelCardData  # noqa: F401
+        except Exception:  # the card's own import reports it, at the end, where it is needed
+            pass
+
+    threading.Thread(target=_load, name="fp4convert-card-import", daemon=True).start()
+
+
 def build_card(manifest: dict, original: str | None, repo_hint: str | None = None, *, base_model=_AUTO,
                config: dict | None = None, original_is_ours: bool = False, origin: dict | None = None) -> str:
     """The README.md text for an output folder, from its manifest (and the source's card, kept below).

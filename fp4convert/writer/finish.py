@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .. import stages
 from ..errors import FP4ConvertError, OutputError, SourceError
-from ..manifest import build_manifest
+from ..manifest import build_manifest, manifest_text
 from ..names import FORMAT_FILES, INDEX_NAME, MANIFEST_NAME, PARTIAL, PROGRESS_NAME
 from .files import atomic_write, open_new, output_error, rename_in, source_error, step, unlink_in, write_new, writing
 from .record import save_progress
@@ -82,7 +82,7 @@ def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: 
     with writing(dst / MANIFEST_NAME):
         written = _write_model_card(source, plan, fmt, dst, identity, state, written)
         manifest = build_manifest(plan, fmt, source, identity, state, dst, written)
-        atomic_write(dst / MANIFEST_NAME, json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        atomic_write(dst / MANIFEST_NAME, manifest_text(manifest))
     step()
     with writing(dst / PROGRESS_NAME):
         (dst / PROGRESS_NAME).unlink()
