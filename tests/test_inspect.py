@@ -139,7 +139,8 @@ def test_modified_file_detected_by_checksum(copy) -> None:
     assert inspect_checkpoint(str(dst))["ok"]
     r = inspect_checkpoint(str(dst), check_files=True)
     assert r["checks"]["problems"] == [f"{f.name}: sha256 differs from fp4convert.json"]
-    assert r["checks"]["checksums"] == f"1 of {len(json.loads((dst / 'fp4convert.json').read_text())['files'])} file(s) fail the sha256 check"
+    listed = len(json.loads((dst / "fp4convert.json").read_text())["files"])
+    assert r["checks"]["checksums"] == f"1 of {listed} file(s) fail the sha256 check"
     res = CliRunner().invoke(main, ["inspect", str(dst), "--check-files"])
     assert res.exit_code == 6 and "sha256 differs" in res.stdout and "sha256 verified" not in res.stdout
     assert "verdict: FAILED" in res.stdout
