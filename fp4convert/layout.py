@@ -169,7 +169,14 @@ def manifest_disagreements(manifest: dict, layout: CheckpointLayout,
                            f"{w['shape']}")
         else:
             mods = {owner[o].module: owner[o] for o in rec["outputs"] if o in owner}
-            if not mods:  # (other outputs may be the format's own: a had16 transform, a W4A4 input scale)
+            # A quantized tensor's outputs are named after it (``X.weight`` -> ``X.weight_packed``; a
+            # stacked ``E.gate_up_proj`` -> ``E.0.gate_up_proj...``): a record under another name would
+            # make export and --verify attribute the module to a tensor the source does not have.
+            stem = name[: -len(".weight")] if name.endswith(".weight") else name.rpartition(".")[0]
+            foreign = [o for o in rec["outputs"] if not o.startswith(stem + ".")] if stem else []
+            if foreign:
+                out.append(f"{name!r}: its output {foreign[0]} is not named after it")
+            elif not mods:  # (other outputs may be the format's own: a had16 transform, a W4A4 input scale)
                 out.append(f"{name}: recorded as quantized, but none of its outputs is a quantized module's tensor")
             else:
                 partial = [t.name for m in mods.values() for t in m.tensors if t.name not in rec["outputs"]]

@@ -158,6 +158,14 @@ class _Scales:
     """A global scale or amax record: a finite number, or (stacked experts) nested lists of them."""
 
 
+def _ragged(v: list) -> bool:
+    """Whether nested lists (of numbers) are not one rectangular array: items of mixed depth or length."""
+    shapes = {(type(x) is list, len(x) if type(x) is list else 0) for x in v}
+    if len(shapes) > 1:
+        return True
+    return any(_ragged(x) for x in v if type(x) is list)
+
+
 def _relative_file(name: str) -> str | None:
     if not name or name.startswith("/") or "\\" in name or "\0" in name or ".." in name.split("/") \
             or any(p in ("", ".") for p in name.split("/")):
@@ -183,7 +191,7 @@ _TENSOR = _Obj({
 _FILE = "file"  # size and a checksum: fp4convert.checksum.record_problem
 _SOURCE_RECORD = _Obj({"type": _Missing(_Opt(str)), "files": _Missing(_MapOf(dict))})
 SCHEMA = _Obj({
-    "manifest_version": int,
+    "manifest_version": (MANIFEST_VERSION,),  # another version's fields may mean other things: not guessed
     "producer": _Obj({"name": ("fp4convert",), "version": _Missing(_Opt(str))}),
     "format": "format",
     "scheme": "scheme",
@@ -239,12 +247,16 @@ def _check(v: object, spec: object, where: str) -> str | None:
         return None if isinstance(v, str) and v in known else \
             f"{where} is {v!r:.40}, not one of {', '.join(known)}"
     if isinstance(spec, tuple):
-        return None if isinstance(v, (str, int)) and v in spec else f"{where} is {v!r:.40}, not one of {list(spec)}"
+        ok = isinstance(v, (str, int)) and not isinstance(v, bool) and v in spec
+        return None if ok else f"{where} is {v!r:.40}, not one of {list(spec)}"
     if isinstance(spec, _Scales):
         if type(v) in (int, float):
             return None if math.isfinite(v) else f"{where} is not finite"
         if isinstance(v, list) and len(json.dumps(v)) < 1 << 24:
-            return next((w for i, x in enumerate(v) if (w := _check(x, spec, f"{where}[{i}]"))), None)
+            why = next((w for i, x in enumerate(v) if (w := _check(x, spec, f"{where}[{i}]"))), None)
+            if why is None and _ragged(v):  # readers make one tensor of it (a ragged list was a TypeError, exit 1)
+                return f"{where} is a nested list of uneven lengths or depths, not an array of numbers"
+            return why
         return f"{where} is {_json_kind(v)}, not a number"
     if isinstance(spec, _ListOf):
         if not isinstance(v, list):

@@ -139,7 +139,8 @@ def test_modified_file_detected_by_checksum(copy) -> None:
     assert inspect_checkpoint(str(dst))["ok"]
     r = inspect_checkpoint(str(dst), check_files=True)
     assert r["checks"]["problems"] == [f"{f.name}: sha256 differs from fp4convert.json"]
-    assert r["checks"]["checksums"] == f"1 of {len(json.loads((dst / 'fp4convert.json').read_text())['files'])} file(s) fail the sha256 check"
+    listed = len(json.loads((dst / "fp4convert.json").read_text())["files"])
+    assert r["checks"]["checksums"] == f"1 of {listed} file(s) fail the sha256 check"
     res = CliRunner().invoke(main, ["inspect", str(dst), "--check-files"])
     assert res.exit_code == 6 and "sha256 differs" in res.stdout and "sha256 verified" not in res.stdout
     assert "verdict: FAILED" in res.stdout
@@ -588,6 +589,13 @@ MALFORMED = {
     "format a number": (_edit(["format"], 4), "'format'"),
     "identity source a list": (_edit(["identity", "source"], []), "'source'"),
     "activations a number": (_edit(["activations"], 5), "'activations'"),  # exit 1 on a weight-only ModelOpt output
+    # Issue 23's second campaign: a manifest of another version was read as this one (inspect OK, export 0);
+    # nested global scales that are no rectangular array stopped inspect and export with a TypeError (exit 1).
+    "manifest version from the future": (_edit(["manifest_version"], 2), "'manifest_version'"),
+    "global scales ragged": (_edit(["tensors", "model.layers.0.self_attn.q_proj.weight", "global_scale"],
+                                   [[1.0, [2.0]]]), "'global_scale'"),
+    "amax ragged": (_edit(["tensors", "model.layers.0.self_attn.q_proj.weight", "amax"], [[1.0], [2.0, 3.0]]),
+                    "'amax'"),
 }
 
 
@@ -717,6 +725,11 @@ def _flip_to_keep(m: dict) -> None:
     m["tensors"][Q]["action"] = "keep"
 
 
+def _rename_quantized(m: dict) -> None:
+    """A quantized record under another name (its outputs still o_proj's): inspect passed it (second campaign)."""
+    m["tensors"]["a\nError: fake.weight"] = m["tensors"].pop(Q)
+
+
 # Each was exit 1 under export (KeyError, "got N B, the plan says M B") or exit 0 with a wrong output, and
 # inspect passed most of them (campaign of issue 23, round 2).
 EDITED = {
@@ -724,6 +737,7 @@ EDITED = {
     "kept tensor's dtype": (_set(KEPT, "dtype", "F32"), KEPT),
     "kept tensor's output shape": (lambda m: m["tensors"][KEPT]["outputs"][KEPT].__setitem__("shape", [128]), KEPT),
     "record renamed": (_rename, KEPT),
+    "quantized record renamed": (_rename_quantized, "not named after it"),
     "outputs of another tensor": (_other_outputs, "model.layers.1.input_layernorm.weight"),
     "quantized record flipped to kept": (_flip_to_keep, "o_proj"),
     "quantized shape of another size": (_set(Q, "shape", [64, 128]), Q),
