@@ -16,6 +16,7 @@ Imports nothing heavy: choosing a backend by name does not import torch.
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import pkgutil
 from collections.abc import Callable, Hashable, Sequence
@@ -24,6 +25,12 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from .errors import ConfigError, nonfinite_error
 from .scheme import Scheme
+
+log = logging.getLogger(__name__)
+
+# Below this amax NVFP4's global scale 2688 / amax saturates at FLT_MAX (docs/numerics.md "The global
+# scale") and the matrix's blocks decode to (almost) zeros.
+_SATURATING_AMAX = 2688.0 / 3.4028234663852886e38
 
 if TYPE_CHECKING:
     from .distributed import World
@@ -175,6 +182,11 @@ def two_passes(item: Item, settings: Settings, release: Release, amax_pass: Call
             release(None)
             return lambda: Result([None] * len(refused), refused)
         ga = unit_amax(amax, item.keys)
+        for (d, _), a in zip(item.matrices, ga):
+            if 0.0 < a < _SATURATING_AMAX:
+                log.warning("warning: %s: every |value| is below %.2g (max %.3g), so its NVFP4 global scale saturates "
+                            "and it decodes to zeros; keep it unquantized (--ignore) or fix the source", d.name,
+                            _SATURATING_AMAX, a)
     return quantize_pass(ga)
 
 

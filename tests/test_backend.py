@@ -80,3 +80,25 @@ def test_registry_lists_the_backend_modules_without_importing_them() -> None:
         ConvertConfig(backend="nope")
     code = "import sys; from fp4convert.backend import backend_names; backend_names(); print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu-native"])
+def test_a_matrix_whose_global_scale_saturates_is_named_in_a_warning(tmp_path, backend) -> None:
+    """Weights made only of tiny values (amax below 2688 / FLT_MAX): NVFP4's global scale saturates and
+    the blocks decode to zeros. The run still converts (the bytes are the contract's), but says which
+    tensor and what to do; a normal matrix next to it is not named."""
+    from click.testing import CliRunner
+
+    from fp4convert.cli import main
+
+    cfg = ck.llama_config(layers=1)
+    t = ck.llama_tensors(cfg)
+    tiny = "model.layers.0.mlp.down_proj.weight"
+    t[tiny] = (t[tiny].float() * 1e-39).to(torch.bfloat16)  # bf16 subnormals
+    assert 0 < t[tiny].float().abs().max().item() < 2688.0 / 3.4028234663852886e38
+    src = tmp_path / "src"
+    ck.write(src, t, cfg)
+    r = CliRunner().invoke(main, ["quantize", str(src), str(tmp_path / "q"), "--device", "cpu", "--backend", backend])
+    assert r.exit_code == 0, r.output
+    lines = [x for x in r.output.splitlines() if "global scale saturates" in x]
+    assert len(lines) == 1 and tiny in lines[0] and "--ignore" in lines[0], r.output
