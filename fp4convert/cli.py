@@ -297,7 +297,8 @@ def _scale_rule_help() -> str:
 
 def _backend_help() -> str:
     return (f"What quantizes: {', '.join(backend_names())} (default: cuda for plain 2-D weights on a GPU, "
-            "stacked for the rest on a GPU, cpu on the CPU). The output bytes do not depend on it.")
+            "stacked for the rest on a GPU; cpu-native for plain 2-D weights on the CPU, cpu for the rest). "
+            "The output bytes do not depend on it.")
 
 
 # The options every command that writes a checkpoint shares (quantize, export).

@@ -309,7 +309,8 @@ def big(path: Path, *, layers: int = 16, dim: int = 1024, shards: int = 4, seed:
         save_file(part, str(path / fname), metadata={"format": "pt"})
         del part
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(llama_config(dim, layers)))
+    # intermediate_size = dim: the model definition checks every shape (the MLP weights are square here)
+    (path / "config.json").write_text(json.dumps(llama_config(dim, layers, intermediate_size=dim)))
     return dim * dim * 2
 
 
@@ -401,11 +402,19 @@ class WatchTorch:
             WatchTorch.stack = "".join(traceback.format_stack())
         return None
 sys.meta_path.insert(0, WatchTorch())
+def write_record():
+    with open(record, "w") as f:
+        f.write(WatchTorch.stack or ("torch imported" if "torch" in sys.modules else ""))
+import os
+_exit = os._exit
+def recorded_exit(code):  # the CLI ends a torch-free CUDA run with os._exit (no teardown): record first
+    write_record()
+    _exit(code)
+os._exit = recorded_exit
 try:
     runpy.run_module("fp4convert", run_name="__main__", alter_sys=True)
 finally:
-    with open(record, "w") as f:
-        f.write(WatchTorch.stack or ("torch imported" if "torch" in sys.modules else ""))
+    write_record()
 """
 
 
