@@ -112,6 +112,52 @@ _IN_FIRST: dict[str, str] = {"gpt_oss": "interleaved", "llama4": "concatenated",
 # conversion (e.g. Qwen3.5-MoE, MiniMax) has these shapes on disk.
 _OUT_FIRST_SPLIT = "concatenated"
 
+# Per-expert checkpoint names vLLM's loader reads for an architecture whose experts are stored as one 3-D
+# stack (gate, up, down): the ``ckpt_*_proj_name`` its ``FusedMoE.make_expert_params_mapping`` is given.
+# Default ("gate_proj", "up_proj", "down_proj"): qwen2/3-MoE, DeepSeek, gpt-oss (``GptOssForCausalLM.
+# get_expert_mapping``), Llama 4, GraniteMoeHybrid (``get_expert_mapping``).
+#   GraniteMoE / GraniteMoeShared: vllm/model_executor/models/granitemoe.py ``GraniteMoeModel._load_weights``
+#   (``ckpt_gate_proj_name="w1", ckpt_down_proj_name="w2", ckpt_up_proj_name="w3"``; its ``load_weights`` cuts
+#   the bf16 ``input_linear`` into ``experts.{e}.w1/w3``); granitemoeshared.py reuses that loader.
+_EXPERT_NAMES: dict[str, tuple[str, str, str]] = {
+    "GraniteMoeForCausalLM": ("w1", "w3", "w2"),
+    "GraniteMoeSharedForCausalLM": ("w1", "w3", "w2"),
+}
+# Architectures whose vLLM loader reads no quantized experts in any layout (so an FP4 expert would be read by
+# no consumer): vllm/model_executor/models/aria.py ``AriaFusedMoE.weight_loader`` ("Loading expert weights
+# with quantization is not supported"; it reads only the 3-D ``experts.fc1/fc2.weight``).
+_QUANTIZED_EXPERTS_UNREAD: dict[str, str] = {
+    "aria": "vLLM's Aria loader reads no quantized experts (models/aria.py AriaFusedMoE.weight_loader) and "
+            "transformers cannot load FP4 experts of this model type",
+}
+
+
+def _architectures(model_config: dict | None) -> list[str]:
+    cfg = model_config or {}
+    archs = cfg.get("architectures") or []
+    return [a for a in archs if isinstance(a, str)]
+
+
+def expert_names(model_config: dict | None) -> tuple[str, str, str]:
+    """The (gate, up, down) per-expert leaves vLLM's loader reads for this architecture (``_EXPERT_NAMES``)."""
+    return next((_EXPERT_NAMES[a] for a in _architectures(model_config) if a in _EXPERT_NAMES),
+                ("gate_proj", "up_proj", "down_proj"))
+
+
+def quantized_experts_unread(model_config: dict | None) -> str:
+    """Why no consumer reads FP4 experts of this model ("" when vLLM's loader does)."""
+    mt = _model_type(model_config)
+    for t in (mt, mt.removesuffix("_text"), _model_type(_text_config(model_config))):
+        if t in _QUANTIZED_EXPERTS_UNREAD:
+            return _QUANTIZED_EXPERTS_UNREAD[t]
+    return ""
+
+
+def gate_up_packing(model_config: dict | None) -> str | None:
+    """How gate and up are packed in a stack whose class does not state it (the family table ``_IN_FIRST``)."""
+    mt = _model_type(model_config) or _model_type(_text_config(model_config))
+    return _IN_FIRST.get(mt) or _IN_FIRST.get(_model_type(_text_config(model_config)))
+
 
 @dataclass(frozen=True)
 class ExpertMatrix:
@@ -220,35 +266,38 @@ def stacked_experts(tensor_name: str, shape: tuple[int, ...], model_config: dict
         source = "[E, out, in] (transformers-5 fused experts: gate then up)"
     bias = f"{tensor_name}_bias" if mt == "gpt_oss" else None
     return expert_layout(tensor_name, (e, a, b), kind, transpose, split if kind == "gate_up" else None,
-                         m["prefix"], bias, source)
+                         m["prefix"], bias, source, expert_names(model_config))
 
 
 def expert_layout(tensor_name: str, shape: tuple[int, int, int], kind: str, transpose: bool, split: str | None,
-                  prefix: str, bias: str | None, source: str) -> ExpertLayout | None:
+                  prefix: str, bias: str | None, source: str,
+                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> ExpertLayout | None:
     """The per-expert matrices of a 3-D stack whose layout is known (from the model definition or the
     family table above): ``kind`` "gate_up" (``split`` says how gate and up are packed), "down" or
     "up" (an up projection without a gate); ``transpose`` when the stack is ``[E, in, out]``.
-    Output modules are ``<prefix>.<e>.{gate_proj,up_proj,down_proj}``. None when a gate/up stack has
-    an odd number of output rows (it cannot be two halves)."""
+    Output modules are ``<prefix>.<e>.<leaf>`` with the (gate, up, down) leaves ``names``
+    (:func:`expert_names`: the ones the engine's loader for this architecture reads). None when a
+    gate/up stack has an odd number of output rows (it cannot be two halves)."""
     e, a, b = (int(s) for s in shape)
     n, k = (b, a) if transpose else (a, b)
     if kind == "gate_up" and (n % 2 or split is None):
         return None
+    leaf = dict(zip(("gate", "up", "down"), names))
     matrices: list[ExpertMatrix] = []
     for x in range(e):
         if kind != "gate_up":
             proj = "down" if kind == "down" else "up"
-            matrices.append(ExpertMatrix(x, proj, f"{prefix}.{x}.{proj}_proj", (n, k), 0, n, 1, None))
+            matrices.append(ExpertMatrix(x, proj, f"{prefix}.{x}.{leaf[proj]}", (n, k), 0, n, 1, None))
             continue
         half = n // 2
-        group = f"{prefix}.{x}.{{gate_proj,up_proj}}"
+        group = f"{prefix}.{x}.{{{leaf['gate']},{leaf['up']}}}"
         if split == "interleaved":
             rows = {"gate": (0, n, 2), "up": (1, n, 2)}
         else:
             rows = {"gate": (0, half, 1), "up": (half, n, 1)}
         for proj in ("gate", "up"):
             s, t, st = rows[proj]
-            matrices.append(ExpertMatrix(x, proj, f"{prefix}.{x}.{proj}_proj", (half, k), s, t, st, group))
+            matrices.append(ExpertMatrix(x, proj, f"{prefix}.{x}.{leaf[proj]}", (half, k), s, t, st, group))
     return ExpertLayout(tensor_name, (e, a, b), kind, transpose, split if kind == "gate_up" else None,
                         tuple(matrices), bias, source)
 

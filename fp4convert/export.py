@@ -18,11 +18,11 @@ from .config import ConvertConfig
 from .distributed import World
 from .errors import CheckpointFormatError, ConfigError
 from .formats import get_format
-from .layout import load_quantized, read_layout
+from .layout import load_quantized, manifest_disagreements, module_shape_problems, read_layout
 from .manifest import MANIFEST_NAME, manifest_problem
-from .plan import QUANTIZE, Decision, Plan, check_collisions, layout_shards
+from .plan import QUANTIZE, Decision, Matrix, Plan, check_collisions, layout_shards
 from .runner import ConvertResult, Job, Progress, run
-from .safetensors_io import DTYPE_BITS, OutEntry, TensorInfo, dtype_nbytes, open_regular
+from .safetensors_io import DTYPE_BITS, OutEntry, TensorInfo, dtype_nbytes, open_regular, read_tensor
 from .source import open_source
 from .writer import run_identity
 
@@ -38,27 +38,23 @@ def plan_export(src: str, config: ConvertConfig):
     if problem:
         raise CheckpointFormatError(f"{source.root / MANIFEST_NAME}: {problem}; re-create the checkpoint with "
                                     "fp4convert quantize")
-    config = replace(config, scheme=manifest["scheme"], rotate=manifest.get("rotate"),
-                     scale_rule=manifest.get("scale_rule"))
+    where = source.root / MANIFEST_NAME
+    _check_consistent(source, manifest, layout, where)
+    try:
+        config = replace(config, scheme=manifest["scheme"], rotate=manifest.get("rotate"),
+                         scale_rule=manifest.get("scale_rule"))
+    except ConfigError as exc:  # the recorded settings, not the user's options, are wrong
+        raise CheckpointFormatError(f"{where}: the recorded settings are invalid ({exc}); re-create the "
+                                    "checkpoint with fp4convert quantize") from None
     fmt = get_format(config.format)
     fmt.check(config.scheme, config.rotate)
     # Replay the original processing order (the order of the native outputs), so the bytes equal a
     # direct conversion to the target format.
     position = {name: i for i, name in enumerate(layout.tensors)}
-
-    where = source.root / MANIFEST_NAME
-    for name, rec in manifest["tensors"].items():
-        missing = [o for o in rec["outputs"] if o not in position]
-        if not rec["outputs"] or missing:
-            raise CheckpointFormatError(f"{where}: tensor {name!r} lists outputs the shards do not hold "
-                                        f"({', '.join(missing[:3]) or 'none'}); the checkpoint does not match "
-                                        "its manifest")
-        if rec["dtype"] not in DTYPE_BITS:
-            raise CheckpointFormatError(f"{where}: tensor {name!r} has unknown dtype {rec['dtype']!r}")
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if rec["action"] == QUANTIZE and module not in layout.modules:
-            raise CheckpointFormatError(f"{where}: {name!r} is recorded as quantized but the shards hold no "
-                                        "quantized module for it; the checkpoint does not match its manifest")
+    # A quantized tensor's outputs are those of its quantized modules: one for a linear weight, one per
+    # expert (and gate/up half) for a stacked expert tensor, written [out, in] for a GPT-2 Conv1D. Each
+    # module's shape comes from the shards, never from the record's (source) shape.
+    owner = {t.name: m for m in layout.modules.values() for t in m.tensors}
 
     def first_output(item: tuple[str, dict]) -> int:
         return min(position[o] for o in item[1]["outputs"])
@@ -69,14 +65,66 @@ def plan_export(src: str, config: ConvertConfig):
         nbytes = dtype_nbytes(rec["dtype"], shape)  # the original tensor's size, for the summary
         info = TensorInfo(name, rec["dtype"], shape, rec["source_file"], 0, nbytes)
         if rec["action"] == QUANTIZE:
-            module = name[: -len(".weight")]
-            outputs = tuple(fmt.entries(module, info.shape, config.scheme, config.rotate))
+            modules = _modules_of(rec, owner, position)
+            outputs = tuple(e for m in modules for e in fmt.entries(m.module, m.shape, config.scheme, config.rotate))
+            matrices = tuple(Matrix(m.module, tuple(m.shape)) for m in modules)
         else:
-            outputs = (OutEntry(name, rec["dtype"], tuple(rec["shape"])),)
-        decisions.append(Decision(name, rec["action"], rec["reason"], info, rec.get("group"), outputs))
+            outputs, matrices = (OutEntry(name, rec["dtype"], tuple(rec["shape"])),), ()
+        decisions.append(Decision(name, rec["action"], rec["reason"], info, rec.get("group"), outputs, matrices))
     check_collisions(decisions)
     plan = Plan(decisions, manifest.get("groups", {}), layout_shards(decisions, config.max_shard_size), config)
     return source, layout, manifest, plan, fmt
+
+
+def _modules_of(rec: dict, owner: dict, position: dict[str, int]) -> list:
+    """The quantized modules holding a record's outputs, in the order the shards hold them."""
+    mods: dict = {}
+    for o in sorted((o for o in rec["outputs"] if o in owner), key=position.__getitem__):
+        mods.setdefault(owner[o].module, owner[o])
+    return list(mods.values())
+
+
+def _check_consistent(source, manifest: dict, layout, where: Path) -> None:
+    """The native manifest and the shards must tell one story before anything is planned from it: the
+    layout read cleanly, every module's scales fit its packed weight, every record agrees with the shards
+    (layout.manifest_disagreements) and a quantized record's outputs are exactly its modules' tensors.
+    An edited or mismatched manifest is refused (exit 4) naming the first disagreement."""
+    def refuse(why: str) -> None:
+        raise CheckpointFormatError(f"{where}: {why}; the checkpoint does not match its manifest: re-create it "
+                                    "with fp4convert quantize")
+
+    problems = [*layout.problems, *(p for m in layout.modules.values() for p in module_shape_problems(m))]
+    if not problems:
+        problems = manifest_disagreements(manifest, layout)
+    if problems:
+        refuse(problems[0])
+    native = get_format(manifest["format"])
+    owner = {t.name: m for m in layout.modules.values() for t in m.tensors}
+    position = {o: i for i, o in enumerate(layout.tensors)}
+    for name, rec in manifest["tensors"].items():
+        if rec["dtype"] not in DTYPE_BITS:
+            refuse(f"tensor {name!r} has unknown dtype {rec['dtype']!r}")
+        if rec["action"] != QUANTIZE:
+            continue
+        mods = _modules_of(rec, owner, position)
+        want = {e.name: (e.dtype, list(e.shape)) for m in mods
+                for e in native.entries(m.module, m.shape, manifest["scheme"], manifest.get("rotate"))}
+        got = {o: (r["dtype"], r["shape"]) for o, r in rec["outputs"].items()}
+        if want != got:
+            diff = sorted(set(want) ^ set(got)) or sorted(k for k in want if want[k] != got[k])
+            refuse(f"quantized tensor {name!r} lists outputs that are not its modules' tensors (e.g. {diff[0]})")
+
+
+def check_global_scales(source, manifest: dict, layout) -> None:
+    """The recorded global scales are copied into the new manifest: they must be the stored ones. Read
+    from the shards, so only after :func:`verify_files` (a corrupted shard is named as corrupted, not as
+    a manifest that disagrees with it)."""
+    stored = {m.module: read_tensor(source.local_path(m.global_.file), m.global_).flatten()
+              for m in layout.modules.values() if m.global_ is not None and m.global_.dtype == "F32"}
+    problems = manifest_disagreements(manifest, layout, stored)
+    if problems:
+        raise CheckpointFormatError(f"{source.root / MANIFEST_NAME}: {problems[0]}; the checkpoint does not match "
+                                    "its manifest: re-create it with fp4convert quantize")
 
 
 def verify_files(root: Path, manifest: dict, weight_files: list[str], progress=None) -> None:
@@ -130,6 +178,7 @@ def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress 
             bar.refresh()
         progress = progress or bar.update
     verify_files(source.root, manifest, source.weight_files, progress=bar)
+    check_global_scales(source, manifest, layout)
     identity = run_identity(plan.config, source, exported_from=manifest.get("identity"))
 
     world = World.from_env()  # under torchrun each rank writes its share of the shards
@@ -156,14 +205,16 @@ class _ExportWork:
         records = {}
         for d in unit:
             rec = self.manifest["tensors"][d.name]
-            records[d.name] = {k: rec[k] for k in ("global_scale", "amax") if k in rec} if d.action == QUANTIZE else {}
+            records[d.name] = ({k: rec[k] for k in ("global_scale", "amax", "matrices") if k in rec}
+                              if d.action == QUANTIZE else {})
 
         def job(shards) -> None:
             for d in unit:
                 if d.action == QUANTIZE:
-                    m = self.layout.modules[d.module]
-                    for name, data in self.fmt.tensors(d.module, load_quantized(self.source, self.layout, m)):
-                        shards.write(name, data)
+                    for mx in d.matrices:
+                        m = self.layout.modules[mx.module]
+                        for name, data in self.fmt.tensors(mx.module, load_quantized(self.source, self.layout, m)):
+                            shards.write(name, data)
                 else:
                     info = self.layout.tensors[d.name]
                     shards.copy_kept(d.name, self.source.local_path(info.file), info)

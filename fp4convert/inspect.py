@@ -26,8 +26,9 @@ import torch
 from .config import human_bytes
 from .errors import SourceError
 from .formats import all_formats, get_format, quantized_tensor_names
-from .formats.base import QuantizedModule, read_json
-from .layout import CheckpointLayout, load_quantized, read_global, read_layout
+from .formats.base import read_json
+from .layout import (CheckpointLayout, find_modules, load_quantized, manifest_disagreements,
+                     module_shape_problems, read_global, read_layout)
 from .manifest import MANIFEST_NAME, PROGRESS_NAME
 from .plan import fused_group
 from .safetensors_io import open_regular, read_regular_file, read_tensor
@@ -62,7 +63,7 @@ def _guess_layout(source: Source, layout: CheckpointLayout) -> CheckpointLayout 
         return None
     best = None
     for fmt in all_formats():
-        modules, problems = fmt.find_modules(layout.tensors, None)
+        modules, problems = find_modules(fmt, layout.tensors, None)
         if not modules:
             continue
         if fmt.name in ("fp4convert", "compressed-tensors"):  # same names: the scale shape tells
@@ -81,25 +82,6 @@ def _guess_layout(source: Source, layout: CheckpointLayout) -> CheckpointLayout 
     return CheckpointLayout(fmt.name, schemes.pop() if len(schemes) == 1 else None, None, modules,
                             [t for n, t in layout.tensors.items() if n not in used], layout.tensors, None,
                             [*layout.problems, *problems])
-
-
-def _check_shapes(m: QuantizedModule) -> list[str]:
-    out = []
-    *lead, rows, half = m.packed.shape
-    bs = get_scheme(m.scheme).block_size
-    k = half * 2
-    if k % bs:
-        return [f"{m.module}: K={k} is not a multiple of the {m.scheme} block size {bs}"]
-    nb = k // bs
-    want = (*lead, *padded_shape(rows, nb)) if m.swizzled else (*lead, rows, nb)
-    if tuple(m.scale.shape) != tuple(want):
-        out.append(f"{m.module}: scale shape {list(m.scale.shape)}, expected {list(want)} for {m.scheme}")
-    if get_scheme(m.scheme).global_scale:
-        if m.global_ is None:
-            out.append(f"{m.module}: NVFP4 weight without a global scale")
-        elif m.global_.dtype != "F32":
-            out.append(f"{m.module}: global scale is {m.global_.dtype}, engines expect F32")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +110,7 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
     globals_: dict[str, float] = {}
     stored: dict[str, torch.Tensor] = {}  # the global tensors as stored (ModelOpt: 1/gs)
     for m in layout.modules.values():
-        problems += _check_shapes(m)
+        problems += module_shape_problems(m)
         if get_scheme(m.scheme).global_scale and m.global_ is not None and m.global_.dtype == "F32":
             g = read_global(source, layout, m)
             bad = ~torch.isfinite(g) | (g <= 0)
@@ -273,51 +255,7 @@ def _producer_name(obj: dict) -> object:
 
 def _check_against_manifest(manifest: dict, layout: CheckpointLayout, stored: dict[str, torch.Tensor]) -> list[str]:
     """Every tensor the manifest promises is on disk as promised, and the settings match the tensors."""
-    out = []
-    promised = {}
-    for rec in manifest.get("tensors", {}).values():
-        promised.update(rec.get("outputs", {}))
-    for name, want in sorted(promised.items()):
-        got = layout.tensors.get(name)
-        if got is None:
-            out.append(f"{name}: listed in {MANIFEST_NAME} but not in any shard")
-        elif got.dtype != want["dtype"] or list(got.shape) != want["shape"]:
-            out.append(f"{name}: {got.dtype} {list(got.shape)} on disk, manifest says {want['dtype']} {want['shape']}")
-        elif want.get("file") and got.file != want["file"]:
-            out.append(f"{name}: in {got.file}, manifest says {want['file']}")
-    extra = sorted(set(layout.tensors) - set(promised))
-    if extra:
-        out.append(f"{len(extra)} tensor(s) not in {MANIFEST_NAME}, e.g. {extra[0]}")
-    # Settings against the tensors.
-    scheme = manifest.get("scheme")
-    if layout.scheme and scheme and layout.scheme != scheme:
-        out.append(f"{MANIFEST_NAME} says scheme {scheme}, the block scales are {layout.scheme}")
-    if scheme in SCHEMES and manifest.get("block_size") not in (None, get_scheme(scheme).block_size):
-        out.append(f"{MANIFEST_NAME} says block size {manifest.get('block_size')}, {scheme} has {get_scheme(scheme).block_size}")
-    settings = manifest.get("settings") or {}
-    for key in ("scheme", "format", "rotate"):
-        if key in settings and settings[key] != manifest.get(key):
-            out.append(f"{MANIFEST_NAME}: settings.{key} is {settings[key]!r} but {key} is {manifest.get(key)!r}")
-    # A quantized source tensor becomes one module (a 2-D weight) or several (stacked experts split per
-    # expert): its outputs name them, so the modules are counted through the outputs, not the names.
-    owner = {t.name: m.module for m in layout.modules.values() for t in m.tensors}
-    quantized = {name: {owner[o] for o in rec.get("outputs", {}) if o in owner}
-                 for name, rec in manifest.get("tensors", {}).items() if rec.get("action") == "quantize"}
-    covered = set().union(*quantized.values()) if quantized else set()
-    empty = sorted(n for n, mods in quantized.items() if not mods)
-    stray = sorted(set(layout.modules) - covered)
-    if empty or stray:
-        out.append(f"{MANIFEST_NAME} lists {len(quantized)} quantized weights ({len(covered)} quantized modules), "
-                   f"the shards hold {len(layout.modules)} (e.g. {(empty + stray)[0]})")
-    fmt = get_format(layout.format)
-    for name, rec in sorted(manifest.get("tensors", {}).items()):
-        module = name[: -len(".weight")]
-        if "global_scale" in rec and module in stored:
-            want = fmt.global_value(torch.tensor(rec["global_scale"], dtype=torch.float32)).flatten()
-            if want.shape != stored[module].shape or not torch.equal(want, stored[module]):
-                out.append(f"{module}: global scale {stored[module].tolist()} on disk, {MANIFEST_NAME} records "
-                           f"{rec['global_scale']!r} (stored as {want.tolist()})")
-    return out
+    return manifest_disagreements(manifest, layout, stored)
 
 
 def _check_files(source: Source, manifest: dict | None, layout: CheckpointLayout, problems: list[str],

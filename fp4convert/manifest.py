@@ -178,6 +178,8 @@ SCHEMA = _Obj({
     "groups": _Missing(_MapOf(_ListOf(str))),
     "tensors": _MapOf(_TENSOR),
     "files": _MapOf(_FILE, key_check=_relative_file),
+    "activations": _Missing(_Opt(_Obj({"scheme": _Missing(_Opt(str)), "input_scale_suffix": _Missing(_Opt(str)),
+                                       "calibration": _Missing(_Opt(dict))}))),  # W4A4 (activation_section)
 })
 
 _KIND = {str: "a string", int: "an integer", float: "a number", bool: "true/false", dict: "an object", list: "an array"}

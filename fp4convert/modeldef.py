@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,7 +49,12 @@ LINEAR, EXPERTS, KEPT = "linear", "experts", "kept"
 _TOWER_RX = re.compile(r"Vision|Visual|Audio|Speech|Image|Video|Siglip|Clip", re.IGNORECASE)
 _PROJECTOR_RX = re.compile(r"MultiModal|Multimodal|Projector|Embedder|PatchMerger", re.IGNORECASE)
 _ROUTER_LEAVES = {"gate", "router", "shared_expert_gate", "router_proj"}
-_ROUTER_CLASS_RX = re.compile(r"Router|Gating|TopK")  # MixtralTopKRouter, DbrxRouter, JetMoeTopKGating
+# A router class: MixtralTopKRouter, DbrxRouter, JetMoeTopKGating (not one that merely gates something:
+# MoshiGatingMLP is a gated MLP, KimiLinearForgetGate computes a forget gate with two Linears). A class named
+# a gate holding the routing weight itself (not in a Linear) is one too (_GATE_CLASS_RX); a module named
+# ``gate``/``router`` is one whatever its class (HunYuan's ``mlp.gate`` holds its router Linear ``wg``).
+_ROUTER_CLASS_RX = re.compile(r"Router|TopK")
+_GATE_CLASS_RX = re.compile(r"(Gate|Gating)$")
 _EXPERT_PARAMS = {"gate_up_proj": "gate_up", "down_proj": "down", "up_proj": "up"}
 
 
@@ -73,6 +78,12 @@ class Role:
     proj: str | None = None
     group: str | None = None  # shared-scale group from a transformers merge (one expert's gate + up)
     absent: bool = False  # no parameter of the model loads it (transformers drops it: MTP layers, extras)
+    also: tuple[str, ...] = ()  # further modules transformers loads the tensor into (one disk tensor split in parts)
+    names: tuple[str, ...] | None = None  # EXPERTS: per-expert output leaves (gate, up, down) from the definition
+    tf_fp4: str = ""  # quantized: transformers cannot load any FP4 form of it (the output is for vLLM); kept: why
+    # transformers cannot load it as FP4 under its checkpoint name (so it is kept for both consumers)
+    dequant_route: bool = False  # transformers' compressed-tensors load routes this bf16 key through a converter
+    # that dequantizes first, which drops an unquantized tensor: the tensor must be written FP4 for it to load
 
 
 @dataclass
@@ -85,6 +96,8 @@ class Definition:
     heads: tuple[str, ...]  # output projections (lm_head, proj_out, embed_out) as transformers builds them
     head_on_disk: bool = False
     notes: list[str] = field(default_factory=list)
+    # why transformers cannot load a compressed-tensors checkpoint of this model at all ("" when it can)
+    transformers_cannot_load: str = ""
 
     @property
     def source(self) -> str:
@@ -188,13 +201,15 @@ def _build_in_child(model_config: dict, tensors: list[TensorInfo]) -> Definition
 
 def _to_json(d: Definition) -> dict:
     return {"model_class": d.model_class, "transformers_version": d.transformers_version, "heads": list(d.heads),
-            "head_on_disk": d.head_on_disk, "roles": {n: asdict(r) for n, r in d.roles.items()}}
+            "head_on_disk": d.head_on_disk, "roles": {n: asdict(r) for n, r in d.roles.items()},
+            "transformers_cannot_load": d.transformers_cannot_load}
 
 
 def _from_json(obj: dict) -> Definition:
-    roles = {n: Role(**r) for n, r in obj["roles"].items()}
+    roles = {n: Role(**{**r, "also": tuple(r.get("also") or ()),
+                        "names": tuple(r["names"]) if r.get("names") else None}) for n, r in obj["roles"].items()}
     return Definition(obj["model_class"], obj["transformers_version"], roles, tuple(obj["heads"]),
-                      bool(obj["head_on_disk"]))
+                      bool(obj["head_on_disk"]), transformers_cannot_load=obj.get("transformers_cannot_load", ""))
 
 
 def _child_main() -> None:
@@ -277,7 +292,7 @@ def _load(model_config: dict, tensors: list[TensorInfo]) -> Definition:
     except Exception as exc:  # noqa: BLE001
         raise Unknown(f"transformers cannot build {cls.__name__} from this config.json "
                       f"({type(exc).__name__}: {_one_line(exc)})") from exc
-    return _definition(model, tensors, transformers.__version__)
+    return _definition(model, tensors, transformers.__version__, model_config)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -300,7 +315,7 @@ def _model_class(transformers, config, archs: list[str]):
     return None
 
 
-def _definition(model, tensors: list[TensorInfo], version: str) -> Definition:
+def _definition(model, tensors: list[TensorInfo], version: str, model_config: dict | None = None) -> Definition:
     import torch.nn as nn
     from transformers import PreTrainedModel
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -313,17 +328,28 @@ def _definition(model, tensors: list[TensorInfo], version: str) -> Definition:
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))
     modules = dict(model.named_modules(remove_duplicate=False))
-    towers = [p for p, m in modules.items() if p and isinstance(m, PreTrainedModel) and _TOWER_RX.search(type(m).__name__)]
+    # Vision/audio sub-models; never the base model itself (Higgs-Audio-V2's language model is a
+    # HiggsAudioV2Model: "Audio" in its name, but it is the model, not a tower beside one).
+    towers = [p for p, m in modules.items() if p and p != model.base_model_prefix and isinstance(m, PreTrainedModel)
+              and _TOWER_RX.search(type(m).__name__)]
     heads = _heads(model, modules)
 
+    mapped = []  # (info, target, pattern) for every tensor a parameter of the model loads
     roles: dict[str, Role] = {}
     for info in tensors:
-        name = info.name
-        target, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, params)
+        target, pattern = rename_source_key(info.name, renamings, converters, model.base_model_prefix, params)
         if target not in params:
-            roles[name] = Role(KEPT, _module_of(target), "-", f"not a parameter of {type(model).__name__} "
-                               "(transformers ignores it when loading)", absent=True)
-            continue
+            roles[info.name] = Role(KEPT, _module_of(target), "-", f"not a parameter of {type(model).__name__} "
+                                    "(transformers ignores it when loading)", absent=True)
+        else:
+            mapped.append((info, target, pattern))
+    if towers and not _beside_a_language_model(mapped, modules, towers, heads, nn, Conv1D):
+        towers = []  # the audio/vision model on its own (a CTC speech encoder): it is the model, not a tower
+    # The model transformers builds to load OUR compressed-tensors output, and the key routing of that load
+    # (before ``model`` is patched in place: ``params`` and ``modules`` above keep the bf16 model's objects).
+    fp4 = _Fp4Loader.build(model, version)
+    for info, target, pattern in mapped:
+        name = info.name
         path, _, leaf = target.rpartition(".")
         mod = modules.get(path)
         cname = type(mod).__name__ if mod is not None else "-"
@@ -331,12 +357,182 @@ def _definition(model, tensors: list[TensorInfo], version: str) -> Definition:
         axes = (_disk_axes(converter, tuple(info.shape), tuple(params[target].shape)) if converter is not None
                 else list(range(len(info.shape))))
         parts = path.split(".")
-        ancestors = [type(modules[a]).__name__ for a in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        ancestors = [(a, type(modules[a]).__name__) for a in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
                      if a in modules]
-        roles[name] = _role(name, target, path, leaf, mod, cname, info, params[target], axes, converter, pattern,
-                            towers, heads, nn, Conv1D, ancestors)
+        role = _role(name, target, path, leaf, mod, cname, info, params[target], axes, converter, pattern,
+                     towers, heads, nn, Conv1D, ancestors, fp4, model_config)
+        if converter is not None and len(converter.target_patterns) > 1 and pattern is not None:
+            first = converter.target_patterns[0]
+            also = tuple(_module_of(target.replace(first, t, 1)) for t in converter.target_patterns[1:] if first in target)
+            role = replace(role, also=tuple(m for m in also if m != role.module))
+        if fp4 is not None and fp4.dequantizes_first(name):
+            role = replace(role, dequant_route=True)
+        roles[name] = role
+    whole = _whole_model_unloadable(fp4, roles)
+    if whole:  # transformers reads no compressed-tensors checkpoint of this model: write what vLLM reads
+        roles = {n: (replace(r, kind=LINEAR, why="", tf_fp4=whole) if r.kind == KEPT and r.tf_fp4 else
+                     replace(r, tf_fp4=r.tf_fp4 or whole) if r.kind != KEPT else r) for n, r in roles.items()}
     on_disk = {r.module for r in roles.values()}
-    return Definition(type(model).__name__, version, roles, heads, head_on_disk=any(h in on_disk for h in heads))
+    return Definition(type(model).__name__, version, roles, heads, head_on_disk=any(h in on_disk for h in heads),
+                      transformers_cannot_load=whole)
+
+
+def _whole_model_unloadable(fp4: _Fp4Loader | None, roles: dict[str, Role]) -> str:
+    """Why transformers cannot load a compressed-tensors checkpoint of this model, whatever it quantizes.
+
+    Its quantizer fails building the load's conversions (a ``.weight`` converter with several targets becomes
+    many-to-many once the FP4 companions join: ``WeightConverter`` raises), or a tensor routed through a
+    dequantizing converter has no form that loads: its dequantization keeps only ``weight_packed`` tensors
+    (an unquantized one is dropped and the conversion after it fails), and it stacks FP4 ones for a
+    per-expert merge, which a dense merge or split cannot take."""
+    if fp4 is None:
+        return ""
+    if fp4.broken:
+        return fp4.broken
+    for name, r in roles.items():
+        if not r.dequant_route or r.absent:
+            continue
+        if r.kind == KEPT and not r.tf_fp4:
+            return (f"transformers {fp4.version} routes {name} through a converter that dequantizes first, which "
+                    f"drops it unquantized, and it cannot be FP4 ({r.why})")
+        if r.kind == KEPT and r.tf_fp4:
+            return (f"transformers {fp4.version} can load {name} neither unquantized (its dequantizing converter "
+                    f"drops it) nor as FP4 ({r.tf_fp4})")
+    return ""
+
+
+def _beside_a_language_model(mapped, modules: dict, towers: list[str], heads: tuple[str, ...], nn, Conv1D) -> bool:
+    """Whether some matmul weight on disk lies outside every vision/audio tower (and is not an output head).
+
+    The tower rule keeps a tower that sits beside a language model (engines build it unquantized); a
+    checkpoint that holds nothing else (GraniteSpeech5ForCTC: an audio encoder and a CTC head tied to it)
+    is that model itself, and its matmul weights are quantized like any model's."""
+    for _, target, _ in mapped:
+        path = target.rpartition(".")[0]
+        if path in heads or any(path == t or path.startswith(t + ".") for t in towers):
+            continue
+        mod = modules.get(path)
+        if isinstance(mod, (nn.Linear, Conv1D)) or hasattr(mod, "is_transposed"):
+            return True
+    return False
+
+
+class _Fp4Loader:
+    """How transformers loads our compressed-tensors FP4 output (``CompressedTensorsConfig(dequantize=True)``).
+
+    Built from transformers' own loader: the compressed-tensors quantizer swaps the modules it swaps for a
+    quantized checkpoint (``quantizers/base.py`` ``MODULES_TO_PATCH_FOR_QUANTIZATION``: Llama 4's experts become
+    per-expert Linears) and extends the model's key conversions for the FP4 tensors
+    (``update_weight_conversions``: a dequantize operation in front of every converter whose sources are
+    ``.weight`` keys, then its general converter of ``<module>.weight_packed/_scale/_global_scale`` into
+    ``<module>.weight``). :meth:`route` follows one written FP4 module through that routing, without data.
+    """
+
+    def __init__(self, model, version: str, renamings, converters, dequant, params, modules, broken: str = "") -> None:
+        self.model, self.version = model, version
+        self.renamings, self.converters, self.dequant = renamings, converters, dequant
+        self.params, self.modules = params, modules
+        self.broken = broken  # why transformers' quantizer cannot even build the load's conversions
+
+    @classmethod
+    def build(cls, model, version: str) -> _Fp4Loader | None:
+        from types import SimpleNamespace
+
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightConverter
+            from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
+            from transformers.utils.quantization_config import QuantizationMethod
+
+            q = object.__new__(CompressedTensorsHfQuantizer)  # its __init__ needs compressed-tensors; routing does not
+            q.pre_quantized, q.use_fp8_kernel = True, False
+            q.quantization_config = SimpleNamespace(dequantize=True, quant_method=QuantizationMethod.COMPRESSED_TENSORS)
+            q._convert_model_for_quantization(model)
+            dequant = q.get_load_operations()["dequantize"]
+        except Exception as exc:  # noqa: BLE001 - another transformers: no routing check, as before
+            log.debug("transformers' compressed-tensors loading not modelled (%s)", exc)
+            return None
+        try:
+            conversions = get_model_conversion_mapping(model, hf_quantizer=q)
+        except ValueError as exc:  # WeightConverter refuses the many-to-many converter its quantizer makes
+            return cls(model, version, [], [], dequant, {}, {}, broken=(
+                f"transformers {version} fails building the key conversions of any compressed-tensors checkpoint "
+                f"of this model ({_one_line(exc)[:120]})"))
+        except Exception as exc:  # noqa: BLE001 - another transformers: no routing check, as before
+            log.debug("transformers' compressed-tensors loading not modelled (%s)", exc)
+            return None
+        params = dict(model.named_parameters(remove_duplicate=False))
+        params.update(dict(model.named_buffers(remove_duplicate=False)))
+        return cls(model, version, [c for c in conversions if not isinstance(c, WeightConverter)],
+                   [c for c in conversions if isinstance(c, WeightConverter)], dequant, params,
+                   dict(model.named_modules(remove_duplicate=False)))
+
+    def dequantizes_first(self, key: str) -> bool:
+        """Whether the load routes the checkpoint key ``key`` through a converter that dequantizes first."""
+        from transformers.core_model_loading import rename_source_key
+
+        if self.broken:
+            return False
+        _, pattern = rename_source_key(key, self.renamings, self.converters, self.model.base_model_prefix, self.params)
+        conv = next((c for c in self.converters if pattern is not None and pattern in c.source_patterns), None)
+        return conv is not None and any(isinstance(o, self.dequant) for o in conv.operations) \
+            and pattern not in ("weight",)  # the general converter's own ``weight`` pattern passes weights through
+
+    def route(self, module: str, shape: tuple[int, int]) -> str:
+        """Why transformers cannot load the FP4 matrix ``shape`` ([N, K], blocks along K) written as ``module``;
+        "" when it loads it (into an ``[N, K]`` parameter, or one expert of a merged stack)."""
+        from transformers.core_model_loading import rename_source_key
+
+        if self.broken:
+            return self.broken
+        key = f"{module}.weight_packed"
+        target, pattern = rename_source_key(key, self.renamings, self.converters, self.model.base_model_prefix,
+                                            self.params)
+        conv = next((c for c in self.converters if pattern is not None and pattern in c.source_patterns), None)
+        ops = [type(o).__name__ for o in getattr(conv, "operations", ())]
+        v = f"transformers {self.version}"
+        if conv is None or not any(isinstance(o, self.dequant) for o in conv.operations):
+            return (f"{v} converts {module} at load ({', '.join(ops)}) before dequantizing anything, which packed FP4 "
+                    "tensors cannot pass" if conv is not None else f"{v} reads {key} as no quantized weight")
+        if target not in self.params:
+            return (f"{v} routes {key} to {target}, which is not a parameter of the model (its compressed-tensors "
+                    "loader dequantizes <module>.weight_packed into <module>.weight, and per-expert tensors only "
+                    "through a per-expert merge of its conversion mapping)")
+        rest = [o for o in conv.operations if not isinstance(o, self.dequant)]
+        p = self.params[target]
+        if rest:
+            if type(rest[0]).__name__ != "MergeModulelist" or p.dim() != 3:
+                return (f"{v} converts {module} at load ({', '.join(ops)}); its compressed-tensors dequantization "
+                        "runs in front of per-expert merges only")
+            return ""
+        if p.dim() != 2:
+            return f"{v} dequantizes 2-D tensors only, and {target} is {p.dim()}-D"
+        import torch.nn as nn
+
+        mod = self.modules.get(target.rpartition(".")[0])
+        if not isinstance(mod, nn.Linear):  # GPT-2's Conv1D holds [in, out]: a square one would load transposed
+            return (f"{v} dequantizes into {target} as stored, and blocks run along its last axis, which for "
+                    f"{type(mod).__name__} is not the input axis")
+        if tuple(p.shape) != tuple(shape):
+            return (f"{v} dequantizes into {target} as stored, {list(p.shape)}, and blocks run along its last axis, "
+                    f"which is not the input axis of this [N, K]={list(shape)} matrix")
+        return ""
+
+    def expert_linears(self, path: str):
+        """The per-expert (gate, up, down) Linears transformers puts at ``path`` to load a quantized checkpoint
+        (``SequentialLlama4TextExperts``), as (leaf names, expert 0's Linears); None when it keeps the stack."""
+        import torch.nn as nn
+
+        first = self.modules.get(f"{path}.0") if not self.broken else None
+        if first is None:
+            return None
+        found = [(n, m) for n, m in first.named_children() if isinstance(m, nn.Linear)]
+        leaves = {n for n, _ in found}
+        names = next((t for t in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")) if set(t) <= leaves), None)
+        if names is None:
+            return None
+        lin = dict(found)
+        return names, tuple(lin[n] for n in names)
 
 
 def _module_of(param_name: str) -> str:
@@ -377,7 +573,7 @@ def _disk_axes(converter, disk_shape: tuple[int, ...], param_shape: tuple[int, .
 
 
 def _role(name, target, path, leaf, mod, cname, info, param, axes, converter, pattern, towers, heads, nn, Conv1D,
-          ancestors: list[str]) -> Role:
+          ancestors: list[tuple[str, str]], fp4: _Fp4Loader | None = None, model_config: dict | None = None) -> Role:
     def kept(why: str) -> Role:
         return Role(KEPT, path, cname, why)
 
@@ -395,35 +591,61 @@ def _role(name, target, path, leaf, mod, cname, info, param, axes, converter, pa
             return kept(f"{leaf} of Conv1D")
         # GPT-2 style: x @ W with W [in, out]. Quantized along its input axis (axis 0 on disk) and written
         # [out, in], the layout vLLM's GPT-2 loader reads for weight_packed (it transposes only ``.weight``).
-        return Role(LINEAR, path, cname, input_axis=0)
+        # transformers dequantizes into the parameter as stored ([in, out], blocks along out): it cannot load
+        # any FP4 form of a Conv1D blocked along its input axis, so this output is for vLLM (the run says so).
+        why = fp4.route(_disk_module(name), (info.shape[1], info.shape[0])) if fp4 is not None else ""
+        return Role(LINEAR, path, cname, input_axis=0, tf_fp4=why)
     if isinstance(mod, nn.modules.conv._ConvNd):
         return kept(f"convolution ({cname})")
     if "Norm" in cname or "norm" in leaf.lower() or isinstance(mod, (nn.LayerNorm, nn.GroupNorm)):
         return kept(f"normalization ({cname})")
-    router = next((a for a in reversed(ancestors) if _ROUTER_CLASS_RX.search(a)), None)
-    if router is not None or "Gate" in cname and not isinstance(mod, nn.Linear):
-        return kept(f"MoE router ({router or cname})")
-    projector = next((a for a in ancestors if _PROJECTOR_RX.search(a)), None)
+    router = next((c for _, c in reversed(ancestors) if _ROUTER_CLASS_RX.search(c)), None)
+    if router is None and not isinstance(mod, nn.Linear) and _GATE_CLASS_RX.search(cname) and param.dim() == 2:
+        router = cname
+    if router is None:  # a module named like a router (HunYuan's ``mlp.gate`` holds its Linear ``wg``)
+        router = next((f"{c} {a.rpartition('.')[2]}" for a, c in reversed(ancestors)
+                       if a.rpartition(".")[2] in _ROUTER_LEAVES), None)
+    if router is not None:
+        return kept(f"MoE router ({router})")
+    projector = next((c for _, c in ancestors if _PROJECTOR_RX.search(c)), None)
     if projector is not None:
         return kept(f"multimodal projector/embedder ({projector}: engines build it unquantized)")
     if axes is None:
         return kept(f"{leaf} of {cname}: loaded through a transformers conversion this planner does not model")
     if isinstance(mod, nn.Linear) and leaf == "weight" and param.dim() == 2:
-        if path.rpartition(".")[2] in _ROUTER_LEAVES:
-            return kept(f"MoE router ({cname} {path.rpartition('.')[2]})")
         disk_in = axes[1]
         if not isinstance(disk_in, int) or len(info.shape) != 2:
             return kept(f"{leaf} of {cname}: its input axis on disk is not known")
         if disk_in != 1:
             return kept(f"{cname} weight stored [in, out] on disk: quantizing it would block the wrong axis")
+        why = fp4.route(_disk_module(name), tuple(info.shape)) if fp4 is not None else ""
+        if why:  # an nn.Linear both consumers load as bf16, but transformers not as FP4 under this name
+            return replace(kept(f"{cname} weight that transformers cannot load in FP4 ({why}); kept so that both "
+                                "transformers and vLLM load it"), tf_fp4=why)
         return Role(LINEAR, path, cname, input_axis=1)
     proj = _EXPERT_PARAMS.get(leaf)
-    if proj is not None and hasattr(mod, "is_transposed") and param.dim() == 3:
-        t_in = 1 if mod.is_transposed else 2
-        disk_in = axes[t_in]
+    stated = hasattr(mod, "is_transposed")
+    swapped = fp4.expert_linears(path) if fp4 is not None and proj is not None and param.dim() == 3 else None
+    if proj is not None and (stated or swapped is not None) and param.dim() == 3:
         split = None
-        if proj == "gate_up" and getattr(mod, "has_gate", True):
-            split = "concatenated" if getattr(mod, "is_concatenated", True) else "interleaved"
+        if stated:
+            t_in = 1 if mod.is_transposed else 2
+            disk_in = axes[t_in]
+            if proj == "gate_up" and getattr(mod, "has_gate", True):
+                split = "concatenated" if getattr(mod, "is_concatenated", True) else "interleaved"
+            names = None
+        else:  # transformers swaps the stack for per-expert Linears to load a quantized checkpoint (Llama 4)
+            assert swapped is not None  # not stated: the condition above holds through the swap
+            names, lins = swapped
+            disk_in = _swapped_input_axis(proj, tuple(info.shape), lins)
+            if disk_in is None:
+                return kept(f"{leaf} of {cname}: its shape matches no orientation of the per-expert Linears "
+                            "transformers loads a quantized checkpoint into")
+            if proj == "gate_up":
+                split = _family_split(model_config)
+                if split is None:
+                    return kept(f"{leaf} of {cname}: how gate and up are packed is stated neither by the class "
+                                "nor by the family table")
         if "E" in axes:  # one expert's 2-D weight, merged into the stack at load
             if len(info.shape) != 2 or disk_in != 1:
                 return kept(f"one expert's {leaf} of {cname} with its input axis not last on disk")
@@ -433,14 +655,53 @@ def _role(name, target, path, leaf, mod, cname, info, param, axes, converter, pa
                 if m:
                     members = ",".join(p.rpartition("*.")[2].removesuffix(".weight") for p in converter.source_patterns)
                     group = f"{name[:m.end() - 1]}.{{{members}}}"
-            return Role(LINEAR, path, cname, input_axis=1, group=group)
+            why = fp4.route(_disk_module(name), tuple(info.shape)) if fp4 is not None else ""
+            return Role(LINEAR, path, cname, input_axis=1, group=group, tf_fp4=why)
         if len(info.shape) != 3 or axes[0] != 0 or disk_in not in (1, 2):
             return kept(f"{leaf} of {cname}: the expert axis or input axis on disk is not known")
-        return Role(EXPERTS, path, cname, input_axis=disk_in, transpose=disk_in == 1, split=split, proj=proj)
+        from . import architectures as arch
+
+        if arch.quantized_experts_unread(model_config):  # kept, with its layout (per-expert names for ignore)
+            return Role(KEPT, path, cname, f"{leaf} of {cname}: {arch.quantized_experts_unread(model_config)}",
+                        input_axis=disk_in, transpose=disk_in == 1, split=split, proj=proj, names=names)
+        why = ""
+        if fp4 is not None:
+            gate, up, down = names or arch.expert_names(model_config)
+            e, a, b = info.shape
+            n, k = (b, a) if disk_in == 1 else (a, b)
+            probe = {"gate_up": (gate, n // 2), "up": (up, n), "down": (down, n)}[proj]
+            why = fp4.route(f"{path}.0.{probe[0]}", (probe[1], k))
+        return Role(EXPERTS, path, cname, input_axis=disk_in, transpose=disk_in == 1, split=split, proj=proj,
+                    names=names, tf_fp4=why)
     if param.dim() in (2, 3):
         return kept(f"{leaf} of {cname} ({param.dim()}-D parameter of a custom module: its matmul layout is not "
                     "stated by the definition)")
     return kept(f"{leaf} of {cname} ({param.dim()}-D)")
+
+
+def _disk_module(name: str) -> str:
+    """The module an on-disk weight's FP4 tensors are written under (the plan's rule: the name less ``.weight``)."""
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def _swapped_input_axis(proj: str, shape: tuple[int, ...], lins) -> int | None:
+    """The input axis of a 3-D stack ``[E, a, b]`` on disk, from the per-expert Linears it loads into
+    (gate, up, down): the axis of size ``in_features`` whose other axis is the right ``out_features``
+    (gate/up: twice a half); None when the shapes leave it open (a square stack)."""
+    if len(shape) != 3:
+        return None
+    gate, _, down = lins
+    lin = down if proj == "down" else gate
+    out = lin.out_features * (2 if proj == "gate_up" else 1)
+    fits = [ax for ax in (1, 2) if shape[ax] == lin.in_features and shape[3 - ax] == out]
+    return fits[0] if len(fits) == 1 else None
+
+
+def _family_split(model_config: dict | None) -> str | None:
+    """How gate and up are packed in a stack whose class does not say (the family table)."""
+    from . import architectures as arch
+
+    return arch.gate_up_packing(model_config)
 
 
 if __name__ == "__main__":

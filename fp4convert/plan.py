@@ -259,10 +259,12 @@ class Knowledge:
             return self._layouts[name]
         lay = None
         role = self.definition.role(name) if self.definition is not None else None
-        if role is not None and role.kind == "experts":
+        if role is not None and role.proj is not None and role.kind in ("experts", "kept"):
+            # the definition states the stack (kept ones too: their per-expert names go into ``ignore``)
             bias = f"{name}_bias" if name.endswith(("gate_up_proj", "down_proj")) else None
             lay = arch.expert_layout(name, tuple(shape), role.proj, role.transpose, role.split, role.module, bias,
-                                     f"{self.definition.source}: {role.module_class}")
+                                     f"{self.definition.source}: {role.module_class}",
+                                     tuple(role.names) if role.names else arch.expert_names(self.cfg))
         elif role is None or role.kind == "kept" and len(shape) == 3:
             lay = arch.stacked_experts(name, tuple(shape), self.cfg)
         self._layouts[name] = lay
@@ -295,9 +297,20 @@ class Knowledge:
         conversion, or the renames the family table knows)."""
         names = arch.ignore_names(module, self.cfg)
         role = self.definition.role(name) if self.definition is not None else None
-        if role is not None and role.module not in names and role.module != "-":
-            names.append(role.module)
+        if role is not None and role.module != "-":
+            names += [m for m in (role.module, *role.also) if m not in names]
         return names
+
+    def dequantizes_first(self, name: str) -> bool:
+        """Whether transformers' compressed-tensors load routes this tensor through a converter that drops it
+        unless it is FP4 (kept, it makes the whole output unloadable there)."""
+        role = self.definition.role(name) if self.definition is not None else None
+        return bool(role is not None and role.dequant_route)
+
+    def transformers_cannot_load(self, name: str) -> str:
+        """Why transformers cannot load any FP4 form of a tensor the plan quantizes ("" when it can)."""
+        role = self.definition.role(name) if self.definition is not None else None
+        return role.tf_fp4 if role is not None else ""
 
     def missing_heads(self, decisions: list[Decision]) -> list[str]:
         """Output heads transformers builds with no tensor on disk (tied to the embeddings)."""
@@ -319,6 +332,8 @@ class Knowledge:
                 rule = _rule_reason(info, scheme, mtp, self.cfg)
                 return f"{rule}; {role.why}" if rule and rule != UNKNOWN_ROLE else role.why
             if role.kind == "kept":
+                if role.proj is not None:  # a stated stack kept on purpose (no consumer reads it in FP4)
+                    return role.why
                 layout = self.layout(name, info.shape)  # an experts class the definition leaves unstated
                 if layout is None:
                     return role.why
@@ -501,7 +516,7 @@ def make_plan(
     check_collisions(decisions)
     plan = Plan(decisions, {g: m for g, m in groups.items()}, layout_shards(decisions, config.max_shard_size), config,
                 knowledge=knowledge)
-    plan.warnings += _plan_notes(decisions, knowledge) + group_warnings
+    plan.warnings += _plan_notes(decisions, knowledge, config.format) + group_warnings
     if not any(d.action == QUANTIZE for d in decisions):
         plan.warnings.insert(0, "no tensor is quantized: check --only / --ignore and the checkpoint's layer names")
     return plan
@@ -514,13 +529,29 @@ def _in_features(info: TensorInfo, knowledge: Knowledge) -> int | tuple:
     return tuple(info.shape[1:])
 
 
-def _plan_notes(decisions: list[Decision], knowledge: Knowledge) -> list[str]:
+def _plan_notes(decisions: list[Decision], knowledge: Knowledge, fmt: str = "") -> list[str]:
     """Warnings every run repeats: roles from name rules (and what they could not place), linear layers
-    kept for their in-features, a split-less expert stack kept whole."""
+    kept for their in-features, a split-less expert stack kept whole, and (compressed-tensors) quantized
+    weights transformers cannot load."""
     out = []
 
     def some(names: list[str]) -> str:
         return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+    if fmt == "compressed-tensors":
+        unloadable = [(d.name, knowledge.transformers_cannot_load(d.name)) for d in decisions if d.action == QUANTIZE]
+        unloadable = [(n, why) for n, why in unloadable if why]
+        whole = knowledge.definition.transformers_cannot_load if knowledge.definition is not None else ""
+        dropped = [d for d in decisions if d.action == KEEP and knowledge.dequantizes_first(d.name)]
+        if not whole and dropped:
+            whole = (f"its compressed-tensors load routes {dropped[0].name} through a converter that dequantizes "
+                     f"first and drops it unquantized (kept: {dropped[0].reason})")
+        if whole:
+            out.append(f"transformers cannot load this compressed-tensors output at all, so it is for vLLM: {whole}")
+        elif unloadable:
+            out.append(f"transformers cannot load {len(unloadable)} quantized tensor(s) of this model, so this output "
+                       f"is for vLLM (whose loader reads them) and not for transformers: {unloadable[0][1]}; "
+                       f"{some([n for n, _ in unloadable])}")
 
     if knowledge.definition is None:
         unknown = [d.name for d in decisions if d.reason == UNKNOWN_ROLE]
@@ -532,11 +563,19 @@ def _plan_notes(decisions: list[Decision], knowledge: Knowledge) -> list[str]:
         out.append(f"{len(k_kept)} matmul weight(s) kept because their in-features are not a multiple of the block "
                    f"size: {some(k_kept)}")
     stacks = [d.name for d in decisions if d.action == KEEP and ("stack" in d.reason and "cannot be split" in d.reason
-                                                                 or "its matmul layout is not stated" in d.reason)
+                                                                 or "its matmul layout is not stated" in d.reason
+                                                                 or "reads no quantized experts" in d.reason)
               and len(d.info.shape) >= 2 and not d.reason.startswith("matched --ignore")]
     if stacks:
         out.append(f"{len(stacks)} weight(s) of a custom or unsplittable module kept unquantized (listed in the "
                    f"engine config's ignore): {some(stacks)}")
+    unroutable = [d for d in decisions if d.action == KEEP and "transformers cannot load in FP4" in d.reason
+                  and not d.reason.startswith("matched --ignore")]
+    if unroutable:
+        why = unroutable[0].reason.split("(", 1)[1].rsplit(")", 1)[0] if "(" in unroutable[0].reason else ""
+        out.append(f"{len(unroutable)} linear weight(s) kept unquantized because transformers cannot load them in "
+                   f"FP4 under the names engines read (listed in the engine config's ignore; {why}): "
+                   f"{some([d.name for d in unroutable])}")
     return out
 
 

@@ -60,6 +60,7 @@ for line in sys.stdin:
             finally:
                 os._exit(code)
     out.write(json.dumps(pid) + "\n"); out.flush()
+os._exit(0)  # stdin closed: no interpreter shutdown (torch + transformers take seconds to tear down under load)
 """
 
 
@@ -88,14 +89,20 @@ class CliProcs:
     def wait(self, pid: int, timeout: float = 60) -> int | str:
         return self._ask({"op": "wait", "pid": pid, "timeout": timeout})
 
-    def run(self, *args, **kw) -> tuple[int | str, str]:
+    def run(self, *args, timeout: float = 300, **kw) -> tuple[int | str, str]:
+        """Run to the end. ``timeout`` only catches a hang: a first run builds the model definition in a
+        child (a Python start and transformers' imports), which took over 60 s on a loaded 2-core machine."""
         pid, log = self.start(*args, **kw)
-        code = self.wait(pid)
+        code = self.wait(pid, timeout)
         return code, log.read_text()
 
     def close(self) -> None:
         self.proc.stdin.close()
-        self.proc.wait(timeout=10)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @pytest.fixture(scope="session", autouse=True)

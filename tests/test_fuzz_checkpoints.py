@@ -229,12 +229,19 @@ class Hang(BaseException):
     """A case ran past CASE_TIMEOUT (a BaseException: the CLI's boundary must not swallow it)."""
 
 
+_timed_out = False  # set by the alarm: the CLI's boundary turns any exception, Hang included, into exit 1
+
+
 def _alarm(signum, frame):
+    global _timed_out
+    _timed_out = True
     raise Hang()
 
 
 def run_case(args: list[str]) -> tuple[int, str]:
     """The CLI in process, with a time limit (SIGALRM interrupts a blocking open or read too)."""
+    global _timed_out
+    _timed_out = False
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(CASE_TIMEOUT)
     try:
@@ -242,7 +249,7 @@ def run_case(args: list[str]) -> tuple[int, str]:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
-    if isinstance(r.exception, Hang):
+    if _timed_out or isinstance(r.exception, Hang):
         return -1, "hang"
     return r.exit_code, r.output
 
@@ -348,6 +355,19 @@ def test_a_hang_is_caught() -> None:
         assert hung
         assert problem(-1, "") and problem(1, "Error: internal error: x") and problem(2, "a\nTraceback")
         assert problem(4, "Error: a\nError: b") and problem(6, "verdict: FAILED") is None
+
+
+def test_a_hang_inside_the_cli_is_reported_as_one(monkeypatch) -> None:
+    """The CLI's boundary catches every exception (BaseException), the harness's Hang included, and used to
+    turn it into 'exit 1: internal error: Hang'; the case must read as a hang."""
+    import fp4convert.inspect
+
+    monkeypatch.setattr(sys.modules[__name__], "CASE_TIMEOUT", 1)
+    monkeypatch.setattr(fp4convert.inspect, "inspect_checkpoint", lambda *a, **k: time.sleep(30))
+    t0 = time.monotonic()
+    code, output = run_case(["inspect", "anything"])
+    assert (code, output) == (-1, "hang") and time.monotonic() - t0 < 10
+    assert problem(code, output).endswith("(a hang)")
 
 
 # ---------------------------------------------------------------------------------------------

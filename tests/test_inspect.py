@@ -587,6 +587,7 @@ MALFORMED = {
     "scheme unknown": (_edit(["scheme"], "int3"), "'scheme'"),
     "format a number": (_edit(["format"], 4), "'format'"),
     "identity source a list": (_edit(["identity", "source"], []), "'source'"),
+    "activations a number": (_edit(["activations"], 5), "'activations'"),  # exit 1 on a weight-only ModelOpt output
 }
 
 
@@ -691,3 +692,130 @@ def test_hf_quant_config_nested_too_deep_is_no_internal_error(engine_outputs, tm
     (dst / "hf_quant_config.json").write_text("[" * 100000)
     res = CliRunner().invoke(main, ["inspect", str(dst)])
     assert res.exit_code in (0, 6) and "internal error" not in res.output, res.output
+
+
+# --- edited manifests that pass the schema: inspect names the disagreement, export refuses (4) --------
+
+Q = "model.layers.0.self_attn.o_proj.weight"
+KEPT = "model.norm.weight"
+GROUPED = "model.layers.0.self_attn.q_proj.weight"
+
+
+def _set(name: str, key: str, value):
+    return lambda m: m["tensors"][name].__setitem__(key, value)
+
+
+def _rename(m: dict) -> None:
+    m["tensors"][KEPT + ".x"] = m["tensors"].pop(KEPT)
+
+
+def _other_outputs(m: dict) -> None:
+    m["tensors"][KEPT]["outputs"] = dict(m["tensors"]["model.layers.1.input_layernorm.weight"]["outputs"])
+
+
+def _flip_to_keep(m: dict) -> None:
+    m["tensors"][Q]["action"] = "keep"
+
+
+# Each was exit 1 under export (KeyError, "got N B, the plan says M B") or exit 0 with a wrong output, and
+# inspect passed most of them (campaign of issue 23, round 2).
+EDITED = {
+    "kept tensor's shape doubled": (_set(KEPT, "shape", [128]), KEPT),
+    "kept tensor's dtype": (_set(KEPT, "dtype", "F32"), KEPT),
+    "kept tensor's output shape": (lambda m: m["tensors"][KEPT]["outputs"][KEPT].__setitem__("shape", [128]), KEPT),
+    "record renamed": (_rename, KEPT),
+    "outputs of another tensor": (_other_outputs, "model.layers.1.input_layernorm.weight"),
+    "quantized record flipped to kept": (_flip_to_keep, "o_proj"),
+    "quantized shape of another size": (_set(Q, "shape", [64, 128]), Q),
+    "fused groups emptied": (lambda m: m.__setitem__("groups", {}), "fused group"),
+    "group of a record": (_set(GROUPED, "group", "g"), GROUPED),
+    "global scale differs": (lambda m: m["tensors"][Q].__setitem__("global_scale", 1.0), "global scale"),
+    "rotation claimed": (lambda m: m.__setitem__("rotate", "had16"), "rotate"),
+    "unknown scale rule": (lambda m: m.__setitem__("scale_rule", "x"), "scale rule"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EDITED))
+def test_edited_manifest_disagreeing_with_the_shards(copy, tmp_path, case) -> None:
+    edit, words = EDITED[case]
+    dst = copy()
+    m = _manifest(dst)
+    edit(m)
+    _save_manifest(dst, m)
+    _one_problem_exit_6(dst, words)
+    res = CliRunner().invoke(main, ["export", str(dst), str(tmp_path / "ct"), "--format", "compressed-tensors", "-q"])
+    assert res.exit_code == 4, res.output
+    assert res.output.count("\n") == 1 and "fp4convert.json" in res.output and words in res.output, res.output
+    assert "Traceback" not in res.output and not (tmp_path / "ct").exists()
+
+
+@pytest.mark.parametrize("shape", [[1024], []])
+def test_a_packed_weight_that_is_no_matrix_is_a_finding(copy, shape) -> None:
+    """A ``.weight_packed`` header edited to 1-D or 0-D stopped inspect with 'not enough values to unpack' (exit 1)."""
+    dst = copy()
+    name = "model.layers.0.self_attn.o_proj.weight_packed"
+    f = ck.shard_with(dst, name)
+    start, header = ck.header(f)
+    meta = header.pop("__metadata__", None)
+    blobs = {k: f.read_bytes()[start + v["data_offsets"][0]:start + v["data_offsets"][1]] for k, v in header.items()}
+    header[name]["shape"] = shape
+    blobs[name] = blobs[name][: max(1, sum(shape))]  # 0-D: one byte
+    out, off = ({"__metadata__": meta} if meta is not None else {}), 0
+    for k, v in header.items():
+        out[k] = {**v, "data_offsets": [off, off + len(blobs[k])]}
+        off += len(blobs[k])
+    raw = json.dumps(out).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs[k] for k in header))
+    for args in (["inspect", str(dst)], ["inspect", str(dst), "--check-files"]):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 6 and "Traceback" not in res.output, res.output
+        assert "o_proj.weight_packed: shape" in res.stdout and "not a [..., rows, columns] matrix" in res.stdout
+
+
+def _gpt2(path: Path) -> Path:
+    """A tiny GPT-2: its linear weights are Conv1D, stored [in, out] (quantized as their transpose)."""
+    import torch
+
+    h, n = 64, 1
+    g = torch.Generator().manual_seed(3)
+
+    def r(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    t = {"transformer.wte.weight": r(96, h), "transformer.wpe.weight": r(32, h), "transformer.ln_f.weight": r(h),
+         "transformer.ln_f.bias": r(h)}
+    for i in range(n):
+        p = f"transformer.h.{i}."
+        t.update({p + "ln_1.weight": r(h), p + "ln_1.bias": r(h), p + "ln_2.weight": r(h), p + "ln_2.bias": r(h),
+                  p + "attn.c_attn.weight": r(h, 3 * h), p + "attn.c_attn.bias": r(3 * h),
+                  p + "attn.c_proj.weight": r(h, h), p + "attn.c_proj.bias": r(h),
+                  p + "mlp.c_fc.weight": r(h, 4 * h), p + "mlp.c_fc.bias": r(4 * h),
+                  p + "mlp.c_proj.weight": r(4 * h, h), p + "mlp.c_proj.bias": r(h)})
+    cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": h, "n_layer": n, "n_head": 4,
+           "n_positions": 32, "vocab_size": 96, "torch_dtype": "bfloat16", "tie_word_embeddings": True}
+    ck.write(path, t, cfg)
+    return path
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_oss", "llama4"])
+def test_export_of_conv1d_and_stacked_experts_equals_direct_conversion(family, tmp_path) -> None:
+    """A GPT-2 Conv1D weight ([in, out] on disk) was exported with [in, out/2] packed headers over [out, in]
+    data (exit 0, a wrong model; inspect passed it), and a stacked expert tensor split per expert was
+    refused as 'recorded as quantized but the shards hold no quantized module' (our own output)."""
+    from fp4convert.export import export
+
+    src = _gpt2(tmp_path / "src") if family == "gpt2" else zoo_checkpoint(family, tmp_path / "src")
+    for fmt, scheme, rotate in (("compressed-tensors", "nvfp4", None), ("compressed-tensors", "mxfp4", "had16"),
+                                ("modelopt", "nvfp4", None)):
+        cfg = dict(device="cpu", scheme=scheme, rotate=rotate)
+        native, direct, exported = (tmp_path / f"{k}-{fmt}-{scheme}" for k in ("native", "direct", "exported"))
+        convert(src, native, ConvertConfig(**cfg))
+        convert(src, direct, ConvertConfig(format=fmt, **cfg))
+        export(str(native), exported, ConvertConfig(format=fmt))
+        shards = sorted(p.name for p in direct.glob("*.safetensors"))
+        assert shards and shards == sorted(p.name for p in exported.glob("*.safetensors"))
+        for f in shards:
+            assert (direct / f).read_bytes() == (exported / f).read_bytes(), (family, fmt, f)
+        r = inspect_checkpoint(str(exported), check_files=True)
+        assert r["verdict"] == "ok", (family, fmt, r["checks"]["problems"])

@@ -31,6 +31,7 @@ writes benchmarks/results/model_sweep.json (counts and per-type outcomes).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -62,64 +63,10 @@ SHARE = 0.95
 FAST = ("llama", "gpt2", "gpt_neox", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "granitemoe",
         "bert", "t5", "bart", "whisper", "gemma3", "qwen2_vl", "llava", "phi3")
 
-# Architectures that fail an assertion on main 8bafd0a (the sweep's findings, not fixed yet): strict xfail,
-# so the suite stays green and a fix shows up as an XPASS to remove here. Reasons by failing assertion.
-_R0 = 'd: per-expert FP4 matrices cut from a 3-D expert stack; transformers has no per-expert conversion for this model type, so it loads neither (missing experts.gate_up_proj/down_proj)'
-_R1 = "d: FP4 Conv1D weights (quantized transposed for vLLM): transformers' compressed-tensors quantizes nn.Linear only and cannot load them"
-_R2 = 'd: a fused disk tensor that transformers splits or merges at load (qkv, gate_up, in_proj) cannot go through its converter once FP4'
-_R3 = 'b: the MoE router gate.wg (a Linear inside HunYuanMoEV1Gate) is quantized'
-_R4 = 'c: 3-D ParallelExperts input_linear/output_linear kept (12.5% of linear params quantized)'
-_R5 = 'c: the *Gating ancestor rule keeps the gated MLP fc1/fc2 (MoshiGatingMLP) as routers'
-_R6 = 'a: Llama4TextExperts states no layout (no is_transposed): the split comes from the family table; c: 27%'
-_R7 = 'c: ctc_head (the only Linear outside the audio tower) kept'
-_R8 = 'c: the language model of ShieldGemma2ForImageClassification kept whole (0% quantized)'
-_R9 = 'd: hyper-connection block_inject_weight Linears are written FP4 but not loaded as quantized modules'
-XFAIL: dict[str, str] = {
-    "aria_text": _R0,
-    "glm4v_moe_text": _R0,
-    "gpt_oss": _R0,
-    "granitemoe": _R0,
-    "granitemoe_swa": _R0,
-    "granitemoeshared": _R0,
-    "hy_v4": _R0,
-    "inkling_text": _R0,
-    "minimax_m3_vl_text": _R0,
-    "mistral4": _R0,
-    "muse_spark_text": _R0,
-    "openai_privacy_filter": _R0,
-    "qwen3_vl_moe": _R0,
-    "qwen3_vl_moe_text": _R0,
-    "clvp": _R1,
-    "decision_transformer": _R1,
-    "gpt-sw3": _R1,
-    "gpt2": _R1,
-    "imagegpt": _R1,
-    "openai-gpt": _R1,
-    "bailing_hybrid": _R2,
-    "gte": _R2,
-    "hrm_text": _R2,
-    "inkling_mm_model": _R2,
-    "jina_embeddings_v3": _R2,
-    "kimi_linear": _R2,
-    "lara_mini": _R2,
-    "minimax_m3_vl": _R2,
-    "molmo2_text": _R2,
-    "nomic_bert": _R2,
-    "qianfan_ocr": _R2,
-    "radio": _R2,
-    "sarvam_moe": _R2,
-    "tipsv2_text_model": _R2,
-    "unlimited_ocr": _R2,
-    "hunyuan_v1_moe": _R3,
-    "jetmoe": _R4,
-    "moshi": _R5,
-    "llama4": _R6,
-    "llama4_text": _R6,
-    "granite_speech5_ctc": _R7,
-    "shieldgemma2": _R8,
-    "qwen4_exp": _R9,
-    "qwen4_exp_text": _R9,
-}
+# Architectures that fail an assertion (known findings not fixed yet): strict xfail with the reason, so the
+# suite stays green and a fix shows up as an XPASS to remove here. None today: every architecture the sweep
+# builds passes (docs/formats.md "Which tensors are quantized" says which keep rules and transformers limits apply).
+XFAIL: dict[str, str] = {}
 
 _TOWER_RX = re.compile(r"vision|visual|audio|speech|image|video|siglip|clip|patch_embed", re.I)
 _PROJECTOR_RX = re.compile(r"multi_?modal|projector|embedder|merger|connector|adapter|resampler|mm_", re.I)
@@ -155,14 +102,26 @@ def _ancestors(name: str, modules: dict) -> list[tuple[str, nn.Module]]:
     return [(p, modules[p]) for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in modules]
 
 
-def _kept_by_rule(name: str, mod: nn.Module, modules: dict, heads: set[int], in_size: int) -> str | None:
-    """The documented keep rule a linear falls under (None: it should be quantized)."""
+def _tower_like(path: str, mod: nn.Module, base: str) -> bool:
+    """A vision/audio tower by its class or its name; the base model never is (Higgs-Audio-V2's language
+    model is a HiggsAudioV2Model)."""
+    return path != base and bool(_TOWER_RX.search(type(mod).__name__) or _TOWER_RX.search(path.rpartition(".")[2]))
+
+
+def _in_tower(name: str, modules: dict, base: str = "") -> bool:
+    return any(_tower_like(p, m, base) for p, m in _ancestors(name, modules))
+
+
+def _kept_by_rule(name: str, mod: nn.Module, modules: dict, heads: set[int], in_size: int,
+                  towers: bool = True, base: str = "") -> str | None:
+    """The documented keep rule a linear falls under (None: it should be quantized). ``towers``: whether the
+    model has a language model beside its vision/audio towers (else the tower rule does not apply)."""
     if id(mod) in heads:
         return "output head"
     for path, m in _ancestors(name, modules):
         leaf = path.rpartition(".")[2]
         cname = type(m).__name__
-        if _TOWER_RX.search(cname) or _TOWER_RX.search(leaf):
+        if towers and _tower_like(path, m, base):
             return "vision/audio tower"
         if _PROJECTOR_RX.search(cname) or _PROJECTOR_RX.search(leaf):
             return "multimodal projector"
@@ -196,6 +155,13 @@ def _split_targets(target: str, pattern: str | None, converters: list, params: d
     return [target.replace(first, t) for t in conv.target_patterns if target.replace(first, t) in params]
 
 
+def _merged(pattern: str | None, converters: list) -> bool:
+    """Whether a disk tensor is one of several a converter joins into one parameter (a dense merge)."""
+    conv = next((c for c in converters if pattern is not None and pattern in c.source_patterns), None)
+    return conv is not None and len(conv.source_patterns) > 1 and len(conv.target_patterns) == 1 \
+        and type(conv.operations[0]).__name__ == "Concatenate"
+
+
 def _forbidden(mod: nn.Module, name: str, modules: dict) -> str | None:
     """Why module ``mod`` must never be quantized (assertion b), or None."""
     cname = type(mod).__name__
@@ -210,6 +176,136 @@ def _forbidden(mod: nn.Module, name: str, modules: dict) -> str | None:
     if re.search(r"position|relative_attention_bias|rel_pos", name, re.I) and not isinstance(mod, nn.Linear):
         return f"position table ({cname})"
     return None
+
+
+_CT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_global_scale", ".weight_zero_point", ".weight_shape",
+                ".weight")
+
+
+def _module_key(key: str) -> str:
+    """The module of a checkpoint key (the key less its weight or compressed-tensors suffix)."""
+    return next((key[: -len(s)] for s in _CT_SUFFIXES if key.endswith(s)), key)
+
+
+class _CtLoader:
+    """transformers' own compressed-tensors loading (``CompressedTensorsConfig(dequantize=True)``) of ``cls``:
+    the model its quantizer builds (``_convert_model_for_quantization``: Llama 4's experts become per-expert
+    Linears) and the key conversions it loads with (``update_weight_conversions``: the dequantize operation
+    in front of the model's ``.weight`` converters, then its general converter ``<module>.weight_packed`` ...
+    -> ``<module>.weight``)."""
+
+    def __init__(self, cls, model, qc: dict) -> None:
+        from transformers import CompressedTensorsConfig
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+        from transformers.quantizers import AutoHfQuantizer
+
+        q = AutoHfQuantizer.from_config(CompressedTensorsConfig.from_dict({**qc, "dequantize": True}),
+                                        pre_quantized=True)
+        q.validate_environment()
+        self.dequant = q.get_load_operations()["dequantize"]
+        self.serialized = set(q.serialized_names["weight"])
+        from transformers.quantizers.base import MODULES_TO_PATCH_FOR_QUANTIZATION
+
+        self.swapped = any(type(m).__name__ in MODULES_TO_PATCH_FOR_QUANTIZATION for m in model.modules())
+        self.model = model  # the loaded bf16 model, unless the quantizer swaps modules: then a meta copy, swapped
+        if self.swapped:
+            with torch.device("meta"):
+                self.model = cls(copy.deepcopy(model.config))
+            q._convert_model_for_quantization(self.model)
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.modules = dict(self.model.named_modules(remove_duplicate=False))
+        plain = get_model_conversion_mapping(self.model)
+        self.plain = ([c for c in plain if not isinstance(c, WeightConverter)],
+                      [c for c in plain if isinstance(c, WeightConverter)])
+        self.broken = ""
+        try:
+            conv = get_model_conversion_mapping(self.model, hf_quantizer=q)
+        except ValueError as exc:  # its quantizer makes a converter WeightConverter refuses (many-to-many)
+            self.broken = f"building the load's conversions raises {tiny_configs._first_line(exc)}"
+            conv = plain
+        self.renamings = [c for c in conv if not isinstance(c, WeightConverter)]
+        self.converters = [c for c in conv if isinstance(c, WeightConverter)]
+
+    def whole_unloadable(self, out_keys) -> str:
+        """Why transformers loads no compressed-tensors checkpoint of this model with these keys ("" when it may):
+        its conversions cannot be built, or an output key goes through a converter the dequantize operation
+        precedes whose result cannot load: that operation keeps only the ``weight_packed`` keys it is given
+        (integrations/compressed_tensors.py ``CompressedTensorsDequantize.convert``: an unquantized tensor is
+        dropped and the conversion after it has nothing), and stacks FP4 ones per expert (a dense merge or
+        split after it gets stacks, not rows)."""
+        if self.broken:
+            return self.broken
+        for key in sorted(out_keys):
+            _, conv = self._rename(key, fp4=True)
+            ops = list(getattr(conv, "operations", ()))
+            if conv is None or set(conv.source_patterns) == self.serialized or \
+                    not any(isinstance(o, self.dequant) for o in ops):
+                continue
+            rest = [type(o).__name__ for o in ops if not isinstance(o, self.dequant)]
+            if not key.endswith(_CT_SUFFIXES[:-1]):
+                return f"{key} (unquantized) goes through a dequantizing converter, which drops it"
+            if key.endswith(".weight_packed") and rest[:1] != ["MergeModulelist"]:
+                return f"{key} goes through a dequantizing converter followed by {rest}, not a per-expert merge"
+        return ""
+
+    def _rename(self, key: str, fp4: bool = False) -> tuple[str, object]:
+        from transformers.core_model_loading import rename_source_key
+
+        ren, cvt = (self.renamings, self.converters) if fp4 else self.plain
+        target, pattern = rename_source_key(key, ren, cvt, self.model.base_model_prefix, self.params)
+        return target, next((c for c in cvt if pattern is not None and pattern in c.source_patterns), None)
+
+    def linear(self, out_module: str) -> nn.Module | None:
+        """The nn.Linear (of the swapped model) an output module loads into, when modules were swapped."""
+        if not self.swapped:
+            return None
+        target, _ = self._rename(f"{out_module}.weight")
+        mod = self.modules.get(target.rpartition(".")[0])
+        return mod if isinstance(mod, nn.Linear) and target.endswith(".weight") else None
+
+    def _dequantizing_merges(self) -> list:
+        return [c for c in self.converters if any(isinstance(o, self.dequant) for o in c.operations)
+                and set(c.source_patterns) != self.serialized]
+
+    def no_fp4_form(self, target: str, mod: nn.Module, p) -> str:
+        """Why no FP4 form of parameter ``target`` can load in transformers ("" when one can). Its loader
+        dequantizes only through (1) its general converter, whose compressed-tensors decompression reads one
+        2-D ``[rows, cols]`` tensor with blocks along ``cols`` into the parameter as stored, and (2) the
+        model's own converters of ``.weight`` keys, which the dequantize operation precedes (per-expert merges)."""
+        if self.broken or any(target.endswith(t) for c in self._dequantizing_merges() for t in c.target_patterns):
+            return ""
+        from transformers.pytorch_utils import Conv1D
+
+        if isinstance(mod, Conv1D):
+            return "Conv1D holds [in, out]: a dequantized tensor fills it as stored, blocks along the output axis"
+        if p.dim() != 2:
+            return f"{p.dim()}-D parameter: compressed-tensors decompresses 2-D tensors, and no per-expert merge targets it"
+        return ""
+
+    def kept_rule(self, pname: str, mod: nn.Module, p, disk_key: str | None, cfg: dict) -> str | None:
+        """The keep rules that depend on transformers' loader (docs/formats.md "Which tensors are quantized")."""
+        from fp4convert import architectures as arch
+
+        if self.broken:
+            return None
+        if isinstance(mod, nn.Linear) and disk_key is not None:  # written as <disk name less .weight>.weight_packed
+            module = disk_key[: -len(".weight")] if disk_key.endswith(".weight") else disk_key
+            target, conv = self._rename(f"{module}.weight_packed", fp4=True)
+            ops = list(getattr(conv, "operations", ()))
+            rest = [type(o).__name__ for o in ops if not isinstance(o, self.dequant)]
+            if target != pname or not any(isinstance(o, self.dequant) for o in ops) or rest[:1] not in ([], ["MergeModulelist"]):
+                return "transformers cannot load it in FP4 under its checkpoint name"
+        if p.dim() == 3 and self.no_fp4_form(pname, mod, p):
+            if not hasattr(mod, "is_transposed"):
+                return "custom expert module: no stated layout, no FP4 load path"
+            if arch.quantized_experts_unread(cfg):
+                return "experts no consumer loads in FP4"
+        return None
+
+
+def _ct_loader(cls, model, qc: dict) -> _CtLoader:
+    return _CtLoader(cls, model, qc)
 
 
 def check(model_type: str, root: Path) -> dict:
@@ -287,8 +383,10 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
     conv = get_model_conversion_mapping(model)
     renamings = [c for c in conv if not isinstance(c, WeightConverter)]
     converters = [c for c in conv if isinstance(c, WeightConverter)]
+    ct = _ct_loader(cls, model, json.loads((dst / "config.json").read_text()).get("quantization_config") or {})
 
     q_params: dict[str, int] = {}  # loaded parameter -> quantized elements
+    unloadable: dict[str, str] = {}  # source tensor -> why transformers cannot load any FP4 form of its parameter
     for mod_out, (src_name, m) in sorted(matrices.items()):
         if mod_out not in quantized:
             continue
@@ -296,6 +394,13 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
         target, pattern = rename_source_key(src_name, renamings, converters, model.base_model_prefix, params)
         module = target.rpartition(".")[0]
         split = _split_targets(target, pattern, converters, params)
+        swapped = ct.linear(mod_out)  # a per-expert Linear the compressed-tensors load swaps in (Llama 4's experts)
+        if swapped is not None and (target not in params or params[target].dim() == 3):
+            if tuple(swapped.weight.shape) != (n, k):
+                fail("a: expert matrix not the [out, in] of the Linear transformers loads it into",
+                     f"{mod_out} from {src_name}: [N, K]=[{n}, {k}], Linear {list(swapped.weight.shape)}")
+            q_params[f"{mod_out}.weight"] = n * k
+            continue
         if target not in params or module not in modules:
             fail("a: quantized tensor not a parameter of the loaded model", f"{src_name} -> {target}")
             continue
@@ -310,6 +415,9 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
             continue
         p = params[target]
         disk = tuple(src_hdr[src_name][1])
+        no_fp4 = ct.no_fp4_form(target, lm, p)
+        if no_fp4:
+            unloadable[src_name] = no_fp4
         if isinstance(lm, nn.Linear) and split:  # one disk tensor chunked into several Linears at load
             outs = [params[t].shape[0] for t in split]
             if any(params[t].dim() != 2 or params[t].shape[1] != disk[1] for t in split) or sum(outs) != disk[0] \
@@ -318,6 +426,13 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
                      f"{src_name}: [N, K]=[{n}, {k}] of {list(disk)}, loaded as {split}")
             for t in split:
                 q_params[t] = q_params.get(t, 0) + params[t].numel() * n // disk[0]
+        elif isinstance(lm, nn.Linear) and _merged(pattern, converters) and tuple(lm.weight.shape) != disk:
+            # one of several disk tensors concatenated into one Linear at load (rows of its [out, in])
+            if target.rpartition(".")[2] != "weight" or p.shape[1] != disk[1] or disk[0] > p.shape[0] \
+                    or (n, k) != disk:
+                fail("a: merged Linear part not quantized along its input axis",
+                     f"{src_name}: [N, K]=[{n}, {k}] of {list(disk)}, loaded into {target} {list(p.shape)}")
+            q_params[target] = q_params.get(target, 0) + n * k
         elif isinstance(lm, nn.Linear):
             if target.rpartition(".")[2] != "weight" or tuple(lm.weight.shape) != disk:
                 fail("a: Linear weight shape differs from the on-disk [out, in]",
@@ -341,10 +456,19 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
             fail("a: quantized tensor is neither an nn.Linear weight nor an experts stack",
                  f"{src_name} ({type(lm).__name__}.{target.rpartition('.')[2]} {list(p.shape)})")
 
-    # c. share of linear parameters quantized, outside the documented keep rules
+    # c. share of linear parameters quantized, outside the documented keep rules, in the model transformers
+    # builds to load the output (Llama 4's experts are per-expert Linears there)
+    on_disk: dict[str, str] = {}  # loaded parameter -> the disk tensor it loads from
+    for key in src_hdr:
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, params)
+        for t in [target, *_split_targets(target, pattern, converters, params)]:
+            on_disk.setdefault(t, key)
+    c_model = ct.model if ct.swapped else model
+    c_modules = dict(c_model.named_modules(remove_duplicate=False))
+    c_params = dict(c_model.named_parameters(remove_duplicate=False))
     heads = set()
-    embeddings = {id(m.weight) for m in modules.values() if isinstance(m, nn.Embedding)}
-    for m in modules.values():
+    embeddings = {id(m.weight) for m in c_modules.values() if isinstance(m, nn.Embedding)}
+    for m in c_modules.values():
         if isinstance(m, PreTrainedModel):
             try:
                 head = m.get_output_embeddings()
@@ -354,24 +478,38 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
                 heads.add(id(head))
         if isinstance(m, nn.Linear) and id(m.weight) in embeddings:  # tied to an embedding: the output head
             heads.add(id(m))
-    eligible: dict[str, int] = {}
-    kept_by_rule: dict[str, int] = {}
-    for name, mod in modules.items():
+    cands = []  # (parameter name, parameter, its module's name and module, input size)
+    for name, mod in c_modules.items():
         if isinstance(mod, nn.Linear):
-            cands = [(f"{name}.weight", mod.weight, mod.in_features)]
+            cands += [(f"{name}.weight", mod.weight, name, mod, mod.in_features)]
         elif isinstance(mod, Conv1D):
-            cands = [(f"{name}.weight", mod.weight, mod.weight.shape[0])]
+            cands += [(f"{name}.weight", mod.weight, name, mod, mod.weight.shape[0])]
         elif hasattr(mod, "is_transposed") or type(mod).__name__.endswith("Experts"):
             tr = getattr(mod, "is_transposed", False)
-            cands = [(f"{name}.{pn}", p, p.shape[1] if tr else p.shape[2])
-                     for pn, p in mod.named_parameters(recurse=False) if p.dim() == 3]
-        else:
+            cands += [(f"{name}.{pn}", p, name, mod, p.shape[1] if tr else p.shape[2])
+                      for pn, p in mod.named_parameters(recurse=False) if p.dim() == 3]
+    # A weight tied to another (GraniteSpeech5's ctc_head is its encoder's ``out``) counts once, under the
+    # name its tensor has on disk.
+    cands.sort(key=lambda c: c[0] not in on_disk)
+    seen_ids: set[int] = set()
+    unique = []
+    for c in cands:
+        if c[0] in c_params and id(c[1]) not in seen_ids:
+            seen_ids.add(id(c[1]))
+            unique.append(c)
+    # Towers are kept beside a language model; a model that is nothing but its audio/vision encoder is
+    # quantized like any model (docs/formats.md).
+    base = c_model.base_model_prefix
+    towers_beside_lm = any(not _in_tower(n, c_modules, base) and id(m) not in heads for _, _, n, m, _ in unique)
+    missing_in_source = set(map(str, src_info.get("missing_keys") or ()))
+    eligible: dict[str, int] = {}
+    kept_by_rule: dict[str, int] = {}
+    for pname, p, name, mod, in_size in unique:
+        if pname in missing_in_source:  # transformers does not load it from the bf16 source either
             continue
-        for pname, p, in_size in cands:
-            if pname not in params or pname in eligible or pname in kept_by_rule:
-                continue
-            rule = _kept_by_rule(name, mod, modules, heads, int(in_size))
-            (kept_by_rule if rule else eligible)[pname] = p.numel()
+        rule = _kept_by_rule(name, mod, c_modules, heads, int(in_size), towers_beside_lm, base) \
+            or ct.kept_rule(pname, mod, p, on_disk.get(pname), cfg_json)
+        (kept_by_rule if rule else eligible)[pname] = p.numel()
     total = sum(eligible.values())
     done = sum(min(q_params.get(n, 0), v) for n, v in eligible.items())
     share = done / total if total else 1.0
@@ -382,14 +520,51 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
         fail(f"c: {share:.1%} of linear parameters quantized (< {SHARE:.0%})",
              ", ".join(n for _, n in missing[:8]))
 
-    # d. transformers loads the output with no more missing/unexpected keys than the source
+    # d. transformers loads the output with no more missing/unexpected/mismatched keys than the source, except
+    # the parameters no FP4 form of which it can load (shown by ``_CtLoader.no_fp4_form`` from its loader);
+    # the run must say so for each of those.
+    excused_params = {rename_source_key(s, renamings, converters, model.base_model_prefix, params)[0]
+                      for s in unloadable}
+    excused_modules = {mod for mod, (s, _) in matrices.items() if s in unloadable}
+    excused_modules |= {_module_key(rename_source_key(f"{mod}.weight", renamings, converters, model.base_model_prefix,
+                                                      params)[0]) for mod in excused_modules}
+    rec["transformers_cannot_load"] = sorted(unloadable)
+    whole = ct.whole_unloadable(out)
+    if whole:  # no compressed-tensors checkpoint of this model loads in transformers: the run must say so, and
+        # the output must indeed not load (else the reason above is wrong)
+        rec["transformers_cannot_load_model"] = whole
+        if not any(w.startswith("transformers cannot load this compressed-tensors output at all") for w in plan.warnings):
+            fail("d: transformers cannot load any compressed-tensors checkpoint of it, and the run does not say so",
+                 whole)
+        try:
+            _, q_info = _load(cls, dst, quantization_config=CompressedTensorsConfig(dequantize=True))
+        except Exception:  # noqa: BLE001 - the expected outcome
+            pass
+        else:
+            extra = {k for key in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                     for k in set(map(str, q_info.get(key) or ())) - set(map(str, src_info.get(key) or ()))}
+            if not extra:
+                fail("d: shown unloadable in transformers, yet it loads", whole)
+        rec.update(status="failed" if failures else "passed", quantized=len(quantized),
+                   seconds=round(time.perf_counter() - t0, 2))
+        return rec
+    if unloadable:
+        know = plan.knowledge
+        silent = [s for s in unloadable if know is None or not know.transformers_cannot_load(s)]
+        if silent or not any(w.startswith(f"transformers cannot load {len(unloadable)} quantized") for w in plan.warnings):
+            fail("d: quantized tensors transformers cannot load, not named in the run's warning",
+                 ", ".join(silent[:8] or sorted(unloadable)[:8]))
     try:
-        _, q_info = _load(cls, dst, quantization_config=CompressedTensorsConfig(dequantize=True))
+        _, q_info = _load(cls, dst, quantization_config=CompressedTensorsConfig(dequantize=True),
+                          ignore_mismatched_sizes=bool(unloadable))
     except Exception as exc:  # noqa: BLE001 - a refusal to load is the finding
         fail("d: transformers cannot load the output", tiny_configs._first_line(exc))
     else:
         for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-            extra = sorted(str(x) for x in set(map(str, q_info.get(key) or ())) - set(map(str, src_info.get(key) or ())))
+            got = {(x[0] if isinstance(x, tuple) else x) for x in (q_info.get(key) or ())}
+            base = {(x[0] if isinstance(x, tuple) else x) for x in (src_info.get(key) or ())}
+            extra = sorted(str(x) for x in got - base
+                           if not (str(x) in excused_params or _module_key(str(x)) in excused_modules))
             if extra:
                 fail(f"d: {key} loading the output", ", ".join(extra[:8]))
     rec.update(status="failed" if failures else "passed", quantized=len(quantized),
@@ -518,6 +693,13 @@ def main(argv: list[str]) -> int:
             kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
     summary = {"transformers": transformers.__version__, "model_types": len(recs), **counts,
                "swept": counts["passed"] + counts["failed"], "swept_by_kind": kinds, "jobs": args.jobs,
+               # outputs (or some of their quantized tensors) that transformers cannot load, shown from its loader
+               # and said by the run: for vLLM only (docs/formats.md "Which tensors are quantized")
+               "transformers_cannot_load_output": sorted(r["model_type"] for r in recs
+                                                         if r.get("transformers_cannot_load_model")),
+               "transformers_cannot_load_some_tensors": sorted(r["model_type"] for r in recs
+                                                               if r.get("transformers_cannot_load")
+                                                               and not r.get("transformers_cannot_load_model")),
                "seconds": round(time.perf_counter() - t0, 1), "cpus": os.cpu_count(),
                "outcomes": {r["model_type"]: r for r in recs}}
     print(f"sweep: {len(recs)} model types, {summary['swept']} swept ({counts['passed']} passed, "

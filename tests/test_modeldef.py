@@ -98,16 +98,20 @@ def test_t5_keeps_shared_and_position_bias(families) -> None:
 
 def test_granitemoe_experts_split_per_expert(families) -> None:
     """GraniteMoE's 3-D input_linear [E, 2I, H] / output_linear [E, H, I]: split per expert (gate/up halves
-    sharing a scale), written under the per-expert names vLLM's loader reads."""
+    sharing a scale), written under the per-expert names vLLM's GraniteMoE loader reads (``experts.{e}.w1/w3/w2``:
+    its make_expert_params_mapping(ckpt_gate_proj_name="w1", ...)); transformers cannot load FP4 experts of
+    this model type in any layout, and the run says so."""
     _, plan = _plan(families["granitemoe"])
     d = plan.by_name["model.layers.0.block_sparse_moe.input_linear.weight"]
     assert d.action == QUANTIZE and len(d.matrices) == 8
-    assert [m.module for m in d.matrices[:2]] == ["model.layers.0.block_sparse_moe.experts.0.gate_proj",
-                                                  "model.layers.0.block_sparse_moe.experts.0.up_proj"]
+    assert [m.module for m in d.matrices[:2]] == ["model.layers.0.block_sparse_moe.experts.0.w1",
+                                                  "model.layers.0.block_sparse_moe.experts.0.w3"]
     assert d.matrices[0].group == d.matrices[1].group and not d.matrices[0].transpose
     down = plan.by_name["model.layers.0.block_sparse_moe.output_linear.weight"]
-    assert down.action == QUANTIZE and down.matrices[0].module.endswith("experts.0.down_proj")
+    assert down.action == QUANTIZE and down.matrices[0].module.endswith("experts.0.w2")
     assert plan.by_name["model.layers.0.block_sparse_moe.router.layer.weight"].action == KEEP
+    warn = [w for w in plan.warnings if w.startswith("transformers cannot load 4 quantized tensor(s)")]
+    assert warn and "input_linear" in warn[0] and "output_linear" in warn[0]
 
 
 def test_definition_tracks_axes_of_transposed_expert_stacks() -> None:
@@ -262,3 +266,136 @@ def test_qwen3_vl_moe_release_layout_split_along_its_input_axis(more_families, t
     assert [m.module for m in r.matrices] == [m.module for m in d.matrices]
     down = rel.by_name["model.language_model.layers.0.mlp.experts.down_proj"]
     assert down.matrices[0].transpose and down.matrices[0].shape == (64, 96)
+
+
+# --- issue 20: what transformers' own compressed-tensors loading can read decides the rest -----------------
+
+
+@pytest.fixture(scope="module")
+def sweep_families(tmp_path_factory):
+    """Tiny checkpoints of the sweep's builder (tests/tiny_configs.py), planned with definitions built in
+    this process (the planner's child would pay transformers' imports per family)."""
+    from . import tiny_configs
+
+    root = tmp_path_factory.mktemp("sweep_families")
+    mp = pytest.MonkeyPatch()
+
+    def build_here(model_config, tensors):
+        return modeldef._from_json(json.loads(json.dumps(modeldef._to_json(modeldef._load(model_config, tensors)))))
+
+    mp.setattr(modeldef, "_build_in_child", build_here)
+    mp.setenv("FP4CONVERT_DEFINITION_CACHE", str(root / "definitions"))
+
+    def get(model_type: str) -> Path:
+        o = tiny_configs.build(model_type, root)
+        assert o.ok, (model_type, o.error)
+        return Path(o.path)
+
+    yield get
+    mp.undo()
+
+
+def test_router_inside_a_gate_module_is_kept(sweep_families) -> None:
+    """HunYuan-MoE's router is the Linear ``wg`` of a module named ``gate`` (HunYuanMoEV1Gate): a router,
+    whatever the Linear's own name (it was quantized, and engines load routers unquantized)."""
+    _, plan = _plan(sweep_families("hunyuan_v1_moe"))
+    d = plan.by_name["model.layers.0.mlp.gate.wg.weight"]
+    assert d.action == KEEP and d.reason == "MoE router (HunYuanMoEV1Gate gate)"
+
+
+def test_a_gated_mlp_is_not_a_router(sweep_families) -> None:
+    """MoshiGatingMLP is a gated MLP (its fc1/fc2 are half the model's linears), not a router: quantized."""
+    _, plan = _plan(sweep_families("moshi"))
+    for leaf in ("fc1", "fc2"):
+        assert plan.by_name[f"model.layers.0.mlp.{leaf}.weight"].action == QUANTIZE
+
+
+def test_linear_split_at_load_is_kept_for_both_consumers(sweep_families) -> None:
+    """Nomic-BERT's ``attn.Wqkv`` is chunked into q/k/v by transformers at load, before any dequantization:
+    an FP4 Wqkv cannot load there, and vLLM reads Wqkv under that name only. Kept (both load bf16), named in
+    ignore in both spellings (transformers builds q_proj/k_proj/v_proj), and said in a warning."""
+    source, plan = _plan(sweep_families("nomic_bert"))
+    d = plan.by_name["encoder.layers.0.attn.Wqkv.weight"]
+    assert d.action == KEEP and "transformers cannot load in FP4" in d.reason and "Chunk" in d.reason
+    ignore = set(plan.kept_modules(source.config()))
+    assert {"encoder.layers.0.attn.Wqkv", "layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj",
+            "layers.0.self_attn.v_proj"} <= ignore
+    assert plan.by_name["encoder.layers.0.attn.out_proj.weight"].action == QUANTIZE
+    assert any(w.startswith("2 linear weight(s) kept unquantized because transformers cannot load them")
+               for w in plan.warnings)
+
+
+def test_a_module_named_like_a_weight_is_kept(sweep_families) -> None:
+    """transformers' compressed-tensors loader renames the first ``weight`` of a key: the FP4 tensors of a
+    Linear named ``block_inject_weight`` load into nothing. Kept, so that the output loads everywhere."""
+    _, plan = _plan(sweep_families("qwen4_exp_text"))
+    d = plan.by_name["model.layers.0.attn_hyper_connection.block_inject_weight.weight"]
+    assert d.action == KEEP and "not a parameter of the model" in d.reason
+    assert plan.by_name["model.layers.0.linear_attn.in_proj_qkv.weight"].action == QUANTIZE
+
+
+def test_conv1d_output_says_transformers_cannot_load_it(families) -> None:
+    """GPT-2's Conv1D is written [out, in] for vLLM; transformers fills the [in, out] parameter as stored,
+    so a square one (attn.c_proj) would even load without error, transposed. Every quantized Conv1D is
+    named in the warning."""
+    _, plan = _plan(families["gpt2"])
+    w = [w for w in plan.warnings if w.startswith("transformers cannot load 8 quantized tensor(s)")]
+    assert w and "Conv1D" in w[0] and "transformer.h.0.attn.c_proj.weight" in w[0]
+    assert plan.knowledge.transformers_cannot_load("transformer.h.0.attn.c_proj.weight")  # the square one too
+
+
+def test_whole_model_unloadable_in_transformers_is_said(sweep_families) -> None:
+    """Kimi-Linear's conv1d (never FP4) goes through a converter transformers' quantizer makes dequantize
+    first, which drops unquantized tensors; HRM's gate_up split cannot even be built once FP4 companions
+    join. No compressed-tensors checkpoint of either loads in transformers: the output is written for vLLM
+    (nothing kept for transformers' sake) and the run says so once."""
+    for mt, name in (("kimi_linear", "model.layers.0.self_attn.q_proj.weight"),
+                     ("hrm_text", "model.H_module.layers.0.mlp.gate_up_proj.weight")):
+        _, plan = _plan(sweep_families(mt))
+        assert plan.by_name[name].action == QUANTIZE, mt
+        assert any(w.startswith("transformers cannot load this compressed-tensors output at all") for w in plan.warnings)
+        assert not any("kept unquantized because transformers" in w for w in plan.warnings)
+
+
+def test_a_speech_model_on_its_own_is_quantized(sweep_families) -> None:
+    """GraniteSpeech5ForCTC is an audio encoder and a CTC head tied to it: no language model beside it, so
+    the tower rule does not apply (it kept everything); its encoder's Linears are quantized."""
+    _, plan = _plan(sweep_families("granite_speech5_ctc"))
+    assert plan.by_name["encoder.layers.0.self_attn.q_proj.weight"].action == QUANTIZE
+    assert plan.by_name["encoder.layers.0.feed_forward1.linear1.weight"].action == QUANTIZE
+    assert plan.by_name["encoder.layers.0.conv.depthwise_conv.weight"].action == KEEP
+
+
+def test_llama4_experts_come_from_the_modules_transformers_loads_them_into(sweep_families) -> None:
+    """Llama4TextExperts states no layout; transformers swaps it for per-expert Linears to load a quantized
+    checkpoint (SequentialLlama4TextExperts). The definition is that swapped model: the stack is an experts
+    role (not a kept tensor the family table splits), split into those Linears' names and [out, in]."""
+    _, plan = _plan(sweep_families("llama4_text"))
+    name = "model.layers.0.feed_forward.experts.gate_up_proj"
+    role = plan.knowledge.definition.role(name)
+    assert role.kind == "experts" and role.transpose and role.names == ("gate_proj", "up_proj", "down_proj")
+    d = plan.by_name[name]
+    assert d.action == QUANTIZE and [m.module for m in d.matrices[:2]] == [
+        "model.layers.0.feed_forward.experts.0.gate_proj", "model.layers.0.feed_forward.experts.0.up_proj"]
+    assert not plan.knowledge.transformers_cannot_load(name)
+    assert not any(w.startswith("transformers cannot load") for w in plan.warnings)
+
+
+def test_experts_no_consumer_reads_in_fp4_are_kept_and_listed(sweep_families) -> None:
+    """Aria: transformers cannot load FP4 experts of this model type, and vLLM's Aria loader reads no
+    quantized experts: kept, per-expert names in ignore (vLLM resolves a FusedMoE's scheme by them)."""
+    source, plan = _plan(sweep_families("aria_text"))
+    d = plan.by_name["model.layers.0.mlp.experts.fc1.weight"]
+    assert d.action == KEEP and "reads no quantized experts" in d.reason
+    assert "model.layers.0.mlp.experts.0.gate_proj" in plan.kept_modules(source.config())
+    assert any("custom or unsplittable" in w and "experts.fc1" in w for w in plan.warnings)
+
+
+def test_the_base_model_is_never_a_tower(sweep_families) -> None:
+    """Aya Vision's base model is an AyaVisionModel ("Vision" in its class name) holding both the vision
+    tower and the language model: the tower rule must keep only the tower, not the base model (which kept
+    the whole language model unquantized, silently)."""
+    _, plan = _plan(sweep_families("aya_vision"))
+    assert plan.by_name["language_model.model.layers.0.self_attn.q_proj.weight"].action == QUANTIZE
+    tower = [d for d in plan.decisions if d.name.startswith("vision_tower.") and d.name.endswith("proj.weight")]
+    assert tower and all(d.action == KEEP and "tower" in d.reason for d in tower)

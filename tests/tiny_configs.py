@@ -16,7 +16,9 @@ line), so the sweep can say how many architectures it covers and why the rest ar
 
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -149,9 +151,10 @@ def tiny_config(model_type: str):
 
 
 AUTO_ORDER = ("MODEL_FOR_CAUSAL_LM_MAPPING", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING",
-              "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING", "MODEL_MAPPING")
+              "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING", "MODEL_MAPPING", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING")
 KIND = {"MODEL_FOR_CAUSAL_LM_MAPPING": "decoder", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING": "encoder-decoder",
-        "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING": "vision-language", "MODEL_MAPPING": "base model"}
+        "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING": "vision-language", "MODEL_MAPPING": "base model",
+        "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING": "classifier"}
 
 
 def candidates(config) -> list[tuple[type, str]]:
@@ -174,22 +177,50 @@ def candidates(config) -> list[tuple[type, str]]:
     return out
 
 
-def model_class(config):
-    """(class, kind): the first candidate that builds from ``config`` (on the meta device), else the
-    first candidate's error is raised (None, None when there is no candidate)."""
+def model_classes(config) -> list[tuple[type, str]]:
+    """(class, kind) of every candidate that builds from ``config`` (on the meta device), in order; the
+    first candidate's error is raised when none does ([] when there is no candidate)."""
     import torch
 
-    first = None
+    first, out = None, []
     for cls, kind in candidates(config):
         try:
             with torch.device("meta"):
                 cls(config)
-            return cls, kind
+            out.append((cls, kind))
         except Exception as exc:  # noqa: BLE001 - a mapping may name a class this config does not fit
             first = first or exc
-    if first is not None:
+    if not out and first is not None:
         raise first
-    return None, None
+    return out
+
+
+def model_class(config):
+    """(class, kind): the first candidate that builds from ``config`` (on the meta device), else the
+    first candidate's error is raised (None, None when there is no candidate)."""
+    found = model_classes(config)
+    return found[0] if found else (None, None)
+
+
+def reads_back(model, folder: Path) -> bool:
+    """Whether transformers maps every key ``save_pretrained`` wrote for ``model`` back onto a parameter or
+    buffer of it (its own key conversion, as ``from_pretrained`` applies it). A class whose save it cannot
+    read back (a ShieldGemma2 config in Gemma3ForConditionalGeneration: the shieldgemma2 prefix conversion
+    is meant for ShieldGemma2ForImageClassification) would make a case about nothing."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    conv = get_model_conversion_mapping(model)
+    ren = [c for c in conv if not isinstance(c, WeightConverter)]
+    cvt = [c for c in conv if isinstance(c, WeightConverter)]
+    state = dict.fromkeys(model.state_dict())
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            keys = [k for k in json.loads(fh.read(n)) if k != "__metadata__"]
+        if any(rename_source_key(k, ren, cvt, model.base_model_prefix, state)[0] not in state for k in keys):
+            return False
+    return True
 
 
 @dataclass
@@ -233,25 +264,40 @@ def build(model_type: str, root: Path, timeout: int = 30) -> Outcome:
     signal.alarm(timeout)
     try:
         cfg = tiny_config(model_type)
-        cls, kind = model_class(cfg)
-        if cls is None:
+        found = model_classes(cfg)
+        if not found:
             raise LookupError(f"no causal-LM/seq2seq/image-text/base model class for {type(cfg).__name__}")
-        res.model_class, res.kind = cls.__name__, kind
-        with torch.device("meta"):  # the size first, without paying for initialisation
-            res.params = sum(p.numel() for p in cls(cfg).parameters())  # noqa: built twice on meta: cheap
-        if res.params > MAX_PARAMS:
-            raise ValueError(f"still {res.params / 1e6:.0f}M parameters after shrinking")
-        torch.manual_seed(SEED)
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            model = cls(cfg)
-        finally:
-            torch.set_default_dtype(prev)
-        model = model.to(torch.bfloat16).eval()
-        model.save_pretrained(out / "model", safe_serialization=True)
-        if not any((out / "model").glob("*.safetensors")):
-            raise FileNotFoundError("save_pretrained wrote no safetensors file")
+        for i, (cls, kind) in enumerate(found):  # the first class whose save transformers reads back, else the first
+            res.model_class, res.kind = cls.__name__, kind
+            with torch.device("meta"):  # the size first, without paying for initialisation
+                res.params = sum(p.numel() for p in cls(cfg).parameters())  # noqa: built twice on meta: cheap
+            if res.params > MAX_PARAMS:
+                raise ValueError(f"still {res.params / 1e6:.0f}M parameters after shrinking")
+            torch.manual_seed(SEED)
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                model = cls(copy.deepcopy(cfg))
+            finally:
+                torch.set_default_dtype(prev)
+            model = model.to(torch.bfloat16).eval()
+            shutil.rmtree(out / "model", ignore_errors=True)
+            model.save_pretrained(out / "model", safe_serialization=True)
+            if not any((out / "model").glob("*.safetensors")):
+                raise FileNotFoundError("save_pretrained wrote no safetensors file")
+            if len(found) == 1 or reads_back(model, out / "model"):
+                break
+            if i == len(found) - 1:  # none reads back: the first, as before
+                cls, kind = found[0]
+                res.model_class, res.kind = cls.__name__, kind
+                torch.manual_seed(SEED)
+                torch.set_default_dtype(torch.bfloat16)
+                try:
+                    model = cls(copy.deepcopy(cfg))
+                finally:
+                    torch.set_default_dtype(prev)
+                shutil.rmtree(out / "model", ignore_errors=True)
+                model.to(torch.bfloat16).eval().save_pretrained(out / "model", safe_serialization=True)
         res.ok, res.path = True, str(out / "model")
     except BaseException as exc:  # noqa: BLE001 - any failure is a skip with its reason
         if isinstance(exc, KeyboardInterrupt):

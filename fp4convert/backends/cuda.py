@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from .. import stages
 from ..backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes, weight_runs
@@ -84,8 +84,8 @@ class CudaBackend:
         """``inputs``: (pinned buffer, [(offset, info)]) from the reader, each shape group's members back
         to back (:func:`~fp4convert.schedule.grouped_offsets`)."""
         rt, lib, st, s = self.rt, self.rt.lib, self.rt.stream, self.s
-        buf, items = inputs
-        assert isinstance(buf, HostBuffer)  # from host_buffer(): pinned by the runtime
+        items = inputs[1]
+        buf = cast(HostBuffer, inputs[0])  # from host_buffer(): pinned by the runtime (has .ptr)
         n = len(item.members)
         total = max(off + info.nbytes for off, info in items)
         din = self.dev_in.at_least(total)
