@@ -121,6 +121,13 @@ def activation_calibration(config: ConvertConfig) -> bool:
     return config.activations == "nvfp4" and config.activation_scale == "calibrate"
 
 
+def _what(config: ConvertConfig) -> tuple[str, str]:
+    """(what runs the model, the option that avoids it): the words of a refusal."""
+    if activation_calibration(config):
+        return "activation calibration", "or use --activation-scale constant"
+    return f"--input-weights {config.input_weight_source}", "or use --input-weights none"
+
+
 def check_runnable(source: Source, config: ConvertConfig) -> None:
     """Refuse (exit 2, the reason) a model run that cannot happen: called while planning, before
     anything is written. The activation calibration of W4A4 and the input weights' pass
@@ -128,10 +135,7 @@ def check_runnable(source: Source, config: ConvertConfig) -> None:
     if not runs_model(config):
         return
     iw = config.input_weight_source
-    if activation_calibration(config):
-        what, other = "activation calibration", "or use --activation-scale constant"
-    else:
-        what, other = f"--input-weights {iw}", "or use --input-weights none"
+    what, other = _what(config)
     if source.is_hub:
         raise PlanError(f"{what} runs the model from a local folder: download the checkpoint first "
                         f"(huggingface-cli download), {other}")
@@ -523,7 +527,13 @@ def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Sta
     if amax_pass or iw == "calibration":
         import transformers as tf
 
-        tok = tf.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        what, other = _what(config)
+
+        try:
+            tok = tf.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any loader failure is the same refusal, with its reason
+            raise PlanError(f"{root}: the tokenizer does not load ({type(exc).__name__}: {exc}); {what} needs it "
+                            f"to tokenize or generate its samples ({other})") from None
         samples, seq_len = config.calibration_shape
         if config.calibration_data is not None:
             data = Path(config.calibration_data)

@@ -27,12 +27,11 @@ from .config import human_bytes
 from .errors import SourceError
 from .formats import all_formats, get_format, quantized_tensor_names
 from .formats.base import read_json
-from .layout import (CheckpointLayout, find_modules, load_quantized, manifest_disagreements,
-                     module_shape_problems, read_global, read_layout)
+from .layout import CheckpointLayout, find_modules, load_quantized, manifest_disagreements, module_shape_problems, read_global, read_layout
 from .manifest import MANIFEST_NAME, PROGRESS_NAME
 from .plan import fused_group
 from .safetensors_io import open_regular, read_regular_file, read_tensor
-from .scheme import SCHEMES, get_scheme
+from .scheme import get_scheme
 from .source import Source, open_source
 from .swizzle import padded_shape
 from .tensor import dequantize

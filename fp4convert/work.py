@@ -21,7 +21,7 @@ from .schedule import is_kept_copy, make_items
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .backend import Backend, InputWeight, Inputs, Result, Settings
+    from .backend import Backend, Inputs, InputWeight, Result, Settings
     from .formats.base import OutputFormat
     from .plan import Decision
     from .schedule import Item

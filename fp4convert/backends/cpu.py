@@ -22,8 +22,7 @@ import torch
 
 from .. import cpu
 from .. import reference as ref
-from ..backend import (Context, InputWeight, Inputs, MatrixOut, Release, Result, Settings, matrix_weights,
-                       two_passes)
+from ..backend import Context, Inputs, InputWeight, MatrixOut, Release, Result, Settings, matrix_weights, two_passes
 from ..matrices import TensorBuffer, as_bytes, launch_groups, nonfinite_bytes, tensors, unit_weights
 from ..schedule import Batch, Item
 from ..swizzle import swizzle_scales
