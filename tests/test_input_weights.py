@@ -218,3 +218,42 @@ def test_no_model_run_without_input_weights(src, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(calibrate, "LayerwiseModel", boom)
     convert(src, tmp_path / "q", ConvertConfig(device="cpu", input_weights="none"))
     assert convert_mod is not None
+
+
+def test_auto_weights_only_from_the_w4a4_calibration_pass(tmp_path) -> None:
+    """``auto`` (the default): W4A4 NVFP4 with calibrated scales weights the weight rule by the same
+    pass's mean squares (rule mse unless one is asked for); every other conversion runs no model and
+    writes the unweighted bytes, so a model the layer-by-layer run cannot run (no config.json, a family
+    it does not run, no tokenizer) converts as before."""
+    from .test_calibrate import TEXT, add_tokenizer
+
+    from . import zoo
+
+    llama = add_tokenizer(zoo.build("llama", tmp_path / "llama"))
+    data = tmp_path / "calib.txt"
+    data.write_text(TEXT)
+    r = cli(llama, tmp_path / "w4a4", "--format", "compressed-tensors", "--activations", "nvfp4",
+            "--calibration-data", data, "--calibration-samples", 2, "--calibration-seq-len", 16)
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "w4a4" / "fp4convert.json").read_text())
+    rec = m["identity"]["input_weights"]
+    assert rec["source"] == "calibration" and rec["samples"] == 2 and rec["seq_len"] == 16
+    assert rec["data"]["name"] == "calib.txt" and rec["weighted"] == 14
+    assert m["identity"]["settings"]["scale_rule"] in (None, "mse") and m["scale_rule"] == "mse"
+    # constant activation scale: no pass, no weights, the scheme's default rule
+    r = cli(llama, tmp_path / "const", "--format", "compressed-tensors", "--activations", "nvfp4",
+            "--activation-scale", "constant")
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "const" / "fp4convert.json").read_text())
+    assert "input_weights" not in m["identity"] and m["scale_rule"] == "4over6"
+    # W4A16 on models the stage cannot run: converted unweighted, exit 0
+    noconf = tmp_path / "noconf"
+    ck.llama(noconf, layers=1)
+    (noconf / "config.json").unlink()
+    moe = tmp_path / "moe"
+    ck.moe(moe)
+    for name, path, extra in (("noconf", noconf, ["--allow-no-config"]), ("moe", moe, []), ("plain", llama, [])):
+        r = cli(path, tmp_path / f"o-{name}", *extra)
+        assert r.exit_code == 0, (name, r.output)
+        m = json.loads((tmp_path / f"o-{name}" / "fp4convert.json").read_text())
+        assert "input_weights" not in m["identity"] and m["scale_rule"] == "4over6", name
