@@ -215,8 +215,11 @@ def run(args: argparse.Namespace) -> dict:
             add("fp4convert NVFP4 W4A4 " + ("(default rule)" if rule == "default" else f"--scale-rule {rule}")
                 + iw_label + (", calibrated on a text file" if calib == "file" else ", self-generated calibration"),
                 f, nvfp4_hook(f), time.time() - t)
-    if "file" not in want:
-        return {"rows": rows, "base_ppl": bench.base_ppl, "partial": True}
+    if "file" not in want:  # only the rows asked for (no peer, no ratios): what was run, for the record
+        return {"rows": rows, "base_ppl": bench.base_ppl, "partial": True, "model": args.model,
+                "tokens": int(bench.ids.numel()), "calibration": {"samples": int(calib.shape[0]),
+                                                                  "seq_len": int(calib.shape[1])},
+                "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv)}
     t = time.time()
     f = convert(bench, work / "w4a16", scheme="nvfp4")
     add("fp4convert NVFP4 W4A16 (weights only)", f, None, time.time() - t)
