@@ -334,14 +334,18 @@ def check_loaders(folder: Path, names: tuple[str, ...]) -> None:
 
 
 def fp4convert_weights(bench: Bench, scheme: str, rule: str, rotate: str | None, work: Path,
-                       check: bool = False) -> dict[str, torch.Tensor]:
-    """Convert the checkpoint with fp4convert (compressed-tensors) and decode the output folder."""
+                       check: bool = False, input_weights: str | None = None) -> dict[str, torch.Tensor]:
+    """Convert the checkpoint with fp4convert (compressed-tensors) and decode the output folder.
+
+    ``rule`` "default": no ``--scale-rule`` (the converter's default for these settings);
+    ``input_weights`` None: no ``--input-weights`` (the converter's default, ``auto``)."""
     from fp4convert.config import ConvertConfig
     from fp4convert.convert import convert
 
-    dst = work / f"fp4c-{scheme}-{rule}-{rotate or 'none'}"
-    cfg = ConvertConfig(scheme=scheme, scale_rule=rule, rotate=rotate, format="compressed-tensors",
-                        device="cpu", overwrite=True)
+    dst = work / f"fp4c-{scheme}-{rule}-{rotate or 'none'}-iw{input_weights or 'default'}"
+    extra = {} if input_weights is None else {"input_weights": input_weights}
+    cfg = ConvertConfig(scheme=scheme, scale_rule=None if rule == "default" else rule, rotate=rotate,
+                        format="compressed-tensors", device="cpu", overwrite=True, **extra)
     convert(str(bench.checkpoint), str(dst), cfg)
     w = decode_compressed_tensors(dst, bench.linears, rotate)
     if check:
@@ -459,7 +463,8 @@ def mxfp4_block_analysis(checkpoint: Path) -> dict[str, dict[str, float]]:
 
 
 def variants(schemes: list[str], rotations: list[str | None]) -> list[tuple[str, str, str | None]]:
-    return [(s, r, rot) for s in schemes for rot in rotations for r in SCHEMES[s].scale_rules]
+    """Every scheme x rule x rotation; rule "default" is the converter's own choice (no --scale-rule)."""
+    return [(s, r, rot) for s in schemes for rot in rotations for r in ("default", *SCHEMES[s].scale_rules)]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -489,15 +494,18 @@ def run(args: argparse.Namespace) -> dict:
             done({"variant": f"llm-compressor {PEER_PRESETS[scheme]}", "scheme": scheme, "rule": "llm-compressor",
                   "rotate": None, **evaluate(bench, w), "weight_rel_mse": weight_mse(bench, w), "s": time.time() - t})
         for s, rule, rot in variants([scheme], rotations):
-            if args.rules and rule not in args.rules:
+            if (rule not in args.rules) if args.rules else (rule == "default" and wanted is None):
                 continue
             if wanted is not None and (s, rule, rot or "none") not in wanted:
                 continue
             t = time.time()
             # transformers' load is checked against the decode once per scheme and rotation
-            w = fp4convert_weights(bench, s, rule, rot, work, check=(rule == SCHEMES[s].scale_rules[0] and rot is None))
-            done({"variant": f"fp4convert {s} {rule}" + (f" + {rot}" if rot else ""), "scheme": s, "rule": rule,
-                  "rotate": rot, **evaluate(bench, w), "weight_rel_mse": weight_mse(bench, w), "s": time.time() - t})
+            w = fp4convert_weights(bench, s, rule, rot, work, check=(rule == SCHEMES[s].scale_rules[0] and rot is None),
+                                   input_weights=args.input_weights)
+            iw = f" --input-weights {args.input_weights}" if args.input_weights else ""
+            done({"variant": f"fp4convert {s} {rule}" + (f" + {rot}" if rot else "") + iw, "scheme": s, "rule": rule,
+                  "rotate": rot, "input_weights": args.input_weights or "auto (default)", **evaluate(bench, w),
+                  "weight_rel_mse": weight_mse(bench, w), "s": time.time() - t})
     for r in rows:  # KL relative to the peer of the same scheme
         peer = [p for p in rows if p["scheme"] == r["scheme"] and p["rule"] == "llm-compressor"]
         r["kl_vs_peer"] = r["kl"] / peer[0]["kl"] if peer else None
@@ -526,7 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--scheme", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
-    p.add_argument("--rules", nargs="*", help="only these scale rules (default: every rule of each scheme)")
+    p.add_argument("--rules", nargs="*", help="only these scale rules (default: every rule of each scheme); "
+                   "'default' is the converter's own choice (no --scale-rule)")
+    p.add_argument("--input-weights", choices=["auto", "none", "random", "calibration"],
+                   help="the converter's --input-weights for every fp4convert row (default: the converter's default)")
     p.add_argument("--rotate", nargs="+", default=["none", "had16"], choices=["none", "had16"])
     p.add_argument("--variants", nargs="*", help="only these, as scheme:rule:rotation (rule 'peer': llm-compressor)")
     p.add_argument("--peer-python", help="a python with llmcompressor installed (its own venv)")

@@ -202,15 +202,24 @@ def run(args: argparse.Namespace) -> dict:
             Path(args.json).write_text(json.dumps({"partial": True, "rows": rows, **extra}, indent=1) + "\n")
 
     want = set(args.rows.split(","))
-    for rule in ("mse", "4over6"):  # the weights' scale rule (the activations' block scales are the engine's)
-        if f"file-{rule}" in want:
+    iw = {} if args.input_weights is None else {"input_weights": args.input_weights}
+    iw_label = "" if args.input_weights is None else f" --input-weights {args.input_weights}"
+    for rule in ("default", "mse", "4over6"):  # the weights' scale rule (the activations' are the engine's)
+        for calib in ("file", "self"):  # calibrated on the text file, or on self-generated samples
+            if f"{calib}-{rule}" not in want:
+                continue
             t = time.time()
-            f = convert(bench, work / f"w4a4-file-{rule}", scheme="nvfp4", scale_rule=rule, activations="nvfp4",
-                        calibration_data=str(data), **cal)
-            add(f"fp4convert NVFP4 W4A4 --scale-rule {rule}, calibrated on a text file", f, nvfp4_hook(f),
-                time.time() - t)
-    if "file" not in want:
-        return {"rows": rows, "base_ppl": bench.base_ppl, "partial": True}
+            f = convert(bench, work / f"w4a4-{calib}-{rule}-iw{args.input_weights or 'default'}", scheme="nvfp4",
+                        scale_rule=None if rule == "default" else rule, activations="nvfp4",
+                        **({"calibration_data": str(data)} if calib == "file" else {}), **cal, **iw)
+            add("fp4convert NVFP4 W4A4 " + ("(default rule)" if rule == "default" else f"--scale-rule {rule}")
+                + iw_label + (", calibrated on a text file" if calib == "file" else ", self-generated calibration"),
+                f, nvfp4_hook(f), time.time() - t)
+    if "file" not in want:  # only the rows asked for (no peer, no ratios): what was run, for the record
+        return {"rows": rows, "base_ppl": bench.base_ppl, "partial": True, "model": args.model,
+                "tokens": int(bench.ids.numel()), "calibration": {"samples": int(calib.shape[0]),
+                                                                  "seq_len": int(calib.shape[1])},
+                "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv)}
     t = time.time()
     f = convert(bench, work / "w4a16", scheme="nvfp4")
     add("fp4convert NVFP4 W4A16 (weights only)", f, None, time.time() - t)
@@ -279,8 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=32, help="calibration samples (every calibrated variant)")
     p.add_argument("--calib-len", type=int, default=256, help="calibration tokens per sample")
     p.add_argument("--peer-python", help="a python with llmcompressor installed (its own venv)")
-    p.add_argument("--rows", default="file", help="'file' (every row) and/or file-mse, file-4over6 (W4A4 with "
-                                                  "that weight scale rule), comma-separated")
+    p.add_argument("--rows", default="file", help="'file' (every row) and/or {file,self}-{default,mse,4over6} (W4A4 "
+                                                  "with that weight scale rule; default: none given), comma-separated")
+    p.add_argument("--input-weights", choices=["auto", "none", "random", "calibration"],
+                   help="the converter's --input-weights for the file-*/self-* rows (default: the converter's, auto)")
     p.add_argument("--cache", default=str(acc.DEFAULT_CACHE))
     p.add_argument("--threads", type=int)
     p.add_argument("--json")

@@ -19,7 +19,7 @@ import importlib
 import logging
 import math
 import pkgutil
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -78,6 +78,54 @@ class Event(Protocol):
 Inputs = tuple[HostBuffer, list[tuple[int, "TensorInfo"]]]
 # The reader may refill an item's buffer once the event (None: now) has completed; only the first call counts.
 Release = Callable[["Event | None"], None]
+
+
+@dataclass(frozen=True)
+class InputWeight:
+    """One linear input's per-channel weights for the search rules' block error (docs/numerics.md
+    "Input weights"): fp32 [K] (little-endian bytes: no torch needed to carry them), and the module
+    whose input was measured. Fused members share one input, hence one object: a backend launches
+    consecutive matrices with the same ``key`` together."""
+
+    key: str
+    data: bytes
+
+    @property
+    def k(self) -> int:
+        return len(self.data) // 4
+
+
+def attach_input_weights(items: Iterable[Item], weights: Mapping[str, InputWeight] | None) -> None:
+    """Give each item's matrices their module's input weight (a missing module: unweighted). Without
+    weights the items keep ``input_weights = None`` and every backend runs its unweighted path."""
+    if not weights:
+        return
+    for it in items:
+        it.input_weights = [weights.get(m.module) for _, m in it.matrices]
+
+
+def matrix_weights(item: Item) -> list[InputWeight | None]:
+    """The input weight of each of the item's matrices (None: unweighted), in ``item.matrices`` order."""
+    w = item.input_weights
+    return list(w) if w is not None else [None] * len(item.matrices)
+
+
+def weight_runs(idx: Sequence[int], weights: Sequence[InputWeight | None]) -> list[tuple[int, int, InputWeight | None]]:
+    """A launch group's members (matrix indices ``idx``, in launch order) cut into runs ``[j0, j1)`` of
+    consecutive members with one input weight: a kernel launch takes one weight vector for all its
+    matrices. Unweighted items are one run."""
+    runs: list[tuple[int, int, InputWeight | None]] = []
+    for j, i in enumerate(idx):
+        w = weights[i]
+        if runs and _key(runs[-1][2]) == _key(w):
+            runs[-1] = (runs[-1][0], j + 1, runs[-1][2])
+        else:
+            runs.append((j, j + 1, w))
+    return runs
+
+
+def _key(w: InputWeight | None) -> str | None:
+    return None if w is None else w.key
 
 
 @dataclass

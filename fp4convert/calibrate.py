@@ -27,9 +27,12 @@ import hashlib
 import json
 import logging
 import re
+from array import array
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .backend import InputWeight
 from .errors import PlanError, QuantizationError
 from .plan import QUANTIZE
 
@@ -42,8 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SAMPLES = 128
-DEFAULT_SEQ_LEN = 512
 MICRO_BATCH = 8  # samples per forward (bounds the intermediates; the amax does not depend on it)
 # Families whose checkpoint names equal the transformers module parameter names and whose base
 # model forward takes inputs_embeds unchanged (checked against transformers 5.24).
@@ -111,31 +112,54 @@ def share(amax: dict[str, float], plan: Plan) -> dict[str, float]:
 
 # -- refusing what cannot be calibrated, before anything is written ----------------------------
 
+def runs_model(config: ConvertConfig) -> bool:
+    """Does this conversion run the model (W4A4 NVFP4 activation calibration, or input weights)?"""
+    return activation_calibration(config) or config.input_weight_source != "none"
+
+
+def activation_calibration(config: ConvertConfig) -> bool:
+    return config.activations == "nvfp4" and config.activation_scale == "calibrate"
+
+
+def _what(config: ConvertConfig) -> tuple[str, str]:
+    """(what runs the model, the option that avoids it): the words of a refusal."""
+    if activation_calibration(config):
+        return "activation calibration", "or use --activation-scale constant"
+    return f"--input-weights {config.input_weight_source}", "or use --input-weights none"
+
+
 def check_runnable(source: Source, config: ConvertConfig) -> None:
-    """Refuse (exit 2, the reason) a calibration that cannot run: called while planning."""
-    if config.activations != "nvfp4" or config.activation_scale != "calibrate":
+    """Refuse (exit 2, the reason) a model run that cannot happen: called while planning, before
+    anything is written. The activation calibration of W4A4 and the input weights' pass
+    (``--input-weights``) have the same needs; random token ids need no tokenizer."""
+    if not runs_model(config):
         return
+    iw = config.input_weight_source
+    what, other = _what(config)
     if source.is_hub:
-        raise PlanError("--activations nvfp4 calibration runs on a local folder: download the checkpoint first "
-                        "(huggingface-cli download), or use --activation-scale constant")
+        raise PlanError(f"{what} runs the model from a local folder: download the checkpoint first "
+                        f"(huggingface-cli download), {other}")
     root = Path(source.root)
     cfg = source.config()
     if not cfg:
-        raise PlanError(f"{root}: no config.json; activation calibration needs the model definition "
-                        "(or use --activation-scale constant)")
+        raise PlanError(f"{root}: no config.json; {what} needs the model definition ({other})")
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise PlanError(f"{root}: activation calibration supports model types {', '.join(SUPPORTED_MODEL_TYPES)}, "
-                        f"not {mt!r} (its checkpoint names or forward differ); use --activation-scale constant")
+        raise PlanError(f"{root}: {what} runs the model layer by layer, which supports model types "
+                        f"{', '.join(SUPPORTED_MODEL_TYPES)}, not {mt!r} (its checkpoint names or forward differ); "
+                        f"{other}")
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise PlanError("activation calibration needs transformers (pip install transformers), "
-                        "or use --activation-scale constant") from None
-    if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise PlanError(f"{root}: no tokenizer (tokenizer.json / tokenizer.model / vocab.json); calibration "
-                        "needs one to tokenize or generate its samples (or use --activation-scale constant)")
-    if config.calibration_data is not None and not Path(config.calibration_data).is_file():
+        raise PlanError(f"{what} needs transformers (pip install transformers), {other}") from None
+    text = activation_calibration(config) or iw == "calibration"
+    if text and not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise PlanError(f"{root}: no tokenizer (tokenizer.json / tokenizer.model / vocab.json); {what} needs one "
+                        f"to tokenize or generate its samples ({other})")
+    if iw == "random" and not (isinstance(cfg.get("vocab_size"), int) and cfg["vocab_size"] > 0):
+        raise PlanError(f"{root}: config.json has no vocab_size; --input-weights random draws token ids below it "
+                        "(or use --input-weights none)")
+    if text and config.calibration_data is not None and not Path(config.calibration_data).is_file():
         raise PlanError(f"--calibration-data {config.calibration_data}: no such file")
 
 
@@ -395,7 +419,8 @@ def bf16_ceil(x: float) -> float:
 
 def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | None = None,
                    micro_batch: int = MICRO_BATCH,
-                   mean_square: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                   mean_square: dict[str, torch.Tensor] | None = None,
+                   rotate: str | None = None) -> dict[str, torch.Tensor]:
     """The fp32 amax of every ``nn.Linear`` input (by module name), one layer at a time.
 
     Also ``lm_head`` (the final norm's output) when ``wanted`` names it. Raw fp32 maxima (no rounding).
@@ -403,8 +428,13 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
     calibration token (fp64 sums, rounded to bf16 at the end), the ``input_weight`` that makes the
     weight scale rules' block error track the layer's output error (reference.block_error). bf16
     rounding keeps the weights the same across devices unless a value lands on a rounding boundary.
+    ``rotate`` ("had16"): the mean squares are those of the rotated inputs ``x H`` (the weights are
+    quantized as ``W H``, and ``y = (x H)(W H)^T``), the domain the block error is computed in; the
+    amax stays that of the plain inputs.
     """
     import torch
+
+    from .reference import had16
 
     amax: dict[str, torch.Tensor] = {}
     sums: dict[str, list] = {}
@@ -415,7 +445,7 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
             a = x.abs().amax().float().cpu()
             amax[name] = torch.maximum(amax[name], a) if name in amax else a
             if mean_square is not None:
-                x2 = x.reshape(-1, x.shape[-1]).double()
+                x2 = (had16(x) if rotate == "had16" else x).reshape(-1, x.shape[-1]).double()
                 sq = (x2 * x2).sum(0).cpu()
                 if name in sums:
                     sums[name][0] += sq
@@ -438,8 +468,10 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
         lm.free(layer)
     if wanted and "lm_head" in wanted:
         norm, _ = lm.head(weight=False)
+        record = hook_for("lm_head")
         with torch.no_grad():
-            amax["lm_head"] = torch.stack([norm(h).abs().amax().float().cpu() for h in hs]).amax()
+            for h in hs:
+                record(norm, (norm(h),))
         lm.free(norm)
     if mean_square is not None:
         for name, (sq, n) in sums.items():
@@ -447,33 +479,89 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
     return amax
 
 
-def activation_amax(source: Source, plan: Plan, config: ConvertConfig, device) -> tuple[dict[str, float], dict]:
-    """(module -> shared amax for every quantized module, the calibration record for the manifest)."""
+@dataclass
+class Statistics:
+    """What the layer-by-layer stage measured, for the conversion that follows.
+
+    ``amax`` / ``calibration``: W4A4 NVFP4's activation amax per quantized module (fused and expert
+    groups at their max) and its manifest record; ``input_weights``: each quantized matrix's input
+    weight (module -> :class:`~fp4convert.backend.InputWeight`; fused members share one object) and
+    ``input_weight_record``, the identity entry that describes them (source, tokens, seed, digest).
+    """
+
+    amax: dict[str, float] | None = None
+    calibration: dict | None = None
+    input_weights: dict[str, InputWeight] | None = None
+    input_weight_record: dict | None = None
+
+
+def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Statistics:
+    """Run what this conversion needs, before anything is written: the activation calibration of W4A4
+    NVFP4 (the mean squares are recorded in the same pass when the input weights come from it) and,
+    for ``--input-weights random``, a pass over seeded random token ids."""
+    out = Statistics()
     modules = quantized_modules(plan)
-    if config.activation_scale == "constant":
+    amax_pass = config.activations == "nvfp4"
+    if amax_pass and config.activation_scale == "constant":
         from .formats.base import CONSTANT_AMAX
 
-        return {m: CONSTANT_AMAX for m in modules}, {"method": "constant", "amax": CONSTANT_AMAX}
+        out.amax = {m: CONSTANT_AMAX for m in modules}
+        out.calibration = {"method": "constant", "amax": CONSTANT_AMAX}
+        amax_pass = False
+    iw = config.input_weight_source
+    if not amax_pass and iw == "none":
+        return out
     import torch
-    import transformers as tf
 
     check_runnable(source, config)
     if any(d.decode is not None for d in plan.decisions):
-        raise PlanError("activation calibration reads bf16/fp16/fp32 weights; this checkpoint's weights are "
-                        "quantized (FP8/MXFP4) inputs: use --activation-scale constant")
+        what = "activation calibration" if amax_pass else f"--input-weights {iw}"
+        raise PlanError(f"{what} runs the model on bf16/fp16/fp32 weights; this checkpoint's weights are quantized "
+                        "(FP8/MXFP4) inputs" + (": use --activation-scale constant" if amax_pass else
+                                                ": use --input-weights none"))
     dev = torch.device(device) if device is not None else torch.device("cpu")
     root = Path(source.root)
-    tok = tf.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
     lm = LayerwiseModel(source, dev)
-    if config.calibration_data is not None:
-        data = Path(config.calibration_data)
-        tokens = file_tokens(tok, data, config.calibration_samples, config.calibration_seq_len)
-        described = {"source": "file", "name": data.name,
-                     "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
-    else:
-        tokens = generate(lm, tok, config.calibration_samples, config.calibration_seq_len, config.calibration_seed)
-        described = {"source": "self-generated", "start_token": int(tokens[0, 0])}
-    raw = layerwise_amax(lm, tokens, set(modules))
+    mean_square: dict[str, torch.Tensor] = {}
+    described: dict = {}
+    if amax_pass or iw == "calibration":
+        import transformers as tf
+
+        what, other = _what(config)
+
+        try:
+            tok = tf.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any loader failure is the same refusal, with its reason
+            raise PlanError(f"{root}: the tokenizer does not load ({type(exc).__name__}: {exc}); {what} needs it "
+                            f"to tokenize or generate its samples ({other})") from None
+        samples, seq_len = config.calibration_shape
+        if config.calibration_data is not None:
+            data = Path(config.calibration_data)
+            tokens = file_tokens(tok, data, samples, seq_len)
+            data_record = {"source": "file", "name": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
+        else:
+            tokens = generate(lm, tok, samples, seq_len, config.calibration_seed)
+            data_record = {"source": "self-generated", "start_token": int(tokens[0, 0])}
+        raw = layerwise_amax(lm, tokens, set(modules), mean_square=mean_square if iw == "calibration" else None,
+                             rotate=config.rotate)
+        calibrated = {"data": data_record, "samples": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]),
+                      "seed": config.calibration_seed, "tokenizer_sha256": tokenizer_digest(root)}
+        if amax_pass:
+            out.amax, out.calibration = _activation_record(raw, modules, plan, calibrated)
+        described = {"source": "calibration", **calibrated}
+    if iw == "random":
+        samples, seq_len = config.random_shape
+        vocab = int(lm.cfg.vocab_size)
+        tokens = random_tokens(vocab, samples, seq_len, config.calibration_seed)
+        layerwise_amax(lm, tokens, set(modules), mean_square=mean_square, rotate=config.rotate)
+        described = {"source": "random", "samples": samples, "seq_len": seq_len, "seed": config.calibration_seed,
+                     "vocab_size": vocab}
+    if iw != "none":
+        out.input_weights, out.input_weight_record = input_weights_for(plan, mean_square, described, config.rotate)
+    return out
+
+
+def _activation_record(raw: dict, modules: list[str], plan: Plan, calibrated: dict) -> tuple[dict[str, float], dict]:
     measured = {m: bf16_ceil(float(v)) for m, v in raw.items()}
     missing = [m for m in modules if m not in measured]
     if missing:
@@ -482,13 +570,66 @@ def activation_amax(source: Source, plan: Plan, config: ConvertConfig, device) -
     shared = share(measured, plan)
     record = {
         "method": "calibrate",
-        "data": described,
-        "samples": int(tokens.shape[0]),
-        "seq_len": int(tokens.shape[1]),
-        "seed": config.calibration_seed,
-        "tokenizer_sha256": tokenizer_digest(root),
+        **calibrated,
         "amax_rounding": "bf16 ceil of the fp32 max; fused/expert groups at their max",
         "measured_amax": {m: measured[m] for m in modules},
         "amax": {m: shared[m] for m in modules},
     }
     return shared, record
+
+
+def activation_amax(source: Source, plan: Plan, config: ConvertConfig, device) -> tuple[dict[str, float], dict]:
+    """(module -> shared amax for every quantized module, the calibration record for the manifest)."""
+    from dataclasses import replace
+
+    st = statistics(source, plan, replace(config, input_weights="none"), device)
+    assert st.amax is not None and st.calibration is not None
+    return st.amax, st.calibration
+
+
+def input_weights_for(plan: Plan, mean_square: dict, described: dict,
+                      rotate: str | None = None) -> tuple[dict[str, InputWeight], dict]:
+    """Each quantized matrix's input weight from the measured mean squares, and their record.
+
+    Fused members (one group: q/k/v, gate/up, an expert's gate/up halves) share one input, so they
+    share one weight: the first member's that was measured. A matrix whose input the pass never saw
+    (stacked experts, which no nn.Linear of the layer-by-layer run computes) is quantized unweighted
+    and listed in the record's ``unweighted``.
+    """
+    import torch
+
+    group_of = {m: g for g, members in plan.all_groups().items() for m in members}
+    groups = plan.all_groups()
+    made: dict[str, InputWeight] = {}
+    out: dict[str, InputWeight] = {}
+    unweighted: list[str] = []
+    for d in plan.decisions:
+        if d.action != QUANTIZE:
+            continue
+        for m in d.matrices:
+            g = group_of.get(m.module)
+            members = groups[g] if g else [m.module]
+            src = next((x for x in members if x in mean_square), None)
+            if src is None:
+                unweighted.append(m.module)
+                continue
+            w = mean_square[src]
+            if w.dim() != 1 or w.numel() != m.shape[1]:
+                raise QuantizationError(f"{src}: its measured input has {w.numel()} channels but {m.module} has "
+                                        f"K={m.shape[1]}; use --input-weights none")
+            if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+                raise QuantizationError(f"{src}: the mean square of its input is not finite (the activations "
+                                        "overflowed); use --input-weights none")
+            if src not in made:
+                made[src] = InputWeight(src, array("f", w.to(torch.float32).tolist()).tobytes())
+            out[m.module] = made[src]
+    if unweighted:
+        log.warning("%d quantized matrices (e.g. %s) have no measured input (only nn.Linear inputs are recorded): "
+                    "quantized without input weights", len(unweighted), unweighted[0])
+    digest = hashlib.sha256()
+    for name in sorted(out):
+        digest.update(name.encode() + b"\0" + out[name].data)
+    record = {**described, "rotated": rotate,
+              "statistic": "per-channel mean square of each linear input (fp64 sums, rounded to bf16)",
+              "weighted": len(out), "unweighted": unweighted, "sha256": digest.hexdigest()}
+    return out, record

@@ -15,6 +15,13 @@ from .scheme import SCHEMES, check_rotation
 DEFAULT_MAX_SHARD = 5 * 10**9
 ACTIVATIONS = ("none", "nvfp4", "mxfp4")
 ACTIVATION_SCALES = ("calibrate", "constant")
+# Input weights (docs/numerics.md "Input weights"): where the per-input-channel mean squares that weight
+# the search rules' block error come from. auto: the W4A4 calibration pass's own when it runs, else none.
+INPUT_WEIGHTS = ("auto", "none", "random", "calibration")
+NO_SEARCH_RULES = ("max", "floor", "rceil")  # rules without a search: nothing for an input weight to change
+WEIGHTED_RULE = "mse"  # the default rule when input weights are on: the best measured with them (BENCHMARKS.md)
+CALIBRATION_SHAPE = (128, 512)  # samples x tokens of a calibration pass (text file or self-generated)
+RANDOM_SHAPE = (16, 256)  # samples x tokens of random token ids (--input-weights random): cheap, data-free
 
 
 @dataclass(frozen=True)
@@ -43,9 +50,13 @@ class ConvertConfig:
     activations: str = "none"  # none | nvfp4 | mxfp4
     activation_scale: str = "calibrate"  # calibrate | constant (ModelOpt's amax 2688: input_scale 1.0)
     calibration_data: str | None = None  # text or JSON-lines file; None: the model generates its samples
-    calibration_samples: int = 128
-    calibration_seq_len: int = 512
+    calibration_samples: int | None = None  # None: CALIBRATION_SHAPE / RANDOM_SHAPE, per pass
+    calibration_seq_len: int | None = None
     calibration_seed: int = 0
+    # Input-weighted scale rules: none | random (uniform random token ids, no data) | calibration (the
+    # calibration samples: --calibration-data or self-generated) | auto (calibration when W4A4 NVFP4 is
+    # calibrated, else none). Part of the identity only when weights are used (W4A16 outputs unchanged).
+    input_weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -87,8 +98,10 @@ class ConvertConfig:
             raise ConfigError(f"--activations {self.activations!r}: choose one of {', '.join(ACTIVATIONS)}")
         if self.activation_scale not in ACTIVATION_SCALES:
             raise ConfigError(f"--activation-scale {self.activation_scale!r}: choose one of {', '.join(ACTIVATION_SCALES)}")
-        if self.calibration_samples < 1 or self.calibration_seq_len < 2:
+        if (self.calibration_samples is not None and self.calibration_samples < 1) or (
+                self.calibration_seq_len is not None and self.calibration_seq_len < 2):
             raise ConfigError("--calibration-samples must be >= 1 and --calibration-seq-len >= 2")
+        self._check_input_weights()
         if self.activations == "none":
             return
         if self.activations != self.scheme:
@@ -102,9 +115,41 @@ class ConvertConfig:
             raise ConfigError(f"--activations {self.activations} is written for --format {' or '.join(allowed)} "
                               f"only (the engines' W4A4 conventions), not --format {self.format}")
 
+    def _check_input_weights(self) -> None:
+        if self.input_weights not in INPUT_WEIGHTS:
+            raise ConfigError(f"--input-weights {self.input_weights!r}: choose one of {', '.join(INPUT_WEIGHTS)}")
+        if self.input_weights in ("random", "calibration") and self.scale_rule in NO_SEARCH_RULES:
+            raise ConfigError(f"--input-weights {self.input_weights} changes only the search scale rules; "
+                              f"--scale-rule {self.scale_rule} has no search (drop one of them)")
+
+    @property
+    def input_weight_source(self) -> str:
+        """Where the input weights come from: none, random or calibration (``auto`` resolved): a W4A4
+        NVFP4 conversion with calibrated scales weights by the calibration pass's own mean squares,
+        unless the rule asked for has no search."""
+        if self.input_weights != "auto":
+            return self.input_weights
+        if (self.activations == "nvfp4" and self.activation_scale == "calibrate"
+                and self.scale_rule not in NO_SEARCH_RULES):
+            return "calibration"
+        return "none"
+
+    @property
+    def calibration_shape(self) -> tuple[int, int]:
+        """(samples, tokens per sample) of a calibration pass (text file or self-generated)."""
+        return (self.calibration_samples or CALIBRATION_SHAPE[0], self.calibration_seq_len or CALIBRATION_SHAPE[1])
+
+    @property
+    def random_shape(self) -> tuple[int, int]:
+        """(samples, tokens per sample) of the random token ids of ``--input-weights random``."""
+        return (self.calibration_samples or RANDOM_SHAPE[0], self.calibration_seq_len or RANDOM_SHAPE[1])
+
     @property
     def rule(self) -> str:
-        """The scale rule in effect (the scheme's default when none was asked for)."""
+        """The scale rule in effect: the one asked for, else ``mse`` when input weights are on (the best
+        measured with them), else the scheme's default."""
+        if self.scale_rule is None and self.input_weight_source != "none":
+            return SCHEMES[self.scheme].check_rule(WEIGHTED_RULE)
         return SCHEMES[self.scheme].check_rule(self.scale_rule)
 
     def identity(self) -> dict:
@@ -119,6 +164,7 @@ class ConvertConfig:
             "max_shard_size": self.max_shard_size,
             "revision": self.revision,
             **self.activation_identity(),
+            **self.input_weight_identity(),
         }
 
     def activation_identity(self) -> dict:
@@ -129,9 +175,23 @@ class ConvertConfig:
         if self.activations == "nvfp4":  # MXFP4 activations are dynamic: nothing is calibrated
             out["activation_scale"] = self.activation_scale
             if self.activation_scale == "calibrate":
-                out["calibration"] = {"data": self.calibration_data, "samples": self.calibration_samples,
-                                      "seq_len": self.calibration_seq_len, "seed": self.calibration_seed}
+                out["calibration"] = self._calibration_identity()
         return out
+
+    def _calibration_identity(self) -> dict:
+        samples, seq_len = self.calibration_shape
+        return {"data": self.calibration_data, "samples": samples, "seq_len": seq_len, "seed": self.calibration_seed}
+
+    def input_weight_identity(self) -> dict:
+        """The input weights' settings in the identity ({} without: identities of earlier runs unchanged)."""
+        src = self.input_weight_source
+        if src == "none":
+            return {}
+        if src == "random":
+            samples, seq_len = self.random_shape
+            return {"input_weights": {"source": "random", "samples": samples, "seq_len": seq_len,
+                                      "seed": self.calibration_seed}}
+        return {"input_weights": {"source": "calibration", **self._calibration_identity()}}
 
 
 def parse_size(text: str) -> int:

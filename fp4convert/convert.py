@@ -29,7 +29,7 @@ from .runner import ConvertResult, Job, Progress, plan_warnings, run
 if TYPE_CHECKING:
     import torch
 
-    from .backend import Backend, Settings
+    from .backend import Backend, InputWeight, Settings
     from .formats.base import OutputFormat
     from .plan import Plan
     from .source import Source
@@ -101,6 +101,10 @@ def plan_conversion(src: str | Source, config: ConvertConfig) -> tuple[Source, P
                         "--allow-no-config to convert the tensors anyway")
     if config.activations != "none":
         fmt = _w4a4_format(source, config, fmt)
+    elif config.input_weight_source != "none":
+        from .calibrate import check_runnable
+
+        check_runnable(source, config)  # --input-weights on a model the layer-by-layer run cannot run: exit 2
     plan = make_plan(source.tensors(), config, fmt, source.config())
     return source, plan, fmt
 
@@ -115,21 +119,29 @@ def _w4a4_format(source: Source, config: ConvertConfig, fmt: OutputFormat) -> Ou
     return with_activations(fmt, config.activations)
 
 
-def _calibrate(source: Source, plan: Plan, fmt: OutputFormat, config: ConvertConfig) -> None:
-    """W4A4 NVFP4: every quantized module's activation amax, set on the format before writing."""
-    if getattr(fmt, "activations", "none") != "nvfp4":
-        return
-    from .calibrate import activation_amax
+def _statistics(source: Source, plan: Plan, fmt: OutputFormat, config: ConvertConfig
+                ) -> tuple[dict[str, InputWeight] | None, dict | None]:
+    """The layer-by-layer stage, before anything is written: W4A4 NVFP4's activation amax (set on the
+    format) and the input weights of the weight scale rules (``config.input_weight_source``), with
+    their identity record. Nothing runs when neither is asked for (the data-free default)."""
+    from .calibrate import runs_model, statistics
 
+    calibrate = getattr(fmt, "activations", "none") == "nvfp4"
+    if not calibrate and not runs_model(config):
+        return None, None
     device = None if config.device == "auto" else config.device
-    if device is None:
+    if device is None and runs_model(config):
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     with stages.timed("calibrate"):
-        amax, record = activation_amax(source, plan, config, device)
-    fmt.input_amax = amax
-    fmt.calibration = record
+        st = statistics(source, plan, config, device)
+    if calibrate:
+        fmt.input_amax = st.amax
+        fmt.calibration = st.calibration
+    if st.input_weights is not None:
+        log.info("input weights (%s): %d matrices weighted", config.input_weight_source, len(st.input_weights))
+    return st.input_weights, st.input_weight_record
 
 
 def _advise_source(source: Source, plan: Plan, mine: set[str]) -> None:
@@ -171,7 +183,7 @@ def convert(
         prewarm_device(config)  # the GPU starts while the source is planned
     with stages.timed("plan"):
         source, plan_, fmt = plan if plan is not None else plan_conversion(src, config)
-    _calibrate(source, plan_, fmt, config)
+    input_weights, weight_record = _statistics(source, plan_, fmt, config)
     _advise_source(source, plan_, assign(plan_, world))
     others = source.other_files(exclude=dst)  # the one walk of the source folder
 
@@ -180,9 +192,10 @@ def convert(
     backends = open_backends(config, world, plan_, source, settings)
     stages.add("startup", time.perf_counter() - t_start)
     stages.count("lanes", len(backends))
-    works: list[Work] = [QuantizeWork(source, fmt, settings, b) for b in backends]
+    works: list[Work] = [QuantizeWork(source, fmt, settings, b, input_weights) for b in backends]
     try:
-        identity = run_identity(config, source)
+        # what the input weights were measured as (digest included): --resume refuses other statistics
+        identity = run_identity(config, source, **({"input_weights": weight_record} if weight_record else {}))
         job = Job(source, plan_, fmt, dst, config, identity, others)
         done = run(job, world, works, progress)
     except BaseException:

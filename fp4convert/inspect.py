@@ -515,6 +515,8 @@ def _summary(source: Source, layout: CheckpointLayout, globals_: dict[str, float
         # The block-scale rule the error below was achieved with (recorded by fp4convert; None if unknown).
         "scale_rule": (layout.manifest or {}).get("scale_rule") or ((layout.manifest or {}).get("settings") or {}).get(
             "scale_rule"),
+        # Input-weighted scale rules: what the weights were measured on (the manifest's identity; None: unweighted).
+        "input_weights": _input_weights(layout.manifest),
         "quantized": len(layout.modules),
         "kept": len(layout.kept),
         "fused_groups": len(groups),
@@ -525,6 +527,29 @@ def _summary(source: Source, layout: CheckpointLayout, globals_: dict[str, float
         "layers": dict(sorted(layers.items(), key=lambda kv: _natural(kv[0]))),
         "global_scales": globals_,
     }
+
+
+def _input_weights(manifest: dict | None) -> dict | None:
+    rec = ((manifest or {}).get("identity") or {}).get("input_weights")
+    if not isinstance(rec, dict):
+        return None
+    keep = ("source", "samples", "seq_len", "seed", "data", "rotated", "weighted", "unweighted", "sha256")
+    return {k: rec[k] for k in keep if k in rec}
+
+
+def _describe_input_weights(w: dict) -> str:
+    src = w.get("source")
+    tokens = f"{w.get('samples')} x {w.get('seq_len')} tokens"
+    if src == "random":
+        what = f"random token ids ({tokens}, seed {w.get('seed')})"
+    else:
+        data = w.get("data") if isinstance(w.get("data"), dict) else {}
+        what = (f"calibration {data.get('name') or data.get('source') or '?'} ({tokens}"
+                + (f", seed {w.get('seed')}" if data.get("source") == "self-generated" else "") + ")")
+    unweighted = w.get("unweighted") or []
+    return (f"per-channel input mean squares on {what}; {w.get('weighted')} matrices weighted"
+            + (f", {len(unweighted)} unweighted" if unweighted else "")
+            + (f"; sha256 {str(w['sha256'])[:12]}" if w.get("sha256") else ""))
 
 
 def _natural(s: str) -> list:
@@ -673,6 +698,8 @@ def render(r: dict) -> list[str]:
     else:
         lines.append(f"{r['path']}: format {r['format']}, scheme {r['scheme']}, rotation {r['rotate'] or 'none'}"
                      + (f", scale rule {r['scale_rule']}" if r.get("scale_rule") else ""))
+        if r.get("input_weights"):
+            lines.append(f"  input weights: {_describe_input_weights(r['input_weights'])}")
         lines.append(
             f"  {r['quantized']} quantized weights, {r['kept']} kept tensors, {r['fused_groups']} fused groups; "
             f"{human_bytes(r['bytes'])}, {r['params']:,} params, {r['bits_per_param']} bits/param "

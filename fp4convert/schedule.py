@@ -52,6 +52,7 @@ class Batch:
         self.groups = shape_groups([d.info for d in self.members])
         self.matrices: list[tuple[Decision, Matrix]] = [(d, d.matrices[0]) for d in self.members]
         self.keys: list[int | str | None] = list(self.unit_of)  # a unit (a fused group) shares one amax
+        self.input_weights: list | None = None  # per matrix, backend.InputWeight or None (backend.attach_input_weights)
 
     def reads(self) -> list:
         """The tensors to read for this batch, in member order."""
@@ -69,6 +70,7 @@ class Complex:
         self.matrices = [] if self.kept else [(d, m) for d in unit for m in d.matrices]
         # matrices with the same group share one global scale; ungrouped ones have their own
         self.keys: list[int | str | None] = [m.group or d.group for d, m in self.matrices]
+        self.input_weights: list | None = None  # per matrix, backend.InputWeight or None (backend.attach_input_weights)
 
     def reads(self) -> list:
         """Every on-disk tensor of the unit, member by member (a decoded input reads several)."""

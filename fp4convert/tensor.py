@@ -148,31 +148,41 @@ def quantize(
     scale_layout: ScaleLayout = "linear",
     scale_rule: str | None = None,
     backend: Backend = "auto",
+    input_weight: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize a bf16/fp16/fp32 weight ``[..., M, K]`` (blocks along K) to NVFP4 or MXFP4.
 
     Leading dims are independent matrices, each with its own global scale unless ``global_amax``
     (the max |x| of a fused group, after rotation) is given. ``scale_rule`` picks the block scales
-    (NVFP4: max, 4over6, mse; MXFP4: floor, rceil, mse; None is the scheme's default); the global
-    scale never depends on it. Raises NonFiniteError for NaN/Inf and ShapeError when K is not a
-    multiple of the block size; bad options raise ConfigError before any work.
+    (scheme.py lists each scheme's rules; None is the scheme's default); the global scale never
+    depends on it. ``input_weight`` (fp32 [K], finite, >= 0; one for every matrix of x): each input
+    channel's weight in the search rules' block error, e.g. the mean square of the layer's input
+    channel (docs/numerics.md "Input weights"; in the rotated domain with ``rotate``); rules without
+    a search (max, floor, rceil) ignore it, and None gives the unweighted bytes. Raises
+    NonFiniteError for NaN/Inf, ShapeError when K is not a multiple of the block size and
+    QuantizationError for a malformed input weight; bad options raise ConfigError before any work.
     """
     s = _check_options(scheme, rotate, scale_layout, backend)
     rule = s.check_rule(scale_rule)
     if not s.global_scale and global_amax is not None:
         raise ConfigError(f"{s.name.upper()} has no global scale; global_amax applies to NVFP4 only")
+    if input_weight is not None:
+        ref.check_shape(x, s.block_size)
+        ref.check_input_weight(input_weight, x.shape[-1], s.block_size)  # the values, once, for every backend
     if x.is_cuda and (backend == "auto" or backend == "cuda"):  # the kernels: the fewest host steps
         if x.dim() < 2 or x.shape[-1] % s.block_size or not x.is_floating_point():
             ref.check_shape(x, s.block_size)  # raises, saying what to do
-        return _quantize_cuda(x, s, rotate, global_amax, scale_layout, rule)
+        return _quantize_cuda(x, s, rotate, global_amax, scale_layout, rule, input_weight)
     ref.check_shape(x, s.block_size)
     ops = _batch_ops(x, backend)
     if ops is not None:
-        return _quantize_batched(ops, x, s, rotate, global_amax, scale_layout, rule)
+        return _quantize_batched(ops, x, s, rotate, global_amax, scale_layout, rule, input_weight)
+    if input_weight is not None:
+        input_weight = input_weight.to(x.device)
     if s.global_scale:
-        packed, scale, gs = ref.nvfp4_quantize(x, global_amax, rotate, scale_rule=rule)
+        packed, scale, gs = ref.nvfp4_quantize(x, global_amax, rotate, scale_rule=rule, input_weight=input_weight)
     else:
-        (packed, scale), gs = ref.mxfp4_quantize(x, rotate, scale_rule=rule), None
+        (packed, scale), gs = ref.mxfp4_quantize(x, rotate, scale_rule=rule, input_weight=input_weight), None
     if scale_layout == "swizzled":
         scale = swizzle_scales(scale)
     return QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
@@ -192,14 +202,16 @@ def _group_amax(x: torch.Tensor, s: Scheme, global_amax) -> torch.Tensor | None:
 
 
 def _quantize_cuda(
-    x: torch.Tensor, s: Scheme, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout, rule: str
+    x: torch.Tensor, s: Scheme, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout, rule: str,
+    input_weight: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """The kernels take [..., M, K] as is, compute gs from the amax (pass 1 first when none is given)
     and flag a non-finite amax or block in this thread's mapped flags: launch, the bookkeeping below
     while the kernel runs, then one stream sync."""
     ops = _cuda_ops()
     packed, scale, gs, flagged = ops.quantize_checked(x, s.name, _group_amax(x, s, global_amax), rotate,
-                                                      scale_layout == "swizzled", s.scale_rules.index(rule))
+                                                      scale_layout == "swizzled", s.scale_rules.index(rule),
+                                                      input_weight)
     q = QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
     if flagged():
         raise _nonfinite(x, rotate)
@@ -207,7 +219,8 @@ def _quantize_cuda(
 
 
 def _quantize_batched(
-    ops, x: torch.Tensor, s: Scheme, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout, rule: str
+    ops, x: torch.Tensor, s: Scheme, rotate: Rotation | None, global_amax, scale_layout: ScaleLayout, rule: str,
+    input_weight: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """The CPU backend: pass 1 (amax, unless the group's is given) and pass 2, one check at the end."""
     lead = x.shape[:-2]
@@ -219,7 +232,11 @@ def _quantize_batched(
         group_amax = ops.amax(xb, rotate) if amax_b is None else amax_b.reshape(-1)
         bad = None if amax_b is None else ~torch.isfinite(amax_b).all()
         gs = ref.global_scale(group_amax)
-    packed, scale, nonfinite = ops.quantize(xb, s.name, gs, rotate, swizzle, rule)
+    if input_weight is None:
+        packed, scale, nonfinite = ops.quantize(xb, s.name, gs, rotate, swizzle, rule)
+    else:  # the torch path (a compiled CPU kernel, where there is one, runs the unweighted rules only)
+        packed, scale, nonfinite = ops.quantize_input_weighted(xb, s.name, gs, rotate, swizzle, rule,
+                                                               input_weight.to(x.device, torch.float32))
     bad = nonfinite if bad is None else nonfinite | bad
     q = QuantizedTensor(packed.reshape(*lead, *packed.shape[-2:]), scale.reshape(*lead, *scale.shape[-2:]),
                         None if gs is None else gs.reshape(lead), s.name, rotate, scale_layout, rule)

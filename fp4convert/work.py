@@ -16,14 +16,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from . import stages
-from .backend import refuse_nonfinite
+from .backend import attach_input_weights, refuse_nonfinite
 from .readahead import ReadAhead
 from .schedule import is_kept_copy, make_items
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .backend import Backend, Inputs, Result, Settings
+    from .backend import Backend, Inputs, InputWeight, Result, Settings
     from .formats.base import OutputFormat
     from .plan import Decision
     from .schedule import Item
@@ -93,8 +93,10 @@ def write_result(item: Item, result: Result, fmt: OutputFormat, settings: Settin
 class QuantizeWork:
     """A conversion part's work on one backend (one lane's: its own reader and stream)."""
 
-    def __init__(self, source: Source, fmt: OutputFormat, settings: Settings, backend: Backend) -> None:
+    def __init__(self, source: Source, fmt: OutputFormat, settings: Settings, backend: Backend,
+                 input_weights: dict[str, InputWeight] | None = None) -> None:
         self.source, self.fmt, self.settings, self.backend = source, fmt, settings, backend
+        self.input_weights = input_weights  # module -> its input weight (fp4convert.calibrate.statistics)
         self.reader: ReadAhead | None = None
         self.item_of: dict[int, Item] = {}  # id(first unit) -> its item
 
@@ -106,6 +108,7 @@ class QuantizeWork:
         """Batch the units this part will process and start reading them."""
         b = self.backend
         items = make_items(pending, b.batch_units, b.batch_bytes)
+        attach_input_weights(items, self.input_weights)
         self.item_of = {id(it.units[0]): it for it in items}
         self.source.prefetch(pending)  # a Hub source fetches its shards ahead, in this order
         self.reader = ReadAhead([it.reads() for it in items], self.source.local_path, b.host_buffer, b.thread_init)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import fp4convert
-from fp4convert import NonFiniteError, reference as ref
+from fp4convert import NonFiniteError
+from fp4convert import reference as ref
 from fp4convert.cuda import ops
 from fp4convert.errors import CUDAKernelError
 from fp4convert.scheme import get_scheme
@@ -690,3 +691,60 @@ def test_input_weight_golden_choice(dev) -> None:
     w[17] = 0.0
     _, s0, _, _ = _quantize_iw(row, "nvfp4", None, False, "4over6", w.to(dev))
     assert s1.view(torch.uint8)[0, 0, 1].item() == 0x3C and s0.view(torch.uint8)[0, 0, 1].item() == 0x38
+
+
+@pytest.mark.parametrize("rotate", [None, "had16"])
+@pytest.mark.parametrize("fmt,rule", SCHEME_RULES, ids=[f"{s}-{r}" for s, r in SCHEME_RULES])
+def test_public_quantize_input_weight_on_cuda_equals_reference(fmt, rule, rotate, dev) -> None:
+    """fp4convert.quantize(input_weight=) on a CUDA tensor (tensor._quantize_cuda -> ops.quantize_checked
+    -> ops.quantize -> fp4c_quantize_iw): the reference's bytes, with and without a given group amax,
+    in both scale layouts, for a batch of matrices sharing one weight."""
+    for shape in ((3, 129, 96), (1, 200, 64)):
+        b, m, k = shape
+        for layout in ("linear", "swizzled"):
+            seed = _seed()
+            ctx = f"shape={shape} layout={layout} seed={seed}"
+            x = make_input("heavy", fmt, shape, torch.bfloat16, rotate, seed)
+            iw = _input_weight(k, seed)
+            iw[k // 2] = 7.0  # the public API refuses non-finite weights; overflow is the kernels' test above
+            amax = ref.tensor_amax(x, rotate).amax() * 1.5 if fmt == "nvfp4" else None
+            for ga in ((None, amax) if fmt == "nvfp4" else (None,)):
+                q = fp4convert.quantize(x.to(dev), fmt, rotate=rotate, global_amax=None if ga is None else ga.to(dev),
+                                        scale_layout=layout, scale_rule=rule, input_weight=iw.to(dev))
+                want = fp4convert.quantize(x, fmt, rotate=rotate, global_amax=ga, scale_layout=layout, scale_rule=rule,
+                                           input_weight=iw, backend="reference")
+                assert torch.equal(q.packed.cpu(), want.packed), ctx
+                assert torch.equal(_bits(q.scale.cpu()), _bits(want.scale)), ctx
+                if fmt == "nvfp4":
+                    assert torch.equal(_bits(q.global_scale.cpu()), _bits(want.global_scale)), ctx
+
+
+@pytest.mark.parametrize("backend", ["cuda", "stacked"])
+@pytest.mark.parametrize("scheme,rotate", [("nvfp4", None), ("mxfp4", None), ("nvfp4", "had16")])
+def test_converter_input_weight_on_the_gpu_backends_writes_the_cpu_bytes(tmp_path, monkeypatch, backend, scheme,
+                                                                          rotate) -> None:
+    """``--input-weights random`` through the GPU backends (the cuda backend's per-run fp4c_quantize_iw
+    launches over shape groups, the stacked backend's torch ops): the cpu backend's bytes, given the same
+    input weights (the statistics pass runs on the CPU for both, so only the backends differ)."""
+    from fp4convert import calibrate
+    from fp4convert.config import ConvertConfig
+    from fp4convert.convert import convert
+    from tests import checkpoints as ck
+    from tests.test_input_weights import SHAPE, gains_llama
+
+    src = gains_llama(tmp_path / "src")
+    real = calibrate.statistics
+    monkeypatch.setattr(calibrate, "statistics", lambda source, plan, config, device: real(source, plan, config, "cpu"))
+    common = dict(scheme=scheme, rotate=rotate, input_weights="random", format="compressed-tensors", **SHAPE)
+    convert(src, tmp_path / "cpu", ConvertConfig(device="cpu", backend="cpu", **common))
+    convert(src, tmp_path / "gpu", ConvertConfig(device="cuda", backend=backend, **common))
+    want, got = ck.all_files(tmp_path / "cpu"), ck.all_files(tmp_path / "gpu")
+    assert got.keys() == want.keys()
+    for f in want:
+        if f.endswith(".safetensors"):
+            assert got[f] == want[f], f
+    # the same record (digest of the weights) in both manifests
+    import json
+
+    ids = [json.loads(got_or_want["fp4convert.json"])["identity"]["input_weights"] for got_or_want in (want, got)]
+    assert ids[0] == ids[1] and ids[0]["weighted"] == 14

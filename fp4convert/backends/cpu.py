@@ -22,7 +22,7 @@ import torch
 
 from .. import cpu
 from .. import reference as ref
-from ..backend import Context, Inputs, MatrixOut, Release, Result, Settings, two_passes
+from ..backend import Context, Inputs, InputWeight, MatrixOut, Release, Result, Settings, matrix_weights, two_passes
 from ..matrices import TensorBuffer, as_bytes, launch_groups, nonfinite_bytes, tensors, unit_weights
 from ..schedule import Batch, Item
 from ..swizzle import swizzle_scales
@@ -39,13 +39,21 @@ class CpuOps:
 
     @staticmethod
     def quantize(x: torch.Tensor, scheme: str, amax: torch.Tensor | None, rotate: str | None, swizzle: bool,
-                 scale_rule: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                 scale_rule: str | None = None, *, input_weight: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``input_weight`` (fp32 [K], one for every matrix of x): the search rules' block error weighted
+        per input channel, on :func:`fp4convert.cpu.quantize_input_weighted` (the torch path, which
+        every CPU build has); None: the unweighted :func:`fp4convert.cpu.quantize`."""
         gs = None if amax is None else ref.global_scale(amax.to(torch.float32).reshape(-1))
         if x.shape[0] <= 1:
-            p, s, f = cpu.quantize(x, scheme, gs, rotate, swizzle, scale_rule)
+            if input_weight is None:
+                p, s, f = cpu.quantize(x, scheme, gs, rotate, swizzle, scale_rule)
+            else:
+                p, s, f = cpu.quantize_input_weighted(x, scheme, gs, rotate, swizzle, scale_rule, input_weight)
             return p, s, gs, f.reshape(1).expand(x.shape[0]).to(torch.int32)
         parts = [OPS.quantize(x[i : i + 1], scheme, None if amax is None else amax[i : i + 1], rotate, swizzle,
-                              scale_rule) for i in range(x.shape[0])]  # one call per matrix: a flag per matrix
+                              scale_rule, input_weight=input_weight)
+                 for i in range(x.shape[0])]  # one call per matrix: a flag per matrix
         return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
                 None if gs is None else torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts]))
 
@@ -152,10 +160,12 @@ class CpuBackend:
             packed = [torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.uint8) for x in mats]
             scale = [torch.empty(x.shape[0], x.shape[1] // bs, dtype=torch.uint8) for x in mats]
             ga_t = None if ga is None else torch.tensor(ga, dtype=torch.float32)
+            iw = weight_tensors(matrix_weights(item))
 
             def part(i: int, r0: int, r1: int) -> bool:
                 p, sc, _, flag = OPS.quantize(mats[i][r0:r1].unsqueeze(0), s.scheme.name,
-                                              None if ga_t is None else ga_t[i : i + 1], s.rotate, False, s.rule)
+                                              None if ga_t is None else ga_t[i : i + 1], s.rotate, False, s.rule,
+                                              input_weight=iw[i])
                 packed[i][r0:r1] = p[0]
                 scale[i][r0:r1] = sc[0].view(torch.uint8)
                 return bool(flag.any())
@@ -196,6 +206,18 @@ class CpuBackend:
             return result
 
         return two_passes(item, s, release, amax_pass, quantize_pass)
+
+
+def weight_tensors(weights: list[InputWeight | None], device: torch.device | None = None) -> list[torch.Tensor | None]:
+    """Each matrix's input weight as an fp32 [K] tensor (on ``device``; one tensor per key, shared)."""
+    made: dict[str, torch.Tensor] = {}
+    out: list[torch.Tensor | None] = []
+    for w in weights:
+        if w is not None and w.key not in made:
+            t = torch.frombuffer(bytearray(w.data), dtype=torch.float32)
+            made[w.key] = t if device is None or device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+        out.append(None if w is None else made[w.key])
+    return out
 
 
 def _one_malloc_arena() -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import ClassVar, cast
 
 from .. import stages
-from ..backend import Context, Inputs, MatrixOut, Release, Result, Settings, two_passes
+from ..backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes, weight_runs
 from ..cuda.runtime import D2H, H2D, DeviceArena, HostBuffer, Runtime, align
 from ..plan import QUANTIZE
 from ..schedule import Batch, is_plain
@@ -119,7 +119,16 @@ class CudaBackend:
             launches.append((g, items[g[0]][0], info, m, k, p_off, s_off))
         tail = size
         size += 8 * n
-        small = self.dev_small.at_least(8 * n)  # pass 1's amax, pass 2's (unit) amax
+        # Input weights (fp32 [K] each, once per key) after the amax slots; a launch takes one weight,
+        # so pass 2 cuts a shape group into runs of members with the same one (backend.weight_runs).
+        weights = matrix_weights(item)
+        iw_off: dict[str, int] = {}
+        small_n = align(8 * n)
+        for w in weights:
+            if w is not None and w.key not in iw_off:
+                iw_off[w.key] = small_n
+                small_n = align(small_n + len(w.data))
+        small = self.dev_small.at_least(small_n)  # pass 1's amax, pass 2's (unit) amax, the input weights
         d_amax, d_ga = small, small + 4 * n
 
         def amax_pass() -> list[float]:
@@ -143,14 +152,27 @@ class CudaBackend:
                 up.view(0, 4 * n)[:] = array("f", [ga[i] for i in order]).tobytes()
                 rt.copy(d_ga, up.ptr, 4 * n, H2D)
                 keep.append(up)
+            if iw_off:
+                n_iw = small_n - iw_off[next(iter(iw_off))]
+                up_iw = rt.pool.get(n_iw)
+                base = small_n - n_iw
+                for w in weights:
+                    if w is not None:
+                        up_iw.view(iw_off[w.key] - base, len(w.data))[:] = w.data
+                rt.copy(small + base, up_iw.ptr, n_iw, H2D)
+                keep.append(up_iw)
             rt.memset(d_flag, 0, 4 * n)  # the launches only set flags
             for g, off, info, m, k, p_off, s_off in launches:
-                slot = 4 * pos[g[0]]
-                rt.check(lib.fp4c_quantize(din + off, DTYPE_CODES[info.dtype], FMT_CODES[s.scheme.name], rotate,
-                                           int(s.swizzle), rule, len(g), m, k, d_ga + slot if nvfp4 else None,
-                                           d_gs + slot if nvfp4 else None, dout + p_off, dout + s_off, d_flag + slot,
-                                           st),
-                         f"the quantize pass on {item.members[g[0]].name}")
+                x_n = info.nbytes
+                p_n, s_n = layout[g[0]][1], layout[g[0]][3]
+                for j0, j1, w in weight_runs(g, weights):
+                    slot = 4 * (pos[g[0]] + j0)
+                    rt.check(lib.fp4c_quantize_iw(din + off + j0 * x_n, DTYPE_CODES[info.dtype], FMT_CODES[s.scheme.name],
+                                                  rotate, int(s.swizzle), rule, j1 - j0, m, k,
+                                                  d_ga + slot if nvfp4 else None, d_gs + slot if nvfp4 else None,
+                                                  dout + p_off + j0 * p_n, dout + s_off + j0 * s_n, d_flag + slot,
+                                                  None if w is None else small + iw_off[w.key], st),
+                             f"the quantize pass on {item.members[g[j0]].name}")
             out = rt.pool.get(size)
             rt.copy(out.ptr, dout, size, D2H)
             done = rt.event().record(st)

@@ -18,9 +18,10 @@ from typing import Any, ClassVar
 import torch
 
 from .. import stages
-from ..backend import Context, Inputs, MatrixOut, Release, Result, Settings, two_passes
+from ..backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes, weight_runs
 from ..matrices import TensorBuffer, as_bytes, launch_groups, nonfinite_bytes, tensors, unit_weights
 from ..schedule import Batch, Item
+from .cpu import weight_tensors
 
 
 class StackedBackend:
@@ -183,13 +184,19 @@ class StackedBackend:
 
         def quantize_pass(ga: list[float] | None) -> Callable[[], Result]:
             outs: list = []
+            weights = matrix_weights(item)
             with self._stream("compute"):
-                for x, idx in groups:
-                    given = None if ga is None else self._upload([ga[i] for i in idx])
-                    p, sc, gs, flag = self.ops.quantize(x, s.scheme.name, given, s.rotate, s.swizzle, s.rule)
-                    meta = [flag.reshape(-1).to(torch.float32)] + ([] if gs is None else [gs.reshape(-1)])
-                    outs.append((idx, self._to_host(p), self._to_host(sc.view(torch.uint8)),
-                                 self._to_host(torch.cat(meta))))
+                iw = weight_tensors(weights, self.device)  # one upload per input weight of the item
+                for xg, group in groups:
+                    # a launch takes one input weight: a group whose members have several is cut in runs
+                    for j0, j1, _ in weight_runs(group, weights):
+                        x, idx = (xg, group) if (j0, j1) == (0, len(group)) else (xg[j0:j1], group[j0:j1])
+                        given = None if ga is None else self._upload([ga[i] for i in idx])
+                        p, sc, gs, flag = self.ops.quantize(x, s.scheme.name, given, s.rotate, s.swizzle, s.rule,
+                                                            input_weight=iw[idx[0]])
+                        meta = [flag.reshape(-1).to(torch.float32)] + ([] if gs is None else [gs.reshape(-1)])
+                        outs.append((idx, self._to_host(p), self._to_host(sc.view(torch.uint8)),
+                                     self._to_host(torch.cat(meta))))
                 done = self._event()
 
             def result() -> Result:

@@ -125,6 +125,9 @@ def load_library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib.fp4c_quantize.restype = c_int
     lib.fp4c_quantize.argtypes = [c_ptr, c_int, c_int, c_int, c_int, c_int, c_i64, c_i64, c_i64, c_ptr, c_ptr,
                                   c_ptr, c_ptr, c_ptr, c_ptr]
+    lib.fp4c_quantize_iw.restype = c_int  # the same with the input weight (fp32 [K] or null) before the stream
+    lib.fp4c_quantize_iw.argtypes = [c_ptr, c_int, c_int, c_int, c_int, c_int, c_i64, c_i64, c_i64, c_ptr, c_ptr,
+                                     c_ptr, c_ptr, c_ptr, c_ptr, c_ptr]
     lib.fp4c_dequantize.restype = c_int
     lib.fp4c_dequantize.argtypes = [c_ptr, c_ptr, c_ptr, c_int, c_int, c_int, c_i64, c_i64, c_i64, c_ptr, c_int,
                                     c_ptr]

@@ -134,6 +134,13 @@ def _per_matrix_amax(amax: torch.Tensor, b: int, device: torch.device) -> torch.
     return amax.to(device=device, dtype=torch.float32, non_blocking=True).reshape(b).contiguous()
 
 
+def _input_weight(w: torch.Tensor, k: int, device: torch.device) -> torch.Tensor:
+    """The input weight as the launcher reads it: fp32 [K], contiguous, on x's device."""
+    if w.dim() != 1 or w.shape[0] != k or not w.is_floating_point():
+        raise CUDAKernelError(f"input_weight must be a float vector of K={k} entries, got {w.dtype} {tuple(w.shape)}")
+    return w.to(device=device, dtype=torch.float32).contiguous()
+
+
 def _per_matrix_gs(gs: torch.Tensor | None, fmt: str, b: int, device: torch.device) -> torch.Tensor | None:
     """NVFP4 dequantize: one fp32 global scale per matrix, contiguous on the device; MXFP4: none."""
     if fmt != "nvfp4":
@@ -202,6 +209,7 @@ def quantize(
     *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     host_flag: bool = False,
+    input_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | Callable[[], bool]]:
     """(packed uint8 [B, M, K/2], scale, gs, nonfinite int32 [B]) for x [B, M, K].
 
@@ -219,7 +227,9 @@ def quantize(
     (packed, scale uint8) buffers, e.g. poisoned ones in tests. ``host_flag``: the flags go to this
     thread's mapped pinned array instead (no zero-fill launch, no copy back) and ``nonfinite`` is a
     function that waits for the kernel (one stream sync) and says whether any matrix was flagged; call
-    it before this thread's next host-flag call, which zeroes the array again.
+    it before this thread's next host-flag call, which zeroes the array again. ``input_weight``: fp32
+    [K] on x's device, finite and >= 0 (the caller checks the values): the search rules' block error
+    weighted per input channel for every matrix of x (``fp4c_quantize_iw``); None: unweighted.
     """
     _check_input(x, rotate)
     if scheme not in _FMTS:
@@ -234,6 +244,7 @@ def quantize(
         raise CUDAKernelError("mxfp4 has no global scale: amax must be None")
     x = _aligned(x)
     dev = x.device
+    iw = None if input_weight is None else _input_weight(input_weight, k, dev)
     gs = None
     if scheme == "nvfp4":
         amax = _amax_pass(x, rotate) if amax is None else _per_matrix_amax(amax, b, dev)
@@ -255,9 +266,12 @@ def quantize(
     if x.numel():
         lib, stream = _lib(dev), _stream(dev)
         fp = _host_flags(lib, b) if mapped else _ptr(flag)
-        _check(lib, lib.fp4c_quantize(_ptr(x), _DTYPES[x.dtype], _FMTS[scheme], int(rotate == "had16"),
-                                      int(swizzle), rule, b, m, k, _ptr(amax), _ptr(gs), _ptr(packed), _ptr(scale),
-                                      fp, stream))
+        args = (_ptr(x), _DTYPES[x.dtype], _FMTS[scheme], int(rotate == "had16"), int(swizzle), rule, b, m, k,
+                _ptr(amax), _ptr(gs), _ptr(packed), _ptr(scale), fp)
+        if iw is None:
+            _check(lib, lib.fp4c_quantize(*args, stream))
+        else:
+            _check(lib, lib.fp4c_quantize_iw(*args, _ptr(iw), stream))
     else:  # no launch: the same results the kernel would give an empty matrix
         if swizzle:
             scale.view(torch.uint8).zero_()
@@ -288,14 +302,19 @@ _lean: dict[int, tuple] = {}
 
 def quantize_checked(
     x: torch.Tensor, scheme: str, amax: torch.Tensor | None, rotate: str | None, swizzle: bool, rule: int,
+    input_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Callable[[], bool]]:
     """The public API's path: :func:`quantize` with ``host_flag=True``, in fewer host steps.
 
     A call's host time sits between two kernels (its sync leaves the GPU idle until the next call
     launches), so the usual case (contiguous, aligned CUDA input; NVFP4 with the amax given as a
     contiguous fp32 tensor on x's GPU, or MXFP4) goes straight to the launcher; anything else takes
-    :func:`quantize`. The caller has checked the options, the rule code and the shape.
+    :func:`quantize`. The caller has checked the options, the rule code and the shape (and the input
+    weight's values: a weighted call takes :func:`quantize`, whose launcher has the weight argument).
     """
+    if input_weight is not None:
+        return quantize(x, scheme, amax, rotate, swizzle, rule, host_flag=True,  # type: ignore[return-value]
+                        input_weight=input_weight)
     idx = x.get_device()
     lean = _lean.get(idx)
     dt = _DTYPES.get(x.dtype)
