@@ -243,6 +243,9 @@ def choose_backend(config: ConvertConfig, world: World, plan: Plan) -> str | Non
     from .backend import get_backend
 
     if config.backend:
+        if config.backend == "cpu-native" and config.input_weight_source != "none":
+            raise ConfigError("--backend cpu-native has no input-weighted search; choose --backend cpu for "
+                              f"--input-weights {config.input_weight_source}")
         return config.backend
     name = "cpu-native" if config.device == "cpu" else "cuda" if _cuda_index(config.device) is not None else None
     if world.distributed or name is None:

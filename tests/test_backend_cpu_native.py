@@ -127,6 +127,12 @@ def test_which_runs_take_it(tmp_path, monkeypatch) -> None:
     # 3-D stacked experts: the torch backend (supports() is the cuda backend's, whose test has more cases)
     _, p2, _ = plan_conversion(str(zoo.build("gpt_oss", tmp_path / "g")), config)
     assert not CpuNativeBackend.supports(p2) and choose_backend(config, World(), p2) is None
+    # --input-weights: the CPU kernel has no weighted search, so the torch backend; by name, refused up front
+    weighted = ConvertConfig(device="cpu", input_weights="random")
+    _, p3, _ = plan_conversion(str(src), weighted)
+    assert not CpuNativeBackend.supports(p3) and choose_backend(weighted, World(), p3) is None
+    with pytest.raises(ConfigError, match="no input-weighted search"):
+        choose_backend(ConvertConfig(device="cpu", input_weights="random", backend="cpu-native"), World(), p3)
     with pytest.raises(ConfigError, match="cpu-native runs in one process on the CPU"):
         CpuNativeBackend.open(Context(Settings(get_scheme("nvfp4"), None, False, "max"), "cuda:0", World()))
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from .. import cpu_kernel, stages
-from ..backend import Context, Inputs, MatrixOut, Release, Result, Settings, two_passes
+from ..backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes
 from ..cuda.runtime import HOST_CHECK_CODES, align, size_class
 from ..errors import ConfigError
 from ..schedule import Batch
@@ -137,8 +137,10 @@ class CpuNativeBackend:
 
     @classmethod
     def supports(cls, plan) -> bool:
-        """The ``cuda`` backend's runs: every quantized unit plain 2-D bf16/fp16/fp32 weights."""
-        return CudaBackend.supports(plan)
+        """The ``cuda`` backend's runs (every quantized unit plain 2-D bf16/fp16/fp32 weights) without
+        input weights: the CPU kernel has no input-weighted search (``--input-weights`` runs the model in
+        torch anyway, so the torch ``cpu`` backend takes those runs)."""
+        return CudaBackend.supports(plan) and plan.config.input_weight_source == "none"
 
     @classmethod
     def open(cls, ctx: Context) -> CpuNativeBackend:
@@ -185,6 +187,9 @@ class CpuNativeBackend:
         """``inputs``: (buffer from :meth:`host_buffer`, [(offset, info)]), each shape group's members back
         to back; both passes run now, and the inputs are released once pass 2 is done."""
         lib, s, threads = self.lib, self.s, self.threads
+        if any(w is not None for w in matrix_weights(item)):  # --backend cpu-native with --input-weights
+            raise ConfigError(f"--backend {self.name} has no input-weighted search; choose --backend cpu for "
+                              "--input-weights")
         buf = inputs[0]
         assert isinstance(buf, HostBuffer)
         n = len(item.members)
