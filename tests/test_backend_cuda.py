@@ -225,6 +225,10 @@ class _StampLib:
             (ctypes.c_float * b).from_address(out)[i] = max(abs(t) if t == t else float("nan") for t in v)
         return 0
 
+    def fp4c_quantize_iw(self, x, dt, fmt, rot, swz, rule, b, m, k, amax, gs, packed, scale, flag, iw, st):
+        assert iw is None  # these batches carry no input weights: the unweighted launch
+        return self.fp4c_quantize(x, dt, fmt, rot, swz, rule, b, m, k, amax, gs, packed, scale, flag, st)
+
     def fp4c_quantize(self, x, dt, fmt, rot, swz, rule, b, m, k, amax, gs, packed, scale, flag, st):
         from fp4convert.swizzle import padded_shape
 
