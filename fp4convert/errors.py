@@ -173,3 +173,11 @@ class RankStopped(Exception):
 
 class DefinitionUnknown(Exception):
     """The model definition cannot be had (internal: the planner falls back to name rules and says why)."""
+
+
+class BuildFailed(Exception):
+    """A lazy build's default error (fp4convert.jit): the compiler is missing or failed (callers usually fall back)."""
+
+
+class Cancelled(Exception):
+    """Raised inside a Hub download or a checksum pass when the prefetcher stops (fp4convert.prefetch)."""

@@ -26,11 +26,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import BuildFailed
+
 log = logging.getLogger("fp4convert.jit")
-
-
-class BuildFailed(Exception):
-    """The default error of a spec: the compiler is missing or failed (callers usually fall back)."""
 
 
 def cache_root() -> Path:

@@ -30,14 +30,12 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .errors import Cancelled
+
 log = logging.getLogger(__name__)
 
 AHEAD = 2  # shards fetched beyond the one the run has reached
 JOIN_S = 60.0  # how long stop() waits for a download stuck without data (huggingface_hub's timeouts end it)
-
-
-class Cancelled(Exception):
-    """Raised inside a download or a checksum pass when the prefetcher stops."""
 
 
 class Prefetcher:

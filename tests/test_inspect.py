@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from fp4convert.manifest import MANIFEST_VERSION
 from fp4convert.cli import main
 from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert
@@ -591,7 +592,7 @@ MALFORMED = {
     "activations a number": (_edit(["activations"], 5), "'activations'"),  # exit 1 on a weight-only ModelOpt output
     # Issue 23's second campaign: a manifest of another version was read as this one (inspect OK, export 0);
     # nested global scales that are no rectangular array stopped inspect and export with a TypeError (exit 1).
-    "manifest version from the future": (_edit(["manifest_version"], 2), "'manifest_version'"),
+    "manifest version from the future": (_edit(["manifest_version"], MANIFEST_VERSION + 1), "'manifest_version'"),
     "global scales ragged": (_edit(["tensors", "model.layers.0.self_attn.q_proj.weight", "global_scale"],
                                    [[1.0, [2.0]]]), "'global_scale'"),
     "amax ragged": (_edit(["tensors", "model.layers.0.self_attn.q_proj.weight", "amax"], [[1.0], [2.0, 3.0]]),
