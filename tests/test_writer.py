@@ -31,7 +31,10 @@ PROGRESS, LOCK = ".fp4convert-progress.json", ".fp4convert.lock"
 
 
 def cfg(**kw) -> ConvertConfig:
-    return ConvertConfig(device="cpu", **kw)
+    """The writer's runs: one part (one progress record, not per-lane part records) taking many steps: the
+    torch `cpu` backend, unit by unit. The default `cpu-native` runs 2 lanes and takes a small model in one
+    batch; its bytes equal these (tests/test_backend_cpu_native.py)."""
+    return ConvertConfig(**{"device": "cpu", "backend": "cpu", **kw})
 
 
 @pytest.fixture(scope="module")
