@@ -32,11 +32,10 @@ from typing import ClassVar
 
 from .. import cpu_kernel, stages
 from ..backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes
-from ..cuda.runtime import HOST_CHECK_CODES, align, size_class
+from ..cuda.runtime import HOST_CHECK_CODES, size_class
 from ..errors import ConfigError
 from ..schedule import Batch
-from ..swizzle import padded_shape
-from .cuda import CudaBackend
+from .cuda import CudaBackend, output_layout
 
 KERNEL_DTYPES = {"F32": 0, "BF16": 1, "F16": 2}  # fp4c_cpu.cpp's dtype ints (not the CUDA launchers' order)
 SCHEMES = cpu_kernel.SCHEMES
@@ -95,30 +94,6 @@ class _HostPool:
             self._free = []  # unmapped once the last view is gone
 
 
-def layout(item: Batch, items: list, settings: Settings) -> tuple[list[int], list, list, int]:
-    """Where a batch's outputs go in one buffer: ``(pos, per matrix (p_off, p_n, s_off, s_n), launches,
-    size)``. Per-matrix values sit in shape-group order (member i at slot ``pos[i]``); each group's
-    packed codes ``[B, M, K/2]``, then its scales ``[B, rows, cols]`` (padded when swizzled), at aligned
-    offsets; a launch is ``(group, input offset, info, m, k, p_off, s_off)``."""
-    bs = settings.scheme.block_size
-    n = len(item.members)
-    pos = [0] * n
-    for slot, i in enumerate(i for g in item.groups for i in g):
-        pos[i] = slot
-    where: list = [None] * n
-    launches, size = [], 0
-    for g in item.groups:
-        info = items[g[0]][1]
-        m, k = info.shape
-        rows, cols = padded_shape(m, k // bs) if settings.swizzle else (m, k // bs)
-        p_n, s_n = m * k // 2, rows * cols
-        p_off = size
-        s_off = align(p_off + len(g) * p_n)
-        size = align(s_off + len(g) * s_n)
-        for j, i in enumerate(g):
-            where[i] = (p_off + j * p_n, p_n, s_off + j * s_n, s_n)
-        launches.append((g, items[g[0]][0], info, m, k, p_off, s_off))
-    return pos, where, launches, size
 
 
 class CpuNativeBackend:
@@ -195,7 +170,7 @@ class CpuNativeBackend:
         n = len(item.members)
         nvfp4 = s.scheme.global_scale
         rotate = int(s.rotate == "had16")
-        pos, where, launches, size = layout(item, inputs[1], s)
+        pos, where, launches, size = output_layout(item, inputs[1], s)
         order = [i for g in item.groups for i in g]
 
         def amax_pass() -> list[float]:

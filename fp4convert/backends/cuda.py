@@ -92,31 +92,14 @@ class CudaBackend:
         rt.copy(din, buf.ptr, total, H2D)
         nvfp4 = s.scheme.global_scale
         rotate = int(s.rotate == "had16")
-        bs = s.scheme.block_size
         rule = s.scheme.scale_rules.index(s.rule)  # the launchers' rule code: its index in the scheme's list
         # One launch per shape group (all experts' gate/up of a batch, say): its inputs are one
         # [B, M, K] array in the buffer. Per-matrix values (amax, unit amax, gs, flags) sit in group
         # order: member i at slot pos[i]. Outputs, in one device arena copied back at once: each group's
         # packed codes [B, M, K/2], then its scales [B, rows, cols], at aligned offsets; then gs and
         # the flags of every matrix.
-        groups = item.groups
-        order = [i for g in groups for i in g]
-        pos = [0] * n
-        for k, i in enumerate(order):
-            pos[i] = k
-        layout: list = [None] * n
-        launches, size = [], 0
-        for g in groups:
-            info = items[g[0]][1]
-            m, k = info.shape
-            rows, cols = padded_shape(m, k // bs) if s.swizzle else (m, k // bs)
-            p_n, s_n = m * k // 2, rows * cols
-            p_off = size
-            s_off = align(p_off + len(g) * p_n)
-            size = align(s_off + len(g) * s_n)
-            for j, i in enumerate(g):
-                layout[i] = (p_off + j * p_n, p_n, s_off + j * s_n, s_n)
-            launches.append((g, items[g[0]][0], info, m, k, p_off, s_off))
+        order = [i for g in item.groups for i in g]
+        pos, layout, launches, size = output_layout(item, items, s)
         tail = size
         size += 8 * n
         # Input weights (fp32 [K] each, once per key) after the amax slots; a launch takes one weight,
@@ -195,6 +178,32 @@ class CudaBackend:
             return result
 
         return two_passes(item, s, release, amax_pass, quantize_pass)
+
+
+def output_layout(item: Batch, items: list, settings: Settings) -> tuple[list[int], list, list, int]:
+    """Where a batch's outputs go in one buffer: ``(pos, per matrix (p_off, p_n, s_off, s_n), launches,
+    size)``. Per-matrix values sit in shape-group order (member i at slot ``pos[i]``); each group's
+    packed codes ``[B, M, K/2]``, then its scales ``[B, rows, cols]`` (padded when swizzled), at aligned
+    offsets; a launch is ``(group, input offset, info, m, k, p_off, s_off)``."""
+    bs = settings.scheme.block_size
+    n = len(item.members)
+    pos = [0] * n
+    for slot, i in enumerate(i for g in item.groups for i in g):
+        pos[i] = slot
+    where: list = [None] * n
+    launches, size = [], 0
+    for g in item.groups:
+        info = items[g[0]][1]
+        m, k = info.shape
+        rows, cols = padded_shape(m, k // bs) if settings.swizzle else (m, k // bs)
+        p_n, s_n = m * k // 2, rows * cols
+        p_off = size
+        s_off = align(p_off + len(g) * p_n)
+        size = align(s_off + len(g) * s_n)
+        for j, i in enumerate(g):
+            where[i] = (p_off + j * p_n, p_n, s_off + j * s_n, s_n)
+        launches.append((g, items[g[0]][0], info, m, k, p_off, s_off))
+    return pos, where, launches, size
 
 
 BACKEND = CudaBackend
