@@ -28,6 +28,7 @@ import json
 import logging
 import re
 from array import array
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 MICRO_BATCH = 8  # samples per forward (bounds the intermediates; the amax does not depend on it)
 # Families whose checkpoint names equal the transformers module parameter names and whose base
 # model forward takes inputs_embeds unchanged (checked against transformers 5.24).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                    "special_tokens_map.json")
 _EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|w1|w3|down_proj|w2)$")
@@ -226,7 +227,10 @@ class LayerwiseModel:
         self.device = device
         self.infos = {t.name: t for t in source.tensors()}
         self.cfg = tf.AutoConfig.from_pretrained(str(self.root), local_files_only=True)
-        with torch.device("meta"):
+        # Parameters on ``meta`` (no memory), buffers real: buffers are what a model computes at init
+        # rather than loads (RoPE frequencies, Gemma's embedding scale), made here on the CPU exactly as
+        # a loaded model makes them, then moved to the device.
+        with _parameters_on_meta():
             self.model = tf.AutoModelForCausalLM.from_config(self.cfg, dtype=torch.float32)
         self.model.eval()
         self.base = self.model.get_decoder()
@@ -235,9 +239,10 @@ class LayerwiseModel:
         self.layers_name = names[id(self.base.layers)]
         self.base_name = names[id(self.base)]
         self.embed_name = names[id(self.base.embed_tokens)]
-        # RoPE buffers are computed at init: rebuild them on the device (no checkpoint tensors).
-        with torch.device("cpu"):  # computed on the CPU as a loaded model's are, then moved
-            self.base.rotary_emb = type(self.base.rotary_emb)(config=self.cfg).to(device)
+        for m in self.model.modules():  # the buffers to the device (parameters stay on meta until loaded)
+            for n, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[n] = b.to(device)
         self.loaded = 0  # parameter bytes materialized now, and the most at once (tests check it is flat)
         self.peak_loaded = 0
 
@@ -261,25 +266,36 @@ class LayerwiseModel:
         return t.to(self.device, torch.float32)
 
     def load(self, module, prefix: str) -> None:
-        """Materialize ``module`` (on meta) with its checkpoint tensors ``prefix + param name``."""
+        """Materialize ``module``'s parameters (on meta) from its checkpoint tensors ``prefix + name``;
+        a persistent buffer the checkpoint holds is read too, the others keep their computed values."""
         import torch
 
-        if list(module.buffers()):
-            raise PlanError(f"{prefix}: a module with buffers; activation calibration does not support this family")
-        module.to_empty(device=self.device)
-        with torch.no_grad():
-            for n, p in module.named_parameters():
-                p.copy_(self._read(prefix + n))
-        self.loaded += sum(p.numel() * p.element_size() for p in module.parameters())
-        self.peak_loaded = max(self.peak_loaded, self.loaded)
-        extra = [n for n in self.infos if n.startswith(prefix) and n[len(prefix):] not in dict(module.named_parameters())]
+        params = dict(module.named_parameters())
+        stored = {n for n, _ in module.named_buffers() if prefix + n in self.infos}
+        extra = [n for n in self.infos if n.startswith(prefix) and n[len(prefix):] not in params
+                 and n[len(prefix):] not in stored]
         if extra:
             raise PlanError(f"{extra[0]}: a checkpoint tensor the transformers module has no parameter for; "
-                            "activation calibration cannot map this family (use --activation-scale constant)")
+                            "the layer-by-layer run cannot map this family (use --activation-scale constant "
+                            "or --input-weights none)")
+        for n in params:
+            owner, leaf = _owner(module, n)
+            owner._parameters[leaf] = torch.nn.Parameter(self._read(prefix + n), requires_grad=False)
+        for n in stored:
+            owner, leaf = _owner(module, n)
+            owner._buffers[leaf] = self._read(prefix + n).to(owner._buffers[leaf].dtype)
+        self.loaded += sum(p.numel() * p.element_size() for p in module.parameters())
+        self.peak_loaded = max(self.peak_loaded, self.loaded)
 
     def free(self, module) -> None:
+        """Back to meta (the parameters only: computed buffers are needed again by the next call)."""
+        import torch
+
         self.loaded -= sum(p.numel() * p.element_size() for p in module.parameters())
-        module.to("meta")
+        for n, p in list(module.named_parameters()):
+            owner, leaf = _owner(module, n)
+            owner._parameters[leaf] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                         requires_grad=False)
         _trim_heap()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -346,6 +362,38 @@ class LayerwiseModel:
         return norm, w
 
 
+def _owner(module, name: str):
+    """(the submodule holding parameter/buffer ``name``, its last name part)."""
+    *path, leaf = name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, leaf
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Every parameter registered inside goes to ``meta``; buffers stay where they are made.
+
+    ``torch.device("meta")`` would put the buffers there too, and those are computed at init, not
+    loaded (RoPE frequencies, a scaled embedding's factor): they would be lost.
+    """
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            p = module._parameters[name]
+            module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def _trim_heap() -> None:
     """Give freed heap pages back to the OS (glibc): a freed layer's tensors below malloc's mmap
     threshold otherwise stay resident as fragments, and resident memory creeps up layer by layer."""
@@ -400,6 +448,9 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
             lm.free(layer)
         with torch.no_grad():
             logits = (norm(h[:, -1]) @ w.T)[:, :vocab].float().cpu()
+        cap = getattr(lm.cfg, "final_logit_softcapping", None)
+        if cap:  # what the model's own head does to its logits (Gemma 2)
+            logits = torch.tanh(logits / cap) * cap
         probs = torch.softmax(logits, dim=-1)
         nxt = torch.multinomial(probs, 1, generator=gen)
         tokens = torch.cat([tokens, nxt], dim=1)

@@ -41,10 +41,26 @@ def cli(*args):
     return CliRunner().invoke(main, ["quantize", *[str(a) for a in args], "--device", "cpu"])
 
 
+def gemma3_text(path: Path) -> Path:
+    """A tiny Gemma 3 text model: a scaled embedding (a computed buffer), sandwich norms, q/k norms,
+    sliding and full attention layers with two RoPE bases (window 4, shorter than the test samples)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.Gemma3TextConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=32, max_position_embeddings=64,
+                              intermediate_size=128, sliding_window=4,
+                              layer_types=["sliding_attention", "full_attention"])
+    tf.Gemma3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(path))
+    return Path(path)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("calib")
-    return {f: add_tokenizer(zoo.build(f, root / f)) for f in ("llama", "qwen3_tied")}
+    out = {f: add_tokenizer(zoo.build(f, root / f)) for f in ("llama", "qwen3_tied")}
+    out["gemma3_text"] = add_tokenizer(gemma3_text(root / "gemma3_text"))
+    return out
 
 
 def whole_model_amax(path: Path, tokens: torch.Tensor, micro_batch: int) -> dict[str, torch.Tensor]:
@@ -69,7 +85,7 @@ def whole_model_amax(path: Path, tokens: torch.Tensor, micro_batch: int) -> dict
     return amax
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_tied"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_tied", "gemma3_text"])
 def test_layerwise_amax_equals_the_whole_model_run_normally(models, family):
     tokens = torch.randint(3, 98, (5, 24), generator=torch.Generator().manual_seed(1))
     lm = calibrate.LayerwiseModel(open_source(str(models[family])), torch.device("cpu"))
@@ -80,16 +96,17 @@ def test_layerwise_amax_equals_the_whole_model_run_normally(models, family):
         assert torch.equal(got[name], want[name]), name
 
 
-def test_mean_squares_equal_the_whole_model_run_normally(models):
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_mean_squares_equal_the_whole_model_run_normally(models, family):
     """E[x_j^2] per linear input (the input_weight of the weight scale rules), layer by layer, equals
     the whole model's, in fp64 rounded to bf16 the same way; micro-batching does not change it."""
     import transformers as tf
 
     tokens = torch.randint(3, 98, (5, 24), generator=torch.Generator().manual_seed(3))
-    lm = calibrate.LayerwiseModel(open_source(str(models["llama"])), torch.device("cpu"))
+    lm = calibrate.LayerwiseModel(open_source(str(models[family])), torch.device("cpu"))
     got: dict[str, torch.Tensor] = {}
     calibrate.layerwise_amax(lm, tokens, micro_batch=2, mean_square=got)
-    model = tf.AutoModelForCausalLM.from_pretrained(str(models["llama"]), dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(str(models[family]), dtype=torch.float32).eval()
     xs: dict[str, list] = {}
     for n, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and n != "lm_head":
@@ -159,14 +176,16 @@ def test_self_generated_samples_are_seeded_and_deterministic(models):
     assert len({tuple(r.tolist()) for r in runs[0]}) == 3  # sampled: the samples differ
 
 
-def test_self_generated_tokens_are_what_the_whole_model_would_sample(models):
-    """Each generated token is drawn from the whole model's next-token distribution (KV cache per layer)."""
+@pytest.mark.parametrize("family", ["qwen3_tied", "gemma3_text"])
+def test_self_generated_tokens_are_what_the_whole_model_would_sample(models, family):
+    """Each generated token is drawn from the whole model's next-token distribution (KV cache per
+    layer; Gemma 3: the sliding window shorter than the samples)."""
     import transformers as tf
 
-    src = open_source(str(models["qwen3_tied"]))
-    tok = tf.AutoTokenizer.from_pretrained(str(models["qwen3_tied"]))
+    src = open_source(str(models[family]))
+    tok = tf.AutoTokenizer.from_pretrained(str(models[family]))
     tokens = calibrate.generate(calibrate.LayerwiseModel(src, torch.device("cpu")), tok, 2, 8, 0)
-    model = tf.AutoModelForCausalLM.from_pretrained(str(models["qwen3_tied"]), dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(str(models[family]), dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         logits = model(tokens).logits
