@@ -6,8 +6,9 @@ serves a bf16 Llama-like checkpoint of several shards through one shared link of
 fresh subprocess with an empty HF cache, rows interleaved, median of ``--reps``:
 
 * ``download``: ``huggingface_hub.snapshot_download`` of the repo (every file, its default 8 workers);
-* ``fp4convert`` at each checkout given (``--checkout NAME=PATH``, e.g. main and this branch):
-  ``python -m fp4convert quantize REPO OUT --device cpu -q`` (defaults otherwise), wall time of the
+* ``fp4convert`` at each checkout given (``--checkout NAME=PATH``, e.g. main and this branch) and each
+  ``--device`` (default ``cpu``; ``auto`` is what a user on a GPU machine gets):
+  ``python -m fp4convert quantize REPO OUT --device DEVICE -q`` (defaults otherwise), wall time of the
   whole process, start-up included.
 
 Writes one JSON record (settings, every run, medians, ratios to the download) to ``--json``.
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", nargs="+", default=["cpu"], help="fp4convert's --device, one row each (cpu, auto, cuda)")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -118,7 +120,8 @@ def main() -> None:
     runs: list[dict] = []
     with FakeHub(lifetime=24 * 3600, rate=args.rate * 1e6) as hub:
         hub.add(REPO, model, COMMIT)
-        cases = ["download", *checkouts]
+        rows = {f"{n}:{d}" if len(args.device) > 1 else n: (n, d) for n in checkouts for d in args.device}
+        cases = ["download", *rows]
         for rep in range(args.reps):
             order = cases[rep % len(cases):] + cases[:rep % len(cases)]  # rotate who goes first
             for case in order:
@@ -130,8 +133,9 @@ def main() -> None:
                     cmd = [sys.executable, "-c", f"from huggingface_hub import snapshot_download as s; s({REPO!r})"]
                     cwd = work
                 else:
-                    cmd = [sys.executable, "-m", "fp4convert", "quantize", REPO, str(out), "--device", "cpu", "-q"]
-                    cwd = Path(checkouts[case]).resolve()
+                    name, device = rows[case]
+                    cmd = [sys.executable, "-m", "fp4convert", "quantize", REPO, str(out), "--device", device, "-q"]
+                    cwd = Path(checkouts[name]).resolve()
                     env["PYTHONPATH"] = str(cwd)
                 sent0 = sum(r.sent for r in hub.requests(server="cdn"))
                 wall, rc, err = timed(cmd, env, cwd)
@@ -143,16 +147,16 @@ def main() -> None:
                     raise SystemExit(f"{case} failed")
         shutil.rmtree(work / "hf_home", ignore_errors=True)
         shutil.rmtree(work / "out", ignore_errors=True)
-    med = {c: statistics.median(r["wall_s"] for r in runs if r["case"] == c) for c in ["download", *checkouts]}
-    ratio = {c: round(med[c] / med["download"], 3) for c in checkouts}
-    for c in ["download", *checkouts]:
+    med = {c: statistics.median(r["wall_s"] for r in runs if r["case"] == c) for c in cases}
+    ratio = {c: round(med[c] / med["download"], 3) for c in rows}
+    for c in cases:
         print(f"median {c:>10}: {med[c]:7.2f} s" + (f"  ({ratio[c]:.2f}x download)" if c in ratio else ""))
     record = {
         "benchmark": "hub_prefetch", "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
         "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(),
         "settings": {"rate_MBps": args.rate, "hidden": args.hidden, "layers": args.layers, "shards": args.shards,
-                     "model_bytes": total, "reps": args.reps, "device": "cpu",
-                     "command": "python -m fp4convert quantize REPO OUT --device cpu -q",
+                     "model_bytes": total, "reps": args.reps, "device": args.device,
+                     "command": "python -m fp4convert quantize REPO OUT --device DEVICE -q",
                      "download": "huggingface_hub.snapshot_download(REPO) (8 workers)", "commits": commits,
                      "server": "tests/hubserver.py FakeHub, one shared paced link, LFS via the CDN origin, no Xet"},
         "runs": runs, "median_s": med, "ratio_to_download": ratio,
