@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (issue 21 item 7 + the GPU tests of main):
-#   MODE=tests: build the kernels, then every test module that touches the GPU (tests.txt);
+#   MODE="tests hub" runs both. MODE=tests: build the kernels, then every test module that touches the GPU (tests.txt; TESTS= other files);
 #   MODE=hub:   a Hub conversion against the plain download of the same files on the H100 host, whose
 #               converter outruns the link (benchmarks/hub_prefetch.py; hub_*.json / hub_*.txt).
 #   HUB_RATE (MB/s, default 40), HUB_REPS (3), HUB_DEVICES ("cpu auto").
@@ -13,15 +13,17 @@ t0=$(date +%s)
 python3 -c "import torch; from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" 2>&1 | tail -1
 python3 -c "from fp4convert import cpu_kernel; cpu_kernel.load(); print('cpu kernel ready')" 2>&1 | tail -1
 echo "build: $(( $(date +%s) - t0 )) s"
-case "${MODE:-tests}" in
+TESTS="${TESTS:-tests/test_cuda_kernels.py tests/test_backend_cuda.py tests/test_pipeline.py tests/test_convert.py
+    tests/test_lanes.py tests/test_backend.py tests/test_cuda_build.py tests/test_tensor.py tests/test_api_ext.py
+    tests/test_readahead.py tests/test_backend_cpu_native.py}"
+for mode in ${MODE:-tests}; do
+case "$mode" in
 tests)
-    timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_kernels.py \
-        tests/test_backend_cuda.py tests/test_pipeline.py tests/test_convert.py tests/test_lanes.py tests/test_backend.py \
-        tests/test_cuda_build.py tests/test_tensor.py tests/test_api_ext.py tests/test_readahead.py \
-        tests/test_backend_cpu_native.py ${TESTS_EXTRA:-} 2>&1 | tail -25 | tee "$OUT/tests.txt" ;;
+    timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -25 | tee "$OUT/tests.txt" ;;
 hub)
     r=${HUB_RATE:-40}
     timeout ${HUB_TIMEOUT:-540} python3 benchmarks/hub_prefetch.py --checkout main=. --device ${HUB_DEVICES:-cpu auto} \
         --rate "$r" --hidden 2048 --layers 16 --shards 8 --reps ${HUB_REPS:-3} --work /tmp/hubw \
         --json "$OUT/hub_rate$r.json" 2>&1 | tee "$OUT/hub_rate$r.txt" ;;
 esac
+done

@@ -343,7 +343,10 @@ def test_already_quantized_source_refused(llama_src, llama_out, tmp_path) -> Non
 def test_crash_then_resume(llama_src, llama_out, tmp_path, monkeypatch, hard) -> None:
     ref_dst, _ = llama_out
     dst = tmp_path / "q"
-    c = cfg(max_shard_size=6000)
+    # one lane of the torch cpu backend (unit by unit): "the first item after a shard is finished" is
+    # then one point of the run on every machine (cpu-native batches the small model, and auto lanes
+    # grow with the cores: on 16 cores no other shard was open yet at that point)
+    c = cfg(max_shard_size=6000, backend="cpu", lanes=1)
     with monkeypatch.context() as mp:
         ck.crash_after_first_shard(mp, dst, hard)
         with pytest.raises(RuntimeError, match="simulated crash"):
