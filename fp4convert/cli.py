@@ -20,8 +20,17 @@ import click
 from tqdm import tqdm
 
 from .backend import backend_names
-from .config import (CALIBRATION_SHAPE, DEFAULT_MAX_SHARD, INPUT_WEIGHTS, KEPT_DTYPES, RANDOM_SHAPE, WEIGHTED_RULE, ConvertConfig,
-                     human_bytes, parse_size)
+from .config import (
+    CALIBRATION_SHAPE,
+    DEFAULT_MAX_SHARD,
+    INPUT_WEIGHTS,
+    KEPT_DTYPES,
+    RANDOM_SHAPE,
+    WEIGHTED_RULE,
+    ConvertConfig,
+    human_bytes,
+    parse_size,
+)
 from .errors import EXIT_CODES, STDOUT_CLOSED, FP4ConvertError, InspectFailed, Interrupted, RankFailed
 from .formats import DEFAULT_FORMAT, OUTPUT_FORMATS
 from .scheme import ROTATIONS, SCHEMES
