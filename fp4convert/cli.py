@@ -299,10 +299,10 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the re
 kept_dtype_option = click.option(
     "--kept-dtype", type=click.Choice(KEPT_DTYPES), default="source", show_default=True,
     help="How the tensors left unquantized (embeddings, norms, biases, lm_head, ...) are stored. source: their "
-         "source bytes, unchanged. bf16: F32 and F64 ones rounded to BF16 (nearest even), for an fp32 checkpoint, "
-         "whose kept tensors then take half the space (config.json's float32 dtype becomes bfloat16). BF16 and F16 "
-         "tensors stay as they are (F16 -> BF16 saves nothing and drops 3 mantissa bits), and so do non-float ones "
-         "(ints, bool, U8, FP8).")
+         "source bytes, unchanged. bf16: F32 and F64 ones rounded to BF16 (nearest even); use it for an fp32 "
+         "checkpoint, whose kept tensors then take half the space (config.json's float32 dtype becomes bfloat16). "
+         "BF16 and F16 tensors stay as they are (F16 -> BF16 saves nothing and drops 3 mantissa bits), and so do "
+         "non-float ones (ints, bool, U8, FP8, F4) and every quantized tensor.")
 
 
 def _scale_rule_help() -> str:
