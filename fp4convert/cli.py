@@ -20,7 +20,17 @@ import click
 from tqdm import tqdm
 
 from .backend import backend_names
-from .config import CALIBRATION_SHAPE, DEFAULT_MAX_SHARD, INPUT_WEIGHTS, RANDOM_SHAPE, WEIGHTED_RULE, ConvertConfig, human_bytes, parse_size
+from .config import (
+    CALIBRATION_SHAPE,
+    DEFAULT_MAX_SHARD,
+    INPUT_WEIGHTS,
+    KEPT_DTYPES,
+    RANDOM_SHAPE,
+    WEIGHTED_RULE,
+    ConvertConfig,
+    human_bytes,
+    parse_size,
+)
 from .errors import EXIT_CODES, STDOUT_CLOSED, FP4ConvertError, InspectFailed, Interrupted, RankFailed
 from .formats import DEFAULT_FORMAT, OUTPUT_FORMATS
 from .scheme import ROTATIONS, SCHEMES
@@ -286,6 +296,13 @@ revision_option = click.option("--revision", default=None,
                                help="Hub revision (branch, tag or commit) when the checkpoint is a Hub repo id.")
 quiet_option = click.option("--quiet", "-q", is_flag=True, help="Errors only: no progress, status lines or warnings.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+kept_dtype_option = click.option(
+    "--kept-dtype", type=click.Choice(KEPT_DTYPES), default="source", show_default=True,
+    help="How the tensors left unquantized (embeddings, norms, biases, lm_head, ...) are stored. source: their "
+         "source bytes, unchanged. bf16: F32 and F64 ones rounded to BF16 (nearest even); use it for an fp32 "
+         "checkpoint, whose kept tensors then take half the space (config.json's float32 dtype becomes bfloat16). "
+         "BF16 and F16 tensors stay as they are (F16 -> BF16 saves nothing and drops 3 mantissa bits), and so do "
+         "non-float ones (ints, bool, U8, FP8, F4) and every quantized tensor.")
 
 
 def _scale_rule_help() -> str:
@@ -455,13 +472,14 @@ def main() -> None:
 @click.option("--dry-run", is_flag=True, help="Print the plan (decisions, sizes) and write nothing.")
 @click.option("--base-model", metavar="REPO", default=None,
               help="The model card's base_model (default: the Hub repo id, or a Hub id config.json names).")
+@kept_dtype_option
 @_output_options
 @_push_options
 @_activation_options
 @_library_errors
 def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, max_shard_size, ignore, only,
              allow_nothing_quantized, allow_no_config, revision, cache_dir, delete_source_shards, dry_run, base_model,
-             overwrite, resume, verify_source, quiet, as_json, push_repo, private, token, activation) -> None:
+             kept_dtype, overwrite, resume, verify_source, quiet, as_json, push_repo, private, token, activation) -> None:
     """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST.
 
     \b
@@ -480,7 +498,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
         scheme=scheme, rotate=rotate, scale_rule=scale_rule, format=fmt, ignore=tuple(ignore), only=tuple(only),
         max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
         revision=revision, verify_source=verify_source, lanes=lanes, backend=backend,
-        allow_no_config=allow_no_config, base_model=base_model,
+        allow_no_config=allow_no_config, base_model=base_model, kept_dtype=kept_dtype,
         **activation,
     )
     dry_run_out = True
@@ -616,9 +634,12 @@ def _print_plan(plan, quiet: bool = False) -> None:
 
     s = plan.summary()
     width = max((len(d.name) for d in plan.decisions), default=10)
-    for d in plan.decisions:
+    dtypes = [d.info.dtype if d.action != "keep" or d.outputs[0].dtype == d.info.dtype
+              else f"{d.info.dtype}->{d.outputs[0].dtype}" for d in plan.decisions]  # --kept-dtype bf16: F32->BF16
+    dw = max([5, *(len(t) for t in dtypes if "->" in t)])
+    for d, dtype in zip(plan.decisions, dtypes):
         shape = "x".join(map(str, d.info.shape))
-        click.echo(f"{d.action:<8} {d.name:<{width}}  {d.info.dtype:<5} {shape:<12} {d.reason}")
+        click.echo(f"{d.action:<8} {d.name:<{width}}  {dtype:<{dw}} {shape:<12} {d.reason}")
     for w in [] if quiet else plan_warnings(plan):
         click.echo(f"warning: {w}", err=True)
     click.echo(

@@ -22,6 +22,17 @@ NO_SEARCH_RULES = ("max", "floor", "rceil")  # rules without a search: nothing f
 WEIGHTED_RULE = "mse"  # the default rule when input weights are on: the best measured with them (BENCHMARKS.md)
 CALIBRATION_SHAPE = (128, 512)  # samples x tokens of a calibration pass (text file or self-generated)
 RANDOM_SHAPE = (16, 256)  # samples x tokens of random token ids (--input-weights random): cheap, data-free
+# --kept-dtype: how the tensors the plan keeps (norms, embeddings, biases, lm_head, ...) are stored. source:
+# their source bytes, unchanged; bf16: F32 and F64 ones rounded to BF16 (nearest even), docs/formats.md
+# "Kept tensors". F16 stays F16 (BF16 has 3 fewer mantissa bits, and both are 2 bytes: nothing to gain),
+# BF16 stays, and non-float tensors (ints, bool, U8, FP8, F4) are never changed.
+KEPT_DTYPES = ("source", "bf16")
+KEPT_TO_BF16 = ("F32", "F64")
+
+
+def kept_output_dtype(dtype: str, kept_dtype: str) -> str:
+    """The dtype a kept tensor of source ``dtype`` is written in under ``--kept-dtype kept_dtype``."""
+    return "BF16" if kept_dtype == "bf16" and dtype in KEPT_TO_BF16 else dtype
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,9 @@ class ConvertConfig:
     # calibration samples: --calibration-data or self-generated) | auto (calibration when W4A4 NVFP4 is
     # calibrated, else none). Part of the identity only when weights are used (W4A16 outputs unchanged).
     input_weights: str = "auto"
+    # How kept tensors are stored (KEPT_DTYPES). Part of the identity only when not "source" (outputs,
+    # manifests and resumes of default runs unchanged).
+    kept_dtype: str = "source"
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -81,6 +95,8 @@ class ConvertConfig:
             if not valid_repo_id(self.base_model):
                 raise ConfigError(f"--base-model {self.base_model!r} is not a Hub model id (org/name)")
         self._check_activations()
+        if self.kept_dtype not in KEPT_DTYPES:
+            raise ConfigError(f"--kept-dtype {self.kept_dtype!r}: choose one of {', '.join(KEPT_DTYPES)}")
         if self.max_shard_size <= 0:
             raise ConfigError("--max-shard-size must be positive")
         if self.overwrite and self.resume:
@@ -165,7 +181,12 @@ class ConvertConfig:
             "revision": self.revision,
             **self.activation_identity(),
             **self.input_weight_identity(),
+            **({"kept_dtype": self.kept_dtype} if self.kept_dtype != "source" else {}),
         }
+
+    def kept_output_dtype(self, dtype: str) -> str:
+        """The dtype a kept tensor of source ``dtype`` is written in."""
+        return kept_output_dtype(dtype, self.kept_dtype)
 
     def activation_identity(self) -> dict:
         """The W4A4 settings in the identity ({} for W4A16, whose identity stays as it was)."""

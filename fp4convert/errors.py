@@ -78,6 +78,13 @@ def nonfinite_error(name: str, file: str, rotate: str | None, amax: float | None
         f"{rotate} rotation (up to {HAD16_GAIN:g}x); fix the source, convert without --rotate, or --ignore it")
 
 
+def kept_overflow_error(name: str, file: str, dtype: str) -> QuantizationError:
+    """A kept tensor whose finite values BF16 cannot hold (``--kept-dtype bf16`` would write Inf)."""
+    return QuantizationError(f"{name} (kept unquantized, {dtype} in {file}) holds finite values beyond BF16's range "
+                             "(|x| of about 3.396e38 or more) that --kept-dtype bf16 would store as Inf; convert with --kept-dtype "
+                             "source")
+
+
 class ShapeError(QuantizationError):
     """The tensor's shape does not fit the scheme (block size, packing, rank)."""
 

@@ -40,9 +40,10 @@ def plan_export(src: str, config: ConvertConfig):
                                     "fp4convert quantize")
     where = source.root / MANIFEST_NAME
     _check_consistent(source, manifest, layout, where)
-    try:
+    try:  # (kept tensors stay as the native output stores them: --kept-dtype carries over)
         config = replace(config, scheme=manifest["scheme"], rotate=manifest.get("rotate"),
-                         scale_rule=manifest.get("scale_rule"))
+                         scale_rule=manifest.get("scale_rule"),
+                         kept_dtype=(manifest.get("settings") or {}).get("kept_dtype", "source"))
     except ConfigError as exc:  # the recorded settings, not the user's options, are wrong
         raise CheckpointFormatError(f"{where}: the recorded settings are invalid ({exc}); re-create the "
                                     "checkpoint with fp4convert quantize") from None
@@ -69,7 +70,8 @@ def plan_export(src: str, config: ConvertConfig):
             outputs = tuple(e for m in modules for e in fmt.entries(m.module, m.shape, config.scheme, config.rotate))
             matrices = tuple(Matrix(m.module, tuple(m.shape)) for m in modules)
         else:
-            outputs, matrices = (OutEntry(name, rec["dtype"], tuple(rec["shape"])),), ()
+            # its dtype as stored (the source's, or BF16 for an F32/F64 one with --kept-dtype bf16)
+            outputs, matrices = (OutEntry(name, rec["outputs"][name]["dtype"], tuple(rec["shape"])),), ()
         decisions.append(Decision(name, rec["action"], rec["reason"], info, rec.get("group"), outputs, matrices))
     check_collisions(decisions)
     plan = Plan(decisions, manifest.get("groups", {}), layout_shards(decisions, config.max_shard_size), config)

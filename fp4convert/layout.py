@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .config import kept_output_dtype
 from .errors import CheckpointFormatError
 from .formats import detect, get_format
 from .formats.base import QuantizedModule
@@ -140,6 +141,7 @@ def manifest_disagreements(manifest: dict, layout: CheckpointLayout,
     out: list[str] = []
     records: dict = manifest["tensors"]
     groups: dict = manifest.get("groups") or {}
+    kept_dtype = (manifest.get("settings") or {}).get("kept_dtype", "source")  # --kept-dtype bf16: F32/F64 -> BF16
     owner = {t.name: m for m in layout.modules.values() for t in m.tensors}
     claimed: dict[str, str] = {}
     for name, rec in sorted(records.items()):
@@ -163,10 +165,11 @@ def manifest_disagreements(manifest: dict, layout: CheckpointLayout,
             elif name in owner:
                 out.append(f"{name}: recorded as kept, but the shards hold it as part of quantized module "
                            f"{owner[name].module}")
-            elif (rec["outputs"][name]["dtype"], rec["outputs"][name]["shape"]) != (rec["dtype"], rec["shape"]):
+            elif (rec["outputs"][name]["dtype"], rec["outputs"][name]["shape"]) != \
+                    (kept_output_dtype(rec["dtype"], kept_dtype), rec["shape"]):
                 w = rec["outputs"][name]
                 out.append(f"{name}: recorded as kept {rec['dtype']} {rec['shape']}, its output is {w['dtype']} "
-                           f"{w['shape']}")
+                           f"{w['shape']}" + (f" (kept_dtype {kept_dtype!r})" if kept_dtype != "source" else ""))
         else:
             mods = {owner[o].module: owner[o] for o in rec["outputs"] if o in owner}
             # A quantized tensor's outputs are named after it (``X.weight`` -> ``X.weight_packed``; a

@@ -3,7 +3,8 @@
 An item's inputs arrive as one host buffer (:mod:`fp4convert.readahead`); here they become tensors,
 a :class:`~fp4convert.schedule.Complex` unit's weights become launch groups of 2-D matrices (a
 quantized input decoded to the fp32 weight it encodes, stacked experts sliced per expert and per
-gate/up half, in-features-first layouts transposed), and a kept tensor's bytes are scanned for NaN/Inf.
+gate/up half, in-features-first layouts transposed), and a kept tensor's bytes are scanned for NaN/Inf
+and, with ``--kept-dtype bf16``, rounded to BF16 (the writer imports this module for that alone).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import stages
-from .errors import FP4ConvertError
+from .errors import FP4ConvertError, kept_overflow_error
 from .safetensors_io import DTYPES, tensor_memoryview
 
 if TYPE_CHECKING:
@@ -128,3 +129,48 @@ def nonfinite_bytes(dtype: str, block: bytes | bytearray | memoryview) -> bool:
             return bool(((u & 0x7F) == 0x7F).any())
         return bool(((u & 0x7C) == 0x7C).any())
     return False
+
+
+def _f32_for_bf16(x: torch.Tensor) -> torch.Tensor:
+    """An F32 tensor whose rounding to BF16 (nearest even) is ``x``'s own: ``x`` itself when F32; an F64
+    ``x`` rounded to F32 *to odd* (truncated, the last bit set when inexact). torch converts double to
+    bfloat16 through float, two roundings to nearest that can differ from one in a tie (1 + 2**-8 +
+    2**-30 would give 1.0, not 1 + 2**-7); round-to-odd into F32, which carries 16 bits more than BF16
+    at every exponent, makes the second rounding the correct one."""
+    if x.dtype != torch.float64:
+        return x
+    y = x.to(torch.float32)
+    back = y.to(torch.float64)
+    bits = y.view(torch.int32) - (back.abs() > x.abs()).to(torch.int32)  # rounded away from zero: one step back
+    bits = bits | ((back != x) & ~torch.isnan(x)).to(torch.int32)  # inexact: the odd neighbour
+    return bits.view(torch.float32)
+
+
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """F32 or F64 ``x`` rounded to BF16, to nearest even (NaN stays NaN; beyond BF16's range: Inf)."""
+    return _f32_for_bf16(x).to(torch.bfloat16)
+
+
+def kept_bytes_to_bf16(dtype: str, data: memoryview, out: memoryview) -> bool:
+    """A piece of a kept F32/F64 tensor (``data``) rounded to BF16 into ``out`` (half or a quarter its
+    size); True when a finite value became Inf (beyond BF16's range: the writer refuses it). The usual
+    piece costs one conversion and one min/max pass over its output."""
+    if not len(data):
+        return False
+    src = torch.frombuffer(data, dtype=DTYPES[dtype])
+    dst = torch.frombuffer(out, dtype=torch.bfloat16)
+    dst.copy_(_f32_for_bf16(src))
+    if not nonfinite_bytes("BF16", out):
+        return False
+    return bool((torch.isinf(dst) & torch.isfinite(src)).any())
+
+
+def kept_output(d: Decision, w: torch.Tensor) -> torch.Tensor:
+    """A kept quantized input's weight (the fp32 it encodes) in its planned output dtype: BF16 with
+    ``--kept-dtype bf16`` (rounded to nearest even; a finite value beyond BF16's range is refused)."""
+    if d.outputs[0].dtype != "BF16" or w.dtype == torch.bfloat16:
+        return w
+    out = round_bf16(w)
+    if bool((torch.isinf(out) & torch.isfinite(w)).any()):
+        raise kept_overflow_error(d.name, d.info.file, d.info.dtype)
+    return out

@@ -324,6 +324,8 @@ def build_card(manifest: dict, original: str | None, repo_hint: str | None = Non
     title = (base or folder).rsplit("/", 1)[-1]
     what = f"[{base}](https://huggingface.co/{base})" if base else f"`{folder}`"
     verify = base or "SRC"
+    bf16 = (manifest.get("settings") or {}).get("kept_dtype") == "bf16"
+    kept_note = ", fp32 and fp64 stored as bf16" if bf16 else ""
     body = [
         START,
         f"# {title} {scheme.upper()} ({fmt})",
@@ -340,9 +342,10 @@ def build_card(manifest: dict, original: str | None, repo_hint: str | None = Non
         f"| quantized tensors | {_num(summary.get('quantized'))} of {_num(summary.get('tensors'))} "
         f"({_num(summary.get('bits_per_param_quantized'))} bits/param in quantized layers, "
         f"{_num(summary.get('bits_per_param'))} overall) |",
-        f"| excluded modules (kept in the source dtype) | {excluded} |",
+        f"| excluded modules (kept in the source dtype{kept_note}) | {excluded} |",
         "",
-        "Embeddings, norms, routers and other tensors that are not linear weights keep their source dtype. "
+        "Embeddings, norms, routers and other tensors that are not linear weights keep their source dtype"
+        f"{kept_note}. "
         "`fp4convert.json` records every tensor's decision and reason, the settings and each file's sha256; "
         f"`fp4convert inspect {repo} --verify {verify}` recomputes the error against the source.",
         "",

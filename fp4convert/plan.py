@@ -511,7 +511,8 @@ def make_plan(
                 decisions.append(Decision(name, QUANTIZE, reason, i, g, outputs, matrices, decode))
             else:
                 reason = reasons[name] + (f"; written decoded ({i.dtype}) from {decode.describe()}" if decode else "")
-                decisions.append(Decision(name, KEEP, reason, i, g, (OutEntry(name, i.dtype, i.shape),), (), decode))
+                out = OutEntry(name, config.kept_output_dtype(i.dtype), i.shape)  # --kept-dtype bf16: F32/F64 -> BF16
+                decisions.append(Decision(name, KEEP, reason, i, g, (out,), (), decode))
 
     check_collisions(decisions)
     plan = Plan(decisions, {g: m for g, m in groups.items()}, layout_shards(decisions, config.max_shard_size), config,

@@ -1,8 +1,8 @@
 """A part's work: its pending units become items, read ahead, quantized by a backend, written by one job.
 
 :class:`QuantizeWork` is what the run loop (:mod:`fp4convert.runner`) asks, unit by unit in plan
-order, for the unit's records and the job that writes it: a kept tensor is copied unchanged (in
-pieces that the part's writer threads copy side by side); the
+order, for the unit's records and the job that writes it: a kept tensor is copied (unchanged, or its
+F32/F64 as BF16 with --kept-dtype bf16) in pieces that the part's writer threads copy side by side; the
 first unit of an item takes the item's inputs from the reader (:mod:`fp4convert.readahead`), starts
 the backend on them (:func:`quantize`) and returns :func:`write_result`, the one write job every
 backend's :class:`~fp4convert.backend.Result` goes through; the item's other units have nothing left

@@ -132,6 +132,33 @@ def llama(path: Path, *, hidden: int = 64, layers: int = 2, tie: bool = False, z
     return write(path, t, cfg, shards)
 
 
+DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+               torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}  # torch -> safetensors, the dtypes below
+
+# F64 values whose correct rounding to BF16 (nearest even) a double rounding through F32 gets wrong, ties, and
+# values near the ends of BF16's range (--kept-dtype bf16, docs/formats.md "Kept tensors").
+F64_EDGES = [1 + 2**-8 + 2**-30, -(1 + 2**-8 + 2**-40), 1 + 2**-8, 1 + 3 * 2**-8, 3 * 2**-9 * (1 + 2**-29), 0.0, -0.0,
+             1e-300, 1e-40, -3e-39, 2.0**-133, 2.0**-134 * (1 + 2**-30), 3.3e38, float("inf"), float("nan")]
+
+
+def mixed_kept(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    """An fp32 Llama (its kept norms, embedding and lm_head F32) in 2 source shards, with kept tensors of
+    every other kind: F64 (:data:`F64_EDGES`, then random values), F16, BF16 (the zoo's bias and 3-D tensor),
+    I32, U8 and BOOL. config.json says ``float32``, as transformers writes an fp32 model."""
+    cfg = llama_config(hidden, layers, torch_dtype="float32")
+    t = llama_tensors(cfg, seed, torch.float32)
+    t.update(zoo_tensors(hidden))
+    g = torch.Generator().manual_seed(seed + 11)
+    t["model.layers.0.extra.f64_table"] = torch.cat([torch.tensor(F64_EDGES, dtype=torch.float64),
+                                                     torch.randn(2 * hidden, generator=g, dtype=torch.float64)])
+    t["model.layers.0.extra.f16_scale"] = rand((hidden,), seed + 12, torch.float16, std=1.0)
+    t["model.layers.1.extra.u8_mask"] = torch.randint(0, 255, (hidden,), generator=g, dtype=torch.uint8)
+    t["model.layers.1.extra.bool_flag"] = torch.arange(hidden) % 3 == 0
+    names = list(t)
+    cut = names.index("model.layers.1.input_layernorm.weight")
+    return write(path, t, cfg, [names[:cut], names[cut:]])
+
+
 def wide_vocab(path: Path, *, vocab: int = 40000, hidden: int = 256, layers: int = 1, seed: int = 3
                ) -> dict[str, torch.Tensor]:
     """A Llama whose kept embedding and lm_head are 20 MB each (bf16), in 3 source shards: its output

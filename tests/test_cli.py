@@ -15,6 +15,7 @@ from fp4convert.config import ConvertConfig
 from fp4convert.convert import convert
 
 from . import checkpoints as ck
+from . import zoo
 
 
 def run(*args: str):
@@ -71,6 +72,35 @@ def test_dry_run_writes_nothing(src, tmp_path) -> None:
     row = next(ln for ln in lines if "model.embed_tokens.weight" in ln)
     assert row.startswith("keep") and "embedding" in row
     assert "12 to quantize (4 fused groups)" in r.stdout and "projected" in r.stdout and "bits/param" in r.stdout
+
+
+def test_kept_dtype_bf16(tmp_path) -> None:
+    """--kept-dtype bf16 on an fp32 source: the library's bytes, the dry run shows each conversion, the model
+    card says so; the default keeps F32."""
+    src = tmp_path / "fp32"
+    t = ck.mixed_kept(src)
+    dry = run("quantize", src, tmp_path / "dry", "--dry-run", "--kept-dtype", "bf16")
+    assert dry.exit_code == 0, dry.output
+    row = next(ln for ln in dry.stdout.splitlines() if "model.norm.weight" in ln)
+    assert row.startswith("keep") and " F32->BF16 " in row
+    row = next(ln for ln in dry.stdout.splitlines() if "model.layers.0.extra.f16_scale" in ln)
+    assert " F16 " in row and "->" not in row
+    plain = run("quantize", src, tmp_path / "dry", "--dry-run")
+    assert "F32->" not in plain.stdout and "F64->" not in plain.stdout
+    projected = [ln for ln in (plain.stdout + dry.stdout).splitlines() if "projected" in ln]
+    assert len(projected) == 2 and projected[0] != projected[1]  # the bf16 plan's output is smaller
+    r = run("quantize", src, tmp_path / "cli", "--device", "cpu", "--kept-dtype", "bf16", "--json")
+    assert r.exit_code == 0, r.output
+    convert(src, tmp_path / "lib", ConvertConfig(device="cpu", kept_dtype="bf16"))
+    assert ck.all_files(tmp_path / "cli") == ck.all_files(tmp_path / "lib")
+    out = zoo.read_tensors(tmp_path / "cli")
+    assert out["lm_head.weight"].dtype == torch.bfloat16 and torch.equal(out["lm_head.weight"],
+                                                                          t["lm_head.weight"].to(torch.bfloat16))
+    assert "fp32 and fp64 stored as bf16" in (tmp_path / "cli" / "README.md").read_text()
+    r = run("quantize", src, tmp_path / "default", "--device", "cpu")
+    assert r.exit_code == 0, r.output
+    assert zoo.read_tensors(tmp_path / "default")["lm_head.weight"].dtype == torch.float32
+    assert "stored as bf16" not in (tmp_path / "default" / "README.md").read_text()
 
 
 def test_dry_run_json(src, tmp_path) -> None:
@@ -208,7 +238,7 @@ def test_version_and_help() -> None:
     r = run("quantize", "--help")
     for opt in ("--scheme", "--rotate", "--device", "--max-shard-size", "--format", "--overwrite", "--resume",
                 "--quiet", "--json", "--dry-run", "--ignore", "--only", "--revision", "--token", "--cache-dir",
-                "--delete-source-shards", "--push-to-hub", "--private", "--allow-nothing-quantized"):
+                "--delete-source-shards", "--push-to-hub", "--private", "--allow-nothing-quantized", "--kept-dtype"):
         assert opt in r.stdout, opt
     from fp4convert.errors import EXIT_CODES
 
@@ -414,6 +444,8 @@ DRY_RUNS = [
     (["--device", "tpu"], 2, ["tpu"]),
     (["--device", "mps"], 2, ["mps"]),
     (["--format", "gguf"], 2, ["gguf"]),
+    (["--dry-run", "--kept-dtype", "bf16"], 0, []),
+    (["--kept-dtype", "fp16"], 2, ["--kept-dtype", "fp16"]),
 ]
 
 

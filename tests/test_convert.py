@@ -503,3 +503,26 @@ def test_cuda_device_always_has_an_index(monkeypatch, world, current, want) -> N
         dev = convert_mod.resolve_device(name, w)
         assert (dev.type, dev.index) == ("cuda", want)
     assert convert_mod.resolve_device("cuda:0", w).index == 0
+
+
+@pytest.mark.parametrize("backend", ["cpu", "stacked"])
+def test_kept_dtype_bf16_for_a_kept_quantized_input(tmp_path, backend) -> None:
+    """A kept FP8 input is written as the fp32 weight it encodes; with --kept-dtype bf16 as that weight rounded
+    to BF16 (on either torch backend), the other outputs unchanged."""
+    from . import zoo
+
+    exact = zoo.fp8_block_variant(zoo.build("llama", tmp_path / "bf16"), tmp_path / "fp8", block=(128, 128))
+    kept = "model.layers.0.self_attn.o_proj.weight"
+    c = dict(device="cpu", backend=backend, ignore=("model.layers.0.self_attn.o_proj",))
+    convert(tmp_path / "fp8", tmp_path / "a", ConvertConfig(**c))
+    convert(tmp_path / "fp8", tmp_path / "b", ConvertConfig(**c, kept_dtype="bf16"))
+    a, b = load_all(tmp_path / "a"), load_all(tmp_path / "b")
+    assert a[kept].dtype == torch.float32 and torch.equal(a[kept], exact[kept])
+    assert b[kept].dtype == torch.bfloat16 and torch.equal(b[kept], exact[kept].to(torch.bfloat16))
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[n], b[n]) for n in a if n != kept)  # the rest of the source was bf16 already
+    rec = json.loads((tmp_path / "b" / "fp4convert.json").read_text())["tensors"][kept]
+    assert rec["dtype"] == "F32" and rec["outputs"][kept]["dtype"] == "BF16"
+    from fp4convert.inspect import inspect_checkpoint
+
+    assert inspect_checkpoint(str(tmp_path / "b"), check_files=True)["ok"]

@@ -228,3 +228,26 @@ def test_an_fp32_model_in_compressed_tensors_loads_with_a_plain_from_pretrained(
         got = loaded(input_ids=ids).last_hidden_state.float()
         want = model(input_ids=ids).last_hidden_state
     assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.95
+
+
+def test_kept_dtype_bf16_of_an_fp32_model_loads_as_the_default_output_does(tmp_path) -> None:
+    """Issue 23 item 17's second half: an fp32 model's kept tensors stayed fp32 on disk, though transformers loads
+    a compressed-tensors output in bf16 anyway. With --kept-dtype bf16 they are BF16 on disk (smaller shards), and
+    transformers loads the very same model: every parameter equal to the default output's."""
+    from . import zoo
+
+    src = zoo.build("llama", tmp_path / "src", dtype=torch.float32)
+    c = dict(device="cpu", format="compressed-tensors")
+    convert(src, tmp_path / "plain", ConvertConfig(**c))
+    convert(src, tmp_path / "bf16", ConvertConfig(**c, kept_dtype="bf16"))
+    size = {k: sum(p.stat().st_size for p in (tmp_path / k).glob("*.safetensors")) for k in ("plain", "bf16")}
+    assert size["bf16"] < size["plain"]
+    assert zoo.read_tensors(tmp_path / "bf16")["model.norm.weight"].dtype == torch.bfloat16
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=CompressedTensorsConfig(dequantize=True))
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", quantization_config=CompressedTensorsConfig(dequantize=True))
+    want, got = plain.state_dict(), bf16.state_dict()
+    assert sorted(want) == sorted(got)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+    with torch.no_grad():
+        assert torch.equal(bf16(TOKENS[:, :6] % 128).logits, plain(TOKENS[:, :6] % 128).logits)

@@ -834,3 +834,60 @@ def test_export_of_conv1d_and_stacked_experts_equals_direct_conversion(family, t
             assert (direct / f).read_bytes() == (exported / f).read_bytes(), (family, fmt, f)
         r = inspect_checkpoint(str(exported), check_files=True)
         assert r["verdict"] == "ok", (family, fmt, r["checks"]["problems"])
+
+
+# --- --kept-dtype bf16: kept F32/F64 tensors stored as BF16 -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fp32_src(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("fp32")
+    ck.mixed_kept(p)
+    return p
+
+
+def test_kept_dtype_bf16_outputs_pass_inspect_and_export_as_a_direct_conversion(fp32_src, tmp_path) -> None:
+    """Native, direct engine-format and exported outputs with --kept-dtype bf16: inspect passes them (the manifest
+    records each kept tensor's source dtype and its BF16 output), export keeps the BF16 tensors and gives the
+    bytes of a direct conversion, and every config.json says bfloat16."""
+    from fp4convert.export import export
+
+    cfg = dict(device="cpu", kept_dtype="bf16", max_shard_size=20_000)
+    native = tmp_path / "native"
+    convert(fp32_src, native, ConvertConfig(**cfg))
+    outputs = [native]
+    for fmt in ("compressed-tensors", "modelopt"):
+        direct, exported = tmp_path / f"direct-{fmt}", tmp_path / f"exported-{fmt}"
+        convert(fp32_src, direct, ConvertConfig(format=fmt, **cfg))
+        export(str(native), exported, ConvertConfig(format=fmt, max_shard_size=20_000))
+        files = sorted(f for f in ck.all_files(direct) if f not in ("fp4convert.json", "README.md"))
+        assert files == sorted(f for f in ck.all_files(exported) if f not in ("fp4convert.json", "README.md"))
+        assert len([f for f in files if f.endswith(".safetensors")]) > 1
+        for f in files:
+            assert (direct / f).read_bytes() == (exported / f).read_bytes(), (fmt, f)
+        assert _manifest(exported)["settings"] == _manifest(direct)["settings"]
+        outputs += [direct, exported]
+    for out in outputs:
+        m = _manifest(out)
+        assert m["settings"]["kept_dtype"] == "bf16"
+        rec = m["tensors"]["model.norm.weight"]
+        assert rec["dtype"] == "F32" and rec["outputs"]["model.norm.weight"]["dtype"] == "BF16"
+        assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+        r = inspect_checkpoint(str(out), check_files=True, verify=str(fp32_src))
+        assert r["ok"], (out.name, r["checks"]["problems"])
+
+
+def test_kept_dtype_in_the_manifest_must_match_the_kept_tensors(fp32_src, tmp_path) -> None:
+    """A BF16 kept tensor from an F32 source is right only where the settings say --kept-dtype bf16; the same
+    edit the other way (an F32 output under bf16 settings) is a finding too."""
+    bf16, plain = tmp_path / "bf16", tmp_path / "plain"
+    convert(fp32_src, bf16, ConvertConfig(device="cpu", kept_dtype="bf16"))
+    convert(fp32_src, plain, ConvertConfig(device="cpu"))
+    assert inspect_checkpoint(str(plain))["ok"] and inspect_checkpoint(str(bf16))["ok"]
+    m = _manifest(bf16)
+    del m["settings"]["kept_dtype"]
+    _save_manifest(bf16, m)
+    _one_problem_exit_6(bf16, "model.norm.weight: recorded as kept F32 [64], its output is BF16 [64]")
+    m = _manifest(plain)
+    m["settings"]["kept_dtype"] = "bf16"
+    _save_manifest(plain, m)
+    _one_problem_exit_6(plain, "model.norm.weight: recorded as kept F32 [64], its output is F32 [64] (kept_dtype 'bf16')")

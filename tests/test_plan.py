@@ -285,6 +285,34 @@ def test_plan_json_lists_every_tensor() -> None:
     assert t["action"] == "quantize" and t["group"] and t["shape"] == [H, H] and len(t["outputs"]) == 3
 
 
+def test_kept_dtype_bf16_plans_each_kept_output() -> None:
+    """--kept-dtype bf16: kept F32/F64 outputs are BF16 (half / a quarter the bytes) before any data is read;
+    every other kept dtype and every quantized output stays as the default plan has it."""
+    spec = {**{n: (s, "F32") for n, s in llama_spec(1).items()}, "model.rope.inv_freq": ((32,), "F64"),
+            "model.layers.0.mlp.scale": ((H,), "F16"), "model.layers.0.mlp.bias": ((H,), "BF16"),
+            "model.layers.0.mlp.codebook.weight": ((16, H), "I32"), "model.layers.0.mlp.mask": ((H,), "U8"),
+            "model.layers.0.mlp.fp8_proj.weight": ((16, H), "F8_E4M3")}
+    base, bf16 = plan(spec), plan(spec, kept_dtype="bf16")
+    want = {"F32": "BF16", "F64": "BF16"}
+    for a, b in zip(base.decisions, bf16.decisions):
+        assert (a.name, a.action, a.reason, a.info) == (b.name, b.action, b.reason, b.info)
+        if a.action == QUANTIZE:
+            assert a.outputs == b.outputs
+        else:
+            assert [(e.name, e.dtype, e.shape) for e in a.outputs] == [(a.name, a.info.dtype, a.info.shape)]
+            assert [(e.name, e.dtype, e.shape) for e in b.outputs] == [(a.name, want.get(a.info.dtype, a.info.dtype),
+                                                                         a.info.shape)]
+    kept = {d.name: d for d in bf16.decisions if d.action == KEEP}
+    assert kept["model.norm.weight"].outputs[0].nbytes == H * 2 and kept["model.rope.inv_freq"].outputs[0].nbytes == 64
+    saved = sum(d.info.nbytes - d.outputs[0].nbytes for d in kept.values())
+    assert saved == sum(d.info.nbytes * {"F32": 1 / 2, "F64": 3 / 4}[d.info.dtype] for d in kept.values()
+                        if d.info.dtype in want)
+    assert base.summary()["bytes_out"] - bf16.summary()["bytes_out"] == saved
+    assert [(f, [(e.name, e.dtype) for e in es]) for f, es in bf16.shards] != \
+        [(f, [(e.name, e.dtype) for e in es]) for f, es in base.shards]
+    assert bf16.to_json()["settings"]["kept_dtype"] == "bf16" and "kept_dtype" not in base.to_json()["settings"]
+
+
 # --- invariants over random checkpoints (hypothesis) ---------------------------------------------
 
 LEAVES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3",

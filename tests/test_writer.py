@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from fp4convert.writer import destination, files, finish, record
 from fp4convert.writer.record import sample_digest
 
 from . import checkpoints as ck
+from . import zoo
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny-llama"
 PROGRESS, LOCK = ".fp4convert-progress.json", ".fp4convert.lock"
@@ -465,3 +467,128 @@ def test_partial_shards_replaced_by_symlinks_are_never_written_through(src, tmp_
     assert not list(dst.glob("*.partial"))
     assert copy.read_bytes() == (dst / finished[0].name).read_bytes()
     assert inspect_checkpoint(str(dst), check_files=True)["ok"]
+
+
+# --- --kept-dtype bf16: kept F32/F64 tensors written as BF16 by the writer, piece by piece ----------------------
+
+def bf16_rne(x: float) -> float:
+    """The BF16 value nearest ``x`` (ties to even), from exact rationals: independent of torch's conversions."""
+    import math
+    from fractions import Fraction
+
+    if x != x or math.isinf(x) or x == 0:
+        return x
+    e = math.frexp(abs(x))[1]  # |x| = m * 2**e, m in [0.5, 1): 8 significant bits -> quantum 2**(e - 8)
+    q = Fraction(2) ** max(e - 8, -133)  # BF16's subnormals: multiples of 2**-133
+    r = round(Fraction(x) / q) * q  # Fraction rounds half to even
+    return math.copysign(math.inf, x) if abs(r) >= 2**128 else math.copysign(float(r), x)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory) -> tuple[Path, dict]:
+    p = tmp_path_factory.mktemp("mixed")
+    return p, ck.mixed_kept(p)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu-native"])
+def test_kept_dtype_bf16_converts_f32_and_f64_only(mixed, tmp_path, backend) -> None:
+    """Kept F32 -> BF16 equal to torch's own rounding, F64 -> BF16 rounded once (not through F32), every other
+    kept tensor byte for byte as the default run writes it, and the quantized tensors unchanged."""
+    src, t = mixed
+    plain, bf16 = tmp_path / "plain", tmp_path / "bf16"
+    convert(src, plain, cfg(backend=backend, max_shard_size=20_000))
+    convert(src, bf16, cfg(backend=backend, max_shard_size=20_000, kept_dtype="bf16"))
+    a, b = zoo.read_tensors(plain), zoo.read_tensors(bf16)
+    assert sorted(a) == sorted(b)
+    m = json.loads((bf16 / "fp4convert.json").read_text())
+    assert m["settings"]["kept_dtype"] == "bf16"
+    converted = []
+    for name, x in b.items():
+        if name not in t:  # a quantized module's tensor
+            assert x.dtype == a[name].dtype and torch.equal(x.view(torch.uint8), a[name].view(torch.uint8)), name
+        elif t[name].dtype == torch.float32:
+            assert x.dtype == torch.bfloat16 and torch.equal(x, t[name].to(torch.bfloat16)), name
+            converted.append(name)
+        elif t[name].dtype == torch.float64:
+            want = [bf16_rne(v) for v in t[name].tolist()]
+            got = x.double().tolist()
+            assert x.dtype == torch.bfloat16 and len(got) == len(want)
+            assert all(g == w and math.copysign(1, g) == math.copysign(1, w) or g != g and w != w
+                       for g, w in zip(got, want)), name
+            assert got[0] == 1 + 2**-7 != t[name].to(torch.bfloat16)[0].item()  # torch's double rounding gives 1.0
+            converted.append(name)
+        else:  # BF16, F16, I32, U8, BOOL: unchanged
+            assert x.dtype == t[name].dtype and torch.equal(x, t[name]) and torch.equal(x, a[name]), name
+        rec = m["tensors"].get(name)
+        if rec is not None:
+            assert rec["dtype"] == ck.DTYPE_NAMES[t[name].dtype]  # the manifest keeps the source dtype
+            assert rec["outputs"][name]["dtype"] == ck.DTYPE_NAMES[x.dtype]
+    assert "model.norm.weight" in converted and "lm_head.weight" in converted and "model.layers.0.extra.f64_table" in converted
+    assert m["summary"]["bytes_out"] < json.loads((plain / "fp4convert.json").read_text())["summary"]["bytes_out"]
+    assert m["tensors"]["model.layers.0.extra.f64_table"]["nonfinite"] is True  # its NaN and Inf stay NaN and Inf
+    assert json.loads((bf16 / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((plain / "config.json").read_text())["torch_dtype"] == "float32"
+    assert inspect_checkpoint(str(bf16), check_files=True, verify=str(src))["ok"]
+
+
+def test_kept_dtype_source_is_the_default_and_changes_no_byte(mixed, tmp_path) -> None:
+    src, t = mixed
+    convert(src, tmp_path / "a", cfg(max_shard_size=20_000))
+    convert(src, tmp_path / "b", cfg(max_shard_size=20_000, kept_dtype="source"))
+    assert ck.all_files(tmp_path / "a") == ck.all_files(tmp_path / "b")
+    m = json.loads((tmp_path / "a" / "fp4convert.json").read_text())
+    assert "kept_dtype" not in m["settings"] and "kept_dtype" not in m["identity"]["settings"]
+    out = zoo.read_tensors(tmp_path / "a")
+    assert all(out[n].dtype == t[n].dtype and torch.equal(out[n].view(torch.uint8), t[n].view(torch.uint8))
+               for n in t if n in out)
+
+
+def test_kept_dtype_bf16_pieces_land_at_their_place(mixed, tmp_path, monkeypatch) -> None:
+    """A kept tensor converted in many pieces (each its own job) gives the bytes of one whole conversion."""
+    import fp4convert.writer.shards as shards
+
+    src, _ = mixed
+    convert(src, tmp_path / "whole", cfg(kept_dtype="bf16"))
+    monkeypatch.setattr(shards, "PIECE", 64)  # 16 F32 or 8 F64 elements a piece
+    convert(src, tmp_path / "pieces", cfg(kept_dtype="bf16"))
+    assert ck.all_files(tmp_path / "whole") == ck.all_files(tmp_path / "pieces")
+
+
+@pytest.mark.parametrize("dtype,value", [(torch.float32, 3.3962e38), (torch.float64, -1e300)])
+def test_kept_dtype_bf16_refuses_a_finite_value_bf16_cannot_hold(tmp_path, dtype, value) -> None:
+    from fp4convert.errors import QuantizationError
+
+    src = tmp_path / "big"
+    t = ck.llama(src, layers=1, single=True, dtype=torch.float32)
+    t["model.norm.weight"] = t["model.norm.weight"].to(dtype)
+    t["model.norm.weight"][5] = value
+    save_file({k: v.contiguous() for k, v in t.items()}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(QuantizationError, match=r"model\.norm\.weight .*beyond BF16's range.*--kept-dtype source"):
+        convert(src, tmp_path / "q", cfg(kept_dtype="bf16"))
+    convert(src, tmp_path / "ok", cfg())  # kept as it is: nothing to refuse
+    t["model.norm.weight"][5] = 3.3961e38  # just below the rounding threshold: BF16's largest value
+    save_file({k: v.contiguous() for k, v in t.items()}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    convert(src, tmp_path / "max", cfg(kept_dtype="bf16"))
+    assert zoo.read_tensors(tmp_path / "max")["model.norm.weight"][5].item() == torch.finfo(torch.bfloat16).max
+
+
+def test_resume_refuses_another_kept_dtype(mixed, tmp_path, monkeypatch) -> None:
+    src, _ = mixed
+    ref = tmp_path / "ref"
+    convert(src, ref, cfg(max_shard_size=6000, kept_dtype="bf16"))
+    dst = tmp_path / "q"
+    with monkeypatch.context() as mp:
+        ck.crash_after_first_shard(mp, dst)
+        with pytest.raises(RuntimeError):
+            convert(src, dst, cfg(max_shard_size=6000, kept_dtype="bf16"))
+    with pytest.raises(OutputError, match=r"kept_dtype was 'bf16', now None"):
+        convert(src, dst, cfg(max_shard_size=6000, resume=True))
+    convert(src, dst, cfg(max_shard_size=6000, kept_dtype="bf16", resume=True))
+    assert ck.all_files(dst) == ck.all_files(ref)
+    other = tmp_path / "other"
+    with monkeypatch.context() as mp:
+        ck.crash_after_first_shard(mp, other)
+        with pytest.raises(RuntimeError):
+            convert(src, other, cfg(max_shard_size=6000))
+    with pytest.raises(OutputError, match=r"kept_dtype was None, now 'bf16'"):
+        convert(src, other, cfg(max_shard_size=6000, kept_dtype="bf16", resume=True))

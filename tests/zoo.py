@@ -97,13 +97,13 @@ def _config(family: str):
     raise KeyError(family)
 
 
-def build(family: str, path: Path, seed: int = 0) -> Path:
-    """Save a tiny random ``family`` model (bf16 safetensors, config.json) into ``path``."""
+def build(family: str, path: Path, seed: int = 0, dtype: torch.dtype = BF16) -> Path:
+    """Save a tiny random ``family`` model (bf16 safetensors unless ``dtype``, config.json) into ``path``."""
     import transformers as tf
 
     cls = getattr(tf, FAMILIES[family].model_class)
     torch.manual_seed(seed)
-    model = cls(_config(family)).to(BF16).eval()
+    model = cls(_config(family)).to(dtype).eval()
     path = Path(path)
     model.save_pretrained(path)
     return path

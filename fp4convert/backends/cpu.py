@@ -23,7 +23,7 @@ import torch
 from .. import cpu
 from .. import reference as ref
 from ..backend import Context, Inputs, InputWeight, MatrixOut, Release, Result, Settings, matrix_weights, two_passes
-from ..matrices import TensorBuffer, as_bytes, launch_groups, nonfinite_bytes, tensors, unit_weights
+from ..matrices import TensorBuffer, as_bytes, kept_output, launch_groups, nonfinite_bytes, tensors, unit_weights
 from ..schedule import Batch, Item
 from ..swizzle import swizzle_scales
 
@@ -137,8 +137,8 @@ class CpuBackend:
         else:
             with self._all_threads():
                 weights = unit_weights(item, tensors(inputs))
-                if item.kept:  # a kept quantized input: written as the fp32 weight it encodes
-                    w = weights[0].contiguous()
+                if item.kept:  # a kept quantized input: written as the fp32 weight it encodes (--kept-dtype bf16: BF16)
+                    w = kept_output(item.members[0], weights[0]).contiguous()
                     release(None)
                     return lambda: Result([], [], [(item.members[0].name, as_bytes(w))], keep=w)
                 mats = [None] * len(item.matrices)

@@ -19,7 +19,7 @@ import torch
 
 from .. import stages
 from ..backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes, weight_runs
-from ..matrices import TensorBuffer, as_bytes, launch_groups, nonfinite_bytes, tensors, unit_weights
+from ..matrices import TensorBuffer, as_bytes, kept_output, launch_groups, nonfinite_bytes, tensors, unit_weights
 from ..schedule import Batch, Item
 from .cpu import weight_tensors
 
@@ -135,8 +135,8 @@ class StackedBackend:
             release(self._event())  # the copies out of the pinned set are queued before it
         # (on the CPU the weights are views of the inputs: released once quantize() is done with them)
         weights = unit_weights(item, on_device)
-        if item.kept:  # a kept quantized input: written as the fp32 weight it encodes
-            w = self._to_host(weights[0].contiguous())
+        if item.kept:  # a kept quantized input: written as the fp32 weight it encodes (--kept-dtype bf16: BF16)
+            w = self._to_host(kept_output(item.members[0], weights[0]).contiguous())
             done = self._event()
             return Result([], [], [(item.members[0].name, as_bytes(w))], keep=(w, done))
         return launch_groups(item, weights)

@@ -268,7 +268,7 @@ def restore_config(cfg: dict) -> dict:
     return out
 
 
-def update_config(dst: Path, key: str, value: dict) -> None:
+def update_config(dst: Path, key: str, value: object) -> None:
     """Set one key of DST's config.json (copied from the source earlier), keeping the rest.
 
     ``export`` copies a native config.json: the source's model type comes back first."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from .. import stages
 from ..errors import FP4ConvertError, OutputError, SourceError
 from ..manifest import build_manifest, manifest_text
-from ..names import FORMAT_FILES, INDEX_NAME, MANIFEST_NAME, PARTIAL, PROGRESS_NAME
+from ..names import CONFIG_NAME, FORMAT_FILES, INDEX_NAME, MANIFEST_NAME, PARTIAL, PROGRESS_NAME
 from .files import atomic_write, open_new, output_error, rename_in, source_error, step, unlink_in, write_new, writing
 from .record import save_progress
 
@@ -72,6 +72,7 @@ def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: 
         if os.path.islink(dst / name):
             unlink_in(dst, name)
     with writing(dst):
+        _kept_dtype_config(dst, plan)
         written += fmt.finalize(dst, plan.output_info(source.config()))
     shard_of = plan.shard_of()
     total = sum(e.nbytes for _, entries in plan.shards for e in entries)
@@ -86,6 +87,20 @@ def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: 
     step()
     with writing(dst / PROGRESS_NAME):
         (dst / PROGRESS_NAME).unlink()
+
+
+def _kept_dtype_config(dst: Path, plan: Plan) -> None:
+    """``--kept-dtype bf16``: config.json's ``dtype`` / ``torch_dtype`` says float32 or float64 no more, as
+    the kept tensors it described are BF16 now (``from_pretrained(dtype="auto")`` would upcast them
+    again). Before the format's own changes (compressed-tensors writes bfloat16 in any case)."""
+    from ..formats.base import read_json, update_config
+
+    if getattr(plan.config, "kept_dtype", "source") != "bf16" or not (dst / CONFIG_NAME).is_file():
+        return
+    cfg = read_json(dst / CONFIG_NAME)
+    for key in ("dtype", "torch_dtype"):
+        if cfg.get(key) in ("float32", "float64"):
+            update_config(dst, key, "bfloat16")
 
 
 def _write_model_card(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict, state: dict,

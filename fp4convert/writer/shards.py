@@ -8,7 +8,9 @@ any order: a quantized item's outputs, the pieces of a kept tensor's copy. A sha
 the disk (``sync_file_range``, so the final fsync finds little left to write) and hashed, read back
 from the page cache on the hash threads. Once every chunk is hashed the shard is complete: recorded
 with its ``chunked_sha256`` and size, fsync'd and renamed into place (on a closer thread). Kept
-tensors are copied from the source unchanged, each piece scanned for NaN/Inf before it is written.
+tensors are copied from the source unchanged, each piece scanned for NaN/Inf before it is written, or,
+where the plan gave one another dtype (``--kept-dtype bf16``: F32/F64 -> BF16), each piece converted
+(:func:`fp4convert.matrices.kept_bytes_to_bf16`) and written at its place in the smaller tensor.
 Nothing here decides what is written or when: the run loop (:mod:`fp4convert.runner`) and the write
 jobs it queues call down into :class:`ShardSet`.
 """
@@ -26,9 +28,9 @@ from typing import TYPE_CHECKING
 
 from .. import checksum, stages
 from ..config import human_bytes
-from ..errors import SourceError
+from ..errors import SourceError, kept_overflow_error
 from ..names import PARTIAL
-from ..safetensors_io import header_bytes
+from ..safetensors_io import ITEMSIZE, header_bytes
 from .files import open_new, rename_in, source_error, step, writing
 
 if TYPE_CHECKING:
@@ -97,12 +99,13 @@ def start_writeback(fd: int, offset: int, n: int) -> None:
 _local = threading.local()
 
 
-def _copy_buffer(n: int) -> memoryview:
-    """This thread's copy buffer, at least ``n`` bytes (grown on demand: a small kept tensor never costs
-    a whole piece)."""
-    buf = getattr(_local, "buf", None)
+def _copy_buffer(n: int, which: str = "buf") -> memoryview:
+    """This thread's copy buffer (``which``: ``buf`` the bytes read, ``out`` their conversion), at least
+    ``n`` bytes (grown on demand: a small kept tensor never costs a whole piece)."""
+    buf = getattr(_local, which, None)
     if buf is None or len(buf) < n:
-        buf = _local.buf = memoryview(bytearray(max(n, 64 << 10)))
+        buf = memoryview(bytearray(max(n, 64 << 10)))
+        setattr(_local, which, buf)
     return buf[:n]
 
 
@@ -242,6 +245,7 @@ class ShardSet:
         self.check, self.on_nonfinite, self.owns = check, on_nonfinite, owns
         self.entries = dict(plan.shards)
         self.shard_of = plan.shard_of()
+        self.dtype_of = {e.name: e.dtype for _, entries in plan.shards for e in entries}
         self.files: dict[str, ShardFile] = {}  # every shard this run opened, in order
         self._lock = threading.Lock()
 
@@ -332,8 +336,10 @@ class ShardSet:
         self._hand_over(sf, done)
 
     def copy_piece(self, name: str, path: Path, info: TensorInfo, at: int, n: int) -> None:
-        """Copy bytes ``[at, at + n)`` of kept tensor ``name`` unchanged, scanning floats for NaN/Inf first
-        (a flagged tensor is recorded before any of its bytes can complete the shard)."""
+        """Copy bytes ``[at, at + n)`` of kept tensor ``name`` (a whole number of elements), scanning floats
+        for NaN/Inf first (a flagged tensor is recorded before any of its bytes can complete the shard):
+        unchanged, or converted to the dtype the plan gave it (F32/F64 -> BF16, written at the same
+        element's place; a finite value BF16 cannot hold is refused, never written as Inf)."""
         with stages.timed("copy_kept"):
             # A unit re-done on resume (its shard was finished, its record was not saved yet) is read again
             # for the NaN/Inf check only, so its warning is the same as in an uninterrupted run.
@@ -357,10 +363,24 @@ class ShardSet:
                     got += k
             finally:
                 os.close(fd)
-            if info.dtype in FLOATS and self.check(info.dtype, view):
+            bad = info.dtype in FLOATS and self.check(info.dtype, view)
+            if bad:
                 self.on_nonfinite(name, info.file)
-            if not skip:
+            if skip:
+                return
+            out_dtype = self.dtype_of[name]
+            if out_dtype == info.dtype:
                 self.write(name, view, at=at)
+                return
+            if out_dtype != "BF16" or info.dtype not in ("F32", "F64"):
+                raise RuntimeError(f"internal: kept tensor {name!r} planned as {out_dtype}, its source is {info.dtype}")
+            from ..matrices import kept_bytes_to_bf16  # torch: only runs that convert kept tensors import it here
+
+            ratio = ITEMSIZE[info.dtype] // ITEMSIZE[out_dtype]
+            out = _copy_buffer(n // ratio, "out")
+            if kept_bytes_to_bf16(info.dtype, view, out):
+                raise kept_overflow_error(name, info.file, info.dtype)
+            self.write(name, out, at=at // ratio)
 
     def copy_kept(self, name: str, path: Path, info: TensorInfo) -> None:
         """Copy a whole kept tensor, piece by piece in this thread (:func:`pieces` are separate jobs for a
