@@ -403,7 +403,10 @@ def test_no_numpy_warning_without_numpy(tmp_path) -> None:
         "            raise ModuleNotFoundError(\"No module named 'numpy'\")\n"
         "sys.meta_path.insert(0, _NoNumpy())\n")
     repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(repo)])}
+    # an empty definition cache: a definition another test cached would spare the planner its transformers
+    # import, and the fallback asserted below would not happen (it failed after tests/test_writer.py)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(repo)]),
+           "FP4CONVERT_DEFINITION_CACHE": str(tmp_path / "definitions")}
     check = subprocess.run([sys.executable, "-c", "import numpy"], env=env, capture_output=True, text=True)
     assert check.returncode != 0  # numpy is really hidden
     src = repo / "examples" / "tiny-llama"
