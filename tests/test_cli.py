@@ -345,9 +345,11 @@ def test_sigint_in_a_real_process(tmp_path) -> None:
     # Slowed down (0.1 s per step, ~4 s in all) so that the interrupt lands mid-run even when this machine is
     # busy: the run took 0.3 s, and a loaded 2-core machine let it finish before the signal was sent.
     env = {**__import__("os").environ, "FP4CONVERT_TEST_DELAY": "0.1"}
+    # the torch cpu backend in one lane: a step per unit (cpu-native takes this model in one batch and its
+    # lanes finish every shard at nearly the same moment: the signal came after the run had ended)
     proc = subprocess.Popen([sys.executable, "-m", "fp4convert", "quantize", str(src), str(dst), "--device", "cpu",
-                             "--max-shard-size", "300KB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+                             "--backend", "cpu", "--lanes", "1", "--max-shard-size", "300KB"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         for line in proc.stderr:  # status lines: interrupt once the first output shard is written
             if line.startswith("wrote model-"):
@@ -528,8 +530,8 @@ def test_choices_are_case_insensitive(src, tmp_path) -> None:
 @pytest.mark.parametrize("command", ["inspect", "export"])
 def test_ctrl_c_in_inspect_and_export_gives_their_own_hint(src, tmp_path, monkeypatch, command) -> None:
     """Ctrl-C in inspect printed quantize's '--resume' hint."""
-    import fp4convert.inspect as insp
     import fp4convert.export as exp
+    import fp4convert.inspect as insp
 
     native = tmp_path / "native"
     assert run("quantize", src, native, "--device", "cpu", "-q").exit_code == 0
