@@ -378,12 +378,15 @@ def _activation_options(fn: Callable) -> Callable:
                      help="Seed of self-generated samples and of random token ids."),
         click.option("--input-weights", type=click.Choice(INPUT_WEIGHTS), default="auto", show_default=True,
                      help="Weight each search scale rule's block error by the mean square of the layer's input "
-                          "channel, measured by running the model layer by layer (Llama/Mistral/Qwen2/Qwen3/Gemma 3 text, local "
-                          "folder, transformers). random: on seeded random token ids (no data; about one pass over "
+                          "channel, measured by running the model layer by layer (Llama/Mistral/Qwen2/Qwen3/Gemma 3 text, "
+                          "local folder, transformers). random: on seeded random token ids (no data; about one pass over "
                           "the weights); calibration: on the calibration samples; auto: the W4A4 NVFP4 calibration "
                           "pass's own, else none (data-free, no model run). With weights the default rule is mse. "
-                          "Measured on the output for SmolLM2-135M (BENCHMARKS.md): random gives NVFP4 0.585x, MXFP4 "
-                          "0.949x llm-compressor's KL (defaults without weights: 0.924x, 0.996x)."),
+                          "The most accurate weight-only setting, not the default because it runs the model first "
+                          "(H100 host, 8 Llama-3-8B layers: 10x the GPU conversion's time, 35x on the CPU). Measured "
+                          "(BENCHMARKS.md): random gives NVFP4 0.585x / 0.527x and MXFP4 0.949x / 0.885x "
+                          "llm-compressor's KL on SmolLM2-135M / Gemma 3 270M (no weights: 0.924x / 0.845x, "
+                          "0.996x / 0.996x)."),
     ]
     keys = ("activations", "activation_scale", "calibration_data", "calibration_samples", "calibration_seq_len",
             "calibration_seed", "input_weights")
