@@ -516,7 +516,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
     if not dry_run:
         prewarm_device(config)  # the GPU starts while the source is opened and planned
     source = open_source(src, revision, token=token, cache_dir=cache_dir)
-    planned = plan_conversion(source, config)
+    planned = plan_conversion(source, config, fetch_ahead=not dry_run)
     plan = planned[1]
     nothing = plan.summary()["quantized"] == 0 and not allow_nothing_quantized
     if dry_run:

@@ -13,6 +13,7 @@ backend never pay for it.
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -81,8 +82,13 @@ def resolve_device(device: str, world: World | None = None) -> torch.device:
     return dev
 
 
-def plan_conversion(src: str | Source, config: ConvertConfig) -> tuple[Source, Plan, OutputFormat]:
-    """Open the source and plan it from headers alone (what ``--dry-run`` shows)."""
+def plan_conversion(src: str | Source, config: ConvertConfig, fetch_ahead: bool = False
+                    ) -> tuple[Source, Plan, OutputFormat]:
+    """Open the source and plan it from headers alone (what ``--dry-run`` shows).
+
+    ``fetch_ahead`` (a conversion follows): a Hub source starts downloading its first shards while
+    the plan is made (:meth:`Source.prefetch_early`; not for ``--resume`` or under torchrun, whose
+    runs read another order); stopped again if planning fails."""
     from .formats import detect, get_format
     from .manifest import MANIFEST_NAME, load_manifest
     from .plan import make_plan
@@ -105,7 +111,14 @@ def plan_conversion(src: str | Source, config: ConvertConfig) -> tuple[Source, P
         from .calibrate import check_runnable
 
         check_runnable(source, config)  # --input-weights on a model the layer-by-layer run cannot run: exit 2
-    plan = make_plan(source.tensors(), config, fmt, source.config())
+    tensors = source.tensors()  # every header first (by range, for a Hub source): downloads would slow these
+    if fetch_ahead and not config.resume and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+        source.prefetch_early()
+    try:
+        plan = make_plan(tensors, config, fmt, source.config())
+    except BaseException:
+        source.stop_prefetch()
+        raise
     return source, plan, fmt
 
 
@@ -182,14 +195,18 @@ def convert(
     if plan is None:
         prewarm_device(config)  # the GPU starts while the source is planned
     with stages.timed("plan"):
-        source, plan_, fmt = plan if plan is not None else plan_conversion(src, config)
-    input_weights, weight_record = _statistics(source, plan_, fmt, config)
-    _advise_source(source, plan_, assign(plan_, world))
-    others = source.other_files(exclude=dst)  # the one walk of the source folder
+        source, plan_, fmt = plan if plan is not None else plan_conversion(src, config, fetch_ahead=True)
+    try:
+        input_weights, weight_record = _statistics(source, plan_, fmt, config)
+        _advise_source(source, plan_, assign(plan_, world))
+        others = source.other_files(exclude=dst)  # the one walk of the source folder
 
-    t_start = time.perf_counter()
-    settings = Settings(get_scheme(config.scheme), config.rotate, fmt.swizzled, config.rule)
-    backends = open_backends(config, world, plan_, source, settings)
+        t_start = time.perf_counter()
+        settings = Settings(get_scheme(config.scheme), config.rotate, fmt.swizzled, config.rule)
+        backends = open_backends(config, world, plan_, source, settings)
+    except BaseException:
+        source.stop_prefetch()  # a Hub source may be fetching since planning: nothing more is downloaded
+        raise
     stages.add("startup", time.perf_counter() - t_start)
     stages.count("lanes", len(backends))
     works: list[Work] = [QuantizeWork(source, fmt, settings, b, input_weights) for b in backends]
@@ -199,6 +216,7 @@ def convert(
         job = Job(source, plan_, fmt, dst, config, identity, others)
         done = run(job, world, works, progress)
     except BaseException:
+        source.stop_prefetch()
         _close_all([b.close for b in reversed(backends)], raising=False)  # the run's own error is the one to report
         raise
     _close_all([b.close for b in reversed(backends)])

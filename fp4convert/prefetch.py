@@ -75,8 +75,11 @@ class Prefetcher:
             if i > self._position:
                 self._position = i
                 self._cv.notify_all()
+            waited = False
             while True:
                 if file in self._done:
+                    if waited:
+                        log.debug("prefetch: the run waited for %s", file)
                     return self._done[file]
                 if self._failed is not None:
                     failed, exc = self._failed
@@ -86,7 +89,14 @@ class Prefetcher:
                     raise Cancelled(f"{file}: not fetched, the run is stopping")
                 if self._ended:  # pragma: no cover - the thread ends early only on a failure or a stop
                     return None
+                waited = True
                 self._cv.wait(timeout=0.5)
+
+    def set_room(self, room: Callable[[str, int], bool] | None) -> None:
+        """Replace the room check (a prefetch started before the plan was known gets the plan's)."""
+        with self._cv:
+            self._room = room
+            self._cv.notify_all()
 
     def stop(self) -> None:
         """Cancel what is in flight and wait for the thread to end (idempotent)."""
@@ -128,6 +138,8 @@ class Prefetcher:
                 if self._stop:
                     return
                 self._started = i + 1
+            log.debug("prefetch: fetching %s (%d of %d; the run is at %d)", file, i + 1, len(self.order),
+                      self._position + 1)
             try:
                 path = self._fetch(file, self._cancelled)
             except Cancelled:
@@ -137,6 +149,7 @@ class Prefetcher:
                     self._failed = (file, exc)
                     self._cv.notify_all()
                 return
+            log.debug("prefetch: %s fetched", file)
             with self._cv:
                 self._done[file] = path
                 self._cv.notify_all()

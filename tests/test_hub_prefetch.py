@@ -224,6 +224,99 @@ def test_an_interrupted_run_cancels_the_download_in_flight(model, tmp_path, monk
     assert sha[0] in blobs(tmp_path / "cache") and sha[1] not in blobs(tmp_path / "cache")
 
 
+# --- fetching while the plan is made ----------------------------------------------------------------
+
+def slow_plan(monkeypatch, seconds: float, fail: Exception | None = None) -> dict[str, float]:
+    """make_plan (the model definition's seconds) takes ``seconds``; returns when it began and ended."""
+    import fp4convert.plan as plan_mod
+
+    real, when = plan_mod.make_plan, {}
+
+    def make_plan(*a, **k):
+        when["begin"] = time.monotonic()
+        time.sleep(seconds)
+        when["end"] = time.monotonic()
+        if fail is not None:
+            raise fail
+        return real(*a, **k)
+
+    monkeypatch.setattr(plan_mod, "make_plan", make_plan)
+    return when
+
+
+def test_the_first_shards_download_while_the_plan_is_made(model, local_out, tmp_path, monkeypatch) -> None:
+    """A conversion of a Hub source starts downloading in index order while it plans (the link idled
+    there: 11 s of a 42 s run on the H100 host), at most AHEAD beyond the first shard; the run then goes
+    on with the same prefetcher: every shard downloaded once, in order, the output unchanged."""
+    hub = online(monkeypatch, tmp_path, model, rate=8e6)
+    when = slow_plan(monkeypatch, 1.5)
+    try:
+        convert(REPO, tmp_path / "out", CFG)
+    finally:
+        hub.stop()
+    got = downloads(hub)
+    assert [r.file for r in got] == SHARDS
+    during = [r.file for r in got if r.started < when["end"]]
+    assert during == SHARDS[: pf.AHEAD + 1], during  # the first and AHEAD more, no further
+    assert shard_outputs(ck.all_files(tmp_path / "out")) == shard_outputs(local_out)
+    assert no_prefetch_thread() and hub.errors == []
+
+
+def test_a_dry_run_or_a_refused_plan_downloads_nothing_more(model, tmp_path, monkeypatch) -> None:
+    """--dry-run fetches no shard; a plan that fails stops what the early start began (no thread, no
+    partial download left)."""
+    from click.testing import CliRunner
+
+    from fp4convert.cli import main
+    from fp4convert.errors import PlanError
+
+    from huggingface_hub import constants
+
+    # slow enough that the first shard is still in flight when the plan fails; huggingface_hub looks for
+    # cancellation once per chunk it reads (10 MB); these shards are 300 KB
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)
+    hub = online(monkeypatch, tmp_path, model, rate=0.1e6)
+    try:
+        r = CliRunner().invoke(main, ["quantize", REPO, str(tmp_path / "d"), "--dry-run", "--device", "cpu"])
+        assert r.exit_code == 0, r.output
+        assert downloads(hub) == [] and no_prefetch_thread()
+        slow_plan(monkeypatch, 0.5, fail=PlanError("refused"))
+        with pytest.raises(PlanError, match="refused"):
+            convert(REPO, tmp_path / "out", CFG)
+        assert no_prefetch_thread()
+        wait_for(lambda: len(downloads(hub)) >= 1)  # the server saw the client hang up
+    finally:
+        hub.stop()
+    got = downloads(hub)
+    assert [r.file for r in got] == SHARDS[:1], [(r.file, r.sent) for r in got]  # begun during the plan
+    assert got[0].sent < (model / SHARDS[0]).stat().st_size  # and cancelled part-way
+    assert not list((tmp_path / "cache").rglob("*.incomplete"))
+
+
+def test_another_order_replaces_the_early_prefetch(model, tmp_path, monkeypatch) -> None:
+    """When the run reads the shards in another order than the index's, the early prefetcher is stopped
+    and one in the run's order takes over."""
+    from fp4convert.source import open_source
+
+    hub = online(monkeypatch, tmp_path, model, rate=0.1e6)
+    try:
+        source = open_source(REPO)
+        source.prefetch_early()
+        early = source._prefetcher
+        assert early is not None and early.order == SHARDS
+        _, plan, _ = plan_conversion(source, CFG)
+        units = plan.units()
+        source.prefetch(units)
+        assert source._prefetcher is early  # the same order: kept
+        source.prefetch(list(reversed(units)))
+        assert source._prefetcher is not early and source._prefetcher.order == list(reversed(SHARDS))
+        assert early._ended
+    finally:
+        source.stop_prefetch()
+        hub.stop()
+    assert no_prefetch_thread()
+
+
 # --- the Prefetcher alone -------------------------------------------------------------------------
 
 class Fetches:
