@@ -290,7 +290,9 @@ class Source:
     _config: dict | None = field(default=None, repr=False)
     _hashes: dict[str, tuple[str, str]] | None = field(default=None, repr=False)  # the Hub's per-file hashes
     _verified: set[str] = field(default_factory=set, repr=False)  # weight files checked against them
-    _verify_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _verify_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards _file_locks
+    _file_locks: dict[str, threading.Lock] = field(default_factory=dict, repr=False)  # one per file: two
+    # prefetch connections hash two files at once
     _prefetcher: Prefetcher | None = field(default=None, repr=False)  # Hub: shards fetched ahead (prefetch)
 
     def __post_init__(self) -> None:
@@ -531,7 +533,9 @@ class Source:
         real = os.path.realpath(path)
         if not _inside(real, self.roots):
             raise OutsideSourceError(f"{self.repo_id}: {file} resolves to {real}, outside the repo's cache folder")
-        with self._verify_lock:  # once per file, whichever thread asks first
+        with self._verify_lock:
+            lock = self._file_locks.setdefault(file, threading.Lock())
+        with lock:  # once per file, whichever thread asks first
             if file not in self._verified:
                 self._verify_download(file, path, cancelled)
                 self._verified.add(file)
@@ -540,25 +544,31 @@ class Source:
     def _hub_hashes(self) -> dict[str, tuple[str, str]]:
         """The Hub's own hash of each weight file at this commit: (``sha256`` of an LFS file | ``sha1`` git
         blob id, hex), from ``get_paths_info`` (one call); {} when offline or the Hub cannot answer."""
-        if self._hashes is None:
-            self._hashes = {}
-            if not _offline():
-                from huggingface_hub import HfApi
+        with self._verify_lock:  # one call, whichever prefetch connection asks first; the other waits for it
+            if self._hashes is None:
+                self._hashes = self._ask_hub_hashes()
+            return self._hashes
 
-                try:
-                    infos = HfApi(token=self.token).get_paths_info(self.repo_id, list(self.weight_files),
-                                                                  revision=self.commit or self.revision)
-                except Exception as exc:  # verification then falls back to the cache's blob names
-                    log.warning("warning: cannot ask the Hub for the checksums of %s (%s); checking the "
-                                "downloads against the cache's own records only", self.repo_id, one_line(exc))
-                    infos = []
-                for info in infos:
-                    lfs = getattr(info, "lfs", None)
-                    if lfs is not None and getattr(lfs, "sha256", None):
-                        self._hashes[info.path] = ("sha256", str(lfs.sha256).lower())
-                    elif getattr(info, "blob_id", None):
-                        self._hashes[info.path] = ("sha1", str(info.blob_id).lower())
-        return self._hashes
+    def _ask_hub_hashes(self) -> dict[str, tuple[str, str]]:
+        hashes: dict[str, tuple[str, str]] = {}
+        if _offline():
+            return hashes
+        from huggingface_hub import HfApi
+
+        try:
+            infos = HfApi(token=self.token).get_paths_info(self.repo_id, list(self.weight_files),
+                                                          revision=self.commit or self.revision)
+        except Exception as exc:  # verification then falls back to the cache's blob names
+            log.warning("warning: cannot ask the Hub for the checksums of %s (%s); checking the "
+                        "downloads against the cache's own records only", self.repo_id, one_line(exc))
+            infos = []
+        for info in infos:
+            lfs = getattr(info, "lfs", None)
+            if lfs is not None and getattr(lfs, "sha256", None):
+                hashes[info.path] = ("sha256", str(lfs.sha256).lower())
+            elif getattr(info, "blob_id", None):
+                hashes[info.path] = ("sha1", str(info.blob_id).lower())
+        return hashes
 
     def _verify_download(self, file: str, path: Path, cancelled: Callable[[], bool] | None = None) -> None:
         """A downloaded (or cached) weight file must hash to what the Hub reports for it (its LFS sha256,

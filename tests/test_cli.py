@@ -349,7 +349,11 @@ def test_sigint_in_a_real_process(tmp_path) -> None:
     # lanes finish every shard at nearly the same moment: the signal came after the run had ended)
     proc = subprocess.Popen([sys.executable, "-m", "fp4convert", "quantize", str(src), str(dst), "--device", "cpu",
                              "--backend", "cpu", "--lanes", "1", "--max-shard-size", "300KB"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            # Ctrl-C's default in the child: a test run started in the background by a
+                            # non-interactive shell ignores SIGINT, the child inherited that and Python then
+                            # installs no KeyboardInterrupt handler (the run finished, exit 0)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stderr:  # status lines: interrupt once the first output shard is written
             if line.startswith("wrote model-"):
@@ -359,7 +363,7 @@ def test_sigint_in_a_real_process(tmp_path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
+    assert proc.returncode == 130, (err, "this process's SIGINT disposition:", signal.getsignal(signal.SIGINT))
     assert "Error: interrupted" in err and "--resume" in err and "Traceback" not in err
     assert list(dst.glob("model-*.safetensors")) and not (dst / "fp4convert.json").exists()
 
