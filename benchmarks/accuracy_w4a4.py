@@ -205,15 +205,15 @@ def run(args: argparse.Namespace) -> dict:
     iw = {} if args.input_weights is None else {"input_weights": args.input_weights}
     iw_label = "" if args.input_weights is None else f" --input-weights {args.input_weights}"
     for rule in ("default", "mse", "4over6"):  # the weights' scale rule (the activations' are the engine's)
-        for calib in ("file", "self"):  # calibrated on the text file, or on self-generated samples
-            if f"{calib}-{rule}" not in want:
+        for kind in ("file", "self"):  # calibrated on the text file, or on self-generated samples
+            if f"{kind}-{rule}" not in want:
                 continue
             t = time.time()
-            f = convert(bench, work / f"w4a4-{calib}-{rule}-iw{args.input_weights or 'default'}", scheme="nvfp4",
+            f = convert(bench, work / f"w4a4-{kind}-{rule}-iw{args.input_weights or 'default'}", scheme="nvfp4",
                         scale_rule=None if rule == "default" else rule, activations="nvfp4",
-                        **({"calibration_data": str(data)} if calib == "file" else {}), **cal, **iw)
+                        **({"calibration_data": str(data)} if kind == "file" else {}), **cal, **iw)
             add("fp4convert NVFP4 W4A4 " + ("(default rule)" if rule == "default" else f"--scale-rule {rule}")
-                + iw_label + (", calibrated on a text file" if calib == "file" else ", self-generated calibration"),
+                + iw_label + (", calibrated on a text file" if kind == "file" else ", self-generated calibration"),
                 f, nvfp4_hook(f), time.time() - t)
     if "file" not in want:  # only the rows asked for (no peer, no ratios): what was run, for the record
         return {"rows": rows, "base_ppl": bench.base_ppl, "partial": True, "model": args.model,
