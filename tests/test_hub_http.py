@@ -192,8 +192,9 @@ def test_each_shard_downloaded_once_in_order(runs, files) -> None:
         assert all(r.range and r.status == 206 for r in extra), extra
         assert sum(r.sent for r in extra) <= header_end(files["a"] / shard)
         assert not hub.requests(server="hub", method="GET", file=shard)  # the Hub only redirects
-    order = [r.file for r in hub.requests(server="cdn") if r.full_get]
-    assert order == SHARDS  # one at a time, in shard order
+    order = [r.file for r in sorted(hub.requests(server="cdn"), key=lambda r: r.started) if r.full_get]
+    # begun in shard order; two downloads are in flight at once, so neighbours may reach the server swapped
+    assert sorted(order) == SHARDS and all(abs(SHARDS.index(f) - i) <= 1 for i, f in enumerate(order)), order
     # Each non-weight file once, from the Hub itself (snapshot_download); the cache holds every shard blob.
     others = [r.file for r in hub.requests(server="hub", method="GET") if r.file]
     assert sorted(others) == sorted({*others}) and "config.json" in others and INDEX in others
@@ -248,11 +249,12 @@ def test_server_errors_are_clean_cli_errors(runs, name, words) -> None:
 
 
 def test_shard_failure_stops_at_that_shard(runs) -> None:
-    """The first shard was fetched, the failing second one once (no retry storm), the third never."""
+    """The first shard was fetched, the failing second one once (no retry storm), the third at most once:
+    the prefetch's second connection may have begun it before the failure; nothing starts after it."""
     hub = runs["shard_fails"].hub
     assert hub.full_gets(SHARDS[0]) == 1
     assert [r.status for r in hub.requests(server="cdn", file=SHARDS[1]) if r.range is None] == [500]
-    assert hub.full_gets(SHARDS[2]) == 0
+    assert hub.full_gets(SHARDS[2]) <= 1
     assert not list(runs["shard_fails"].out.glob("*.partial"))
 
 
@@ -308,7 +310,8 @@ def test_a_corrupt_download_is_refused_against_the_hubs_sha256(runs) -> None:
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: ") and SHARDS[1] in last and "sha256" in last and "Traceback" not in run.stderr
     assert not (run.out / "fp4convert.json").exists() and not list(run.out.glob("*.partial"))
-    assert run.hub.full_gets(SHARDS[1]) == 1 and run.hub.full_gets(SHARDS[2]) == 0
+    # the third shard at most once: the prefetch's second connection may have begun it before the check failed
+    assert run.hub.full_gets(SHARDS[1]) == 1 and run.hub.full_gets(SHARDS[2]) <= 1
     assert any("/paths-info/" in r.path for r in run.hub.requests(server="hub"))
     snap = run.cache / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT_A
     assert not os.path.lexists(snap / SHARDS[1])
