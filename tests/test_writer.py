@@ -187,12 +187,17 @@ def test_verify_source_sees_a_change_between_the_samples(tmp_path, monkeypatch) 
         convert(str(src), dst, cfg(max_shard_size=200_000, resume=True, verify_source=True))  # ... this does
 
 
-def test_settings_mismatch_names_the_setting_and_both_values(src, tmp_path, monkeypatch) -> None:
-    dst = tmp_path / "q"
+def crashed_after_first_shard(src, dst, monkeypatch, **settings) -> None:
+    """A run with ``settings`` that dies at its first quantized item after a shard is finished."""
     with monkeypatch.context() as mp:
         ck.crash_after_first_shard(mp, dst)
         with pytest.raises(RuntimeError):
-            convert(src, dst, cfg(max_shard_size=6000))
+            convert(src, dst, cfg(**settings))
+
+
+def test_settings_mismatch_names_the_setting_and_both_values(src, tmp_path, monkeypatch) -> None:
+    dst = tmp_path / "q"
+    crashed_after_first_shard(src, dst, monkeypatch, max_shard_size=6000)
     with pytest.raises(OutputError, match=r"rotate was None, now 'had16'"):
         convert(src, dst, cfg(max_shard_size=6000, rotate="had16", resume=True))
     with pytest.raises(OutputError, match=r"only was \[\], now \['\*\.mlp\.\*'\]"):
@@ -577,18 +582,12 @@ def test_resume_refuses_another_kept_dtype(mixed, tmp_path, monkeypatch) -> None
     ref = tmp_path / "ref"
     convert(src, ref, cfg(max_shard_size=6000, kept_dtype="bf16"))
     dst = tmp_path / "q"
-    with monkeypatch.context() as mp:
-        ck.crash_after_first_shard(mp, dst)
-        with pytest.raises(RuntimeError):
-            convert(src, dst, cfg(max_shard_size=6000, kept_dtype="bf16"))
+    crashed_after_first_shard(src, dst, monkeypatch, max_shard_size=6000, kept_dtype="bf16")
     with pytest.raises(OutputError, match=r"kept_dtype was 'bf16', now None"):
         convert(src, dst, cfg(max_shard_size=6000, resume=True))
     convert(src, dst, cfg(max_shard_size=6000, kept_dtype="bf16", resume=True))
     assert ck.all_files(dst) == ck.all_files(ref)
     other = tmp_path / "other"
-    with monkeypatch.context() as mp:
-        ck.crash_after_first_shard(mp, other)
-        with pytest.raises(RuntimeError):
-            convert(src, other, cfg(max_shard_size=6000))
+    crashed_after_first_shard(src, other, monkeypatch, max_shard_size=6000)
     with pytest.raises(OutputError, match=r"kept_dtype was None, now 'bf16'"):
         convert(src, other, cfg(max_shard_size=6000, kept_dtype="bf16", resume=True))
