@@ -111,10 +111,10 @@ def plan_conversion(src: str | Source, config: ConvertConfig, fetch_ahead: bool 
         from .calibrate import check_runnable
 
         check_runnable(source, config)  # --input-weights on a model the layer-by-layer run cannot run: exit 2
-    tensors = source.tensors()  # every header first (by range, for a Hub source): downloads would slow these
     if fetch_ahead and not config.resume and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
-        source.prefetch_early()
+        source.prefetch_early()  # the first shard downloads while the headers are read and the plan is made
     try:
+        tensors = source.tensors()  # every header (by range, for a Hub source, several at a time)
         plan = make_plan(tensors, config, fmt, source.config())
     except BaseException:
         source.stop_prefetch()

@@ -17,6 +17,9 @@ reached:
   it (BENCHMARKS.md, Hub). More than two would only delay the shard needed first. Within one file
   huggingface_hub parallelises by itself where it can (``hf_xet`` for Xet-backed repos;
   ``HF_XET_HIGH_PERFORMANCE=1`` raises its concurrency).
+* **Checksums off the connections.** With ``check``, a downloaded file is checked (hashed against the
+  Hub) on one checker thread while its connection starts the next download: hashed on the connection's
+  own thread, both connections sat idle between files and the link with them.
 * **Errors where the shard is needed.** A failed fetch is raised by :meth:`Prefetcher.get` in the
   thread that asks for that shard (the same one-line error naming the file, the same exit code as a
   fetch on demand); nothing after a failed shard starts, and a later one in flight is cancelled.
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -46,29 +50,37 @@ JOIN_S = 60.0  # how long stop() waits for a download stuck without data (huggin
 class Prefetcher:
     """Fetches ``order`` (file names, first use first, no repeats) ahead of :meth:`get`.
 
-    ``fetch(file, cancelled)``: the file's local path after download and checks; it should raise
-    :class:`Cancelled` soon after ``cancelled()`` turns true. ``room(file, position)``: may a fetch
-    ahead of need start now (position: the index in ``order`` the run has reached)?
+    ``fetch(file, cancelled)``: the file's local path after download (and checks, without ``check``);
+    it should raise :class:`Cancelled` soon after ``cancelled()`` turns true. ``check(file, path,
+    cancelled)``: raises if the downloaded file is bad (run on the checker thread; a file is handed to
+    :meth:`get` only once checked). ``room(file, position)``: may a fetch ahead of need start now
+    (position: the index in ``order`` the run has reached)?
     """
 
     def __init__(self, order: Sequence[str], fetch: Callable[[str, Callable[[], bool]], Path], *,
                  ahead: int = AHEAD, room: Callable[[str, int], bool] | None = None,
-                 connections: int = CONNECTIONS) -> None:
+                 connections: int = CONNECTIONS,
+                 check: Callable[[str, Path, Callable[[], bool]], None] | None = None) -> None:
         self.order = list(order)
         self.index = {f: i for i, f in enumerate(self.order)}
         self.ahead = ahead
-        self._fetch, self._room = fetch, room
+        self._fetch, self._room, self._check = fetch, room, check
         self._cv = threading.Condition()
         self._position = 0  # the furthest file (index) asked for: the run's position
         self._started = 0  # files whose fetch has begun (a prefix of order)
+        self._to_check: deque[tuple[int, str, Path]] = deque()  # downloaded, waiting for the checker
         self._done: dict[str, Path] = {}
         self._failed: tuple[str, BaseException] | None = None
         self._stop = False
         n = max(1, min(connections, len(self.order)))
-        self._running = n  # threads not returned yet
+        self._downloading = n  # download threads not returned yet
+        self._running = n + (check is not None)  # threads not returned yet
         self._ended = False  # every thread has returned
-        self._threads = [threading.Thread(target=self._run, name="fp4convert-prefetch", daemon=True)
-                         for _ in range(n)]
+        self._threads = [threading.Thread(target=self._run, args=(self._fetch_all,), name="fp4convert-prefetch",
+                                          daemon=True) for _ in range(n)]
+        if check is not None:
+            self._threads.append(threading.Thread(target=self._run, args=(self._check_all,),
+                                                  name="fp4convert-prefetch-check", daemon=True))
         for t in self._threads:
             t.start()
 
@@ -108,6 +120,11 @@ class Prefetcher:
             self._room = room
             self._cv.notify_all()
 
+    def wake(self) -> None:
+        """Look at the room check again now (what it depends on changed), not at the next poll."""
+        with self._cv:
+            self._cv.notify_all()
+
     def stop(self) -> None:
         """Cancel what is in flight and wait for the thread to end (idempotent)."""
         with self._cv:
@@ -135,15 +152,24 @@ class Prefetcher:
             return False
         return self._room is None or self._room(self.order[i], self._position)
 
-    def _run(self) -> None:
+    def _run(self, work: Callable[[], None]) -> None:
         try:
-            self._fetch_all()
+            work()
         finally:
             with self._cv:
                 self._running -= 1
+                if work == self._fetch_all:
+                    self._downloading -= 1
                 if self._running == 0:
                     self._ended = True
                 self._cv.notify_all()
+
+    def _fail(self, i: int, file: str, exc: BaseException) -> None:
+        """Record a failed file (the earliest failure in order wins: the run stops there)."""
+        with self._cv:
+            if self._failed is None or self.index[self._failed[0]] > i:
+                self._failed = (file, exc)
+            self._cv.notify_all()
 
     def _fetch_all(self) -> None:
         """Claim the next file in order once the window allows it, fetch it, repeat."""
@@ -166,12 +192,36 @@ class Prefetcher:
             except Cancelled:
                 return
             except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread by get()
-                with self._cv:
-                    if self._failed is None or self.index[self._failed[0]] > i:
-                        self._failed = (file, exc)
-                    self._cv.notify_all()
+                self._fail(i, file, exc)
                 return
             log.debug("prefetch: %s fetched", file)
+            with self._cv:
+                if self._check is None:
+                    self._done[file] = path
+                else:
+                    self._to_check.append((i, file, path))
+                self._cv.notify_all()
+
+    def _check_all(self) -> None:
+        """Check downloaded files as they arrive, until the downloads have ended and none is left."""
+        assert self._check is not None
+        while True:
+            with self._cv:
+                while not self._stop and not self._to_check and self._downloading > 0:
+                    self._cv.wait(timeout=1.0)
+                if self._stop or not self._to_check:
+                    return
+                i, file, path = self._to_check.popleft()
+            if self._cancelled(i):
+                continue  # a file before it failed: the run stops there
+            try:
+                self._check(file, path, partial(self._cancelled, i))
+            except Cancelled:
+                continue
+            except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread by get()
+                self._fail(i, file, exc)
+                continue
+            log.debug("prefetch: %s checked", file)
             with self._cv:
                 self._done[file] = path
                 self._cv.notify_all()

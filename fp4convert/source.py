@@ -50,6 +50,7 @@ WEIGHT_DIRS = ("onnx", "openvino", "flax", "tf", "tensorflow", "coreml", "tflite
 SKIP_DIRS = ("__pycache__",)  # hidden folders (.git, .cache, ...) are skipped too
 KEEP_HIDDEN = (".gitattributes",)  # the only dot-files copied (top level): LFS rules for a Hub upload
 MAX_JSON_FILE = 100_000_000  # bytes; an index or config.json larger than this is not one
+HEADER_CONNECTIONS = 8  # Hub header reads in flight at once (tiny range requests)
 MAX_CARD = 4_000_000  # bytes; a source model card larger than this is not kept below ours
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
@@ -294,6 +295,7 @@ class Source:
     _file_locks: dict[str, threading.Lock] = field(default_factory=dict, repr=False)  # one per file: two
     # prefetch connections hash two files at once
     _prefetcher: Prefetcher | None = field(default=None, repr=False)  # Hub: shards fetched ahead (prefetch)
+    _headers_pending: threading.Event | None = field(default=None, repr=False)  # set once read_headers ends
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -479,7 +481,7 @@ class Source:
             return
         self.stop_prefetch()  # another order (resume, --only, ...): what it fetched is in the cache
         if order:
-            self._prefetcher = Prefetcher(order, self._fetch, ahead=ahead, room=room)
+            self._prefetcher = self._prefetcher_for(order, ahead, room)
 
     def prefetch_early(self, ahead: int = AHEAD) -> None:
         """Hub: start fetching the weight files in index order before the plan exists.
@@ -488,18 +490,22 @@ class Source:
         seconds in which the link would idle: on the H100 host a 1.15 GB conversion at 50 MB/s took 1.6x
         the plain download, ~11 s of it before the first byte was asked for. The run reads shards in index
         order almost always; :meth:`prefetch` keeps this prefetcher when the plan's order is the same and
-        replaces it otherwise (files already fetched are then cache hits). Bounded as the run's own
-        prefetch is at its start (the first file and ``ahead`` more), and only while the cache's
-        filesystem keeps room for the whole source beside them (the output's size is not known yet, and
-        is at most the source's for these formats)."""
+        replaces it otherwise (files already fetched are then cache hits). It starts before the headers
+        are read (:meth:`read_headers`; a download's check waits for its file's header, to compare them).
+        Bounded as the run's own prefetch is at its start (the first file and ``ahead`` more), and the
+        files after the first only once every header is known and while the cache's filesystem keeps room
+        for the whole source beside them (the output's size is not known yet, and is at most the
+        source's for these formats)."""
         if not self.is_hub or self._prefetcher is not None or not self.weight_files:
             return
-        total = sum(max((t.end for t in self._header_cache.get(f, ([], {}))[0]), default=0) for f in self.weight_files)
 
         def room(file: str, position: int) -> bool:
+            if any(f not in self._header_cache for f in self.weight_files):
+                return False  # sizes unknown until the headers are read (the first file needs no room check)
+            total = sum(max((t.end for t in self._header_cache[f][0]), default=0) for f in self.weight_files)
             return self._room_after(file, total)
 
-        self._prefetcher = Prefetcher(list(self.weight_files), self._fetch, ahead=ahead, room=room)
+        self._prefetcher = self._prefetcher_for(list(self.weight_files), ahead, room)
 
     def _room_after(self, file: str, need: int) -> bool:
         """Would downloading ``file`` leave ``need`` bytes free in the cache's filesystem?"""
@@ -520,6 +526,20 @@ class Source:
     def _fetch(self, file: str, cancelled: Callable[[], bool] | None = None) -> Path:
         """Download ``file`` (or take it from the cache), check its containment and its checksum.
         ``cancelled``: polled while downloading and hashing; raises :class:`Cancelled` once true."""
+        path = self._download(file, cancelled)
+        self._verify_once(file, path, cancelled)
+        return path
+
+    def _prefetcher_for(self, order: list[str], ahead: int, room: Callable[[str, int], bool]) -> Prefetcher:
+        """Downloads on the prefetcher's connections, checksums on its checker thread: a connection
+        starts its next file while the last one is hashed, so the link does not idle for the hash. The
+        Hub's checksums are asked for at once, on their own thread."""
+        if self._hashes is None and not _offline():  # asked now, so the first check does not wait for it
+            threading.Thread(target=self._hub_hashes, name="fp4convert-hub-hashes", daemon=True).start()
+        return Prefetcher(order, self._download, ahead=ahead, room=room, check=self._verify_once)
+
+    def _download(self, file: str, cancelled: Callable[[], bool] | None = None) -> Path:
+        """``file`` from the Hub (or the cache), contained in the repo's cache folder; not yet verified."""
         from huggingface_hub import hf_hub_download
 
         try:
@@ -533,13 +553,16 @@ class Source:
         real = os.path.realpath(path)
         if not _inside(real, self.roots):
             raise OutsideSourceError(f"{self.repo_id}: {file} resolves to {real}, outside the repo's cache folder")
+        return path
+
+    def _verify_once(self, file: str, path: Path, cancelled: Callable[[], bool] | None = None) -> None:
+        """:meth:`_verify_download` once per file, whichever thread asks first (the others wait for it)."""
         with self._verify_lock:
             lock = self._file_locks.setdefault(file, threading.Lock())
-        with lock:  # once per file, whichever thread asks first
+        with lock:
             if file not in self._verified:
                 self._verify_download(file, path, cancelled)
                 self._verified.add(file)
-        return path
 
     def _hub_hashes(self) -> dict[str, tuple[str, str]]:
         """The Hub's own hash of each weight file at this commit: (``sha256`` of an LFS file | ``sha1`` git
@@ -601,6 +624,10 @@ class Source:
                     "again to download it again")
         else:
             log.debug("%s: no Hub checksum known for %s; not verified", self.repo_id, file)
+        pending = self._headers_pending  # a prefetch may finish before the range reads (read_headers) do
+        while pending is not None and not pending.wait(0.5):
+            if cancelled is not None and cancelled():
+                raise Cancelled(file)
         remote = self._header_cache.get(file)
         if remote is not None:
             local = read_header(path, file)
@@ -636,12 +663,41 @@ class Source:
             raise SourceError(f"{file} is listed in the checkpoint but missing at {path}")
         return read_header(path, file)
 
+    def read_headers(self) -> None:
+        """Hub: read every weight file's header by range, ``HEADER_CONNECTIONS`` at a time.
+
+        Each header is three round trips (metadata, the length, the header itself): one after another
+        they cost ~0.3 s a shard on a loaded machine, seconds for a model of many shards, while the link
+        idles before the first download. The reads run concurrently; the results are cached in file order
+        and a failure is raised for the first file (in order) that has one, as a sequential read would.
+        A header the range read cannot get is left to :meth:`header` (it downloads the shard instead),
+        one at a time: nothing here downloads a whole shard."""
+        missing = [f for f in self.weight_files if f not in self._header_cache]
+        if not self.is_hub or _offline() or not missing:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        rev = self.commit or self.revision
+        self._headers_pending = pending = threading.Event()
+        try:
+            with ThreadPoolExecutor(min(HEADER_CONNECTIONS, len(missing)), thread_name_prefix="fp4convert-header") as pool:
+                futures = [pool.submit(_remote_header, self.repo_id, f, rev, self.token) for f in missing]
+                for file, future in zip(missing, futures):
+                    remote = future.result()  # raises a malformed header's error, first file first
+                    if remote is not None:
+                        self._header_cache[file] = remote
+        finally:
+            pending.set()  # a download waiting to compare its header goes on
+            if self._prefetcher is not None:
+                self._prefetcher.wake()  # the early prefetch's room check needs every header
+
     def tensors(self, check_index: bool = True) -> list[TensorInfo]:
         """Every tensor of every weight file, in file order then offset order.
 
         With ``check_index`` (the default) the index and the files must agree both ways; ``inspect``
         passes False and reports :meth:`index_problems` as findings instead.
         """
+        self.read_headers()
         seen: dict[str, str] = {}
         out = []
         for file in self.weight_files:
