@@ -3,7 +3,8 @@
 #   MODE="tests hub" runs both. MODE=tests: build the kernels, then every test module that touches the GPU (tests.txt; TESTS= other files);
 #   MODE=hub:   a Hub conversion against the plain download of the same files on the H100 host, whose
 #               converter outruns the link (benchmarks/hub_prefetch.py; hub_*.json / hub_*.txt).
-#   HUB_RATE (MB/s, default 40), HUB_REPS (3), HUB_DEVICES ("cpu auto").
+#   HUB_RATE (MB/s, default 40), HUB_REPS (3), HUB_DEVICES ("cpu auto"), HUB_CHECKOUTS ("main=."; e.g.
+#   "before=bench_main after=." with an older tree unpacked in bench_main/ by git archive).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"
@@ -22,7 +23,7 @@ tests)
     timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -25 | tee "$OUT/tests.txt" ;;
 hub)
     r=${HUB_RATE:-40}
-    timeout ${HUB_TIMEOUT:-540} python3 benchmarks/hub_prefetch.py --checkout main=. --device ${HUB_DEVICES:-cpu auto} \
+    timeout ${HUB_TIMEOUT:-540} python3 benchmarks/hub_prefetch.py $(for c in ${HUB_CHECKOUTS:-main=.}; do echo --checkout "$c"; done) --device ${HUB_DEVICES:-cpu auto} \
         --rate "$r" --hidden 2048 --layers 16 --shards 8 --reps ${HUB_REPS:-3} --work /tmp/hubw \
         --json "$OUT/hub_rate$r.json" 2>&1 | tee "$OUT/hub_rate$r.txt" ;;
 esac

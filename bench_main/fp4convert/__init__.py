@@ -1,0 +1,57 @@
+"""fp4convert: offline conversion of safetensors checkpoints to NVFP4 / MXFP4.
+
+The tensor API below is what the converter itself uses; the numerics live in
+:mod:`fp4convert.reference` (described in docs/numerics.md) and the kernels (built on first CUDA use)
+in :mod:`fp4convert.cuda`. The converter's data flow is source -> plan -> quantize -> write ->
+manifest (:mod:`fp4convert.convert`).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+# torch warns "Failed to initialize NumPy" at import when numpy is absent; fp4convert never uses numpy
+# (it is not a dependency), so the warning would only confuse users of a fresh install.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+
+from .errors import ConfigError, FP4ConvertError, NonFiniteError, QuantizationError, ShapeError
+from .scheme import MXFP4, NVFP4, SCHEMES, Scheme
+from .version import __version__
+
+# The tensor API needs torch; it is imported on first use, so the command line (``--help``,
+# ``--version``, option errors, Ctrl-C during start-up) answers without paying torch's start-up.
+_LAZY = {
+    "QuantizedTensor": "tensor", "amax": "tensor", "dequantize": "tensor", "quantize": "tensor",
+    "swizzle_scales": "swizzle", "unswizzle_scales": "swizzle",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fp4convert' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "MXFP4",
+    "NVFP4",
+    "SCHEMES",
+    "ConfigError",
+    "FP4ConvertError",
+    "NonFiniteError",
+    "QuantizationError",
+    "QuantizedTensor",
+    "Scheme",
+    "ShapeError",
+    "__version__",
+    "amax",
+    "dequantize",
+    "quantize",
+    "swizzle_scales",
+    "unswizzle_scales",
+]

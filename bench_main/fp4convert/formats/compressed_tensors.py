@@ -1,0 +1,171 @@
+"""compressed-tensors ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized`` (vLLM, transformers).
+
+Same tensor names as the native format, linear ``[M, K/bs]`` scales (engines swizzle at load),
+``weight_global_scale`` F32 ``[1]`` (the encode scale), and config.json's ``quantization_config``.
+Had16 is recorded as a ``transform_config`` with the online rotation as ``<module>.had16_input.weight``
+(vLLM applies it; transformers ignores transform_config).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..safetensors_io import OutEntry
+from ..scheme import get_scheme
+from .base import OutputFormat, OutputInfo, read_json, update_config
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+QUANT_METHOD = "compressed-tensors"
+FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
+
+
+def sylvester_hadamard(n: int) -> torch.Tensor:
+    """The unnormalized +-1 Sylvester Hadamard matrix in natural order."""
+    import torch
+
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def hadamard16_bf16_bytes() -> bytes:
+    """sylvester_hadamard(16) in bf16, without torch: entry (i, j) is (-1)^popcount(i & j)."""
+    one, minus = b"\x80\x3f", b"\x80\xbf"  # bf16 1.0 and -1.0, little-endian
+    return b"".join(minus if bin(i & j).count("1") % 2 else one for i in range(16) for j in range(16))
+
+
+class CompressedTensorsFormat(OutputFormat):
+    name = "compressed-tensors"
+    swizzled = False
+    input_suffix = ".input_global_scale"  # W4A4 NVFP4: the activation ENCODE scale, F32 [1] like weight_global_scale
+    transform_scheme = "had16"
+
+    def _transform_name(self, module: str) -> str:
+        # vLLM loads the online transform as a parameter of the layer: <module>.<scheme>_input.weight.
+        return f"{module}.{self.transform_scheme}_input.weight"
+
+    def entries(self, module, shape, scheme, rotate=None):
+        out = super().entries(module, shape, scheme, rotate)
+        if rotate == "had16":
+            out.append(OutEntry(self._transform_name(module), "BF16", (16, 16)))
+        return out
+
+    def outputs(self, module, packed, scale, gs, scheme, rotate):
+        out = super().outputs(module, packed, scale, gs, scheme, rotate)
+        if rotate == "had16":
+            out.append((self._transform_name(module), hadamard16_bf16_bytes()))
+        return out
+
+    def quantization_config(self, info: OutputInfo) -> dict:
+        s = get_scheme(info.scheme)
+        fmt = f"{s.name}-pack-quantized"
+        weights = {
+            "num_bits": 4,
+            "type": "float",
+            "strategy": "tensor_group" if s.global_scale else "group",
+            "group_size": s.block_size,
+            "symmetric": True,
+            "dynamic": False,
+        }
+        ignore = list(info.kept_modules)
+        qc = {
+            "quant_method": QUANT_METHOD,
+            "format": fmt,
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": weights,
+                    "input_activations": None,
+                    "output_activations": None,
+                    "format": fmt,
+                }
+            },
+            "ignore": ignore,
+            "kv_cache_scheme": None,
+        }
+        acts = self.input_activations()
+        if acts is not None:
+            qc["config_groups"]["group_0"]["input_activations"] = acts
+        if info.rotate == "had16":
+            # W_rot = W @ blockdiag(H16/4) was fused offline ("weight_input", inverse); the runtime must
+            # rotate activations the same way ("input"). Only the online entry is executed by vLLM.
+            args = {"targets": ["Linear"], "ignore": ignore}
+            qc["transform_config"] = {
+                "config_groups": {
+                    self.transform_scheme: {
+                        "type": "hadamard",
+                        "head_dim": 16,
+                        "randomize": False,
+                        "requires_grad": False,
+                        "precision": "torch.float32",
+                        "apply": [
+                            {**args, "location": "input", "inverse": False},
+                            {**args, "location": "weight_input", "inverse": True},
+                        ],
+                    }
+                }
+            }
+        return qc
+
+    def input_activations(self) -> dict | None:
+        """W4A4: compressed-tensors' own NVFP4 / MXFP4 presets (quantization/quant_scheme.py):
+        NVFP4 per-16 local FP8 scales computed at run time under the stored static global
+        (``dynamic: "local"``), MXFP4 fully dynamic per-32 E8M0 scales. ``scale_dtype`` is needed:
+        without it compressed-tensors 0.20 leaves the run-time block scales unrounded (not FP8)."""
+        if self.activations == "nvfp4":
+            return {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+                    "symmetric": True, "dynamic": "local", "scale_dtype": "torch.float8_e4m3fn"}
+        if self.activations == "mxfp4":
+            return {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32,
+                    "symmetric": True, "dynamic": True, "scale_dtype": "torch.uint8"}
+        return None
+
+    def finalize(self, dst: Path, info: OutputInfo) -> list[str]:
+        update_config(dst, "quantization_config", self.quantization_config(info))
+        # compressed-tensors decompresses FP4 weights to bf16 whatever the model's dtype: an fp32/fp16
+        # model would load with bf16 Linear weights and fail at the first matmul ("Float and BFloat16").
+        # The model's dtype becomes bf16, so a plain from_pretrained loads every tensor as bf16.
+        cfg = read_json(dst / "config.json")
+        for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
+            if cfg.get(key) != "bfloat16":
+                update_config(dst, key, "bfloat16")
+        if info.rotate:
+            log.warning(
+                "Had16-rotated compressed-tensors checkpoint: vLLM rotates activations from transform_config "
+                "(tensor parallel 1 only); transformers ignores transform_config and would compute wrong outputs"
+            )
+        return ["config.json"]
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def detect(self, root: Path, config: dict) -> bool:
+        """An FP4 compressed-tensors checkpoint (its FP8 ``float-quantized`` ones are inputs, not this)."""
+        qc = config.get("quantization_config")
+        if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
+            return False
+        if qc.get("format") in FP4_FORMATS:
+            return True
+        groups = qc.get("config_groups") or {}
+        return any(isinstance(g, dict) and (g.get("format") in FP4_FORMATS or
+                                            ((g.get("weights") or {}).get("num_bits") == 4
+                                             and (g.get("weights") or {}).get("type") == "float"))
+                   for g in groups.values())
+
+    def rotation(self, root: Path, config: dict, manifest: dict | None) -> str | None:
+        if manifest is not None:
+            return manifest.get("rotate")
+        qc = config.get("quantization_config") or {}
+        groups = (qc.get("transform_config") or {}).get("config_groups", {})
+        had16 = any(g.get("type") == "hadamard" and g.get("head_dim") == 16 for g in groups.values())
+        return "had16" if had16 else None
+
+
+FORMAT = CompressedTensorsFormat()

@@ -1,0 +1,90 @@
+"""NVIDIA ModelOpt NVFP4 (TensorRT-LLM, SGLang, vLLM ``--quantization modelopt_fp4``).
+
+``X.weight`` (U8 packed), ``X.weight_scale`` (F8_E4M3 linear), ``X.weight_scale_2`` (F32 scalar: the
+DECODE scale 1/gs), and ``hf_quant_config.json``. NVFP4 only, no rotation (the format has no field
+for one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+from ..names import HF_QUANT_CONFIG
+from ..version import producer as version_producer
+from .base import OutputFormat, OutputInfo, read_json, update_config, write_json
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ModelOptFormat(OutputFormat):
+    name = "modelopt"
+    swizzled = False
+    schemes = ("nvfp4",)
+    packed_suffix, scale_suffix, global_suffix = ".weight", ".weight_scale", ".weight_scale_2"
+    input_suffix = ".input_scale"  # W4A4: the activation DECODE scale amax / 2688, F32 scalar like weight_scale_2
+
+    def check(self, scheme: str, rotate: str | None) -> None:
+        if scheme != "nvfp4":
+            raise ConfigError("--format modelopt stores NVFP4 only; use --format compressed-tensors for MXFP4")
+        if rotate:
+            raise ConfigError(
+                "--format modelopt cannot record a rotation: engines would not rotate activations and would "
+                "compute wrong outputs. Use --format compressed-tensors (transform_config) or drop --rotate"
+            )
+
+    def global_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
+        return lead  # a scalar per matrix
+
+    def global_float(self, gs: float) -> float:
+        return 1.0 / gs  # the DECODE scale
+
+    def encode_scale(self, stored: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        return 1.0 / stored.to(torch.float32)
+
+    def quant_section(self, info: OutputInfo) -> dict:
+        exclude = list(info.kept_modules) or ["lm_head"]  # SGLang refuses an empty list
+        return {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16, "exclude_modules": exclude}
+
+    def input_activations(self) -> dict | None:
+        """W4A4: ModelOpt's NVFP4 activation entry (static global ``input_scale``, per-16 FP8 scales)."""
+        if self.activations == "nvfp4":
+            return {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+        return None
+
+    def finalize(self, dst: Path, info: OutputInfo) -> list[str]:
+        producer = version_producer()
+        quant = self.quant_section(info)
+        write_json(dst / HF_QUANT_CONFIG, {"producer": producer, "quantization": quant})
+        # ModelOpt's own config.json shape. vLLM reads exclusions from "ignore" in this flat form (and
+        # "exclude_modules" only inside hf_quant_config.json), so both keys are written.
+        weights = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+        update_config(dst, "quantization_config", {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": self.input_activations()}},
+            "group_size": 16,
+            "kv_cache_quant_algo": None,
+            "ignore": quant["exclude_modules"],
+            "exclude_modules": quant["exclude_modules"],
+            "producer": producer,
+        })
+        return [HF_QUANT_CONFIG, "config.json"]
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def detect(self, root: Path, config: dict) -> bool:
+        """A ModelOpt NVFP4 checkpoint (its FP8 ones are inputs, not this)."""
+        qc = config.get("quantization_config")
+        if isinstance(qc, dict) and qc.get("quant_method") == "modelopt":
+            return qc.get("quant_algo") == "NVFP4"
+        hq = read_json(root / HF_QUANT_CONFIG).get("quantization")
+        return isinstance(hq, dict) and hq.get("quant_algo") == "NVFP4"
+
+
+FORMAT = ModelOptFormat()
