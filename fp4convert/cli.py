@@ -517,34 +517,38 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
         prewarm_device(config)  # the GPU starts while the source is opened and planned
     source = open_source(src, revision, token=token, cache_dir=cache_dir)
     planned = plan_conversion(source, config, fetch_ahead=not dry_run)
-    plan = planned[1]
-    nothing = plan.summary()["quantized"] == 0 and not allow_nothing_quantized
-    if dry_run:
-        if not dry_run_out:
+    try:  # a Hub source is downloading since planning: stopped on any refusal before convert() owns it
+        plan = planned[1]
+        nothing = plan.summary()["quantized"] == 0 and not allow_nothing_quantized
+        if dry_run:
+            if not dry_run_out:
+                return
+            if as_json:
+                click.echo(json.dumps(plan.to_json(), indent=2))
+            else:
+                _print_plan(plan, quiet)
+            _warn_rotation(fmt, rotate)
+            if nothing:
+                raise PlanError("the plan quantizes no tensor (see the warnings); pass --allow-nothing-quantized "
+                                "to write an unquantized copy anyway")
             return
-        if as_json:
-            click.echo(json.dumps(plan.to_json(), indent=2))
-        else:
-            _print_plan(plan, quiet)
-        _warn_rotation(fmt, rotate)
         if nothing:
-            raise PlanError("the plan quantizes no tensor (see the warnings); pass --allow-nothing-quantized "
-                            "to write an unquantized copy anyway")
-        return
-    if nothing:
-        for w in plan_warnings(plan):
-            log.warning("warning: %s", w)
-        raise PlanError("the plan quantizes no tensor: check --only / --ignore and the layer names "
-                        "(--dry-run shows every decision); --allow-nothing-quantized writes the copy anyway")
-    progress_fn = None
-    with _progress(plan.summary()["bytes_in"], "quantize", quiet or as_json) as bar:
-        progress_fn = bar.update
-        if delete_source_shards:
-            from .hub import ShardReleaser
+            for w in plan_warnings(plan):
+                log.warning("warning: %s", w)
+            raise PlanError("the plan quantizes no tensor: check --only / --ignore and the layer names "
+                            "(--dry-run shows every decision); --allow-nothing-quantized writes the copy anyway")
+        progress_fn = None
+        with _progress(plan.summary()["bytes_in"], "quantize", quiet or as_json) as bar:
+            progress_fn = bar.update
+            if delete_source_shards:
+                from .hub import ShardReleaser
 
-            progress_fn = ShardReleaser(source, plan, bar.update)
-        ages["convert_start"] = stages.process_age()
-        result = convert(source, dst, config, progress=progress_fn, plan=planned)
+                progress_fn = ShardReleaser(source, plan, bar.update)
+            ages["convert_start"] = stages.process_age()
+            result = convert(source, dst, config, progress=progress_fn, plan=planned)
+    except BaseException:
+        source.stop_prefetch()
+        raise
     if _rank() > 0:
         return
     if push_repo:

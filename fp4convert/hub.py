@@ -187,6 +187,12 @@ def push_to_hub(folder: str | Path, repo_id: str, *, private: bool = False, toke
     return str(getattr(info, "commit_url", info))
 
 
+def _files_read(unit) -> set[str]:
+    """Every shard a work unit reads: its tensors' and what decoding them reads (an FP8 weight's scale
+    may sit in another shard), so a shard is released only after the last unit that reads it."""
+    return {t.file for d in unit for t in d.reads}
+
+
 class ShardReleaser:
     """A progress callback that also deletes each cached Hub shard after its last work unit.
 
@@ -202,8 +208,8 @@ class ShardReleaser:
         self.units = plan.units()
         self.last: dict[str, int] = {}
         for i, unit in enumerate(self.units):
-            for d in unit:
-                self.last[d.info.file] = i
+            for f in _files_read(unit):
+                self.last[f] = i
         self.position = 0
         self.deleted: list[str] = []
 
@@ -214,7 +220,7 @@ class ShardReleaser:
         self.position += 1
         if i >= len(self.units):
             return
-        for f in sorted({d.info.file for d in self.units[i]}):
+        for f in sorted(_files_read(self.units[i])):
             if self.last.get(f) == i:
                 self.release(f)
 

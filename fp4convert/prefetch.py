@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 
 AHEAD = 2  # shards fetched beyond the one the run has reached
 CONNECTIONS = 2  # downloads in flight at once
-JOIN_S = 60.0  # how long stop() waits for a download stuck without data (huggingface_hub's timeouts end it)
+JOIN_S = 5.0  # how long stop() waits for the downloads to notice (a stalled one only would at its timeout)
 
 
 class Prefetcher:
@@ -69,6 +70,7 @@ class Prefetcher:
         self._position = 0  # the furthest file (index) asked for: the run's position
         self._started = 0  # files whose fetch has begun (a prefix of order)
         self._to_check: deque[tuple[int, str, Path]] = deque()  # downloaded, waiting for the checker
+        self._fetching: set[str] = set()  # files whose download is in flight
         self._done: dict[str, Path] = {}
         self._failed: tuple[str, BaseException] | None = None
         self._stop = False
@@ -125,18 +127,24 @@ class Prefetcher:
         with self._cv:
             self._cv.notify_all()
 
-    def stop(self) -> None:
-        """Cancel what is in flight and wait for the thread to end (idempotent)."""
+    def stop(self) -> list[str]:
+        """Cancel what is in flight and wait for the threads to end, at most ``JOIN_S`` in all
+        (idempotent). A download looks for cancellation when data arrives: one whose connection stalls
+        would keep Ctrl-C waiting for huggingface_hub's timeouts and retries (a minute), so it is left
+        to end with the process (daemon thread). Returns the files still downloading then."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
+        deadline = time.monotonic() + JOIN_S
         for t in self._threads:
-            if t is threading.current_thread():
-                continue
-            t.join(timeout=JOIN_S)
-            if t.is_alive():  # pragma: no cover - a connection that sends nothing for minutes
-                log.warning("warning: a Hub download did not stop within %.0f s; leaving it to its timeout", JOIN_S)
-                return
+            if t is not threading.current_thread():
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self._cv:
+            stuck = sorted(self._fetching) if any(t.is_alive() for t in self._threads) else []
+        if stuck:  # the caller removes their partial files (Source.stop_prefetch)
+            log.debug("prefetch: the download of %s did not stop within %.0f s; left to end with the process",
+                      ", ".join(stuck), JOIN_S)
+        return stuck
 
     def _cancelled(self, i: int) -> bool:
         """Stop fetching file ``i``: the run stops, or a file before it failed (the run stops there)."""
@@ -187,6 +195,8 @@ class Prefetcher:
             file = self.order[i]
             log.debug("prefetch: fetching %s (%d of %d; the run is at %d)", file, i + 1, len(self.order),
                       self._position + 1)
+            with self._cv:
+                self._fetching.add(file)
             try:
                 path = self._fetch(file, partial(self._cancelled, i))
             except Cancelled:
@@ -194,6 +204,9 @@ class Prefetcher:
             except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread by get()
                 self._fail(i, file, exc)
                 return
+            finally:
+                with self._cv:
+                    self._fetching.discard(file)
             log.debug("prefetch: %s fetched", file)
             with self._cv:
                 if self._check is None:

@@ -27,6 +27,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,16 @@ def check_relative(rel: object, what: str) -> str:
     if any(p in ("", ".") for p in parts):
         raise OutsideSourceError(f"{what}: {_q(rel)} is not a normalised relative path")
     return rel
+
+
+def _odd_name(rel: str) -> bool:
+    """A name :func:`check_relative` refuses (tabs, newlines, ...): such a file is not copied, decided
+    with the plan, rather than refused when the run opens it after the shards are written."""
+    try:
+        check_relative(rel, "file")
+    except OutsideSourceError:
+        return True
+    return False
 
 
 def _inside(real: str, roots: tuple[str, ...]) -> bool:
@@ -361,6 +372,8 @@ class Source:
                 if any((full / own).exists() for own in OWN_FILES):
                     skip[rel] = "a nested fp4convert output"
                 ok, why = copy_rule(rel + "/", skip)
+                if ok and _odd_name(rel):
+                    ok, why = False, "its name has characters a checkpoint file name cannot have (rename it to copy it)"
                 if ok:
                     keep_dirs.append(d)
                 else:
@@ -369,6 +382,8 @@ class Source:
             for name in sorted(filenames):
                 rel = rel_dir + name
                 ok, why = copy_rule(rel, skip)
+                if ok and _odd_name(rel):
+                    ok, why = False, "its name has characters a checkpoint file name cannot have (rename it to copy it)"
                 if ok:
                     ok, why = self._copyable(Path(dirpath) / name, why)
                 out.append(CopyDecision(rel, ok, why))
@@ -401,8 +416,8 @@ class Source:
         for d in self.file_plan(exclude):
             if d.copy:
                 out.append(self.root / d.path)
-            elif d.reason.startswith(("symlink to", "unreadable", "not a regular")):
-                log.warning("not copying %s: %s", d.path, d.reason)
+            elif d.reason.startswith(("symlink to", "unreadable", "not a regular", "its name has")):
+                log.warning("not copying %s: %s", _q(d.path), d.reason)
             else:
                 log.debug("not copying %s: %s", d.path, d.reason)
         return out
@@ -521,7 +536,21 @@ class Source:
         removes its partial file) and wait for them to end. Safe to call at any time, repeatedly."""
         prefetcher, self._prefetcher = self._prefetcher, None
         if prefetcher is not None:
-            prefetcher.stop()
+            for file in prefetcher.stop():
+                self._drop_incomplete(file)
+
+    def _drop_incomplete(self, file: str) -> None:
+        """Remove the temporary file of a download left stalled at stop (huggingface_hub removes it
+        itself when the download ends, which a process exiting first would not wait for): it is named
+        after the Hub's sha256 of the file plus a random part, so no later run would reuse it."""
+        kind, sha = (self._hashes or {}).get(file, (None, None))
+        if kind != "sha256" or sha is None:
+            return
+        for p in Path(self.roots[-1]).glob(f"{sha}*.incomplete"):
+            try:
+                p.unlink()
+            except OSError:
+                pass
 
     def _fetch(self, file: str, cancelled: Callable[[], bool] | None = None) -> Path:
         """Download ``file`` (or take it from the cache), check its containment and its checksum.
@@ -635,7 +664,9 @@ class Source:
                 self._drop_from_cache(path)
                 raise CheckpointFormatError(
                     f"{self.repo_id}: {file}: the downloaded file's header differs from the one read by range when "
-                    "planning (the server sent other bytes); removed from the cache: run the same command again")
+                    "planning (the server sent other bytes); removed from the cache: run the same command again, "
+                    "and if it repeats, the Hub's server is serving two versions of the file: try later or convert a "
+                    "local copy")
 
     def _drop_from_cache(self, path: Path) -> None:
         """Remove a bad download (its blob and its snapshot link) from the HF cache."""
@@ -675,17 +706,22 @@ class Source:
         missing = [f for f in self.weight_files if f not in self._header_cache]
         if not self.is_hub or _offline() or not missing:
             return
-        from concurrent.futures import ThreadPoolExecutor
-
         rev = self.commit or self.revision
         self._headers_pending = pending = threading.Event()
         try:
-            with ThreadPoolExecutor(min(HEADER_CONNECTIONS, len(missing)), thread_name_prefix="fp4convert-header") as pool:
-                futures = [pool.submit(_remote_header, self.repo_id, f, rev, self.token) for f in missing]
-                for file, future in zip(missing, futures):
-                    remote = future.result()  # raises a malformed header's error, first file first
-                    if remote is not None:
-                        self._header_cache[file] = remote
+            # daemon threads, not a ThreadPoolExecutor: Ctrl-C on a stalled read must not wait for its timeout
+            results = _in_daemon_threads([partial(_remote_header, self.repo_id, f, rev, self.token) for f in missing],
+                                         HEADER_CONNECTIONS, "fp4convert-header")
+            for file, result in zip(missing, results):
+                remote = result()  # raises a malformed header's error, first file first
+                if remote is not None:
+                    self._header_cache[file] = remote
+            unread = [f for f in missing if f not in self._header_cache]
+            if unread:
+                log.warning("warning: %s: the Hub did not answer a range request for the header of %s%s; downloading "
+                            "%s to read %s", self.repo_id, _q(unread[0]),
+                            f" and {len(unread) - 1} more" if len(unread) > 1 else "",
+                            "it" if len(unread) == 1 else "them", "it" if len(unread) == 1 else "theirs")
         finally:
             pending.set()  # a download waiting to compare its header goes on
             if self._prefetcher is not None:
@@ -746,6 +782,42 @@ def _cancellable_bar(cancelled: Callable[[], bool]) -> type:
             return super().update(n)
 
     return CancellableBar
+
+
+def _in_daemon_threads(calls: list[Callable[[], object]], workers: int, name: str) -> list[Callable[[], object]]:
+    """Run ``calls`` on up to ``workers`` daemon threads; one getter per call, in order, that waits for
+    its result and returns it (or raises its exception). The threads never delay the process's exit."""
+    todo = list(enumerate(calls))
+    done: list[threading.Event] = [threading.Event() for _ in calls]
+    out: list[tuple[bool, object]] = [(False, None)] * len(calls)
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, call = todo.pop(0)
+            try:
+                out[i] = (True, call())
+            except BaseException as exc:  # noqa: BLE001 - handed to the getter
+                out[i] = (False, exc)
+            done[i].set()
+
+    for _ in range(max(1, min(workers, len(calls)))):
+        threading.Thread(target=work, name=name, daemon=True).start()
+
+    def getter(i: int) -> Callable[[], object]:
+        def get() -> object:
+            done[i].wait()
+            ok, value = out[i]
+            if not ok:
+                assert isinstance(value, BaseException)
+                raise value
+            return value
+        return get
+
+    return [getter(i) for i in range(len(calls))]
 
 
 def _offline() -> bool:

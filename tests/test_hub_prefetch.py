@@ -171,6 +171,112 @@ def test_delete_source_shards_holds_at_most_ahead_more(model, local_out, tmp_pat
         assert released[f] > asks.first[f]
 
 
+def test_delete_source_shards_keeps_a_shard_a_later_unit_reads(tmp_path, monkeypatch) -> None:
+    """An FP8 weight whose block scale sits in an earlier shard (a split a DeepSeek-style index can
+    have): --delete-source-shards keeps that shard until the unit that reads the scale is done (it was
+    deleted after its own layer: exit 4 blaming the source); the output equals the local conversion's."""
+    from .zoo import fp8_block_quantize
+
+    cfg = ck.llama_config(hidden=128, layers=4)
+    t = ck.llama_tensors(cfg, seed=3)
+    for n in list(t):
+        if n.endswith("proj.weight") and "layers." in n:
+            t[n], t[n + "_scale_inv"] = fp8_block_quantize(t[n], (128, 128))
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3",
+                                  "activation_scheme": "dynamic"}
+    far = "model.layers.3.mlp.down_proj.weight_scale_inv"
+    first = [n for n in t if n.startswith("model.layers.0.")] + ["model.embed_tokens.weight", far]
+    rest = [n for n in t if n not in first]
+    shards = [[n for n in rest if n.startswith(f"model.layers.{i}.")] for i in range(1, 4)]
+    shards[-1] += [n for n in rest if not n.startswith("model.layers.")]
+    model = tmp_path / "fp8"
+    ck.write(model, t, cfg, [first, *shards])
+    convert(str(model), tmp_path / "local", CFG)
+    files = sorted(p.name for p in model.glob("*.safetensors"))
+    hub = online(monkeypatch, tmp_path, model)
+    released: list[str] = []
+    original = ShardReleaser.release
+
+    def release(self, file: str) -> None:
+        original(self, file)
+        released.append(file)
+
+    monkeypatch.setattr(ShardReleaser, "release", release)
+    try:
+        source, plan, fmt = plan_conversion(REPO, CFG)
+        convert(source, tmp_path / "out", CFG, progress=ShardReleaser(source, plan), plan=(source, plan, fmt))
+    finally:
+        hub.stop()
+    assert shard_outputs(ck.all_files(tmp_path / "out")) == shard_outputs(ck.all_files(tmp_path / "local"))
+    # the first shard goes after layers 1 and 2's shards: with layer 3's unit, which reads the scale
+    assert sorted(released) == files and released.index(files[0]) > released.index(files[2])
+
+
+def test_a_plan_refused_after_planning_stops_the_downloads(model, tmp_path, monkeypatch) -> None:
+    """`--only` matching nothing is refused (exit 2) after the plan, while the early prefetch is
+    downloading: the downloads stop with it (no thread, no partial file left in the HF cache)."""
+    from click.testing import CliRunner
+    from huggingface_hub import constants
+
+    from fp4convert.cli import main
+
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)  # cancellation is looked for once per chunk
+    hub = online(monkeypatch, tmp_path, model, rate=0.1e6)
+    try:
+        r = CliRunner().invoke(main, ["quantize", REPO, str(tmp_path / "out"), "--only", "nomatch*", "--device", "cpu"])
+        assert r.exit_code == 2 and "quantizes no tensor" in r.output, r.output
+        assert no_prefetch_thread()
+    finally:
+        hub.stop()
+    assert not list((tmp_path / "cache").rglob("*.incomplete")) and not (tmp_path / "out").exists()
+
+
+def test_stopping_does_not_wait_for_a_stalled_download(model, tmp_path, monkeypatch) -> None:
+    """A download whose server sends nothing more cannot see the cancellation (it looks once per chunk
+    received): stopping returns after JOIN_S, not after huggingface_hub's timeouts and retries (a minute
+    and more), and the stalled file's partial download is removed from the cache."""
+    from fp4convert.source import open_source
+
+    stalled, release = threading.Event(), threading.Event()
+
+    def stall(file: str) -> None:
+        if file == SHARDS[1]:
+            stalled.set()
+            release.wait(120)
+
+    hub = online(monkeypatch, tmp_path, model, on_full_get=stall)
+    source = open_source(REPO)
+    try:
+        source.tensors()
+        source.prefetch_early()
+        assert stalled.wait(30)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        source.stop_prefetch()
+        assert time.monotonic() - t0 < 10  # JOIN_S (5 s) and the cleanup
+    finally:
+        release.set()
+        hub.stop()
+    assert not list((tmp_path / "cache").rglob("*.incomplete"))
+
+
+def test_a_server_that_ignores_range_is_said_so(model, tmp_path, monkeypatch) -> None:
+    """A server that answers a range request with the whole file: the headers come from downloaded
+    shards instead, and the run says so once (a --dry-run downloading every shard was silent)."""
+    from click.testing import CliRunner
+
+    from fp4convert.cli import main
+
+    hub = online(monkeypatch, tmp_path, model, honor_range=False)
+    try:
+        r = CliRunner().invoke(main, ["quantize", REPO, str(tmp_path / "d"), "--dry-run", "--device", "cpu"])
+    finally:
+        hub.stop()
+    assert r.exit_code == 0, r.output
+    said = [line for line in r.output.splitlines() if "did not answer a range request" in line]
+    assert len(said) == 1 and SHARDS[0] in said[0] and f"and {N - 1} more" in said[0], r.output
+
+
 def test_a_failed_download_is_raised_where_the_shard_is_needed(model, tmp_path, monkeypatch) -> None:
     """The third shard fails on the CDN: the run stops with the one-line error naming it (exit 4), after
     converting what came before; nothing after it is fetched; no partial download or thread is left."""
@@ -418,8 +524,11 @@ def test_a_dry_run_or_a_refused_plan_downloads_nothing_more(model, tmp_path, mon
 def test_another_order_replaces_the_early_prefetch(model, tmp_path, monkeypatch) -> None:
     """When the run reads the shards in another order than the index's, the early prefetcher is stopped
     and one in the run's order takes over."""
+    from huggingface_hub import constants
+
     from fp4convert.source import open_source
 
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)  # cancellation is looked for once per chunk
     hub = online(monkeypatch, tmp_path, model, rate=0.1e6)
     try:
         source = open_source(REPO)

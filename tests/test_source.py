@@ -297,6 +297,33 @@ class ListHandler(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+@pytest.mark.parametrize("name", ["tab\there.json", "new\nline.txt", "sub\tdir/notes.txt"])
+def test_a_file_name_no_checkpoint_can_hold_is_skipped_when_planned(name, three, tmp_path) -> None:
+    """A non-weight file named with a tab or newline is not copied, with a warning, decided with the
+    plan: it was refused when the run opened it, after the shards were written, on every --resume too."""
+    from fp4convert.config import ConvertConfig
+    from fp4convert.convert import convert
+
+    (three / name).parent.mkdir(parents=True, exist_ok=True)
+    (three / name).write_text("{}")
+    handler = ListHandler()
+    logger = logging.getLogger("fp4convert.source")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    try:
+        convert(str(three), tmp_path / "out", ConvertConfig(device="cpu"))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    top = name.split("/")[0]
+    assert not (tmp_path / "out" / top).exists()
+    assert (tmp_path / "out" / "config.json").exists()
+    assert [m for m in handler.lines if "not copying" in m and "cannot have" in m and repr(top)[1:-1] in m]
+    plan = {d.path.rstrip("/"): d for d in open_source(str(three)).file_plan()}
+    assert not plan[top].copy
+
+
 def test_non_weight_symlink_outside_is_skipped_with_a_warning(three, tmp_path) -> None:
     secret = tmp_path / "secret.txt"
     secret.write_text("do not publish")
