@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .backend import InputWeight
-from .errors import PlanError, QuantizationError
+from .errors import Cancelled, FP4ConvertError, PlanError, QuantizationError, RankStopped
 from .plan import QUANTIZE
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+WAYS_OUT = "or convert without the model run (--input-weights none; W4A4: --activation-scale constant)"
 MICRO_BATCH = 8  # samples per forward (bounds the intermediates; the amax does not depend on it)
 # Families whose checkpoint names equal the transformers module parameter names and whose base
 # model forward takes inputs_embeds unchanged (checked against transformers 5.24).
@@ -157,11 +158,196 @@ def check_runnable(source: Source, config: ConvertConfig) -> None:
     if text and not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise PlanError(f"{root}: no tokenizer (tokenizer.json / tokenizer.model / vocab.json); {what} needs one "
                         f"to tokenize or generate its samples ({other})")
-    if iw == "random" and not (isinstance(cfg.get("vocab_size"), int) and cfg["vocab_size"] > 0):
-        raise PlanError(f"{root}: config.json has no vocab_size; --input-weights random draws token ids below it "
-                        "(or use --input-weights none)")
+    vocab = vocab_size(root, cfg.get("vocab_size")) if iw == "random" else None
     if text and config.calibration_data is not None and not Path(config.calibration_data).is_file():
         raise PlanError(f"--calibration-data {config.calibration_data}: no such file")
+    check_definition(source, cfg, other, vocab)
+
+
+def vocab_size(root: Path, value: object) -> int:
+    """config.json's vocab_size as the bound of random token ids: a positive int (``true`` is a bool to
+    JSON, not 1, and ``128.0`` is no int: transformers would refuse either)."""
+    if value is None:
+        raise PlanError(f"{root}: config.json has no vocab_size; --input-weights random draws token ids below it; "
+                        "fix config.json, or use --input-weights none")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{root}: config.json vocab_size={value!r} is not a positive integer; --input-weights random "
+                        "draws token ids below it; fix config.json (vocab_size), or use --input-weights none")
+    return value
+
+
+def check_definition(source: Source, cfg: dict, other: str, vocab: int | None = None) -> None:
+    """Build the config and the model (on ``meta``: no memory, ~0.1 s for 70B) as the layer-by-layer run
+    will, and compare the parameters' shapes with the checkpoint's headers (no data read): a config.json
+    transformers cannot read or build, or one that disagrees with the weights, is refused here, while
+    planning, rather than failing mid-run (``vocab``: random ids are drawn below it, so the embedding
+    must have that many rows)."""
+    import torch
+    import transformers as tf
+
+    root = Path(source.root)
+    said = _Said()
+    with model_errors(root, cfg, "read", other, said):
+        tcfg = tf.AutoConfig.from_pretrained(str(root), local_files_only=True)
+    with model_errors(root, cfg, "build the model of", other, said), torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(tcfg, dtype=torch.float32)
+        embed = {id(m): n for n, m in model.named_modules()}[id(model.get_decoder().embed_tokens)] + ".weight"
+    infos = {t.name: t for t in source.tensors()}
+    rows = infos[embed].shape[0] if embed in infos and infos[embed].shape else None
+    if vocab is not None and rows is not None and vocab > rows:
+        raise PlanError(f"{root}: config.json vocab_size {vocab} is larger than the {rows} rows of {embed}: random "
+                        "token ids would have no embedding; fix config.json (vocab_size), or use --input-weights none")
+    for name, param in model.named_parameters():
+        info = infos.get(name)
+        if info is None:
+            continue  # the run names a missing tensor itself (LayerwiseModel._read)
+        want, got = tuple(param.shape), tuple(info.shape)
+        # the embedding and head may hold more rows than vocab_size (padded); token ids stay below both
+        ok = got[1:] == want[1:] and got[:1] >= want[:1] if name in (embed, "lm_head.weight") else got == want
+        if not ok:
+            raise PlanError(f"{root}: {name} is {list(got)} in the checkpoint but {list(want)} in the model "
+                            f"config.json describes (its sizes disagree with the weights); fix config.json, {other}")
+
+
+def _passes(exc: BaseException) -> bool:
+    """Errors of the run that are not the model definition's: fp4convert's own (already one line, with
+    their exit code), memory, file I/O naming a file (the CLI names it), and internal control flow."""
+    if isinstance(exc, (FP4ConvertError, MemoryError, RankStopped, Cancelled)):
+        return True
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return True
+    import torch
+
+    return isinstance(exc, (getattr(torch, "OutOfMemoryError", MemoryError), getattr(torch, "AcceleratorError", MemoryError)))
+
+
+@contextmanager
+def model_errors(root: Path, cfg: dict, doing: str, other: str, said: _Said | None = None):
+    """Any failure of transformers to read, build or run the model from this config.json as a one-line
+    PlanError (exit 2: the checkpoint converts without the model run, ``other`` says how) naming the
+    folder and, where it can be told, the config.json key; KeyboardInterrupt is no Exception and passes.
+    ``said``: what transformers logs, kept across stages (it warns of a bad rope factor when it reads
+    the config and fails on it when it builds the model)."""
+    said = said if said is not None else _Said()
+    tf_log = logging.getLogger("transformers")
+    tf_log.addHandler(said)
+    try:
+        yield
+    except Exception as exc:
+        if _passes(exc):
+            raise
+        key, named = config_key(cfg, exc, doing, said.texts)
+        where = "" if key is None else f" (key {key!r})" if named else \
+            f" (it {'reads' if doing == 'read' else 'builds'} without key {key!r})"
+        raise PlanError(f"{root}: transformers cannot {doing} this config.json{where}: {type(exc).__name__}: "
+                        f"{_one_line(exc)}; fix config.json, {other}") from exc
+    finally:
+        tf_log.removeHandler(said)
+
+
+class _Said(logging.Handler):
+    """What transformers logged (warnings and above) while reading or building the model."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.texts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.texts.append(record.getMessage())
+        except Exception:  # noqa: BLE001 - a message that does not format names no key
+            pass
+
+
+# config keys transformers renames when it reads them (an error names the new name)
+_RENAMED = {"rope_parameters": ("rope_scaling", "rope_theta")}
+BISECT_SECONDS = 10.0  # at most this long finding which key fails (each try builds the config/model on meta)
+
+
+def config_key(cfg: dict, exc: BaseException, doing: str = "read", said: list[str] = ()) -> tuple[str | None, bool]:
+    """(the config.json key a failure is about, whether a message named it): the earliest key the
+    exception's message names (quoted, or a snake_case word), else one transformers' log named while it
+    failed, else the key holding a KeyError's unknown value (an activation, a rope type); else, not
+    named, the first key without which the config reads (and the model builds; tried within
+    BISECT_SECONDS); (None, False) when none."""
+    for text in (str(exc), *reversed(said)):
+        key = _named_key(cfg, text)
+        if key is not None:
+            return key, True
+    if isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], str):
+        for k, v in cfg.items():
+            if _holds(v, exc.args[0]):
+                return k, True
+    return _bisect_key(cfg, doing != "read"), False
+
+
+def _named_key(cfg: dict, text: str) -> str | None:
+    """The top-level config key ``text`` names first (transformers' renamed keys as the one config.json has)."""
+    hits = []
+    for k in [*cfg, *_RENAMED]:
+        if not isinstance(k, str):
+            continue
+        quoted = re.search(rf"['\"`]{re.escape(k)}['\"`]", text)
+        word = re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", text) if "_" in k else None
+        hit = quoted or word
+        real = next((r for r in _RENAMED.get(k, (k,)) if r in cfg), None)
+        if hit and real is not None:
+            hits.append((hit.start(), real))
+    return min(hits)[1] if hits else None
+
+
+def _holds(value: object, wanted: str) -> bool:
+    if isinstance(value, dict):
+        return any(_holds(v, wanted) for v in value.values())
+    if isinstance(value, list):
+        return any(_holds(v, wanted) for v in value)
+    return value == wanted
+
+
+def _bisect_key(cfg: dict, build: bool) -> str | None:
+    """The first key whose removal (transformers' default instead) lets the config read (and the model
+    build on meta): the value it cannot take. None when the whole config reads here (another cause)."""
+    import time
+    import warnings
+
+    import torch
+    import transformers as tf
+
+    mt = cfg.get("model_type")
+    if not isinstance(mt, str) or mt not in tf.CONFIG_MAPPING:  # (its .get() finds nothing: a lazy mapping)
+        return None
+    cls = tf.CONFIG_MAPPING[mt]
+
+    def works(d: dict) -> bool:
+        try:
+            c = cls.from_dict(d)
+            if build:
+                with torch.device("meta"):
+                    tf.AutoModelForCausalLM.from_config(c, dtype=torch.float32)
+            return True
+        except Exception:  # noqa: BLE001 - a trial: any failure means this key is not the only cause
+            return False
+
+    verbosity = tf.logging.get_verbosity()
+    tf.logging.set_verbosity_error()  # the trials' own warnings would repeat the first failure's
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if works(dict(cfg)):
+                return None
+            end = time.monotonic() + BISECT_SECONDS
+            for k in cfg:
+                if k in ("model_type", "architectures") or time.monotonic() > end:
+                    continue
+                if works({n: v for n, v in cfg.items() if n != k}):
+                    return k
+    finally:
+        tf.logging.set_verbosity(verbosity)
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200]
 
 
 # -- samples ------------------------------------------------------------------------------------
@@ -219,18 +405,22 @@ def start_token(tokenizer) -> int:
 class LayerwiseModel:
     """A causal LM built on ``meta``; weights loaded one module at a time from the source."""
 
-    def __init__(self, source: Source, device: torch.device) -> None:
+    def __init__(self, source: Source, device: torch.device, other: str = WAYS_OUT) -> None:
         import torch
         import transformers as tf
 
         self.root = Path(source.root)
         self.device = device
+        self.other = other  # how to convert without this run, for a refusal's message
         self.infos = {t.name: t for t in source.tensors()}
-        self.cfg = tf.AutoConfig.from_pretrained(str(self.root), local_files_only=True)
+        raw = source.config()
+        said = _Said()
+        with model_errors(self.root, raw, "read", other, said):
+            self.cfg = tf.AutoConfig.from_pretrained(str(self.root), local_files_only=True)
         # Parameters on ``meta`` (no memory), buffers real: buffers are what a model computes at init
         # rather than loads (RoPE frequencies, Gemma's embedding scale), made here on the CPU exactly as
         # a loaded model makes them, then moved to the device.
-        with _parameters_on_meta():
+        with model_errors(self.root, raw, "build the model of", other, said), _parameters_on_meta():
             self.model = tf.AutoModelForCausalLM.from_config(self.cfg, dtype=torch.float32)
         self.model.eval()
         self.base = self.model.get_decoder()
@@ -302,6 +492,13 @@ class LayerwiseModel:
         import torch
 
         e = self.base.embed_tokens
+        info = self.infos.get(self.embed_name + ".weight")
+        top = int(tokens.max()) if tokens.numel() else -1
+        if info is not None and info.shape and top >= info.shape[0]:
+            # would be an IndexError mid-run (a device-side assert on CUDA): ids from vocab_size or the tokenizer
+            raise PlanError(f"{self.root}: token id {top} is not below the {info.shape[0]} rows of {info.name} "
+                            "(config.json vocab_size or the tokenizer is larger than the embedding); fix config.json "
+                            f"or the tokenizer, {self.other}")
         self.load(e, self.embed_name + ".")
         with torch.no_grad():
             out = e(tokens.to(self.device))
@@ -572,13 +769,17 @@ def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Sta
                                                 ": use --input-weights none"))
     dev = torch.device(device) if device is not None else torch.device("cpu")
     root = Path(source.root)
-    lm = LayerwiseModel(source, dev)
+    what, other = _what(config)
+    lm = LayerwiseModel(source, dev, other)
+
+    def running():
+        """The forward's failures the plan-time check cannot see, as the same refusal."""
+        return model_errors(root, source.config(), "run the model of", other)
+
     mean_square: dict[str, torch.Tensor] = {}
     described: dict = {}
     if amax_pass or iw == "calibration":
         import transformers as tf
-
-        what, other = _what(config)
 
         try:
             tok = tf.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
@@ -591,10 +792,12 @@ def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Sta
             tokens = file_tokens(tok, data, samples, seq_len)
             data_record = {"source": "file", "name": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
         else:
-            tokens = generate(lm, tok, samples, seq_len, config.calibration_seed)
+            with running():
+                tokens = generate(lm, tok, samples, seq_len, config.calibration_seed)
             data_record = {"source": "self-generated", "start_token": int(tokens[0, 0])}
-        raw = layerwise_amax(lm, tokens, set(modules), mean_square=mean_square if iw == "calibration" else None,
-                             rotate=config.rotate)
+        with running():
+            raw = layerwise_amax(lm, tokens, set(modules), mean_square=mean_square if iw == "calibration" else None,
+                                 rotate=config.rotate)
         calibrated = {"data": data_record, "samples": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]),
                       "seed": config.calibration_seed, "tokenizer_sha256": tokenizer_digest(root)}
         if amax_pass:
@@ -602,9 +805,10 @@ def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Sta
         described = {"source": "calibration", **calibrated}
     if iw == "random":
         samples, seq_len = config.random_shape
-        vocab = int(lm.cfg.vocab_size)
+        vocab = vocab_size(root, source.config().get("vocab_size"))
         tokens = random_tokens(vocab, samples, seq_len, config.calibration_seed)
-        layerwise_amax(lm, tokens, set(modules), mean_square=mean_square, rotate=config.rotate)
+        with running():
+            layerwise_amax(lm, tokens, set(modules), mean_square=mean_square, rotate=config.rotate)
         described = {"source": "random", "samples": samples, "seq_len": seq_len, "seed": config.calibration_seed,
                      "vocab_size": vocab}
     if iw != "none":

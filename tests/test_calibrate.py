@@ -280,3 +280,108 @@ def test_random_tokens_are_seeded_uniform_ids_in_the_vocabulary():
     assert len(set(a.reshape(-1).tolist())) > 40  # spread over the vocabulary, not a constant
     with pytest.raises(Exception, match="random calibration tokens"):
         calibrate.random_tokens(0, 1, 1)
+
+
+# -- a config.json transformers cannot read, build or run: refused (exit 2), one line, nothing written --
+
+def _edited(src: Path, dst: Path, edit: dict) -> Path:
+    """A copy of checkpoint ``src`` whose config.json has the keys of ``edit`` set."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(edit)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _refusal(r, folder: Path) -> str:
+    """The run's one error line (exit 2), which names the folder."""
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("Error: ")]
+    assert r.exit_code == 2 and len(lines) == 1, (r.exit_code, r.output)
+    assert lines[0].startswith(f"Error: {folder}: "), lines[0]
+    assert "Traceback" not in r.output and "internal error" not in r.output, r.output
+    return lines[0]
+
+
+BAD_CONFIGS = [  # (family, config.json edit, what the message names) -- each failed with exit 1 before
+    ("llama", {"vocab_size": 128 * 50}, "vocab_size 6400 is larger than the 128 rows of model.embed_tokens.weight"),
+    ("llama", {"rope_scaling": "linear"}, "'rope_scaling'"),
+    ("llama", {"num_attention_heads": 0}, "'num_attention_heads'"),
+    ("llama", {"vocab_size": True}, "vocab_size=True is not a positive integer"),
+    ("llama", {"head_dim": 8}, "q_proj.weight is"),
+    ("gemma3_text", {"vocab_size": 100000}, "vocab_size 100000 is larger"),
+    ("gemma3_text", {"rope_scaling": [1, 2]}, "'rope_scaling'"),
+    ("gemma3_text", {"rope_scaling": {"rope_type": "nonsense", "factor": 2.0}}, "'rope_scaling'"),
+    ("gemma3_text", {"rope_scaling": {"rope_type": "linear", "factor": "x"}}, "'rope_scaling'"),
+    ("gemma3_text", {"sliding_window": "4"}, "'sliding_window'"),
+    ("gemma3_text", {"num_hidden_layers": 3}, "'num_hidden_layers'"),
+    ("gemma3_text", {"layer_types": ["weird_attention", "full_attention"]}, "'layer_types'"),
+    ("gemma3_text", {"hidden_activation": "nope"}, "'hidden_activation'"),
+    ("gemma3_text", {"query_pre_attn_scalar": 0}, "'query_pre_attn_scalar'"),
+    ("gemma3_text", {"final_logit_softcapping": "x"}, "'final_logit_softcapping'"),
+    ("gemma3_text", {"head_dim": 16}, "q_proj.weight is [64, 64] in the checkpoint but [32, 64]"),
+]
+
+
+@pytest.mark.parametrize("family,edit,names", BAD_CONFIGS, ids=[f"{f}-{next(iter(e))}-{i}"
+                                                               for i, (f, e, _) in enumerate(BAD_CONFIGS)])
+def test_input_weights_random_refuses_a_config_the_model_cannot_be_built_or_run_from(models, tmp_path, family,
+                                                                                       edit, names):
+    """Refused while planning, before the model runs or anything is written: the folder, the key (or the
+    tensor the config disagrees with), what to do."""
+    src = _edited(models[family], tmp_path / "src", edit)
+    r = cli(src, tmp_path / "out", "--input-weights", "random", "--calibration-samples", 2,
+            "--calibration-seq-len", 8)
+    line = _refusal(r, src)
+    assert names in line and "fix config.json" in line and line.endswith("or use --input-weights none"), line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit,names", [({"rope_scaling": "linear"}, "'rope_scaling'"),
+                                        ({"hidden_act": "nope"}, "'hidden_act'"),
+                                        ({"intermediate_size": 64}, "mlp.gate_proj.weight is")])
+def test_activation_calibration_refuses_the_same_configs(models, tmp_path, edit, names):
+    """W4A4's calibration runs the same layer-by-layer stage: the same refusal, its own way out."""
+    src = _edited(models["llama"], tmp_path / "src", edit)
+    r = cli(src, tmp_path / "out", "--format", "compressed-tensors", "--activations", "nvfp4",
+            "--calibration-samples", 2, "--calibration-seq-len", 8)
+    line = _refusal(r, src)
+    assert names in line and "fix config.json" in line and line.endswith("or use --activation-scale constant"), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_token_ids_beyond_the_embedding_are_refused_not_an_index_error(models):
+    """The forward's guard (ids from a tokenizer larger than the embedding): a refusal naming the tensor."""
+    lm = calibrate.LayerwiseModel(open_source(str(models["llama"])), torch.device("cpu"))
+    with pytest.raises(calibrate.PlanError, match=r"token id 128 is not below the 128 rows of "
+                                                  r"model\.embed_tokens\.weight") as got:
+        lm.embed(torch.tensor([[1, 128]]))
+    assert "\n" not in str(got.value) and str(models["llama"]) in str(got.value)
+
+
+def test_a_failing_forward_is_a_refusal_and_other_errors_pass_unchanged(models, tmp_path, monkeypatch):
+    """Whatever transformers raises while the layers run is the same refusal (exit 2, nothing written);
+    fp4convert's own errors, MemoryError and Ctrl-C are not rewritten."""
+    from fp4convert.errors import QuantizationError
+
+    def failing(exc):
+        def run_layer(self, *a, **kw):
+            raise exc
+        return run_layer
+
+    monkeypatch.setattr(calibrate.LayerwiseModel, "run_layer", failing(RuntimeError("size of tensor a (3)\nmismatch")))
+    r = cli(models["llama"], tmp_path / "o1", "--input-weights", "random", "--calibration-samples", 2,
+            "--calibration-seq-len", 8)
+    line = _refusal(r, models["llama"])
+    assert "cannot run the model of this config.json" in line and "RuntimeError: size of tensor a (3) mismatch" in line
+    assert not (tmp_path / "o1").exists()
+    src = open_source(str(models["llama"]))
+    for exc in (QuantizationError("x"), MemoryError(), KeyboardInterrupt(), OSError(5, "EIO", "w.safetensors")):
+        monkeypatch.setattr(calibrate.LayerwiseModel, "run_layer", failing(exc))
+        with pytest.raises(type(exc)) as got:
+            calibrate.layerwise_amax(calibrate.LayerwiseModel(src, torch.device("cpu")), torch.ones(1, 4, dtype=torch.long))
+        assert got.value is exc
+        with pytest.raises(type(exc)) as got, calibrate.model_errors(src.root, {}, "run the model of", "or not"):
+            raise exc
+        assert got.value is exc
