@@ -4,7 +4,8 @@
 #   MODE=hub:   a Hub conversion against the plain download of the same files on the H100 host, whose
 #               converter outruns the link (benchmarks/hub_prefetch.py; hub_*.json / hub_*.txt).
 #   HUB_RATE (MB/s, default 40), HUB_REPS (3), HUB_DEVICES ("cpu auto"), HUB_CHECKOUTS ("main=."; e.g.
-#   "before=bench_main after=." with an older tree unpacked in bench_main/ by git archive).
+#   "before=bench_main after=." with an older tree unpacked in bench_main/ by git archive; bench_main/ is
+#   git-ignored, so pass it to the device with carry=["bench_main"]).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"

@@ -1,8 +1,0 @@
-"""``python -m fp4convert`` (and ``torchrun ... -m fp4convert``): the same command line as ``fp4convert``."""
-
-from __future__ import annotations
-
-from .cli import entry
-
-if __name__ == "__main__":
-    entry()
