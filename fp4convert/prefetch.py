@@ -78,10 +78,10 @@ class Prefetcher:
         self._downloading = n  # download threads not returned yet
         self._running = n + (check is not None)  # threads not returned yet
         self._ended = False  # every thread has returned
-        self._threads = [threading.Thread(target=self._run, args=(self._fetch_all,), name="fp4convert-prefetch",
+        self._threads = [threading.Thread(target=self._run, args=(self._fetch_all, True), name="fp4convert-prefetch",
                                           daemon=True) for _ in range(n)]
         if check is not None:
-            self._threads.append(threading.Thread(target=self._run, args=(self._check_all,),
+            self._threads.append(threading.Thread(target=self._run, args=(self._check_all, False),
                                                   name="fp4convert-prefetch-check", daemon=True))
         for t in self._threads:
             t.start()
@@ -160,14 +160,13 @@ class Prefetcher:
             return False
         return self._room is None or self._room(self.order[i], self._position)
 
-    def _run(self, work: Callable[[], None]) -> None:
+    def _run(self, work: Callable[[], None], downloads: bool) -> None:
         try:
             work()
         finally:
             with self._cv:
                 self._running -= 1
-                if work == self._fetch_all:
-                    self._downloading -= 1
+                self._downloading -= downloads
                 if self._running == 0:
                     self._ended = True
                 self._cv.notify_all()

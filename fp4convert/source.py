@@ -26,6 +26,7 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -86,6 +87,9 @@ def check_relative(rel: object, what: str) -> str:
     if any(p in ("", ".") for p in parts):
         raise OutsideSourceError(f"{what}: {_q(rel)} is not a normalised relative path")
     return rel
+
+
+ODD_NAME = "its name has characters a checkpoint file name cannot have (rename it to copy it)"
 
 
 def _odd_name(rel: str) -> bool:
@@ -170,7 +174,8 @@ def copy_rule(rel: str, skip_dirs: Mapping[str, str] | None = None) -> tuple[boo
     Copied: configs, tokenizer files, chat templates, generation/processor configs, licences, README,
     custom code, images, ``.gitattributes`` -- anything that is not one of: a weight file of any format
     or its index, a folder of another framework's export, fp4convert's own files, a hidden file or
-    folder, or a folder in ``skip_dirs`` (nested fp4convert outputs, the destination; folder -> reason).
+    folder, a folder in ``skip_dirs`` (nested fp4convert outputs, the destination; folder -> reason), or
+    a name no checkpoint file can have (a tab, a newline: refused when opened, so decided here).
     """
     is_dir = rel.endswith("/")
     parts = rel.rstrip("/").split("/")
@@ -187,7 +192,7 @@ def copy_rule(rel: str, skip_dirs: Mapping[str, str] | None = None) -> tuple[boo
         if low in WEIGHT_DIRS:
             return False, f"folder {dirs[i]}/ holds another framework's weights"
     if is_dir:
-        return True, "folder searched"
+        return (False, ODD_NAME) if _odd_name(rel.rstrip("/")) else (True, "folder searched")
     low = leaf.lower()
     if leaf in OWN_FILES or low.endswith(".partial"):
         return False, "fp4convert's own file"
@@ -203,7 +208,7 @@ def copy_rule(rel: str, skip_dirs: Mapping[str, str] | None = None) -> tuple[boo
     for s in WEIGHT_SUFFIXES:
         if low.endswith(s):
             return False, f"another weight format ({s})"
-    return True, "not a weight file"
+    return (False, ODD_NAME) if _odd_name(rel) else (True, "not a weight file")
 
 
 def hub_ignore_patterns() -> list[str]:
@@ -302,7 +307,7 @@ class Source:
     _config: dict | None = field(default=None, repr=False)
     _hashes: dict[str, tuple[str, str]] | None = field(default=None, repr=False)  # the Hub's per-file hashes
     _verified: set[str] = field(default_factory=set, repr=False)  # weight files checked against them
-    _verify_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards _file_locks
+    _verify_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # guards _file_locks, _hashes
     _file_locks: dict[str, threading.Lock] = field(default_factory=dict, repr=False)  # one per file: two
     # prefetch connections hash two files at once
     _prefetcher: Prefetcher | None = field(default=None, repr=False)  # Hub: shards fetched ahead (prefetch)
@@ -372,8 +377,6 @@ class Source:
                 if any((full / own).exists() for own in OWN_FILES):
                     skip[rel] = "a nested fp4convert output"
                 ok, why = copy_rule(rel + "/", skip)
-                if ok and _odd_name(rel):
-                    ok, why = False, "its name has characters a checkpoint file name cannot have (rename it to copy it)"
                 if ok:
                     keep_dirs.append(d)
                 else:
@@ -382,8 +385,6 @@ class Source:
             for name in sorted(filenames):
                 rel = rel_dir + name
                 ok, why = copy_rule(rel, skip)
-                if ok and _odd_name(rel):
-                    ok, why = False, "its name has characters a checkpoint file name cannot have (rename it to copy it)"
                 if ok:
                     ok, why = self._copyable(Path(dirpath) / name, why)
                 out.append(CopyDecision(rel, ok, why))
@@ -713,15 +714,14 @@ class Source:
             results = _in_daemon_threads([partial(_remote_header, self.repo_id, f, rev, self.token) for f in missing],
                                          HEADER_CONNECTIONS, "fp4convert-header")
             for file, result in zip(missing, results):
-                remote = result()  # raises a malformed header's error, first file first
+                remote = result.result()  # raises a malformed header's error, first file first
                 if remote is not None:
                     self._header_cache[file] = remote
             unread = [f for f in missing if f not in self._header_cache]
             if unread:
+                more = f" and {len(unread) - 1} more" if len(unread) > 1 else ""
                 log.warning("warning: %s: the Hub did not answer a range request for the header of %s%s; downloading "
-                            "%s to read %s", self.repo_id, _q(unread[0]),
-                            f" and {len(unread) - 1} more" if len(unread) > 1 else "",
-                            "it" if len(unread) == 1 else "them", "it" if len(unread) == 1 else "theirs")
+                            "whole shards to read their headers", self.repo_id, _q(unread[0]), more)
         finally:
             pending.set()  # a download waiting to compare its header goes on
             if self._prefetcher is not None:
@@ -784,12 +784,11 @@ def _cancellable_bar(cancelled: Callable[[], bool]) -> type:
     return CancellableBar
 
 
-def _in_daemon_threads(calls: list[Callable[[], object]], workers: int, name: str) -> list[Callable[[], object]]:
-    """Run ``calls`` on up to ``workers`` daemon threads; one getter per call, in order, that waits for
-    its result and returns it (or raises its exception). The threads never delay the process's exit."""
-    todo = list(enumerate(calls))
-    done: list[threading.Event] = [threading.Event() for _ in calls]
-    out: list[tuple[bool, object]] = [(False, None)] * len(calls)
+def _in_daemon_threads(calls: list[Callable[[], object]], workers: int, name: str) -> list[Future]:
+    """Run ``calls`` on up to ``workers`` daemon threads, one Future each, in order. Unlike a
+    ThreadPoolExecutor's, these threads never delay the process's exit (Ctrl-C on a stalled read)."""
+    todo = [(Future(), call) for call in calls]
+    futures = [f for f, _ in todo]
     lock = threading.Lock()
 
     def work() -> None:
@@ -797,27 +796,15 @@ def _in_daemon_threads(calls: list[Callable[[], object]], workers: int, name: st
             with lock:
                 if not todo:
                     return
-                i, call = todo.pop(0)
+                future, call = todo.pop(0)
             try:
-                out[i] = (True, call())
-            except BaseException as exc:  # noqa: BLE001 - handed to the getter
-                out[i] = (False, exc)
-            done[i].set()
+                future.set_result(call())
+            except BaseException as exc:  # noqa: BLE001 - raised by future.result()
+                future.set_exception(exc)
 
     for _ in range(max(1, min(workers, len(calls)))):
         threading.Thread(target=work, name=name, daemon=True).start()
-
-    def getter(i: int) -> Callable[[], object]:
-        def get() -> object:
-            done[i].wait()
-            ok, value = out[i]
-            if not ok:
-                assert isinstance(value, BaseException)
-                raise value
-            return value
-        return get
-
-    return [getter(i) for i in range(len(calls))]
+    return futures
 
 
 def _offline() -> bool:
