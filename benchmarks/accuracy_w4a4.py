@@ -8,7 +8,7 @@ log-probabilities and scoring) with activation quantization, evaluated as the en
 - every quantized linear's input is quantized on the fly per 16-block (NVFP4: E4M3 block scale
   ``E4M3(gs * bmax / 6)`` under the checkpoint's stored ``input_global_scale`` gs, the elements E2M1
   under ``gs / sf``, saturating) or per 32-block (MXFP4: dynamic E8M0, the reference's OCP rule), with
-  fp4convert's reference primitives (``fp4convert/reference.py``), by a forward pre-hook.
+  fp4convert's reference primitives (``fp4convert/numerics/reference.py``), by a forward pre-hook.
 
 The hook is checked against compressed-tensors' own activation quantization (transformers 5.24 +
 compressed-tensors 0.20 load ``input_global_scale`` and fake-quantize activations in the forward):
@@ -49,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import fp4convert  # noqa: E402,F401  (this checkout's, before accuracy.py puts its own root first)
-from fp4convert import reference as ref  # noqa: E402
+from fp4convert.numerics import reference as ref  # noqa: E402
 from fp4convert.calibrate import file_tokens  # noqa: E402
 
 sys.path.insert(1, str(Path(__file__).resolve().parent))
@@ -171,7 +171,7 @@ def stdlib_docstrings(path: Path) -> Path:
 
 def convert(bench: acc.Bench, dst: Path, **cfg) -> Path:
     from fp4convert.config import ConvertConfig
-    from fp4convert.convert import convert as run
+    from fp4convert.run.convert import convert as run
 
     run(str(bench.checkpoint), str(dst), ConvertConfig(format="compressed-tensors", device="cpu", overwrite=True, **cfg))
     return dst

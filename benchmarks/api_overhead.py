@@ -13,7 +13,7 @@ import time
 import torch
 
 import fp4convert
-from fp4convert.cuda import ops
+from fp4convert.kernels.cuda import ops
 
 
 def per_call_us(fn, n: int = 20000) -> float:
@@ -61,7 +61,7 @@ def main() -> None:
     row("ops._host_flags(lib, 1)", lambda: ops._host_flags(lib, 1))
     row("ops.quantize(host_flag) launch, no sync", lambda: ops.quantize(x, "nvfp4", a, None, False, host_flag=True), 5000)
     row("ops.quantize(host_flag) + sync", lambda: ops.quantize(x, "nvfp4", a, None, False, host_flag=True)[3](), 5000)
-    from fp4convert.cuda import api_ext
+    from fp4convert.kernels.cuda import api_ext
 
     glue = api_ext.wait()
     saved = api_ext._state.get("module")

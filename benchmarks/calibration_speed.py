@@ -48,7 +48,7 @@ if mode == "calibrate-only":
     out.update(layers=len(lm.layers), linears=len(amax), peak_weight_bytes=lm.peak_loaded)
 else:
     from fp4convert.config import ConvertConfig
-    from fp4convert.convert import convert
+    from fp4convert.run.convert import convert
     extra = {} if mode == "w4a16" else dict(activations="nvfp4", calibration_data=data,
                                             calibration_samples=int(samples), calibration_seq_len=int(seq_len))
     r = convert(src, dst, ConvertConfig(format="compressed-tensors", overwrite=True, **extra))

@@ -51,8 +51,8 @@ def main() -> None:
 
     import torch
 
-    from fp4convert import cpu, cpu_kernel
-    from fp4convert import reference as ref
+    from fp4convert.kernels import cpu, cpu_lib as cpu_kernel
+    from fp4convert.numerics import reference as ref
 
     info = {"cpus": os.cpu_count(), "shape": [args.rows, args.cols], "rotate": args.rotate}
     if args.build:

@@ -32,7 +32,7 @@ import time; t = time.perf_counter()
 from fp4convert import cpu_kernel
 lib = cpu_kernel.load()
 print(f'CPU kernel built and loaded in {time.perf_counter() - t:.1f} s:', cpu_kernel.spec().path())" 2>&1 | tee "$OUT/build.txt"
-( python3 -c "import torch; from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('CUDA kernels ready')" \
+( python3 -c "import torch; from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('CUDA kernels ready')" \
     > "$OUT/build_cuda.txt" 2>&1 || echo "CUDA build failed" >> "$OUT/build_cuda.txt" ) &
 cuda_build=$!
 

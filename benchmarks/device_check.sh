@@ -38,10 +38,10 @@ for name, c in sorted(counts.items()):
 EOF
 fi
 t0=$(date +%s)
-python3 -c 'import torch; from fp4convert.cuda import ops; print("build+first call:", ops.amax(torch.ones(1,16,16,device="cuda"), None))' 2>&1 | tee "$OUT/build.txt"
+python3 -c 'import torch; from fp4convert.kernels.cuda import ops; print("build+first call:", ops.amax(torch.ones(1,16,16,device="cuda"), None))' 2>&1 | tee "$OUT/build.txt"
 echo "build seconds: $(( $(date +%s) - t0 ))" | tee -a "$OUT/build.txt"
 t0=$(date +%s%N)
-python3 -c 'import torch; from fp4convert.cuda import ops; ops.amax(torch.ones(1,16,16,device="cuda"), None)' 2>&1
+python3 -c 'import torch; from fp4convert.kernels.cuda import ops; ops.amax(torch.ones(1,16,16,device="cuda"), None)' 2>&1
 echo "second process, cached library, import + CUDA init + first call: $(( ($(date +%s%N) - t0) / 1000000 )) ms" | tee -a "$OUT/build.txt"
 rc=0
 if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = quick ]; then

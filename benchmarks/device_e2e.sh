@@ -14,7 +14,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; lscpu | head -20; df -h /tmp | tail -1
   findmnt -no FSTYPE -T /tmp; git log -1 --oneline 2>/dev/null; } > "$OUT/env.txt" 2>&1
 t0=$(date +%s)
-python3 -c "import torch; from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" 2>&1 | tail -2
+python3 -c "import torch; from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" 2>&1 | tail -2
 python3 -c "from fp4convert import cpu_kernel; cpu_kernel.load(); print('cpu kernel ready')" 2>&1 | tail -2
 echo "build: $(( $(date +%s) - t0 )) s"
 if [ -n "${TESTS:-}" ]; then

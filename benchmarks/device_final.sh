@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-python3 -c "import torch; from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda'))"
+python3 -c "import torch; from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda'))"
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_pipeline.py tests/test_convert.py -k cuda 2>&1 | tail -2 | tee "$OUT/pipeline_tests.txt"
 timeout 200 python3 benchmarks/e2e_vs_copy.py --work /tmp/e2e --out "$OUT" --only moe --repeats 3 --no-cpu \
     --procs-per-gpu 0 2>&1 | tail -8 | tee "$OUT/moe.txt"
@@ -17,7 +17,7 @@ for arena in one default one default; do
     python3 -c "
 import sys, time
 from fp4convert import cli
-from fp4convert.backends import cpu as pipeline
+from fp4convert.quantize.backends import cpu as pipeline
 if '$arena' == 'default':
     pipeline._one_malloc_arena = lambda: None
 sys.argv = ['fp4convert', 'quantize', '/tmp/d2', '/tmp/d2out', '--device', 'cpu', '-q', '--overwrite']

@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVER
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; df -h /tmp | tail -1; git log -1 --oneline; } > "$OUT/env.txt" 2>&1
 t0=$(date +%s)
-python3 -c "import torch; from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" 2>&1 | tail -1
+python3 -c "import torch; from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" 2>&1 | tail -1
 python3 -c "from fp4convert import cpu_kernel; cpu_kernel.load(); print('cpu kernel ready')" 2>&1 | tail -1
 echo "build: $(( $(date +%s) - t0 )) s"
 TESTS="${TESTS:-tests/test_cuda_kernels.py tests/test_backend_cuda.py tests/test_pipeline.py tests/test_convert.py

@@ -13,7 +13,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
   git log -1 --oneline 2>/dev/null; } > "$OUT/env.txt" 2>&1
 [ -n "${HOST_IO:-}" ] && python3 benchmarks/host_io.py --pinned --work /tmp/hostio 2>&1 | tee "$OUT/host_io.json"
 t0=$(date +%s)
-python3 -c "import torch; from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" 2>&1 | tail -2
+python3 -c "import torch; from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" 2>&1 | tail -2
 echo "build: $(( $(date +%s) - t0 )) s"
 if [ -n "${TESTS:-}" ]; then
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -x $TESTS 2>&1 | tail -15 | tee "$OUT/tests.txt"
@@ -25,7 +25,7 @@ fi
 python3 -X importtime -c "import torch" 2> "$OUT/importtime.txt"; tail -1 "$OUT/importtime.txt"
 python3 -c "
 import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); torch.cuda.init(); torch.zeros(1, device='cuda'); t2 = time.perf_counter()
-from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda')); t3 = time.perf_counter()
+from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda')); t3 = time.perf_counter()
 print(f'import torch {t1 - t0:.2f} s, CUDA context {t2 - t1:.2f} s, kernels from cache {t3 - t2:.2f} s')"
 timeout ${E2E_TIMEOUT:-300} python3 benchmarks/e2e_vs_copy.py --work /tmp/e2e --out "$OUT" --layers "${E2E_LAYERS:-8}" \
     --repeats "${E2E_REPEATS:-3}" --procs-per-gpu 0 --no-cpu ${TORCH_ROW:+--torch-row} ${LANE_ROWS:+--lane-rows $LANE_ROWS} ${E2E_ONLY:+--only $E2E_ONLY} 2>&1 | tee "$OUT/e2e_vs_copy.txt"

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps .whl/py_spy-*.whl 2>&1 | tail -1
-python3 -c "import torch; from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" 2>&1 | tail -1
+python3 -c "import torch; from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" 2>&1 | tail -1
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; import e2e_vs_copy as e; e.dense(Path('/tmp/pd'), ${LAYERS:-8}); print(e.warm(Path('/tmp/pd')))"
 q="python3 -m fp4convert quantize /tmp/pd /tmp/pdo --json --max-shard-size 512MB --device cuda"
 for mode in idle gil; do

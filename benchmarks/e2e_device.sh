@@ -13,7 +13,7 @@ WORK="${E2E_WORK:-/tmp/e2e}"
   python3 -c "import torch, os; print('torch', torch.__version__, 'gpus', torch.cuda.device_count(), 'cpus', os.cpu_count())"
   df -h "$(dirname "$WORK")" | tail -1; git log -1 --oneline 2>/dev/null || true; } | tee "$OUT/env.txt"
 t0=$(date +%s)
-python3 -c "import torch; from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" \
+python3 -c "import torch; from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" \
     2>&1 | tail -3 | tee "$OUT/build.txt"
 echo "build: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.txt"
 python3 benchmarks/e2e_vs_copy.py --work "$WORK" --out "$OUT" --layers "${E2E_LAYERS:-8}" \

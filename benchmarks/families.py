@@ -21,9 +21,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import CompressedTensorsConfig  # noqa: E402
 
-from fp4convert import architectures as arch  # noqa: E402
+from fp4convert.plan import families as arch  # noqa: E402
 from fp4convert.config import ConvertConfig  # noqa: E402
-from fp4convert.convert import convert  # noqa: E402
+from fp4convert.run.convert import convert  # noqa: E402
 from tests import zoo  # noqa: E402
 
 KEPT_ROLES = ("router", "embedding", "lm_head", "vision", "projector", "norm", "mtp")

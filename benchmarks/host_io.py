@@ -184,7 +184,7 @@ def main() -> None:
     if a.pinned:
         import torch
 
-        from fp4convert.safetensors_io import tensor_memoryview
+        from fp4convert.storage.safetensors import tensor_memoryview
 
         pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         pv = tensor_memoryview(pinned)

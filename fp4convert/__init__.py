@@ -1,9 +1,9 @@
 """fp4convert: offline conversion of safetensors checkpoints to NVFP4 / MXFP4.
 
 The tensor API below is what the converter itself uses; the numerics live in
-:mod:`fp4convert.reference` (described in docs/numerics.md) and the kernels (built on first CUDA use)
-in :mod:`fp4convert.cuda`. The converter's data flow is source -> plan -> quantize -> write ->
-manifest (:mod:`fp4convert.convert`).
+:mod:`fp4convert.numerics.reference` (described in docs/numerics.md) and the kernels (built on first CUDA use)
+in :mod:`fp4convert.kernels.cuda`. The converter's data flow is source -> plan -> quantize -> write ->
+manifest (:mod:`fp4convert.run.convert`).
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import warnings
 # (it is not a dependency), so the warning would only confuse users of a fresh install.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from .errors import ConfigError, FP4ConvertError, NonFiniteError, QuantizationError, ShapeError
-from .scheme import MXFP4, NVFP4, SCHEMES, Scheme
-from .version import __version__
+from fp4convert.errors import ConfigError, FP4ConvertError, NonFiniteError, QuantizationError, ShapeError
+from fp4convert.numerics.scheme import MXFP4, NVFP4, SCHEMES, Scheme
+from fp4convert.version import __version__
 
 # The tensor API needs torch; it is imported on first use, so the command line (``--help``,
 # ``--version``, option errors, Ctrl-C during start-up) answers without paying torch's start-up.
 _LAZY = {
-    "QuantizedTensor": "tensor", "amax": "tensor", "dequantize": "tensor", "quantize": "tensor",
-    "swizzle_scales": "swizzle", "unswizzle_scales": "swizzle",
+    "QuantizedTensor": "kernels.tensor", "amax": "kernels.tensor", "dequantize": "kernels.tensor",
+    "quantize": "kernels.tensor", "swizzle_scales": "numerics.swizzle", "unswizzle_scales": "numerics.swizzle",
 }
 
 

@@ -33,16 +33,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .backend import InputWeight
-from .errors import Cancelled, FP4ConvertError, PlanError, QuantizationError, RankStopped
-from .plan import QUANTIZE
+from fp4convert.errors import Cancelled, FP4ConvertError, PlanError, QuantizationError, RankStopped
+from fp4convert.plan.types import QUANTIZE
+from fp4convert.quantize.backend import InputWeight
 
 if TYPE_CHECKING:
     import torch
 
-    from .config import ConvertConfig
-    from .plan import Plan
-    from .source import Source
+    from fp4convert.config import ConvertConfig
+    from fp4convert.plan.planner import Plan
+    from fp4convert.source.source import Source
 
 log = logging.getLogger(__name__)
 
@@ -441,7 +441,7 @@ class LayerwiseModel:
         layers already done are not kept mapped, so resident memory stays one layer's)."""
         import torch
 
-        from .safetensors_io import torch_dtypes
+        from fp4convert.storage.safetensors import torch_dtypes
 
         info = self.infos.get(name)
         if info is None:
@@ -682,7 +682,7 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
     """
     import torch
 
-    from .reference import had16
+    from fp4convert.numerics.reference import had16
 
     amax: dict[str, torch.Tensor] = {}
     sums: dict[str, list] = {}
@@ -733,7 +733,7 @@ class Statistics:
 
     ``amax`` / ``calibration``: W4A4 NVFP4's activation amax per quantized module (fused and expert
     groups at their max) and its manifest record; ``input_weights``: each quantized matrix's input
-    weight (module -> :class:`~fp4convert.backend.InputWeight`; fused members share one object) and
+    weight (module -> :class:`~fp4convert.quantize.backend.InputWeight`; fused members share one object) and
     ``input_weight_record``, the identity entry that describes them (source, tokens, seed, digest).
     """
 
@@ -751,7 +751,7 @@ def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Sta
     modules = quantized_modules(plan)
     amax_pass = config.activations == "nvfp4"
     if amax_pass and config.activation_scale == "constant":
-        from .formats.base import CONSTANT_AMAX
+        from fp4convert.formats.base import CONSTANT_AMAX
 
         out.amax = {m: CONSTANT_AMAX for m in modules}
         out.calibration = {"method": "constant", "amax": CONSTANT_AMAX}

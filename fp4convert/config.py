@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import ConfigError
-from .formats import DEFAULT_FORMAT, OUTPUT_FORMATS
-from .scheme import SCHEMES, check_rotation
+from fp4convert.errors import ConfigError
+from fp4convert.formats import DEFAULT_FORMAT, OUTPUT_FORMATS
+from fp4convert.numerics.scheme import SCHEMES, check_rotation
 
 DEFAULT_MAX_SHARD = 5 * 10**9
 ACTIVATIONS = ("none", "nvfp4", "mxfp4")
@@ -53,7 +53,7 @@ class ConvertConfig:
     revision: str | None = None
     verify_source: bool = False  # hash the source in full (recorded; --resume compares it)
     lanes: int = 0  # output shards written by this many lanes side by side in one process; 0: auto
-    backend: str | None = None  # what quantizes (fp4convert.backends); None: chosen from the device and the plan
+    backend: str | None = None  # what quantizes (fp4convert.quantize.backends); None: chosen from the device and the plan
     allow_no_config: bool = False  # convert a source without config.json (nothing can load the output)
     base_model: str | None = None  # the model card's base_model (None: derived from the source)
     # W4A4 (docs/formats.md "W4A4"): activation quantization the engines apply, and how its static
@@ -82,15 +82,13 @@ class ConvertConfig:
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|(cpu|cuda)(:\d+)?", self.device):
             # checked here, without torch (resolve_device, at run time, finds whether the GPU is there)
             raise ConfigError(f"--device {self.device!r} is not supported; use auto, cpu or cuda[:N]")
-        if self.backend is not None:
-            from .backend import backend_names
-
-            if self.backend not in backend_names():
-                raise ConfigError(f"--backend {self.backend!r}: choose one of {', '.join(backend_names())}")
+        if self.backend is not None and not (isinstance(self.backend, str) and re.fullmatch(r"[a-z][a-z0-9-]*", self.backend)):
+            # a name only: which backends exist is the quantize stage's registry, checked when it opens one
+            raise ConfigError(f"--backend {self.backend!r} is not a backend name (see --help for the choices)")
         if not isinstance(self.lanes, int) or self.lanes < 0:
             raise ConfigError(f"--lanes {self.lanes!r}: give a number of lanes (1 or more), or 0 to choose automatically")
         if self.base_model is not None:
-            from .modelcard import valid_repo_id
+            from fp4convert.storage.names import valid_repo_id
 
             if not valid_repo_id(self.base_model):
                 raise ConfigError(f"--base-model {self.base_model!r} is not a Hub model id (org/name)")

@@ -183,8 +183,8 @@ class DefinitionUnknown(Exception):
 
 
 class BuildFailed(Exception):
-    """A lazy build's default error (fp4convert.jit): the compiler is missing or failed (callers usually fall back)."""
+    """A lazy build's default error (fp4convert.kernels.jit): the compiler is missing or failed (callers usually fall back)."""
 
 
 class Cancelled(Exception):
-    """Raised inside a Hub download or a checksum pass when the prefetcher stops (fp4convert.prefetch)."""
+    """Raised inside a Hub download or a checksum pass when the prefetcher stops (fp4convert.source.prefetch)."""

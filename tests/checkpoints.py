@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from fp4convert.safetensors_io import ITEMSIZE, TensorInfo
+from fp4convert.storage.safetensors import ITEMSIZE, TensorInfo
 
 BF16 = torch.bfloat16
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -301,7 +301,7 @@ def shard_with(root: Path, name: str) -> Path:
 
 
 def chunked_sha256(data: bytes) -> str:
-    """docs/formats.md's definition, written out independently of fp4convert.checksum: the sha256 of
+    """docs/formats.md's definition, written out independently of fp4convert.storage.checksum: the sha256 of
     the concatenated sha256 digests of the data's 16 MiB chunks."""
     return hashlib.sha256(b"".join(hashlib.sha256(data[o : o + (16 << 20)]).digest()
                                    for o in range(0, len(data), 16 << 20))).hexdigest()
@@ -374,7 +374,7 @@ def tree(root: Path) -> dict[str, str]:
 def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
     """Make a convert() die at the first quantized item after a shard has been finished; ``hard``: like a
     kill -9, no cleanup at all (.partial files stay behind)."""
-    import fp4convert.work as work
+    import fp4convert.run.work as work
 
     real = work.quantize
 
@@ -388,7 +388,7 @@ def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
     # crashes the writer thread itself).
     inline_writes(monkeypatch)
     if hard:
-        from fp4convert.writer.shards import ShardFile
+        from fp4convert.output.shards import ShardFile
 
         monkeypatch.setattr(ShardFile, "abort", lambda self: True)
 
@@ -397,8 +397,8 @@ def inline_writes(monkeypatch) -> None:
     """Every write of a run (an item's writes, a kept copy's pieces, a finished chunk's hash, a finished
     shard's record, sync and rename) in the thread that queued it, in order: a run's writes are then
     done when the next item starts."""
-    import fp4convert.schedule as schedule
-    from fp4convert.writer import shards
+    import fp4convert.quantize.items as schedule
+    from fp4convert.output import shards
 
     monkeypatch.setattr(schedule.WriteBehind, "submit", lambda self, job, light=False, held=True: job())
     monkeypatch.setattr(shards, "background", _inline)
@@ -459,17 +459,17 @@ def cli_watching_torch(tmp: Path, *args, env: dict | None = None):
 
 def definitions_in_process(mp, like_child: bool = False) -> None:
     """Build model definitions in this process (the caller already imported transformers, or will pay
-    for it once): the planner's child (``python -m fp4convert.modeldef``) would cost a Python start and
+    for it once): the planner's child (``python -m fp4convert.plan.definition``) would cost a Python start and
     transformers' imports per model (1-2 s; the sweep builds one per architecture, the checkpoint fuzzer
     one per mutated config.json). The request and the answer still go through JSON, as they do through
     the child.
 
-    ``like_child``: an unexpected exception while building becomes :class:`fp4convert.modeldef.Unknown`
+    ``like_child``: an unexpected exception while building becomes :class:`fp4convert.plan.definition.Unknown`
     with the message the planner gives for a child that failed, so a caller that judges the CLI's exit
     codes (the fuzzer) sees what a user would see; without it the exception propagates (the sweep wants
     the traceback).
     """
-    from fp4convert import modeldef
+    from fp4convert.plan import definition as modeldef
 
     def build(model_config: dict, tensors: list) -> object:
         req = json.loads(json.dumps({"config": model_config, "tensors": [[t.name, list(t.shape)] for t in tensors]},

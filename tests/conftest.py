@@ -18,7 +18,7 @@ import pytest
 _ZYGOTE = r"""
 import json, os, resource, signal, sys, time
 import fp4convert.cli
-import fp4convert.convert, fp4convert.export, fp4convert.inspect  # torch and the work modules, before the forks
+import fp4convert.run.convert, fp4convert.checkpoint.export, fp4convert.checkpoint.inspect  # torch and the work modules, before the forks
 import transformers, transformers.conversion_mapping, transformers.core_model_loading  # the planner's model definitions
 from fp4convert.cli import main
 out = sys.stdout
@@ -107,7 +107,7 @@ class CliProcs:
 
 @pytest.fixture(scope="session", autouse=True)
 def _definition_cache(tmp_path_factory):
-    """Model definitions cached per test session (fp4convert.modeldef.cache_dir), not in the user's cache:
+    """Model definitions cached per test session (fp4convert.plan.definition.cache_dir), not in the user's cache:
     the first plan of each model pays for transformers, later ones read the cache, as a user's runs do."""
     old = os.environ.get("FP4CONVERT_DEFINITION_CACHE")
     os.environ["FP4CONVERT_DEFINITION_CACHE"] = str(tmp_path_factory.mktemp("definitions"))

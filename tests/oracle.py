@@ -3,7 +3,7 @@
 Python floats are doubles; every fp32 operation is computed in double and rounded to fp32 with
 ``f32``. For +, -, *, / of two fp32 values that double rounding is exact (53 >= 2*24 + 2), so these
 are true fp32 results. E2M1 and E4M3 are found by brute force over their value sets, so nothing here
-shares logic with :mod:`fp4convert.reference`.
+shares logic with :mod:`fp4convert.numerics.reference`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ pytest.importorskip("accelerate", reason="transformers' GGUF loading needs accel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import accuracy  # noqa: E402
 
-from fp4convert import reference as ref  # noqa: E402
+from fp4convert.numerics import reference as ref  # noqa: E402
 
 
 @pytest.fixture(scope="module")

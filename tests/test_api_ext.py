@@ -1,4 +1,4 @@
-"""The public API's C++ glue (fp4convert/cuda/api_ext.py, csrc/fp4c_api.cpp), built with the C++ compiler
+"""The public API's C++ glue (fp4convert/kernels/cuda/api_ext.py, csrc/fp4c_api.cpp), built with the C++ compiler
 against the installed torch. On the CPU it is driven with a stand-in launcher (a ctypes callback) to
 check what it allocates and what it hands the launcher; on a GPU the public API's bytes through it
 are compared with the reference in tests/test_cuda_kernels.py."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4convert.cuda import api_ext
+from fp4convert.kernels.cuda import api_ext
 
 pytestmark = pytest.mark.skipif(
     api_ext.compiler() is None or not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file(),
@@ -85,7 +85,7 @@ def test_glue_off_switch_and_failed_build_leave_the_python_path(tmp_path, monkey
     monkeypatch.delenv("FP4CONVERT_API_GLUE")
     monkeypatch.setenv("FP4CONVERT_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false --not-a-compiler")  # a command with arguments, which fails
-    with caplog.at_level(logging.INFO, logger="fp4convert.cuda"):
+    with caplog.at_level(logging.INFO, logger="fp4convert.kernels.cuda"):
         assert api_ext.wait() is None
     assert api_ext._state["module"] is None and api_ext.get() is None
     assert any("C++ glue is unavailable" in r.message for r in caplog.records)
@@ -98,7 +98,7 @@ def test_the_package_ships_every_source_the_lazy_builds_need() -> None:
     import tomllib
 
     root = Path(__file__).resolve().parents[1]
-    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["fp4convert.cuda"]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["fp4convert.kernels.cuda"]
     needed = [p for p in (root / "csrc").iterdir() if p.suffix in (".cu", ".cuh", ".cpp")]
     assert any(p.name == api_ext.SOURCE for p in needed)
     for p in needed:

@@ -1,4 +1,4 @@
-"""fp4convert.architectures on real names: every table and function against checkpoints saved by the
+"""fp4convert.plan.families on real names: every table and function against checkpoints saved by the
 transformers classes themselves (tests/zoo.py), and against the modules transformers builds."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fp4convert import architectures as arch  # noqa: E402
+from fp4convert.plan import families as arch  # noqa: E402
 
 from . import zoo  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The backend seam (fp4convert.backend): the group amax, the two passes' order, the refusal, the registry."""
+"""The backend seam (fp4convert.quantize.backend): the group amax, the two passes' order, the refusal, the registry."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import sys
 import pytest
 import torch
 
-from fp4convert.backend import Result, backend_names, get_backend, refuse_nonfinite, two_passes, unit_amax
+from fp4convert.quantize.backend import Result, backend_names, get_backend, refuse_nonfinite, two_passes, unit_amax
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import plan_conversion
+from fp4convert.run.convert import choose_backend, plan_conversion
+from fp4convert.run.distributed import World
 from fp4convert.errors import ConfigError, NonFiniteError
-from fp4convert.schedule import Batch
+from fp4convert.quantize.items import Batch
 
 from . import checkpoints as ck
 
@@ -53,8 +54,8 @@ class _Item:
 
 
 def test_two_passes_refuses_before_pass_2_and_releases() -> None:
-    from fp4convert.scheme import MXFP4, NVFP4
-    from fp4convert.backend import Settings
+    from fp4convert.numerics.scheme import MXFP4, NVFP4
+    from fp4convert.quantize.backend import Settings
 
     item = _Item(["a", "b"], [0, 0])
     calls, released = [], []
@@ -76,9 +77,11 @@ def test_registry_lists_the_backend_modules_without_importing_them() -> None:
     assert get_backend("cpu").name == "cpu" and get_backend("stacked").devices == ("cuda", "cpu")
     with pytest.raises(ConfigError, match="unknown backend 'gguf'"):
         get_backend("gguf")
-    with pytest.raises(ConfigError, match="--backend 'nope'"):
-        ConvertConfig(backend="nope")
-    code = "import sys; from fp4convert.backend import backend_names; backend_names(); print('torch' in sys.modules)"
+    with pytest.raises(ConfigError, match="--backend 'nope': choose one of cpu, cpu-native, cuda, stacked"):
+        choose_backend(ConvertConfig(backend="nope"), World(), None)
+    with pytest.raises(ConfigError, match="--backend 'No Such' is not a backend name"):
+        ConvertConfig(backend="No Such")
+    code = "import sys; from fp4convert.quantize.backend import backend_names; backend_names(); print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
@@ -89,7 +92,7 @@ def test_a_matrix_whose_global_scale_saturates_is_named_in_a_warning(tmp_path, b
     tensor and what to do; a normal matrix next to it is not named."""
     from click.testing import CliRunner
 
-    from fp4convert.cli import main
+    from fp4convert.cli.main import main
 
     cfg = ck.llama_config(layers=1)
     t = ck.llama_tensors(cfg)

@@ -1,4 +1,4 @@
-"""The ``cuda`` backend (fp4convert.backends.cuda, fp4convert.cuda.runtime): which runs take it, the bytes
+"""The ``cuda`` backend (fp4convert.quantize.backends.cuda, fp4convert.kernels.cuda.runtime): which runs take it, the bytes
 it writes (the ``stacked`` backend's and the CPU's, on the GPU), its error answers, and the host pieces
 it has instead of torch (the kept tensors' NaN/Inf scan, pinned size classes, its launch bookkeeping)."""
 
@@ -13,14 +13,14 @@ import struct
 import pytest
 import torch
 
-from fp4convert import reference as ref
-from fp4convert.backend import Settings
-from fp4convert.backends.cuda import CudaBackend
+from fp4convert.numerics import reference as ref
+from fp4convert.quantize.backend import Settings
+from fp4convert.quantize.backends.cuda import CudaBackend
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import choose_backend, convert, plan_conversion
-from fp4convert.distributed import World
+from fp4convert.run.convert import choose_backend, convert, plan_conversion
+from fp4convert.run.distributed import World
 from fp4convert.formats import get_format
-from fp4convert.schedule import Batch
+from fp4convert.quantize.items import Batch
 
 AUTO_LANES = CudaBackend.auto_lanes
 
@@ -135,7 +135,7 @@ def test_torch_free_path_flags_nan_in_a_kept_tensor(tmp_path) -> None:
                                        ("F8_E5M2", torch.float8_e5m2)])
 def test_host_scan_of_every_bit_pattern(dtype, tdt) -> None:
     """The library's host scan agrees with torch.isfinite on every 8/16-bit pattern, alone and in a long run."""
-    from fp4convert.cuda.runtime import Runtime
+    from fp4convert.kernels.cuda.runtime import Runtime
 
     rt = Runtime(0)
     width = torch.finfo(tdt).bits
@@ -160,7 +160,7 @@ def test_host_scan_of_every_bit_pattern(dtype, tdt) -> None:
 @GPU
 @pytest.mark.parametrize("dtype,tdt", [("F32", torch.float32), ("F64", torch.float64)])
 def test_host_scan_wide_floats(dtype, tdt) -> None:
-    from fp4convert.cuda.runtime import Runtime
+    from fp4convert.kernels.cuda.runtime import Runtime
 
     rt = Runtime(0)
     seed = int(torch.randint(0, 2**31, ()).item())
@@ -177,7 +177,7 @@ def test_host_scan_wide_floats(dtype, tdt) -> None:
 def test_pinned_size_classes() -> None:
     """Pinned buffers come in classes: small requests share the 64 KiB class, large ones waste <= 25%,
     and sizes are 64 KiB multiples (so a freed buffer fits the next similar request exactly)."""
-    from fp4convert.cuda.runtime import SMALL, size_class
+    from fp4convert.kernels.cuda.runtime import SMALL, size_class
 
     assert size_class(1) == size_class(4 * 128) == SMALL
     for n in (SMALL + 1, 3 << 20, 18_500_000, 63_000_000, 64 << 20, 117 << 20, (1 << 30) + 1):
@@ -230,7 +230,7 @@ class _StampLib:
         return self.fp4c_quantize(x, dt, fmt, rot, swz, rule, b, m, k, amax, gs, packed, scale, flag, st)
 
     def fp4c_quantize(self, x, dt, fmt, rot, swz, rule, b, m, k, amax, gs, packed, scale, flag, st):
-        from fp4convert.swizzle import padded_shape
+        from fp4convert.numerics.swizzle import padded_shape
 
         rows, cols = padded_shape(m, k // (16 if fmt == 0 else 32)) if swz else (m, k // (16 if fmt == 0 else 32))
         for i in range(b):
@@ -284,8 +284,8 @@ def test_group_launches_keep_every_member_apart(scheme, swizzle) -> None:
     import random
     from types import SimpleNamespace
 
-    from fp4convert.schedule import grouped_offsets
-    from fp4convert.scheme import get_scheme
+    from fp4convert.quantize.items import grouped_offsets
+    from fp4convert.numerics.scheme import get_scheme
 
     seed = int(torch.randint(0, 2**31, ()).item())
     rng = random.Random(seed)

@@ -27,11 +27,11 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-import fp4convert.work as work
-from fp4convert.cli import main
+import fp4convert.run.work as work
+from fp4convert.cli.main import main
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert
-from fp4convert.writer.shards import ShardFile
+from fp4convert.run.convert import convert
+from fp4convert.output.shards import ShardFile
 
 from . import checkpoints as ck
 
@@ -690,7 +690,7 @@ def disk_full_keeps_preexisting_empty_dst(c: Ctx) -> None:
 
 @case
 def disk_full_writing_progress_then_resume(c: Ctx) -> None:
-    import fp4convert.writer.record as record
+    import fp4convert.output.record as record
 
     dst = c.tmp / "q"
     real = record.atomic_write
@@ -711,8 +711,8 @@ def disk_full_writing_progress_then_resume(c: Ctx) -> None:
 
 @case
 def disk_full_copying_other_files_then_resume(c: Ctx) -> None:
-    import fp4convert.writer.files as files
-    import fp4convert.writer.finish as finish
+    import fp4convert.output.files as files
+    import fp4convert.output.finish as finish
 
     dst = c.tmp / "q"
     real = finish._copy_file
@@ -768,7 +768,7 @@ def io_error_writing_shard(c: Ctx) -> None:
 
 @case
 def io_error_reading_source(c: Ctx) -> None:
-    import fp4convert.safetensors_io as sio  # the read-ahead thread imports read_many from here lazily
+    import fp4convert.storage.safetensors as sio
 
     bad = c.src / "model-00002-of-00003.safetensors"
     real = sio.read_many
@@ -789,7 +789,7 @@ def source_unreadable_while_copying(c: Ctx) -> None:
     real_open = os.open
 
     def deny(path, *a, **k):  # only the writer's open of a kept tensor's source file (the reader's still works)
-        if sys._getframe(1).f_globals.get("__name__") == "fp4convert.writer.shards" \
+        if sys._getframe(1).f_globals.get("__name__") == "fp4convert.output.shards" \
                 and str(path).endswith("model-00003-of-00003.safetensors") and Path(path).is_relative_to(c.src):
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return real_open(path, *a, **k)
@@ -800,8 +800,8 @@ def source_unreadable_while_copying(c: Ctx) -> None:
 
 @case
 def user_partial_file_survives_a_failed_finish(c: Ctx) -> None:
-    import fp4convert.writer.files as files
-    import fp4convert.writer.finish as finish
+    import fp4convert.output.files as files
+    import fp4convert.output.finish as finish
 
     dst = c.tmp / "q"
     dst.mkdir()
@@ -937,7 +937,7 @@ def ctrl_c_at_the_first_quantized_tensor(c: Ctx) -> None:
 
 @case
 def ctrl_c_while_checking_the_destination(c: Ctx) -> None:
-    import fp4convert.writer.destination as destination
+    import fp4convert.output.destination as destination
 
     dst = c.tmp / "q"
     c.mp.setattr(destination, "_check_space", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -947,7 +947,7 @@ def ctrl_c_while_checking_the_destination(c: Ctx) -> None:
 
 @case
 def ctrl_c_while_finishing(c: Ctx) -> None:
-    import fp4convert.writer.finish as finish
+    import fp4convert.output.finish as finish
 
     dst = c.tmp / "q"
     real = finish._copy_file
@@ -1093,7 +1093,7 @@ def export_into_its_source(c: Ctx) -> None:
 @case
 def export_then_resume_after_interruption(c: Ctx) -> None:
     native = _native(c)
-    import fp4convert.export as export_mod
+    import fp4convert.checkpoint.export as export_mod
 
     real = export_mod.load_quantized
     out = c.tmp / "ct"

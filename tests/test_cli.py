@@ -10,9 +10,9 @@ import torch
 from click.testing import CliRunner
 
 import fp4convert
-from fp4convert.cli import main
+from fp4convert.cli.main import main
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert
+from fp4convert.run.convert import convert
 
 from . import checkpoints as ck
 from . import zoo
@@ -126,7 +126,7 @@ def test_dry_run_matches_the_real_run(src, tmp_path) -> None:
     assert real["bytes_out"] <= size < real["bytes_out"] + 200 * n_out  # + the headers
 
 
-# --- exit codes (fp4convert/cli.py docstring: 2 settings/plan, 3 tensor, 4 source, 5 output) -------
+# --- exit codes (fp4convert/cli/main.py docstring: 2 settings/plan, 3 tensor, 4 source, 5 output) -------
 
 def assert_error(r, code: int, *words: str) -> None:
     assert r.exit_code == code, (r.exit_code, r.output)
@@ -300,7 +300,7 @@ def test_exit_7_no_gpu_for_device_cuda(src, tmp_path, monkeypatch) -> None:
 
 
 def test_ctrl_c_exits_130_with_a_resume_hint(src, tmp_path, monkeypatch) -> None:
-    import fp4convert.work as conv
+    import fp4convert.run.work as conv
 
     real, calls = conv.quantize, []
 
@@ -373,7 +373,7 @@ def test_sigint_in_a_real_process(tmp_path) -> None:
 def test_progress_lines_when_not_a_tty(src, tmp_path, monkeypatch) -> None:
     import time
 
-    import fp4convert.work as conv
+    import fp4convert.run.work as conv
 
     real = conv.quantize
 
@@ -534,8 +534,8 @@ def test_choices_are_case_insensitive(src, tmp_path) -> None:
 @pytest.mark.parametrize("command", ["inspect", "export"])
 def test_ctrl_c_in_inspect_and_export_gives_their_own_hint(src, tmp_path, monkeypatch, command) -> None:
     """Ctrl-C in inspect printed quantize's '--resume' hint."""
-    import fp4convert.export as exp
-    import fp4convert.inspect as insp
+    import fp4convert.checkpoint.export as exp
+    import fp4convert.checkpoint.inspect as insp
 
     native = tmp_path / "native"
     assert run("quantize", src, native, "--device", "cpu", "-q").exit_code == 0
@@ -628,7 +628,7 @@ class _Recorder:
 def test_inspect_and_export_show_progress(src, tmp_path, monkeypatch, command) -> None:
     """Issue 23 item 17: inspect --verify and export were 18 s of silence on a 374 MB model. Their bar
     counts every byte they read; --quiet (and --json) show none."""
-    import fp4convert.cli as cli_mod
+    import fp4convert.cli.main as cli_mod
 
     native = tmp_path / "native"
     assert run("quantize", src, native, "--device", "cpu", "-q").exit_code == 0

@@ -4,12 +4,12 @@ the result with transformers + compressed-tensors.
 Every family of tests/zoo.py is built (tiny, random, saved with ``save_pretrained``), converted with
 ``fp4convert quantize SRC DST --format compressed-tensors --device cpu --quiet`` and checked for:
 
-- >= 95% of linear and expert parameters quantized (roles from fp4convert.architectures, actions
+- >= 95% of linear and expert parameters quantized (roles from fp4convert.plan.families, actions
   from the manifest);
 - routers, embeddings, lm_head, norms, vision tower and projector kept;
 - ``ignore`` naming modules as transformers builds them (plus ``lm_head`` when tied), and nothing
   that is not a module of the model;
-- every group vLLM fuses (fp4convert.architectures.FUSED_MODULES, and gate/up of each stacked
+- every group vLLM fuses (fp4convert.plan.families.FUSED_MODULES, and gate/up of each stacked
   expert) sharing one global scale, read from the output files;
 - loading with no missing / unexpected / mismatched keys, both through the dequantizing path and
   through the compressed path (the one that applies ``ignore``);
@@ -39,8 +39,8 @@ from click.testing import CliRunner  # noqa: E402
 from transformers import CompressedTensorsConfig  # noqa: E402
 
 import fp4convert  # noqa: E402
-from fp4convert import architectures as arch  # noqa: E402
-from fp4convert.cli import main  # noqa: E402
+from fp4convert.plan import families as arch  # noqa: E402
+from fp4convert.cli.main import main  # noqa: E402
 
 from . import zoo  # noqa: E402
 

@@ -11,14 +11,14 @@ import torch
 from safetensors import safe_open
 
 import fp4convert
-import fp4convert.convert as convert_mod
-import fp4convert.work as work
-from fp4convert import reference as ref
+import fp4convert.run.convert as convert_mod
+import fp4convert.run.work as work
+from fp4convert.numerics import reference as ref
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert
+from fp4convert.run.convert import convert
 from fp4convert.errors import OutputError, PlanError, SourceError
 from fp4convert.errors import NonFiniteError
-from fp4convert.writer.shards import ShardFile
+from fp4convert.output.shards import ShardFile
 
 from . import checkpoints as ck
 
@@ -489,7 +489,7 @@ def test_cuda_families_and_inputs_give_the_same_bytes(tmp_path, variant, rule) -
 ])
 def test_cuda_device_always_has_an_index(monkeypatch, world, current, want) -> None:
     """torch.cuda.set_device and the worker threads refuse a bare 'cuda': resolve_device names the GPU."""
-    from fp4convert.distributed import World
+    from fp4convert.run.distributed import World
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -497,7 +497,7 @@ def test_cuda_device_always_has_an_index(monkeypatch, world, current, want) -> N
     w = World(*world) if world else World()
     for name in ("cuda", "auto"):
         if name == "auto":
-            from fp4convert.cuda import ops
+            from fp4convert.kernels.cuda import ops
 
             monkeypatch.setattr(ops, "ensure_loaded", lambda dev: None)
         dev = convert_mod.resolve_device(name, w)
@@ -523,6 +523,6 @@ def test_kept_dtype_bf16_for_a_kept_quantized_input(tmp_path, backend) -> None:
     assert all(torch.equal(a[n], b[n]) for n in a if n != kept)  # the rest of the source was bf16 already
     rec = json.loads((tmp_path / "b" / "fp4convert.json").read_text())["tensors"][kept]
     assert rec["dtype"] == "F32" and rec["outputs"][kept]["dtype"] == "BF16"
-    from fp4convert.inspect import inspect_checkpoint
+    from fp4convert.checkpoint.inspect import inspect_checkpoint
 
     assert inspect_checkpoint(str(tmp_path / "b"), check_files=True)["ok"]

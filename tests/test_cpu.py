@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import fp4convert
-from fp4convert import cpu, cpu_kernel, jit
-from fp4convert import reference as ref
-from fp4convert.swizzle import swizzle_scales
+from fp4convert.kernels import cpu, cpu_lib as cpu_kernel, jit
+from fp4convert.numerics import reference as ref
+from fp4convert.numerics.swizzle import swizzle_scales
 
 from .oracle import fresh_seed, random_weight
 

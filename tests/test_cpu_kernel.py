@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import fp4convert
-from fp4convert import cpu, cpu_kernel, jit
-from fp4convert import reference as ref
+from fp4convert.kernels import cpu, cpu_lib as cpu_kernel, jit
+from fp4convert.numerics import reference as ref
 from fp4convert.errors import RotationOverflowError
-from fp4convert.swizzle import swizzle_scales
+from fp4convert.numerics.swizzle import swizzle_scales
 
 from .oracle import fresh_seed, random_weight
 
@@ -455,7 +455,7 @@ def test_no_compiler_warns_once_and_the_torch_path_gives_the_same_bytes(tmp_path
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("fp4convert.cpu")
+    logger = logging.getLogger("fp4convert.kernels.cpu")
     logger.addHandler(handler)
     try:
         a = fp4convert.quantize(x, backend="cpu")
@@ -504,7 +504,7 @@ def test_no_compiler_on_path(tmp_path, monkeypatch) -> None:
 
 
 def test_import_builds_nothing(tmp_path) -> None:
-    code = "import fp4convert, fp4convert.cpu, fp4convert.cpu_kernel; print('ok')"
+    code = "import fp4convert, fp4convert.kernels.cpu, fp4convert.kernels.cpu_lib; print('ok')"
     env = {**os.environ, "FP4CONVERT_CACHE_DIR": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
                          cwd=Path(__file__).resolve().parents[1])

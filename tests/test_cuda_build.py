@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from fp4convert import FP4ConvertError
-from fp4convert.cuda import build
+from fp4convert.kernels.cuda import build
 from fp4convert.errors import CUDABuildError, CUDAKernelError, CUDAUnavailableError
 
 
 def test_import_builds_nothing(tmp_path) -> None:
-    code = "import fp4convert, fp4convert.cuda.ops as o; o.available(); print('ok')"
+    code = "import fp4convert, fp4convert.kernels.cuda.ops as o; o.available(); print('ok')"
     env = {"FP4CONVERT_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "ok"
@@ -124,7 +124,7 @@ def test_build_is_cached_per_arch_and_hash(tmp_path, monkeypatch) -> None:
 
 def test_scale_rule_codes() -> None:
     """The launchers' rule codes (docs/numerics.md "Scale rules" order) and the refusals, checked before any launch."""
-    from fp4convert.cuda import ops
+    from fp4convert.kernels.cuda import ops
 
     assert [ops.scale_rule_code("nvfp4", r) for r in ("max", "4over6", "mse", "wmse")] == [0, 1, 2, 3]
     assert [ops.scale_rule_code("mxfp4", r) for r in ("floor", "rceil", "mse", "wmse")] == [0, 1, 2, 3]

@@ -16,12 +16,12 @@ import torch
 
 import fp4convert
 from fp4convert import NonFiniteError
-from fp4convert import reference as ref
-from fp4convert.cuda import ops
+from fp4convert.numerics import reference as ref
+from fp4convert.kernels.cuda import ops
 from fp4convert.errors import CUDAKernelError
-from fp4convert.scheme import get_scheme
-from fp4convert.swizzle import swizzle_scales
-from fp4convert.tensor import QuantizedTensor
+from fp4convert.numerics.scheme import get_scheme
+from fp4convert.numerics.swizzle import swizzle_scales
+from fp4convert.kernels.tensor import QuantizedTensor
 
 pytestmark = [
     pytest.mark.cuda,
@@ -454,7 +454,7 @@ def test_large_tensor(dtype, fmt, rotate, layout, rule, dev) -> None:
     nb = k // BLOCK[fmt]
     scale = s.view(torch.uint8)[0].cpu()
     if layout == "swizzled":
-        from fp4convert.swizzle import unswizzle_scales
+        from fp4convert.numerics.swizzle import unswizzle_scales
 
         scale = unswizzle_scales(scale, m, nb)
     del p, s, xg
@@ -578,7 +578,7 @@ def test_decode_argument_errors(dev) -> None:
 def test_public_api_glue_and_python_paths_agree_with_reference(path, dev, monkeypatch) -> None:
     """The public API's two lean paths (outputs and launch in the C++ glue, or in Python) give the
     reference's bytes and refuse NaN; the glue is built here (waited for) when a compiler is there."""
-    from fp4convert.cuda import api_ext
+    from fp4convert.kernels.cuda import api_ext
 
     if path == "glue":
         if api_ext.wait() is None:
@@ -728,7 +728,7 @@ def test_converter_input_weight_on_the_gpu_backends_writes_the_cpu_bytes(tmp_pat
     input weights (the statistics pass runs on the CPU for both, so only the backends differ)."""
     from fp4convert import calibrate
     from fp4convert.config import ConvertConfig
-    from fp4convert.convert import convert
+    from fp4convert.run.convert import convert
     from tests import checkpoints as ck
     from tests.test_input_weights import SHAPE, gains_llama
 

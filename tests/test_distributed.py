@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert, plan_conversion
-from fp4convert.distributed import World, assign
+from fp4convert.run.convert import convert, plan_conversion
+from fp4convert.run.distributed import World, assign
 
 from . import checkpoints as ck
 from . import zoo
@@ -98,7 +98,7 @@ def test_torchrun_moe_and_export(tmp_path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     assert ck.all_files(out) == ck.all_files(ref_dst)
     one, two = tmp_path / "ct1", tmp_path / "ct2"
-    from fp4convert.export import export
+    from fp4convert.checkpoint.export import export
 
     export(str(ref_dst), one, ConvertConfig(format="compressed-tensors", max_shard_size=SHARD_BYTES))
     r = torchrun("export", str(ref_dst), str(two), "--format", "compressed-tensors", "--max-shard-size", SHARD, "-q")
@@ -151,7 +151,7 @@ def test_resume_after_a_rank_was_killed(llama, tmp_path) -> None:
     driver = tmp_path / "die.py"
     driver.write_text(
         "import os\n"
-        "import fp4convert.writer.record as w\n"
+        "import fp4convert.output.record as w\n"
         "real = w.save_progress\n"
         "def save(dst, state, *rest):\n"
         "    real(dst, state, *rest)\n"

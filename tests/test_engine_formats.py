@@ -26,9 +26,9 @@ from transformers import AutoModelForCausalLM, CompressedTensorsConfig  # noqa: 
 
 import fp4convert  # noqa: E402
 from fp4convert.config import ConvertConfig  # noqa: E402
-from fp4convert.convert import convert  # noqa: E402
-from fp4convert.export import export  # noqa: E402
-from fp4convert.inspect import inspect_checkpoint  # noqa: E402
+from fp4convert.run.convert import convert  # noqa: E402
+from fp4convert.checkpoint.export import export  # noqa: E402
+from fp4convert.checkpoint.inspect import inspect_checkpoint  # noqa: E402
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny-llama"
 TOKENS = torch.tensor([[1, 17, 42, 99, 256, 300, 7, 511]])

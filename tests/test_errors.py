@@ -11,7 +11,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 import fp4convert.errors as errors
-from fp4convert.cli import main
+from fp4convert.cli.main import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -55,9 +55,9 @@ def test_a_finite_source_that_overflows_in_the_rotation_is_named_as_such(tmp_pat
     import torch
     from click.testing import CliRunner
 
-    from fp4convert.cli import main
+    from fp4convert.cli.main import main
     from fp4convert.errors import RotationOverflowError
-    from fp4convert.tensor import quantize
+    from fp4convert.kernels.tensor import quantize
 
     from . import checkpoints as ck
 

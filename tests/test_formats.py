@@ -16,11 +16,11 @@ from safetensors import safe_open
 
 import fp4convert
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert
+from fp4convert.run.convert import convert
 from fp4convert.errors import ConfigError
 from fp4convert.formats import OUTPUT_FORMATS, all_formats, detect, get_format
 from fp4convert.formats.base import OutputInfo
-from fp4convert.safetensors_io import DTYPES, TensorInfo
+from fp4convert.storage.safetensors import DTYPES, TensorInfo
 
 from . import checkpoints as ck
 
@@ -172,7 +172,7 @@ def test_fp8_weight_block_size_of_a_wrong_type_is_exit_4(tmp_path, block) -> Non
     """Issue 23 item 10: ["a","b"], [[16],[16]] and [null,null] were internal errors (exit 1)."""
     from click.testing import CliRunner
 
-    from fp4convert.cli import main
+    from fp4convert.cli.main import main
 
     cfg = ck.llama_config(layers=1)
     t = ck.llama_tensors(cfg)

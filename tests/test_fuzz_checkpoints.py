@@ -37,7 +37,7 @@ if __name__ == "__main__":  # script mode: the repo root on sys.path
 import torch
 from click.testing import CliRunner
 
-from fp4convert.cli import main as cli
+from fp4convert.cli.main import main as cli
 from fp4convert.errors import EXIT_CODES
 
 from tests import checkpoints as ck
@@ -56,7 +56,7 @@ CARD = "---\nlicense: apache-2.0\ntags:\n- text\nbase_model: org/base\n---\n# A 
 def build_seeds(root: Path) -> dict[str, Path]:
     """The seed folders: sources and finished outputs."""
     from fp4convert.config import ConvertConfig
-    from fp4convert.convert import convert
+    from fp4convert.run.convert import convert
 
     out = {}
     llama = root / "llama"
@@ -360,10 +360,10 @@ def test_a_hang_is_caught() -> None:
 def test_a_hang_inside_the_cli_is_reported_as_one(monkeypatch) -> None:
     """The CLI's boundary catches every exception (BaseException), the harness's Hang included, and used to
     turn it into 'exit 1: internal error: Hang'; the case must read as a hang."""
-    import fp4convert.inspect
+    import fp4convert.checkpoint.inspect
 
     monkeypatch.setattr(sys.modules[__name__], "CASE_TIMEOUT", 1)
-    monkeypatch.setattr(fp4convert.inspect, "inspect_checkpoint", lambda *a, **k: time.sleep(30))
+    monkeypatch.setattr(fp4convert.checkpoint.inspect, "inspect_checkpoint", lambda *a, **k: time.sleep(30))
     t0 = time.monotonic()
     code, output = run_case(["inspect", "anything"])
     assert (code, output) == (-1, "hang") and time.monotonic() - t0 < 10

@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert, plan_conversion
+from fp4convert.run.convert import convert, plan_conversion
 
 from . import checkpoints as ck
-from fp4convert.modelcard import original_body, split_card
+from fp4convert.output.card import original_body, split_card
 
 from .hubserver import FakeHub, hub_env
 
@@ -321,8 +321,8 @@ def test_a_corrupt_download_is_refused_against_the_hubs_sha256(runs) -> None:
 def test_header_read_by_range_must_match_the_download(files, tmp_path, monkeypatch) -> None:
     """The header planned from (range reads) and the downloaded file's header must agree: exit 4 otherwise."""
     from fp4convert.errors import CheckpointFormatError
-    from fp4convert.safetensors_io import read_header
-    from fp4convert.source import Source
+    from fp4convert.storage.safetensors import read_header
+    from fp4convert.source.source import Source
 
     snap = tmp_path / "snap"
     snap.mkdir()

@@ -1,10 +1,10 @@
-"""Hub shards fetched ahead of the conversion (fp4convert/prefetch.py), against the stand-in Hub.
+"""Hub shards fetched ahead of the conversion (fp4convert/source/prefetch.py), against the stand-in Hub.
 
 In process, through huggingface_hub's real download path (``hf_hub_download``) against
 ``tests/hubserver.py`` with a throttled link; ``Source.local_path`` is wrapped to log when the run
 first asks for each shard (and to make the "conversion" of a shard take a while), and the server logs
 when each download begins and ends, on the one monotonic clock. The unit tests at the end drive
-:class:`~fp4convert.prefetch.Prefetcher` with a stand-in fetch.
+:class:`~fp4convert.source.prefetch.Prefetcher` with a stand-in fetch.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from fp4convert import prefetch as pf
+from fp4convert.source import prefetch as pf
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert, plan_conversion
+from fp4convert.run.convert import convert, plan_conversion
 from fp4convert.errors import SourceError
-from fp4convert.hub import ShardReleaser
-from fp4convert.source import Source
+from fp4convert.source.release import ShardReleaser
+from fp4convert.source.source import Source
 
 from . import checkpoints as ck
 
@@ -218,7 +218,7 @@ def test_a_plan_refused_after_planning_stops_the_downloads(model, tmp_path, monk
     from click.testing import CliRunner
     from huggingface_hub import constants
 
-    from fp4convert.cli import main
+    from fp4convert.cli.main import main
 
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)  # cancellation is looked for once per chunk
     hub = online(monkeypatch, tmp_path, model, rate=0.1e6)
@@ -235,7 +235,7 @@ def test_stopping_does_not_wait_for_a_stalled_download(model, tmp_path, monkeypa
     """A download whose server sends nothing more cannot see the cancellation (it looks once per chunk
     received): stopping returns after JOIN_S, not after huggingface_hub's timeouts and retries (a minute
     and more), and the stalled file's partial download is removed from the cache."""
-    from fp4convert.source import open_source
+    from fp4convert.source.source import open_source
 
     stalled, release = threading.Event(), threading.Event()
 
@@ -265,7 +265,7 @@ def test_a_server_that_ignores_range_is_said_so(model, tmp_path, monkeypatch) ->
     shards instead, and the run says so once (a --dry-run downloading every shard was silent)."""
     from click.testing import CliRunner
 
-    from fp4convert.cli import main
+    from fp4convert.cli.main import main
 
     hub = online(monkeypatch, tmp_path, model, honor_range=False)
     try:
@@ -303,7 +303,7 @@ def test_an_interrupted_run_cancels_the_download_in_flight(model, tmp_path, monk
     temporary file is gone, no thread is left; the shards already complete stay in the cache."""
     from huggingface_hub import constants
 
-    from fp4convert import work
+    from fp4convert.run import work
 
     # huggingface_hub looks for cancellation once per chunk it reads (10 MB); these shards are 300 KB
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)
@@ -346,7 +346,7 @@ def test_an_interrupted_run_cancels_the_download_in_flight(model, tmp_path, monk
 
 def slow_plan(monkeypatch, seconds: float, fail: Exception | None = None) -> dict[str, float]:
     """make_plan (the model definition's seconds) takes ``seconds``; returns when it began and ended."""
-    import fp4convert.plan as plan_mod
+    import fp4convert.plan.planner as plan_mod
 
     real, when = plan_mod.make_plan, {}
 
@@ -384,7 +384,7 @@ def test_the_first_shard_downloads_while_the_headers_are_read(model, local_out, 
     """The early start does not wait for the header reads: each range read of another shard's header
     waits here until the first shard's download has begun (it had not, before: the link idled for
     every header's three round trips); the output is unchanged."""
-    import fp4convert.source as source_mod
+    import fp4convert.source.source as source_mod
 
     hub = online(monkeypatch, tmp_path, model, rate=8e6)
     first_download = threading.Event()
@@ -416,9 +416,9 @@ def test_the_first_shard_downloads_while_the_headers_are_read(model, local_out, 
 def test_headers_are_read_several_at_a_time(model, tmp_path, monkeypatch) -> None:
     """The range reads of the headers overlap (up to HEADER_CONNECTIONS); the plan is the one a
     sequential read gives, and a malformed header is reported for the first such file in order."""
-    import fp4convert.source as source_mod
+    import fp4convert.source.source as source_mod
     from fp4convert.errors import CheckpointFormatError
-    from fp4convert.source import open_source
+    from fp4convert.source.source import open_source
 
     hub = online(monkeypatch, tmp_path, model)
     original = source_mod._remote_header
@@ -457,7 +457,7 @@ def test_headers_are_read_several_at_a_time(model, tmp_path, monkeypatch) -> Non
 def test_a_download_checked_before_its_header_is_read_is_still_compared(model, tmp_path, monkeypatch) -> None:
     """With the early start a shard can finish downloading before its header's range read does: its
     check waits for the read, so a range answer that differs from the downloaded file is still exit 4."""
-    import fp4convert.source as source_mod
+    import fp4convert.source.source as source_mod
     from fp4convert.errors import CheckpointFormatError
 
     hub = online(monkeypatch, tmp_path, model)
@@ -495,7 +495,7 @@ def test_a_dry_run_or_a_refused_plan_downloads_nothing_more(model, tmp_path, mon
     from click.testing import CliRunner
     from huggingface_hub import constants
 
-    from fp4convert.cli import main
+    from fp4convert.cli.main import main
     from fp4convert.errors import PlanError
 
     # slow enough that the first shard is still in flight when the plan fails; huggingface_hub looks for
@@ -526,7 +526,7 @@ def test_another_order_replaces_the_early_prefetch(model, tmp_path, monkeypatch)
     and one in the run's order takes over."""
     from huggingface_hub import constants
 
-    from fp4convert.source import open_source
+    from fp4convert.source.source import open_source
 
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)  # cancellation is looked for once per chunk
     hub = online(monkeypatch, tmp_path, model, rate=0.1e6)

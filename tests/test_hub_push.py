@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4convert.inspect import inspect_checkpoint
+from fp4convert.checkpoint.inspect import inspect_checkpoint
 
 from . import checkpoints as ck
 from .hubserver import FakeHub, hub_env

@@ -1,7 +1,8 @@
-"""The package's import graph: no cycles (lazy imports inside functions included), no private names.
+"""The package's import graph: no cycles, dependencies pointing down the stages, no private names.
 
 Read from the source with ``ast`` (nothing is imported), so the test also covers modules that need a
-GPU. Imports under ``if TYPE_CHECKING:`` are annotations only and are left out.
+GPU. Every import counts: at module level, inside functions, and under ``if TYPE_CHECKING:`` (an
+annotation that names a module above is still a dependency on it). docs/architecture.md draws the layers.
 """
 
 from __future__ import annotations
@@ -23,25 +24,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
-
-
 def _imports(path: Path) -> list[tuple[str, list[str]]]:
-    """(imported fp4convert module, names taken from it) for every runtime import in ``path``."""
+    """(imported fp4convert module, names taken from it) for every import in ``path``."""
     me = _module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            skip.update(id(n) for child in node.body for n in ast.walk(child))
     out = []
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             out += [(a.name, []) for a in node.names if a.name.startswith("fp4convert")]
         elif isinstance(node, ast.ImportFrom):
@@ -53,13 +42,11 @@ def _imports(path: Path) -> list[tuple[str, list[str]]]:
                 target = node.module or ""
             if not target.startswith("fp4convert"):
                 continue
-            names = [a.name for a in node.names]
-            if node.module is None or node.module == "":
-                # `from . import x`: each name is a submodule (or a package attribute)
-                out += [(f"{target}.{n}" if (PKG.parent / target.replace(".", "/") / f"{n}.py").exists()
-                         or (PKG.parent / target.replace(".", "/") / n).is_dir() else target, [n]) for n in names]
-            else:
-                out.append((target, names))
+            # `from pkg import x`: x is a submodule (a dependency on it) or a name of pkg's __init__
+            folder = PKG.parent / target.replace(".", "/")
+            for n in (a.name for a in node.names):
+                sub = (folder / f"{n}.py").exists() or (folder / n / "__init__.py").exists()
+                out.append((f"{target}.{n}" if sub else target, [n]))
     return out
 
 
@@ -73,10 +60,48 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
+# The stages, top to bottom: a module may import from its own layer and the layers below, never above.
+LAYERS: list[tuple[str, ...]] = [
+    ("fp4convert.cli", "fp4convert.__main__", "fp4convert"),  # the command line, and the package's API facade
+    ("fp4convert.checkpoint",),  # a written checkpoint: layout, inspect, export, push
+    ("fp4convert.run",),  # one conversion top to bottom, the run loop, a part's work
+    ("fp4convert.calibrate",),  # running the model on calibration tokens (its results feed the quantizer)
+    ("fp4convert.output",),  # the writer, the manifest, the card
+    ("fp4convert.quantize",),  # the backend seam, work items, backends
+    ("fp4convert.source",),  # a local folder or a Hub repo
+    ("fp4convert.plan",),  # decisions from headers and the model definition
+    ("fp4convert.config",),  # the recipe and the run options
+    ("fp4convert.formats",),  # on-disk conventions
+    ("fp4convert.kernels",),  # compiled kernels and the tensor API
+    ("fp4convert.numerics", "fp4convert.storage"),  # the contract in code; bytes on disk
+    ("fp4convert.errors", "fp4convert.version", "fp4convert.stages"),  # imported by everything
+]
+
+
+def _layer(module: str) -> int:
+    best, depth = -1, -1
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > depth:
+                best, depth = i, len(p)
+    return best
+
+
 def test_graph_is_read() -> None:
     g = _graph()
-    assert "fp4convert.convert" in g and "fp4convert.writer" in g["fp4convert.convert"]
+    assert "fp4convert.run.convert" in g and "fp4convert.output.finish" in g["fp4convert.run.runner"]
     assert "fp4convert.formats.base" in g["fp4convert.formats.native"]
+    assert "fp4convert.plan.planner" in g["fp4convert.quantize.backend"]  # a TYPE_CHECKING import counts
+
+
+def test_every_module_has_a_layer() -> None:
+    assert [m for m in _graph() if _layer(m) < 0] == []
+
+
+def test_dependencies_point_down_the_stages() -> None:
+    upward = [f"{m} ({LAYERS[_layer(m)][0]}) imports {t} ({LAYERS[_layer(t)][0]})"
+              for m, targets in _graph().items() for t in sorted(targets) if _layer(t) < _layer(m)]
+    assert not upward, "\n".join(upward)
 
 
 def test_no_import_cycle() -> None:

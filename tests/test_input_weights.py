@@ -15,12 +15,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import fp4convert.convert as convert_mod
+import fp4convert.run.convert as convert_mod
 from fp4convert import calibrate
-from fp4convert import reference as ref
-from fp4convert.cli import main
+from fp4convert.numerics import reference as ref
+from fp4convert.cli.main import main
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert, plan_conversion
+from fp4convert.run.convert import convert, plan_conversion
 from fp4convert.errors import OutputError
 
 from . import checkpoints as ck

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from fp4convert.manifest import MANIFEST_VERSION
-from fp4convert.cli import main
+from fp4convert.output.manifest import MANIFEST_VERSION
+from fp4convert.cli.main import main
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert
-from fp4convert.inspect import DEFAULT_MAX_ERROR, inspect_checkpoint
+from fp4convert.run.convert import convert
+from fp4convert.checkpoint.inspect import DEFAULT_MAX_ERROR, inspect_checkpoint
 
 from . import checkpoints as ck
 
@@ -423,7 +423,7 @@ def test_modelopt_config_disagrees(engine_outputs, tmp_path, edit, words) -> Non
 def test_verify_an_export_against_the_original_source(converted, src, tmp_path) -> None:
     """An exported folder's manifest names the native folder as its source; --verify checks the original
     fingerprint it carries (identity.exported_from) instead."""
-    from fp4convert.export import export
+    from fp4convert.checkpoint.export import export
 
     out = tmp_path / "ct"
     export(str(converted["nvfp4"][0]), out, ConvertConfig(format="compressed-tensors"))
@@ -544,7 +544,7 @@ def test_listed_symlink_out_of_the_folder_is_not_read(copy, monkeypatch) -> None
     m = _manifest(dst)
     m["files"]["notes.txt"] = {"sha256": "0" * 64, "size": 77}  # the right size: a stat would pass it
     _save_manifest(dst, m)
-    import fp4convert.inspect as insp
+    import fp4convert.checkpoint.inspect as insp
 
     opened = []
     real = insp.open_regular
@@ -818,7 +818,7 @@ def test_export_of_conv1d_and_stacked_experts_equals_direct_conversion(family, t
     """A GPT-2 Conv1D weight ([in, out] on disk) was exported with [in, out/2] packed headers over [out, in]
     data (exit 0, a wrong model; inspect passed it), and a stacked expert tensor split per expert was
     refused as 'recorded as quantized but the shards hold no quantized module' (our own output)."""
-    from fp4convert.export import export
+    from fp4convert.checkpoint.export import export
 
     src = _gpt2(tmp_path / "src") if family == "gpt2" else zoo_checkpoint(family, tmp_path / "src")
     for fmt, scheme, rotate in (("compressed-tensors", "nvfp4", None), ("compressed-tensors", "mxfp4", "had16"),
@@ -849,7 +849,7 @@ def test_kept_dtype_bf16_outputs_pass_inspect_and_export_as_a_direct_conversion(
     """Native, direct engine-format and exported outputs with --kept-dtype bf16: inspect passes them (the manifest
     records each kept tensor's source dtype and its BF16 output), export keeps the BF16 tensors and gives the
     bytes of a direct conversion, and every config.json says bfloat16."""
-    from fp4convert.export import export
+    from fp4convert.checkpoint.export import export
 
     cfg = dict(device="cpu", kept_dtype="bf16", max_shard_size=20_000)
     native = tmp_path / "native"

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import fp4convert.work as work
-from fp4convert.backends.cuda import CudaBackend
-from fp4convert.cli import main
+import fp4convert.run.work as work
+from fp4convert.quantize.backends.cuda import CudaBackend
+from fp4convert.cli.main import main
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert, lane_count, plan_conversion
-from fp4convert.distributed import World
+from fp4convert.run.convert import convert, lane_count, plan_conversion
+from fp4convert.run.distributed import World
 from fp4convert.errors import ConfigError
-from fp4convert.names import LOCK_NAME
-from fp4convert.runner import parts_of
+from fp4convert.storage.names import LOCK_NAME
+from fp4convert.run.runner import parts_of
 
 AUTO_LANES = CudaBackend.auto_lanes
 

@@ -43,7 +43,7 @@ WRAP = ("import resource, subprocess, sys\n"
         "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)\n"
         "sys.stdout.write(r.stdout)\n")
 BASELINE = ("import torch, fp4convert, transformers\n"
-            "transformers.LlamaForCausalLM  # the planner builds the model definition (fp4convert/modeldef.py)\n"
+            "transformers.LlamaForCausalLM  # the planner builds the model definition (fp4convert/plan/definition.py)\n"
             "x = (torch.randn(1024, 1024) * 0.02).bfloat16()\n"
             "q = fp4convert.quantize(x, 'nvfp4', scale_layout='swizzled')\n"
             "assert q.packed.shape == (1024, 512)\n")

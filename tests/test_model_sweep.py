@@ -285,7 +285,7 @@ class _CtLoader:
 
     def kept_rule(self, pname: str, mod: nn.Module, p, disk_key: str | None, cfg: dict) -> str | None:
         """The keep rules that depend on transformers' loader (docs/formats.md "Which tensors are quantized")."""
-        from fp4convert import architectures as arch
+        from fp4convert.plan import families as arch
 
         if self.broken:
             return None
@@ -338,10 +338,10 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
     from transformers.core_model_loading import WeightConverter, rename_source_key
     from transformers.pytorch_utils import Conv1D
 
-    from fp4convert import modeldef
+    from fp4convert.plan import definition as modeldef
     from fp4convert.config import ConvertConfig
-    from fp4convert.convert import convert, plan_conversion
-    from fp4convert.plan import QUANTIZE
+    from fp4convert.run.convert import convert, plan_conversion
+    from fp4convert.plan.types import QUANTIZE
 
     src = Path(built.path)
     cfg_json = json.loads((src / "config.json").read_text())

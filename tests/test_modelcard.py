@@ -10,10 +10,10 @@ import yaml
 
 from fp4convert.config import ConvertConfig
 from fp4convert.errors import ConfigError
-from fp4convert.convert import convert
-from fp4convert.export import export
-from fp4convert.inspect import inspect_checkpoint
-from fp4convert.modelcard import END, ORIGINAL_HEADING, PLACEHOLDER, START, build_card, split_card
+from fp4convert.run.convert import convert
+from fp4convert.checkpoint.export import export
+from fp4convert.checkpoint.inspect import inspect_checkpoint
+from fp4convert.output.card import END, ORIGINAL_HEADING, PLACEHOLDER, START, build_card, split_card
 
 from . import checkpoints as ck
 
@@ -143,7 +143,7 @@ def test_a_crafted_source_card_changes_neither_front_matter_nor_section(tmp_path
 
 
 def test_usage_snippet_uses_the_auto_class_of_the_architecture() -> None:
-    from fp4convert.modelcard import auto_class
+    from fp4convert.output.card import auto_class
 
     assert auto_class({"architectures": ["BertModel"]}) == "AutoModel"
     assert auto_class({"architectures": ["LlamaForCausalLM"]}) == "AutoModelForCausalLM"
@@ -178,7 +178,7 @@ def test_a_readme_symlink_out_of_the_source_is_never_read(tmp_path, caplog) -> N
 def test_base_model_on_the_command_line(tmp_path) -> None:
     from click.testing import CliRunner
 
-    from fp4convert.cli import main
+    from fp4convert.cli.main import main
 
     src = tmp_path / "model"
     ck.llama(src, layers=1, single=True)

@@ -1,4 +1,4 @@
-"""Tensor roles from the model's own definition (fp4convert/modeldef.py), on real transformers classes.
+"""Tensor roles from the model's own definition (fp4convert/plan/definition.py), on real transformers classes.
 
 Each family is a tiny real model saved with ``save_pretrained`` (the on-disk names users download);
 the plan must quantize exactly its matmul weights along their input axis and keep the rest with a
@@ -15,11 +15,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fp4convert import modeldef, quantize  # noqa: E402
+from fp4convert.plan import definition as modeldef
+from fp4convert import quantize  # noqa: E402
 from fp4convert.config import ConvertConfig  # noqa: E402
-from fp4convert.convert import convert, plan_conversion  # noqa: E402
+from fp4convert.run.convert import convert, plan_conversion  # noqa: E402
 from fp4convert.errors import PlanError  # noqa: E402
-from fp4convert.plan import KEEP, QUANTIZE, UNKNOWN_ROLE  # noqa: E402
+from fp4convert.plan.types import KEEP, QUANTIZE
+from fp4convert.plan.planner import UNKNOWN_ROLE  # noqa: E402
 
 from . import checkpoints as ck  # noqa: E402
 
@@ -181,7 +183,7 @@ def test_definitions_are_cached(tmp_path, monkeypatch) -> None:
 
 
 def test_qwen35_in_proj_members_share_a_group() -> None:
-    from fp4convert import architectures as arch
+    from fp4convert.plan import families as arch
 
     a = arch.fused_group_of("model.layers.0.linear_attn.in_proj_qkv.weight")
     assert a == arch.fused_group_of("model.layers.0.linear_attn.in_proj_z.weight") and a

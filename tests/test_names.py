@@ -1,8 +1,8 @@
-"""Output file names (fp4convert.names): shards, part records and their patterns agree."""
+"""Output file names (fp4convert.storage.names): shards, part records and their patterns agree."""
 
 from __future__ import annotations
 
-from fp4convert import names
+from fp4convert.storage import names
 
 
 def test_shard_names_match_the_pattern() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert
-from fp4convert.export import export
+from fp4convert.run.convert import convert
+from fp4convert.checkpoint.export import export
 
 from . import checkpoints as ck
 

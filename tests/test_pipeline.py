@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import fp4convert.schedule as schedule
-import fp4convert.work as work
-from fp4convert import cpu
-from fp4convert.backends.stacked import StackedBackend
+import fp4convert.quantize.items as schedule
+import fp4convert.run.work as work
+from fp4convert.kernels import cpu
+from fp4convert.quantize.backends.stacked import StackedBackend
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert, plan_conversion
+from fp4convert.run.convert import convert, plan_conversion
 from fp4convert.errors import NonFiniteError, OutputError
-from fp4convert.plan import QUANTIZE
+from fp4convert.plan.types import QUANTIZE
 
 from . import checkpoints as ck
 from . import zoo

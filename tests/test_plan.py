@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from fp4convert.config import ConvertConfig
 from fp4convert.errors import ConfigError, PlanError
 from fp4convert.formats import get_format
-from fp4convert.plan import KEEP, QUANTIZE, make_plan
+from fp4convert.plan.types import KEEP, QUANTIZE
+from fp4convert.plan.planner import make_plan
 
 from .checkpoints import infos
 

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import save_file
 
 from fp4convert.errors import CheckpointFormatError
-from fp4convert.matrices import TensorBuffer, tensors
-from fp4convert.readahead import ReadAhead
-from fp4convert.safetensors_io import read_header
+from fp4convert.quantize.matrices import TensorBuffer, tensors
+from fp4convert.run.readahead import ReadAhead
+from fp4convert.storage.safetensors import read_header
 
 
 def _plain(n: int) -> TensorBuffer:
@@ -77,7 +77,7 @@ def test_reader_errors_are_raised_by_next(tmp_path: Path) -> None:
 
 
 class _FakeHost:
-    """A host buffer like fp4convert.cuda.runtime.HostBuffer, on a bytearray (the torch-free reader path)."""
+    """A host buffer like fp4convert.kernels.cuda.runtime.HostBuffer, on a bytearray (the torch-free reader path)."""
 
     def __init__(self, n: int) -> None:
         self.size = n
@@ -131,7 +131,7 @@ def test_read_many_scatters_adjacent_tensors_and_survives_short_reads(tmp_path: 
     read on from where it stopped, across buffer boundaries; a file cut short names the tensor cut."""
     import os
 
-    from fp4convert import safetensors_io as sio
+    from fp4convert.storage import safetensors as sio
 
     t = {f"t{i}": torch.arange(i * 50, i * 50 + 40 + i, dtype=torch.int32) for i in range(6)}
     save_file(t, tmp_path / "a.safetensors")
@@ -159,7 +159,7 @@ def test_read_many_scatters_adjacent_tensors_and_survives_short_reads(tmp_path: 
 def test_parallel_read_splits_bytes_over_threads_exactly(tmp_path: Path, monkeypatch) -> None:
     """read_many(threads=N): tensors from two files, some cut across threads at page boundaries,
     land byte-exact whatever the order asked; a truncated file still names its tensor."""
-    from fp4convert import safetensors_io as sio
+    from fp4convert.storage import safetensors as sio
 
     monkeypatch.setattr(sio, "SPLIT_MIN", 4096)  # so these few hundred KB are split four ways
     seed = int(torch.randint(0, 2**31, ()).item())

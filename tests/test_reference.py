@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp4convert import reference as ref
+from fp4convert.numerics import reference as ref
 from fp4convert.errors import NonFiniteError, ShapeError
 
 from . import oracle

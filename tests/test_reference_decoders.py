@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fp4convert import reference as ref
+from fp4convert.numerics import reference as ref
 from fp4convert.errors import QuantizationError, ShapeError
 
 from . import oracle

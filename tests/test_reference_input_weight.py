@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp4convert import cpu
-from fp4convert import reference as ref
+from fp4convert.kernels import cpu
+from fp4convert.numerics import reference as ref
 from fp4convert.errors import QuantizationError
 
 NV_SEARCH = ("4over6", "mse", "wmse")
@@ -139,7 +139,7 @@ def test_cpu_path_equals_reference_bit_for_bit(scheme: str, rule: str, dtype: to
 
 
 def test_cpu_swizzled_scales_are_the_linear_ones_swizzled() -> None:
-    from fp4convert.swizzle import swizzle_scales
+    from fp4convert.numerics.swizzle import swizzle_scales
 
     x = real_like(130, 64, 11)[None]
     c = channel_weights(64, 12)

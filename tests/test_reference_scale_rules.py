@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp4convert import reference as ref
+from fp4convert.numerics import reference as ref
 from fp4convert.errors import NonFiniteError, QuantizationError
 
 from . import oracle
@@ -58,7 +58,7 @@ def test_scale_rules_per_scheme_and_defaults() -> None:
     assert ref.SCALE_RULES == {"nvfp4": ("max", "4over6", "mse", "wmse"), "mxfp4": ("floor", "rceil", "mse", "wmse")}
     # the defaults are the rules measured best on real language models (BENCHMARKS.md)
     assert ref.check_scale_rule("nvfp4", None) == "4over6" and ref.check_scale_rule("mxfp4", None) == "wmse"
-    from fp4convert.scheme import SCHEMES
+    from fp4convert.numerics.scheme import SCHEMES
 
     for name, scheme in SCHEMES.items():  # the registry and the reference agree, codes in the same order
         assert scheme.scale_rules == ref.SCALE_RULES[name] and scheme.default_rule == ref.DEFAULT_SCALE_RULE[name]

@@ -1,12 +1,12 @@
-"""The run loop (fp4convert.runner): parts partition the shards, every unit is told once, the source
+"""The run loop (fp4convert.run.runner): parts partition the shards, every unit is told once, the source
 folder is walked once per run."""
 
 from __future__ import annotations
 
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert, plan_conversion
-from fp4convert.distributed import World
-from fp4convert.runner import parts_of, teller
+from fp4convert.run.convert import convert, plan_conversion
+from fp4convert.run.distributed import World
+from fp4convert.run.runner import parts_of, teller
 
 from . import checkpoints as ck
 
@@ -26,7 +26,7 @@ def test_one_process_is_one_part_with_the_run_record(tmp_path) -> None:
 
 
 def test_the_source_folder_is_walked_once_per_run(tmp_path, monkeypatch) -> None:
-    from fp4convert.source import Source
+    from fp4convert.source.source import Source
 
     ck.llama(tmp_path / "src")
     walks = []
@@ -49,8 +49,8 @@ def test_shard_chunks_are_handed_to_the_disk_and_hashed_while_the_run_goes_on(tm
 
     import pytest
 
-    from fp4convert import checksum
-    from fp4convert.writer import shards
+    from fp4convert.storage import checksum
+    from fp4convert.output import shards
 
     if shards._sync_file_range() is None:
         pytest.skip("no sync_file_range here")

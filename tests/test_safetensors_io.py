@@ -19,9 +19,8 @@ import safetensors
 import torch
 from safetensors.torch import save_file
 
-import fp4convert.safetensors_io as sio
-from fp4convert.safetensors_io import (DTYPE_BITS, MAX_HEADER, CheckpointFormatError, loads_strict, parse_header,
-                                       read_header)
+import fp4convert.storage.safetensors as sio
+from fp4convert.storage.safetensors import DTYPE_BITS, MAX_HEADER, CheckpointFormatError, loads_strict, parse_header, read_header
 
 FILE = "case-0001.safetensors"
 A = {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}  # a valid 2-byte tensor
@@ -359,8 +358,8 @@ def test_every_safetensors_dtype_is_kept_as_raw_bytes(tmp_path, dtype) -> None:
     F4 tensor failed mid-write (its size was counted as a byte an element). Every dtype the safetensors
     format knows is kept bit for bit, by quantize and by export."""
     from fp4convert.config import ConvertConfig
-    from fp4convert.convert import convert
-    from fp4convert.export import export
+    from fp4convert.run.convert import convert
+    from fp4convert.checkpoint.export import export
 
     from . import checkpoints as ck
 

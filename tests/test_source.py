@@ -23,10 +23,9 @@ from pathlib import Path
 import pytest
 
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert
-from fp4convert.safetensors_io import CheckpointFormatError
-from fp4convert.source import (CheckpointIndexError, OutsideSourceError, SourceError, copy_rule, hub_ignore_patterns,
-                               open_source)
+from fp4convert.run.convert import convert
+from fp4convert.storage.safetensors import CheckpointFormatError
+from fp4convert.source.source import CheckpointIndexError, OutsideSourceError, SourceError, copy_rule, hub_ignore_patterns, open_source
 
 from . import checkpoints as ck
 
@@ -101,7 +100,7 @@ def offline(hub, monkeypatch):
 
 def compare_with_local(hub_out: Path, local_out: Path, commit: str, revision: str | None) -> None:
     got, want = ck.all_files(hub_out), ck.all_files(local_out)
-    from fp4convert.modelcard import original_body, split_card
+    from fp4convert.output.card import original_body, split_card
 
     m_got, m_want = json.loads(got.pop("fp4convert.json")), json.loads(want.pop("fp4convert.json"))
     card_got, card_want = got.pop("README.md").decode(), want.pop("README.md").decode()
@@ -193,14 +192,14 @@ def test_pickle_only_repo_refused_with_reason(offline, tmp_path) -> None:
     files = tmp_path / "pkl"
     ck.pickle_only(files)
     add_to_cache(Path(offline["cache"]), "tiny-org/pickled", files, "ab" * 20)
-    from fp4convert.convert import plan_conversion
+    from fp4convert.run.convert import plan_conversion
 
     with pytest.raises(SourceError, match="only pickle weights.*safetensors"):
         plan_conversion("tiny-org/pickled", ConvertConfig(device="cpu"))
 
 
 def test_inspect_a_hub_checkpoint(offline, tmp_path) -> None:
-    from fp4convert.inspect import inspect_checkpoint
+    from fp4convert.checkpoint.inspect import inspect_checkpoint
 
     out = tmp_path / "q"
     convert(offline["a"], out, ConvertConfig(device="cpu"))
@@ -302,7 +301,7 @@ def test_a_file_name_no_checkpoint_can_hold_is_skipped_when_planned(name, three,
     """A non-weight file named with a tab or newline is not copied, with a warning, decided with the
     plan: it was refused when the run opened it, after the shards were written, on every --resume too."""
     from fp4convert.config import ConvertConfig
-    from fp4convert.convert import convert
+    from fp4convert.run.convert import convert
 
     (three / name).parent.mkdir(parents=True, exist_ok=True)
     (three / name).write_text("{}")
@@ -578,7 +577,7 @@ def test_nested_outputs_and_the_destination_are_not_copied(three, tmp_path) -> N
 @pytest.fixture
 def no_hub(monkeypatch):
     """Any attempt to reach the Hub fails the test."""
-    import fp4convert.source as source_mod
+    import fp4convert.source.source as source_mod
 
     def refuse(*a, **k):
         raise AssertionError(f"sent to the Hub: {a}")
@@ -608,7 +607,7 @@ def test_mistyped_local_path_is_no_such_folder(typed, words, tmp_path, monkeypat
 
 
 def test_plausible_repo_id_still_goes_to_the_hub(tmp_path, monkeypatch) -> None:
-    import fp4convert.source as source_mod
+    import fp4convert.source.source as source_mod
 
     ck.llama(tmp_path / "examples" / "tiny-llama", layers=1, single=True)
     monkeypatch.chdir(tmp_path)
@@ -700,7 +699,7 @@ def test_the_snapshot_path_hf_download_prints_is_a_source(hub, tmp_path) -> None
     got, want = ck.all_files(out), ck.all_files(local)
     assert {k: v for k, v in got.items() if k.endswith(".safetensors")} == \
         {k: v for k, v in want.items() if k.endswith(".safetensors")}
-    from fp4convert.modelcard import split_card
+    from fp4convert.output.card import split_card
 
     assert split_card((out / "README.md").read_text())[0]["base_model"] == REPO
     # Still contained: a snapshot entry linking out of the repo's cache folder is refused.

@@ -9,7 +9,7 @@ import time
 from click.testing import CliRunner
 
 from fp4convert import stages
-from fp4convert.cli import main
+from fp4convert.cli.main import main
 
 from . import checkpoints as ck
 

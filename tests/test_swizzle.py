@@ -7,7 +7,7 @@ import torch
 
 from fp4convert import swizzle_scales, unswizzle_scales
 from fp4convert.errors import ShapeError
-from fp4convert.swizzle import padded_shape
+from fp4convert.numerics.swizzle import padded_shape
 
 
 def spec_offset(m: int, k: int, nbp: int) -> int:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import fp4convert
-from fp4convert import ConfigError, QuantizationError, QuantizedTensor, ShapeError, reference as ref
+from fp4convert import ConfigError, QuantizationError, QuantizedTensor, ShapeError
+from fp4convert.numerics import reference as ref
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -93,6 +94,6 @@ def test_import_does_not_load_compiled_code() -> None:
     import subprocess
     import sys
 
-    code = "import sys, fp4convert; fp4convert.quantize(__import__('torch').randn(4, 32)); print('fp4convert.cuda' in sys.modules)"
+    code = "import sys, fp4convert; fp4convert.quantize(__import__('torch').randn(4, 32)); print('fp4convert.kernels.cuda' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from fp4convert.cli import main
+from fp4convert.cli.main import main
 from fp4convert.formats.base import input_encode_scale
 from tests import zoo
 from tests.test_calibrate import add_tokenizer
@@ -147,7 +147,7 @@ def test_moe_experts_of_a_layer_share_w13_and_w2(tmp_path):
     """vLLM reduces w13/w2 input scales to their max across experts: one value per layer."""
     from fp4convert.calibrate import share, sharing_groups
     from fp4convert.config import ConvertConfig
-    from fp4convert.convert import plan_conversion
+    from fp4convert.run.convert import plan_conversion
 
     src = zoo.build("qwen3_moe", tmp_path / "moe")
     _, plan, _ = plan_conversion(str(src), ConvertConfig(format="compressed-tensors"))
@@ -216,7 +216,7 @@ def _rewrite(src: Path, dst: Path, edit) -> Path:
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "modelopt"])
 def test_inspect_checks_activation_scales(calibrated, tmp_path, fmt):
-    from fp4convert.inspect import inspect_checkpoint
+    from fp4convert.checkpoint.inspect import inspect_checkpoint
 
     src = calibrated[fmt]
     suffix = ".input_global_scale" if fmt == "compressed-tensors" else ".input_scale"
@@ -240,7 +240,7 @@ def test_inspect_checks_activation_scales(calibrated, tmp_path, fmt):
 
 
 def test_inspect_fails_a_declared_w4a4_checkpoint_with_no_scales_at_all(calibrated, tmp_path):
-    from fp4convert.inspect import inspect_checkpoint
+    from fp4convert.checkpoint.inspect import inspect_checkpoint
 
     dst = _rewrite(calibrated["compressed-tensors"], tmp_path / "none",
                    lambda t: [t.pop(k) for k in [k for k in t if k.endswith(".input_global_scale")]])
@@ -251,7 +251,7 @@ def test_inspect_fails_a_declared_w4a4_checkpoint_with_no_scales_at_all(calibrat
 def _nvfp4_act(x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """Activation quantize-dequantize as benchmarks/accuracy_w4a4.py evaluates W4A4 (the reference's
     NVFP4 "max" block scale under the stored static encode scale gs)."""
-    from fp4convert import reference as ref
+    from fp4convert.numerics import reference as ref
 
     v = x.to(torch.float32)
     blocks = v.reshape(*v.shape[:-1], -1, 16)

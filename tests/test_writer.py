@@ -14,16 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import fp4convert.work as work
-from fp4convert import names
+import fp4convert.run.work as work
+from fp4convert.storage import names
 from fp4convert.config import ConvertConfig
-from fp4convert.convert import convert, plan_conversion
+from fp4convert.run.convert import convert, plan_conversion
 from fp4convert.errors import OutputError
-from fp4convert.inspect import inspect_checkpoint
-from fp4convert.matrices import nonfinite_bytes
-from fp4convert.writer.shards import ShardFile
-from fp4convert.writer import destination, files, finish, record
-from fp4convert.writer.record import sample_digest
+from fp4convert.checkpoint.inspect import inspect_checkpoint
+from fp4convert.quantize.matrices import nonfinite_bytes
+from fp4convert.output.shards import ShardFile
+from fp4convert.output import destination, files, finish, record
+from fp4convert.output.record import sample_digest
 
 from . import checkpoints as ck
 from . import zoo
@@ -300,7 +300,7 @@ def test_a_run_killed_in_its_first_progress_write_can_be_resumed_or_overwritten(
     in 20 on this). From the issue-23 campaign."""
     from click.testing import CliRunner
 
-    from fp4convert.cli import main
+    from fp4convert.cli.main import main
 
     ref = tmp_path / "ref"
     convert(src, ref, cfg())
@@ -318,7 +318,7 @@ def test_a_stale_lock_that_is_a_hard_link_is_not_written_through(src, tmp_path) 
     pid (O_NOFOLLOW stops symlinks only). From the issue-23 campaign."""
     from click.testing import CliRunner
 
-    from fp4convert.cli import main
+    from fp4convert.cli.main import main
 
     dst = tmp_path / "q"
     dst.mkdir()
@@ -360,7 +360,7 @@ def test_a_resume_interrupted_before_finish_keeps_owning_the_files_finish_wrote(
         with pytest.raises(RuntimeError, match="inside finish"):
             convert(src, dst, cfg())
     assert copies and json.loads((dst / names.PROGRESS_NAME).read_text()).get("pending")
-    from fp4convert.plan import Plan
+    from fp4convert.plan.planner import Plan
 
     real_units = Plan.units
 
@@ -550,7 +550,7 @@ def test_kept_dtype_source_is_the_default_and_changes_no_byte(mixed, tmp_path) -
 
 def test_kept_dtype_bf16_pieces_land_at_their_place(mixed, tmp_path, monkeypatch) -> None:
     """A kept tensor converted in many pieces (each its own job) gives the bytes of one whole conversion."""
-    import fp4convert.writer.shards as shards
+    import fp4convert.output.shards as shards
 
     src, _ = mixed
     convert(src, tmp_path / "whole", cfg(kept_dtype="bf16"))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .base import OutputFormat
+    from fp4convert.formats.base import OutputFormat
 
 # name -> module (relative to this package); the first is the default output.
 OUTPUT_FORMATS: dict[str, str] = {
@@ -33,7 +33,7 @@ INPUT_FORMATS: dict[str, str] = {
 @cache
 def get_format(name: str) -> OutputFormat:
     """The format object registered under ``name``."""
-    from ..errors import ConfigError
+    from fp4convert.errors import ConfigError
 
     try:
         module = OUTPUT_FORMATS[name]

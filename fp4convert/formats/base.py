@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
-from ..names import CONFIG_NAME
-from ..safetensors_io import OutEntry, TensorInfo
-from ..scheme import SCHEMES, get_scheme
-from ..swizzle import padded_shape
+from fp4convert.errors import ConfigError
+from fp4convert.numerics.scheme import SCHEMES, get_scheme
+from fp4convert.numerics.swizzle import padded_shape
+from fp4convert.storage.names import CONFIG_NAME
+from fp4convert.storage.safetensors import OutEntry, TensorInfo
 
 if TYPE_CHECKING:  # the names and shapes (what planning asks) need no torch; the tensor methods import it
     import torch
 
-    from ..tensor import QuantizedTensor
+    from fp4convert.kernels.tensor import QuantizedTensor
 
 
 
@@ -165,7 +165,7 @@ class OutputFormat:
     def tensors(self, module: str, q: QuantizedTensor) -> list[tuple[str, bytes | memoryview]]:
         """:meth:`outputs` of a QuantizedTensor of one matrix (``export`` re-lays out a loaded one): its
         bytes with the block scales in this format's layout."""
-        from ..matrices import as_bytes
+        from fp4convert.kernels.tensor import as_bytes
 
         if self.swizzled and q.scale_layout != "swizzled":
             raise ValueError("internal: this format stores swizzled scales; quantize with scale_layout='swizzled'")
@@ -224,7 +224,7 @@ class OutputFormat:
     def load(self, m: QuantizedModule, read: Callable[[TensorInfo], torch.Tensor], rotate: str | None
              ) -> QuantizedTensor:
         """A quantized module's data as a QuantizedTensor (scales in the layout they are stored in)."""
-        from ..tensor import QuantizedTensor
+        from fp4convert.kernels.tensor import QuantizedTensor
 
         gs = None
         if get_scheme(m.scheme).global_scale and m.global_ is not None:

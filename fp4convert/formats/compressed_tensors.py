@@ -12,9 +12,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..safetensors_io import OutEntry
-from ..scheme import get_scheme
-from .base import OutputFormat, OutputInfo, read_json, update_config
+from fp4convert.formats.base import OutputFormat, OutputInfo, read_json, update_config
+from fp4convert.numerics.scheme import get_scheme
+from fp4convert.storage.safetensors import OutEntry
 
 if TYPE_CHECKING:
     import torch

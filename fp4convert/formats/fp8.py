@@ -9,8 +9,8 @@
 
 from __future__ import annotations
 
-from ..safetensors_io import TensorInfo
-from .base import Decode, InputFormat
+from fp4convert.formats.base import Decode, InputFormat
+from fp4convert.storage.safetensors import TensorInfo
 
 F8 = ("F8_E4M3",)
 SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -30,7 +30,7 @@ def weight_block_size(config: dict) -> tuple[int, int]:
 
     Anything but two positive integers is refused (exit 4) naming the file and the key: a block size
     cannot be guessed, and a wrong one decodes every FP8 weight with the wrong scales."""
-    from ..errors import SourceError
+    from fp4convert.errors import SourceError
 
     qc = config.get("quantization_config")
     block = qc.get("weight_block_size") if isinstance(qc, dict) else None

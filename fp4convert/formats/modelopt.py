@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
-from ..names import HF_QUANT_CONFIG
-from ..version import producer as version_producer
-from .base import OutputFormat, OutputInfo, read_json, update_config, write_json
+from fp4convert.errors import ConfigError
+from fp4convert.formats.base import OutputFormat, OutputInfo, read_json, update_config, write_json
+from fp4convert.storage.names import HF_QUANT_CONFIG
+from fp4convert.version import producer as version_producer
 
 if TYPE_CHECKING:
     import torch

@@ -8,8 +8,8 @@ this checkpoint equals converting its fp32-dequantized twin byte for byte.
 
 from __future__ import annotations
 
-from ..safetensors_io import TensorInfo
-from .base import Decode, InputFormat
+from fp4convert.formats.base import Decode, InputFormat
+from fp4convert.storage.safetensors import TensorInfo
 
 
 class MXFP4BlocksInput(InputFormat):

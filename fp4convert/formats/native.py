@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..names import CONFIG_NAME
-from ..scheme import get_scheme
-from ..version import producer
-from .base import NATIVE_QUANT_METHOD, OutputFormat, OutputInfo, read_json, write_json
+from fp4convert.formats.base import NATIVE_QUANT_METHOD, OutputFormat, OutputInfo, read_json, write_json
+from fp4convert.numerics.scheme import get_scheme
+from fp4convert.storage.names import CONFIG_NAME
+from fp4convert.version import producer
 
 MODEL_TYPE = "fp4convert"  # what config.json's model_type becomes (loaders refuse it)
 NOTE = ("fp4convert native layout (128x4 swizzled block scales): no engine loads it as is. "

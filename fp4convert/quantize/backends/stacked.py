@@ -1,0 +1,223 @@
+"""The ``stacked`` backend: torch, every shape group of a batch one ``[B, M, K]`` launch.
+
+It runs every unit kind (stacked experts, decoded FP8 / MXFP4 inputs) and under torchrun, on
+:mod:`fp4convert.kernels.cuda.ops`. On CUDA the host-to-device copies go on a copy stream, the passes and the
+device-to-host copies (into pinned memory) on a compute stream; the host waits for the GPU twice per
+batch: for pass 1's amax (each fused group's max is taken on the host, :func:`~fp4convert.quantize.backend.
+unit_amax`), and in the writer thread for the outputs. On the CPU (``--device cpu --backend stacked``)
+the same code runs with no streams on :data:`fp4convert.quantize.backends.cpu.OPS`, which has the CUDA ops'
+signature: that is how the tests check this scheduling without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from fp4convert import stages
+from fp4convert.kernels.tensor import as_bytes
+from fp4convert.quantize.backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes, weight_runs
+from fp4convert.quantize.backends.cpu import weight_tensors
+from fp4convert.quantize.items import Batch, Item
+from fp4convert.quantize.matrices import TensorBuffer, kept_output, launch_groups, nonfinite_bytes, tensors, unit_weights
+
+
+class StackedBackend:
+    """Batched launches per shape group; CUDA: streams, pinned memory, events (see the module's docstring)."""
+
+    name: ClassVar[str] = "stacked"
+    devices: ClassVar[tuple[str, ...]] = ("cuda", "cpu")
+    # Consecutive units share launches up to these limits (pinned memory: two buffer sets).
+    batch_units: ClassVar[int] = 128
+    batch_bytes: ClassVar[int] = 256 << 20
+    auto_lanes: ClassVar[int] = 1
+
+    def __init__(self, settings: Settings, device: torch.device) -> None:
+        self.s = settings
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.ops: Any
+        if self.cuda:
+            from fp4convert.kernels.cuda import ops
+
+            self.copy = torch.cuda.Stream(device)
+            self.compute = torch.cuda.Stream(device)
+            self.ops = ops
+        else:
+            from fp4convert.quantize.backends.cpu import OPS
+
+            self.ops = OPS
+
+    @classmethod
+    def supports(cls, plan) -> bool:
+        return True
+
+    @classmethod
+    def open(cls, ctx: Context) -> StackedBackend:
+        device = torch.device(ctx.device)
+        if device.type == "cuda":
+            from fp4convert.kernels.cuda import ops
+
+            torch.cuda.set_device(device)  # under torchrun: this rank's GPU for every stream and buffer
+            ops.ensure_loaded(device)
+        return cls(ctx.settings, device)
+
+    def lane(self) -> StackedBackend:
+        return StackedBackend(self.s, self.device)
+
+    def thread_init(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+
+    def host_buffer(self, nbytes: int) -> TensorBuffer:
+        return TensorBuffer(nbytes, pinned=self.cuda)
+
+    def nonfinite(self, dtype: str, data: memoryview) -> bool:
+        return nonfinite_bytes(dtype, data)
+
+    def close(self) -> None:
+        pass
+
+    def _stream(self, which: str):
+        return torch.cuda.stream(getattr(self, which)) if self.cuda else contextlib.nullcontext()
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def _upload(self, values: list[float]) -> torch.Tensor:
+        t = torch.tensor(values, dtype=torch.float32)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.cuda else t
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        e = torch.cuda.Event()
+        e.record(self.compute)
+        return e
+
+    def _stage(self, item: Item, inputs: Inputs, release: Release) -> list[tuple[torch.Tensor, list[int]]] | Result:
+        """The item's launch groups on the device (each with its matrices' indices); the inputs are
+        released once copied. A kept quantized input: its Result (the fp32 weight it encodes)."""
+        hosts = tensors(inputs)
+        dev = self.device
+        if isinstance(item, Batch):
+            # Host-to-device: each shape group into one [B, M, K] tensor (no stacking copy on the host).
+            # The inputs are allocated on the copy stream, which writes them: a block the caching
+            # allocator hands out there is free of every earlier copy-stream use, and of the compute
+            # kernels that read earlier inputs (record_stream below). Allocated on the compute stream,
+            # a block last used by the previous batch's still-queued kernels (its packed outputs)
+            # could be overwritten by this batch's copies before those kernels ran (seen on the H100:
+            # a 64-expert MoE refused for NaN that was not in the source).
+            with self._stream("copy"):
+                xs = [torch.empty((len(g), *hosts[g[0]].shape), dtype=hosts[g[0]].dtype, device=dev)
+                      for g in item.groups]
+                for x, g in zip(xs, item.groups):
+                    for j, i in enumerate(g):
+                        x[j].copy_(hosts[i], non_blocking=self.cuda)
+                    if self.cuda:
+                        x.record_stream(self.compute)
+                done = None
+                if self.cuda:
+                    done = torch.cuda.Event()
+                    done.record(self.copy)
+            if self.cuda:
+                self.compute.wait_event(done)
+            release(done)
+            return list(zip(xs, item.groups))
+        on_device = [h.to(dev, non_blocking=self.cuda) for h in hosts]
+        if self.cuda:
+            release(self._event())  # the copies out of the pinned set are queued before it
+        # (on the CPU the weights are views of the inputs: released once quantize() is done with them)
+        weights = unit_weights(item, on_device)
+        if item.kept:  # a kept quantized input: written as the fp32 weight it encodes (--kept-dtype bf16: BF16)
+            w = self._to_host(kept_output(item.members[0], weights[0]).contiguous())
+            done = self._event()
+            return Result([], [], [(item.members[0].name, as_bytes(w))], keep=(w, done))
+        return launch_groups(item, weights)
+
+    def quantize(self, item: Item, inputs: Inputs, release: Release) -> Callable[[], Result]:
+        try:
+            return self._quantize(item, inputs, release)
+        finally:
+            if not self.cuda:
+                release(None)  # the CPU ops are synchronous: every input has been read (a second release is a no-op)
+
+    def _quantize(self, item: Item, inputs: Inputs, release: Release) -> Callable[[], Result]:
+        s = self.s
+        n = len(item.matrices)
+        with self._stream("compute"):
+            staged = self._stage(item, inputs, release)
+        if isinstance(staged, Result):
+            kept = staged
+            done = kept.keep[1] if isinstance(kept.keep, tuple) else None
+
+            def wait_kept() -> Result:
+                if done is not None:
+                    done.synchronize()
+                return kept
+
+            return wait_kept
+        groups = staged
+
+        def amax_pass() -> list[float]:
+            with self._stream("compute"):
+                per_group = [self.ops.amax(x, s.rotate) for x, _ in groups]
+                host = self._to_host(torch.cat(per_group)) if per_group else torch.zeros(0)
+                e = self._event()
+            with stages.timed("quantize_waits_gpu"):
+                if e is not None:
+                    e.synchronize()  # the batch's first sync: each fused group's amax is taken on the host
+            amax = [0.0] * n
+            flat = host.tolist()
+            k = 0
+            for _, idx in groups:
+                for i in idx:
+                    amax[i] = flat[k]
+                    k += 1
+            return amax
+
+        def quantize_pass(ga: list[float] | None) -> Callable[[], Result]:
+            outs: list = []
+            weights = matrix_weights(item)
+            with self._stream("compute"):
+                iw = weight_tensors(weights, self.device)  # one upload per input weight of the item
+                for xg, group in groups:
+                    # a launch takes one input weight: a group whose members have several is cut in runs
+                    for j0, j1, _ in weight_runs(group, weights):
+                        x, idx = (xg, group) if (j0, j1) == (0, len(group)) else (xg[j0:j1], group[j0:j1])
+                        given = None if ga is None else self._upload([ga[i] for i in idx])
+                        p, sc, gs, flag = self.ops.quantize(x, s.scheme.name, given, s.rotate, s.swizzle, s.rule,
+                                                            input_weight=iw[idx[0]])
+                        meta = [flag.reshape(-1).to(torch.float32)] + ([] if gs is None else [gs.reshape(-1)])
+                        outs.append((idx, self._to_host(p), self._to_host(sc.view(torch.uint8)),
+                                     self._to_host(torch.cat(meta))))
+                done = self._event()
+
+            def result() -> Result:
+                if done is not None:
+                    with stages.timed("write_waits_gpu"):
+                        done.synchronize()  # in the writer thread
+                matrices: list[MatrixOut | None] = [None] * n
+                refused = [False] * n
+                for idx, p, sc, meta in outs:
+                    m = meta.tolist()
+                    flags, gss = m[: len(idx)], m[len(idx):]
+                    for j, i in enumerate(idx):
+                        refused[i] = bool(flags[j])
+                        matrices[i] = MatrixOut(as_bytes(p[j]), as_bytes(sc[j]), gss[j] if gss else None,
+                                                None if ga is None else ga[i])
+                return Result(matrices, refused, keep=outs)
+
+            return result
+
+        return two_passes(item, s, release, amax_pass, quantize_pass)
+
+
+BACKEND = StackedBackend

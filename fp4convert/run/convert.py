@@ -1,0 +1,353 @@
+"""The converter's entry point: source -> plan -> quantize -> write -> manifest.
+
+:func:`plan_conversion` opens the source and plans it from headers alone (what ``--dry-run`` shows).
+:func:`convert` then asks the kernel to start reading the source in plan order (``posix_fadvise``)
+while the device starts, opens a backend by name (:mod:`fp4convert.quantize.backend`; one per lane) and
+hands the run to the one run loop (:mod:`fp4convert.run.runner`), which reads, quantizes and writes
+every unit and finishes with the manifest. docs/architecture.md draws the whole data flow.
+
+Importing this module imports no torch: ``--dry-run``, argument errors and the torch-free CUDA
+backend never pay for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fp4convert import stages
+from fp4convert.config import ConvertConfig
+from fp4convert.errors import ConfigError, CUDAUnavailableError, FP4ConvertError, PlanError
+from fp4convert.run.distributed import World, assign
+from fp4convert.run.readahead import advise
+from fp4convert.run.runner import ConvertResult, Job, Progress, plan_warnings, run
+
+if TYPE_CHECKING:
+    import torch
+
+    from fp4convert.formats.base import OutputFormat
+    from fp4convert.plan.planner import Plan
+    from fp4convert.quantize.backend import Backend, InputWeight, Settings
+    from fp4convert.run.work import Work
+    from fp4convert.source.source import Source
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ConvertResult", "convert", "plan_conversion", "plan_warnings", "resolve_device"]
+
+
+def resolve_device(device: str, world: World | None = None) -> torch.device:
+    """'auto' is the first GPU whose kernels load, else the CPU (with one warning); 'cuda' must work.
+
+    Under torchrun, 'auto' and 'cuda' mean this rank's GPU (LOCAL_RANK, modulo the visible GPUs).
+    """
+    import torch
+
+    world = world or World()
+
+    def local_gpu() -> torch.device:
+        # Always with an index: torch.cuda.set_device and the worker threads need one.
+        n = torch.cuda.device_count()
+        index = world.local_rank % n if world.distributed and n else torch.cuda.current_device()
+        return torch.device("cuda", index)
+
+    if device == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        dev = local_gpu()
+        try:
+            from fp4convert.kernels.cuda import ops
+
+            ops.ensure_loaded(dev)
+        except CUDAUnavailableError as exc:
+            log.warning("CUDA kernels unavailable (%s); converting on the CPU (same bytes, slower)",
+                        str(exc).splitlines()[0])
+            return torch.device("cpu")
+        return dev
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"--device {device!r} is not a device; use auto, cpu or cuda[:N]") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device}: only cpu and cuda are supported")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CUDAUnavailableError(f"--device {device}: no CUDA GPU is visible here; use --device cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = local_gpu()
+    return dev
+
+
+def plan_conversion(src: str | Source, config: ConvertConfig, fetch_ahead: bool = False
+                    ) -> tuple[Source, Plan, OutputFormat]:
+    """Open the source and plan it from headers alone (what ``--dry-run`` shows).
+
+    ``fetch_ahead`` (a conversion follows): a Hub source starts downloading its first shards while
+    the plan is made (:meth:`Source.prefetch_early`; not for ``--resume`` or under torchrun, whose
+    runs read another order); stopped again if planning fails."""
+    from fp4convert.formats import detect, get_format
+    from fp4convert.output.manifest import MANIFEST_NAME, load_manifest
+    from fp4convert.plan.planner import make_plan
+    from fp4convert.source.source import Source, open_source
+
+    source = src if isinstance(src, Source) else open_source(src, config.revision)
+    manifest = load_manifest(source.root)
+    found = detect(source.root, source.config(), manifest)
+    if manifest is not None or found is not None:
+        marker = MANIFEST_NAME if manifest is not None else f"{found.name} files"
+        raise PlanError(f"the source is already quantized (it has {marker}); fp4convert needs a bf16/fp16/fp32 checkpoint")
+    fmt = get_format(config.format)
+    if not source.config() and not config.allow_no_config:
+        raise PlanError(f"{source.label} has no config.json: no loader (transformers, vLLM, SGLang) can load the "
+                        "output, and the plan cannot know the model; add the model's config.json, or pass "
+                        "--allow-no-config to convert the tensors anyway")
+    if config.activations != "none":
+        fmt = _w4a4_format(source, config, fmt)
+    elif config.input_weight_source != "none":
+        from fp4convert.calibrate import check_runnable
+
+        check_runnable(source, config)  # --input-weights on a model the layer-by-layer run cannot run: exit 2
+    if fetch_ahead and not config.resume and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+        source.prefetch_early()  # the first shard downloads while the headers are read and the plan is made
+    try:
+        tensors = source.tensors()  # every header (by range, for a Hub source, several at a time)
+        plan = make_plan(tensors, config, fmt, source.config())
+    except BaseException:
+        source.stop_prefetch()
+        raise
+    return source, plan, fmt
+
+
+def _w4a4_format(source: Source, config: ConvertConfig, fmt: OutputFormat) -> OutputFormat:
+    """W4A4 (--activations): the format writing activation scales; a model calibration cannot run
+    is refused here, before anything is written (fp4convert.calibrate)."""
+    from fp4convert.calibrate import check_runnable
+    from fp4convert.formats.base import with_activations
+
+    check_runnable(source, config)
+    return with_activations(fmt, config.activations)
+
+
+def _statistics(source: Source, plan: Plan, fmt: OutputFormat, config: ConvertConfig
+                ) -> tuple[dict[str, InputWeight] | None, dict | None]:
+    """The layer-by-layer stage, before anything is written: W4A4 NVFP4's activation amax (set on the
+    format) and the input weights of the weight scale rules (``config.input_weight_source``), with
+    their identity record. Nothing runs when neither is asked for (the data-free default)."""
+    from fp4convert.calibrate import runs_model, statistics
+
+    calibrate = getattr(fmt, "activations", "none") == "nvfp4"
+    if not calibrate and not runs_model(config):
+        return None, None
+    device = None if config.device == "auto" else config.device
+    if device is None and runs_model(config):
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    with stages.timed("calibrate"):
+        st = statistics(source, plan, config, device)
+    if calibrate:
+        fmt.input_amax = st.amax
+        fmt.calibration = st.calibration
+    if st.input_weights is not None:
+        log.info("input weights (%s): %d matrices weighted", config.input_weight_source, len(st.input_weights))
+    return st.input_weights, st.input_weight_record
+
+
+def _advise_source(source: Source, plan: Plan, mine: set[str]) -> None:
+    """Start the kernel reading what this rank will read, in plan order (before torch/CUDA start)."""
+    if source.is_hub:
+        return  # files arrive shard by shard from the Hub; nothing local to advise yet
+    shard_of = plan.shard_of()
+    ranges = []
+    for unit in plan.units():
+        if any(shard_of[e.name] in mine for d in unit for e in d.outputs):
+            ranges += [(source.root / d.info.file, d.info.begin, d.info.end) for d in unit]
+    advise(ranges)
+
+
+def convert(
+    src: str | Source,
+    dst: str | Path,
+    config: ConvertConfig = ConvertConfig(),
+    progress: Progress | None = None,
+    *,
+    plan: tuple[Source, Plan, OutputFormat] | None = None,
+) -> ConvertResult:
+    """Convert checkpoint ``src`` (folder or Hub repo id) into ``dst``.
+
+    ``plan``: the result of :func:`plan_conversion` when the caller already planned (the CLI prints
+    the plan's warnings first), so the source is planned once. Under torchrun (WORLD_SIZE > 1)
+    every rank calls this with the same arguments.
+    """
+    from fp4convert.numerics.scheme import get_scheme
+    from fp4convert.output.record import run_identity
+    from fp4convert.quantize.backend import Settings
+    from fp4convert.run.work import QuantizeWork
+
+    t0 = time.perf_counter()
+    stages.reset()
+    dst = Path(dst)
+    world = World.from_env()
+    if plan is None:
+        prewarm_device(config)  # the GPU starts while the source is planned
+    with stages.timed("plan"):
+        source, plan_, fmt = plan if plan is not None else plan_conversion(src, config, fetch_ahead=True)
+    try:
+        input_weights, weight_record = _statistics(source, plan_, fmt, config)
+        _advise_source(source, plan_, assign(plan_, world))
+        others = source.other_files(exclude=dst)  # the one walk of the source folder
+
+        t_start = time.perf_counter()
+        settings = Settings(get_scheme(config.scheme), config.rotate, fmt.swizzled, config.rule)
+        backends = open_backends(config, world, plan_, source, settings)
+    except BaseException:
+        source.stop_prefetch()  # a Hub source may be fetching since planning: nothing more is downloaded
+        raise
+    stages.add("startup", time.perf_counter() - t_start)
+    stages.count("lanes", len(backends))
+    works: list[Work] = [QuantizeWork(source, fmt, settings, b, input_weights) for b in backends]
+    try:
+        # what the input weights were measured as (digest included): --resume refuses other statistics
+        identity = run_identity(config, source, **({"input_weights": weight_record} if weight_record else {}))
+        job = Job(source, plan_, fmt, dst, config, identity, others)
+        done = run(job, world, works, progress)
+    except BaseException:
+        source.stop_prefetch()
+        _close_all([b.close for b in reversed(backends)], raising=False)  # the run's own error is the one to report
+        raise
+    _close_all([b.close for b in reversed(backends)])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    reused = sorted(f for f in done if f in dict(plan_.shards))
+    wait = sum(w.read_wait_s for w in works)
+    return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, stages.snapshot(), stages.counts())
+
+
+def _close_all(closers: list[Callable[[], None]], raising: bool = True) -> None:
+    """Run every closer even if one fails (a sticky CUDA error, say); then raise the first error
+    (only logged when the run is failing already)."""
+    error: BaseException | None = None
+    for close in closers:
+        try:
+            close()
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the rest are closed
+            error = error or exc
+            if not raising:
+                log.debug("while closing after a failure: %s", exc)
+    if error is not None and raising:
+        raise error
+
+
+def lane_count(config: ConvertConfig, world: World, plan: Plan, source: Source, auto: int) -> int:
+    """How many lanes this run gets: ``config.lanes``, else (0: auto) the backend's ``auto`` for a local
+    source in one process, one elsewhere; never more than the shards there are to write."""
+    if world.distributed or source.is_hub:
+        return 1  # torchrun splits across processes; a Hub source's shards are released in plan order
+    want = config.lanes or auto
+    return max(1, min(want, len(plan.shards)))
+
+
+TORCH_FREE = ("cuda", "cpu-native")  # backends opened before torch: if one cannot open, torch's runs instead
+
+
+def choose_backend(config: ConvertConfig, world: World, plan: Plan) -> str | None:
+    """The backend a run takes from the plan alone: ``--backend`` when given; in one process converting
+    plain 2-D weights (:meth:`~fp4convert.quantize.backends.cuda.CudaBackend.supports`), a torch-free one: ``cuda``
+    on a GPU (``--device auto`` or ``cuda[:N]``), ``cpu-native`` for ``--device cpu``; else None:
+    torch's, decided once the device is known (``stacked`` on a GPU, ``cpu`` on the CPU)."""
+    from fp4convert.quantize.backend import backend_names, get_backend
+
+    if config.backend:
+        if config.backend not in backend_names():
+            raise ConfigError(f"--backend {config.backend!r}: choose one of {', '.join(backend_names())}")
+        if config.backend == "cpu-native" and config.input_weight_source != "none":
+            raise ConfigError("--backend cpu-native has no input-weighted search; choose --backend cpu for "
+                              f"--input-weights {config.input_weight_source}")
+        return config.backend
+    name = "cpu-native" if config.device == "cpu" else "cuda" if _cuda_index(config.device) is not None else None
+    if world.distributed or name is None:
+        return None
+    return name if get_backend(name).supports(plan) else None
+
+
+def open_backends(config: ConvertConfig, world: World, plan: Plan, source: Source,
+                  settings: Settings) -> list[Backend]:
+    """One backend per lane, chosen by name (:func:`choose_backend`). A torch-free backend (``cuda``,
+    ``cpu-native``) falls back to torch's when the GPU or the kernel library is not there (``auto`` then
+    falls back to the CPU with a warning, ``cuda`` without a GPU is an error)."""
+    from fp4convert.quantize.backend import Context, get_backend
+
+    name = choose_backend(config, world, plan)
+    first = None
+    if name in TORCH_FREE:
+        index = _cuda_index(config.device)
+        if name == "cuda" and index is None:
+            raise ConfigError(f"--backend cuda runs on a GPU; --device {config.device} is not one")
+        lanes = lane_count(config, world, plan, source, get_backend(name).auto_lanes)
+        try:
+            device = f"cuda:{index}" if name == "cuda" else "cpu" if config.device == "auto" else config.device
+            first = get_backend(name).open(Context(settings, device, world, lanes))
+        except FP4ConvertError as exc:
+            if config.backend:
+                raise
+            log.debug("torch-free %s backend unavailable (%s); using torch", name, exc)
+            name = None
+    if first is None:
+        world.init()
+        if name is not None and config.device == "auto" and "cuda" not in get_backend(name).devices:
+            import torch
+
+            device = torch.device("cpu")  # --backend cpu on a machine with a GPU
+        else:
+            device = resolve_device(config.device, world)  # from here on the work needs torch
+        name = name or ("stacked" if device.type == "cuda" else "cpu")
+        cls = get_backend(name)
+        if device.type not in cls.devices:
+            raise ConfigError(f"--backend {name} runs on {' or '.join(cls.devices)}, not on {device}; "
+                              f"choose --device {cls.devices[0]} or another backend")
+        lanes = lane_count(config, world, plan, source, cls.auto_lanes)
+        first = cls.open(Context(settings, str(device), world, lanes))
+    backends = [first]
+    try:
+        backends += [first.lane() for _ in range(lanes - 1)]
+    except BaseException:
+        _close_all([b.close for b in reversed(backends)], raising=False)
+        raise
+    return backends
+
+
+def _cuda_index(device: str) -> int | None:
+    """The GPU a one-process run on ``device`` would use: ``auto`` / ``cuda`` -> 0, ``cuda:N`` -> N;
+    None for the CPU or a malformed index (torch's device parsing reports that one)."""
+    if device in ("auto", "cuda"):
+        return 0
+    if not device.startswith("cuda:"):
+        return None
+    try:
+        return int(device.split(":", 1)[1])
+    except ValueError:
+        return None
+
+
+def prewarm_device(config: ConvertConfig) -> None:
+    """Start the device in the background now, while the source is planned: a one-process CUDA run's
+    GPU (driver, kernel library, context), a CPU run's kernel. Imports nothing heavy; a machine without
+    a GPU costs nothing. The model card's library is imported on a thread too (the card is the run's
+    last step)."""
+    from fp4convert.output.card import preload
+
+    preload()
+    if config.device == "cpu" and config.backend in (None, "cpu", "cpu-native"):
+        from fp4convert.kernels import cpu_lib as cpu_kernel
+
+        cpu_kernel.prepare()  # the CPU kernel's one-time build (or load) overlaps the planning
+        return
+    index = _cuda_index(config.device)
+    if index is None or World.from_env().distributed or config.backend not in (None, "cuda"):
+        return
+    from fp4convert.kernels.cuda.runtime import prewarm
+
+    prewarm(index)
