@@ -628,18 +628,19 @@ class _Recorder:
 def test_inspect_and_export_show_progress(src, tmp_path, monkeypatch, command) -> None:
     """Issue 23 item 17: inspect --verify and export were 18 s of silence on a 374 MB model. Their bar
     counts every byte they read; --quiet (and --json) show none."""
-    import fp4convert.cli.main as cli_mod
+    import fp4convert.cli.common as cli_common
 
     native = tmp_path / "native"
     assert run("quantize", src, native, "--device", "cpu", "-q").exit_code == 0
     bars = []
-    real = cli_mod._progress
+    real = cli_common.progress
 
     def recording(total, desc, quiet):
         bars.append((desc, quiet))
         return real(total, desc, quiet) if quiet else _Recorder()
 
-    monkeypatch.setattr(cli_mod, "_progress", recording)
+    for command_module in ("inspect", "export"):
+        monkeypatch.setattr(f"fp4convert.cli.{command_module}.progress", recording)
     args = {"inspect --check-files": ["inspect", native, "--check-files"],
             "inspect --verify": ["inspect", native, "--verify", src],
             "export": ["export", native, tmp_path / "ct", "--format", "compressed-tensors"]}[command]

@@ -179,6 +179,11 @@ class OutputFormat:
         """Write what the format needs beside the shards; returns the names written."""
         return []
 
+    def serving_warning(self, rotate: str | None) -> str | None:
+        """What a user must know before serving a checkpoint written with these settings (None: nothing).
+        The command line prints it in every mode, ``--quiet`` included."""
+        return None
+
     # -- reading ---------------------------------------------------------------------------
 
     def detect(self, root: Path, config: dict) -> bool:

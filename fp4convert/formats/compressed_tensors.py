@@ -137,12 +137,17 @@ class CompressedTensorsFormat(OutputFormat):
         for key in [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]:
             if cfg.get(key) != "bfloat16":
                 update_config(dst, key, "bfloat16")
-        if info.rotate:
-            log.warning(
-                "Had16-rotated compressed-tensors checkpoint: vLLM rotates activations from transform_config "
-                "(tensor parallel 1 only); transformers ignores transform_config and would compute wrong outputs"
-            )
+        warning = self.serving_warning(info.rotate)
+        if warning:
+            log.warning(warning, extra={"serving": True})  # the command line prints it itself, in every mode
         return ["config.json"]
+
+    def serving_warning(self, rotate: str | None) -> str | None:
+        if not rotate:
+            return None
+        return ("Had16-rotated compressed-tensors checkpoint: vLLM rotates activations from transform_config "
+                "(tensor parallel 1 only); transformers ignores transform_config and computes WRONG outputs from "
+                "these weights (serve it with vLLM, or convert without --rotate for transformers)")
 
     # -- reading ---------------------------------------------------------------------------
 

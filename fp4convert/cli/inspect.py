@@ -1,0 +1,69 @@
+"""``fp4convert inspect``: check a quantized checkpoint and give a verdict."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from fp4convert.cli.common import NoProgress, library_errors, progress
+from fp4convert.cli.options import (
+    EXIT_CODE_HELP,
+    json_option,
+    quiet_option,
+    revision_option,
+    token_option,
+)
+from fp4convert.errors import InspectFailed
+
+
+@click.command(epilog=EXIT_CODE_HELP)
+@click.argument("checkpoint")
+@click.option("--check-files", is_flag=True, help="Also read the data: sha256 against the manifest, every block scale.")
+@click.option("--verify", "verify_src", metavar="SRC", default=None,
+              help="Dequantize and compare with the original checkpoint SRC (after checking it is the one converted).")
+@click.option("--max-error", type=float, default=None, show_default=False,
+              help="With --verify: fail when a layer's relative error ||w - x|| / ||x|| exceeds this "
+                   "[default: 0.25; NVFP4 gives ~0.09-0.10, MXFP4 ~0.11-0.15, a wrong source ~1.4].")
+@click.option("--plot", "plot_path", metavar="FILE", default=None,
+              help="With --verify: write a per-layer error chart (FILE.png needs matplotlib; else an HTML report).")
+@revision_option
+@token_option
+@json_option
+@quiet_option
+@library_errors
+def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision, token, as_json, quiet) -> None:
+    """Check a quantized CHECKPOINT (folder or Hub repo id) and give a verdict (exit 0 only when it is OK).
+
+    Reads headers, configs and global scales by default; --check-files reads all data; --verify SRC
+    compares every dequantized weight with the source (the report is printed even with --quiet).
+
+    \b
+    Example:
+      fp4convert inspect qwen3-nvfp4 --check-files --verify Qwen/Qwen3-8B
+    """
+    if plot_path and not verify_src:
+        raise click.UsageError("--plot needs --verify SRC")
+    from fp4convert.checkpoint.inspect import DEFAULT_MAX_ERROR, inspect_checkpoint, render, write_plot
+
+    long = check_files or verify_src  # reads every byte: a bar (nothing with --json or --quiet)
+    with progress(0, "inspect", quiet or as_json or not long) as bar:
+        report = inspect_checkpoint(checkpoint, check_files=check_files, verify=verify_src, revision=revision,
+                                    max_error=DEFAULT_MAX_ERROR if max_error is None else max_error, token=token,
+                                    progress=None if isinstance(bar, NoProgress) else bar)
+    if plot_path:
+        try:
+            written = write_plot(report, plot_path)
+            report["plot"] = written
+            if written != plot_path:
+                click.echo(f"matplotlib is not installed: wrote {written} instead of {plot_path}", err=True)
+        except ValueError as exc:
+            click.echo(f"no plot: {exc}", err=True)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
+    else:
+        for line in render(report):
+            click.echo(line)
+    if not report["ok"]:
+        sys.exit(InspectFailed.exit_code)

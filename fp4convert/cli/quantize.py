@@ -1,0 +1,184 @@
+"""``fp4convert quantize``: convert a checkpoint (or print its plan with ``--dry-run``)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import click
+
+from fp4convert.cli.common import library_errors, log, progress, rank, setup_logging, warn_serving
+from fp4convert.cli.options import (
+    EXIT_CODE_HELP,
+    SCALE_RULES,
+    activation_options,
+    backend_help,
+    kept_dtype_option,
+    output_options,
+    push_folder,
+    push_options,
+    revision_option,
+    scale_rule_help,
+)
+from fp4convert.config import ConvertConfig, human_bytes, parse_size
+from fp4convert.formats import DEFAULT_FORMAT, OUTPUT_FORMATS
+from fp4convert.numerics.scheme import ROTATIONS, SCHEMES
+from fp4convert.quantize.backend import backend_names
+
+
+@click.command(epilog=EXIT_CODE_HELP)
+@click.argument("src")
+@click.argument("dst", type=click.Path(file_okay=False))
+@click.option("--scheme", type=click.Choice(list(SCHEMES), case_sensitive=False), default="nvfp4", show_default=True, help="FP4 scheme.")
+@click.option("--rotate", type=click.Choice(list(ROTATIONS), case_sensitive=False), default=None,
+              help="Rotate weights with a 16-point Hadamard first. Meant for W4A4 serving (activations quantized "
+                   "too); weight-only it raised NVFP4's next-token KL 1.2-1.8x on the model measured (BENCHMARKS.md).")
+@click.option("--scale-rule", type=click.Choice(SCALE_RULES, case_sensitive=False), default=None,
+              help=scale_rule_help())
+@click.option("--format", "fmt", type=click.Choice(list(OUTPUT_FORMATS), case_sensitive=False), default=DEFAULT_FORMAT,
+              show_default=True,
+              help="On-disk convention: fp4convert (native, swizzled scales; export it for engines), "
+                   "compressed-tensors (vLLM, transformers) or modelopt (vLLM/SGLang/TensorRT-LLM, NVFP4).")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (a GPU if its kernels load, else the CPU), cpu, cuda or cuda:N.")
+@click.option("--lanes", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Write this many output shards side by side in one process (0: the backend's choice, 2 for "
+                   "cuda, 1 otherwise). The output bytes do not depend on it.")
+@click.option("--backend", type=click.Choice(backend_names()), default=None, help=backend_help())
+@click.option("--ignore", multiple=True, metavar="PATTERN", help="Keep matching tensors unquantized (glob, or re:REGEX). Repeatable.")
+@click.option("--only", multiple=True, metavar="PATTERN", help="Quantize only matching tensors (glob, or re:REGEX). Repeatable.")
+@click.option("--allow-nothing-quantized", is_flag=True,
+              help="Write the output even when the plan quantizes no tensor (otherwise exit 2).")
+@click.option("--allow-no-config", is_flag=True,
+              help="Convert a source that has no config.json (otherwise exit 2: nothing can load the output, and "
+                   "tensor roles then come from names alone).")
+@revision_option
+@click.option("--cache-dir", default=None, type=click.Path(file_okay=False),
+              help="Hub cache folder for SRC's files (default: HF_HUB_CACHE).")
+@click.option("--delete-source-shards", is_flag=True,
+              help="Hub SRC: remove each source shard from the HF cache once it is converted (saves disk).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (decisions, sizes) and write nothing.")
+@click.option("--base-model", metavar="REPO", default=None,
+              help="The model card's base_model (default: the Hub repo id, or a Hub id config.json names).")
+@kept_dtype_option
+@output_options
+@push_options
+@activation_options
+@library_errors
+def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, max_shard_size, ignore, only,
+             allow_nothing_quantized, allow_no_config, revision, cache_dir, delete_source_shards, dry_run, base_model,
+             kept_dtype, overwrite, resume, verify_source, quiet, as_json, push_repo, private, token, activation) -> None:
+    """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST.
+
+    \b
+    Example:
+      fp4convert quantize Qwen/Qwen3-8B qwen3-nvfp4 --format compressed-tensors
+    """
+    from fp4convert import stages
+
+    ages = {"cli_start": stages.process_age()}  # where a run's seconds outside convert() go (--json)
+    from fp4convert.errors import PlanError
+    from fp4convert.run.convert import convert, plan_conversion, prewarm_device
+    from fp4convert.run.runner import plan_warnings
+    from fp4convert.source.source import open_source
+
+    config = ConvertConfig(
+        scheme=scheme, rotate=rotate, scale_rule=scale_rule, format=fmt, ignore=tuple(ignore), only=tuple(only),
+        max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
+        revision=revision, verify_source=verify_source, lanes=lanes, backend=backend,
+        allow_no_config=allow_no_config, base_model=base_model, kept_dtype=kept_dtype,
+        **activation,
+    )
+    dry_run_out = True
+    if rank() > 0:  # torchrun: one voice (rank 0); the others only report their own errors
+        quiet, as_json, dry_run_out = True, False, False
+    if delete_source_shards and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        from fp4convert.errors import ConfigError
+
+        raise ConfigError("--delete-source-shards cannot be used under torchrun (another rank may still read a "
+                          "shard); convert with one process, or keep the source shards")
+    setup_logging(quiet, status=not as_json)
+    if not dry_run:
+        prewarm_device(config)  # the GPU starts while the source is opened and planned
+    source = open_source(src, revision, token=token, cache_dir=cache_dir)
+    planned = plan_conversion(source, config, fetch_ahead=not dry_run)
+    try:  # a Hub source is downloading since planning: stopped on any refusal before convert() owns it
+        plan = planned[1]
+        nothing = plan.summary()["quantized"] == 0 and not allow_nothing_quantized
+        if dry_run:
+            if not dry_run_out:
+                return
+            if as_json:
+                click.echo(json.dumps(plan.to_json(), indent=2))
+            else:
+                print_plan(plan, quiet)
+            warn_serving(fmt, rotate)
+            if nothing:
+                raise PlanError("the plan quantizes no tensor (see the warnings); pass --allow-nothing-quantized "
+                                "to write an unquantized copy anyway")
+            return
+        if nothing:
+            for w in plan_warnings(plan):
+                log.warning("warning: %s", w)
+            raise PlanError("the plan quantizes no tensor: check --only / --ignore and the layer names "
+                            "(--dry-run shows every decision); --allow-nothing-quantized writes the copy anyway")
+        progress_fn = None
+        with progress(plan.summary()["bytes_in"], "quantize", quiet or as_json) as bar:
+            progress_fn = bar.update
+            if delete_source_shards:
+                from fp4convert.source.release import ShardReleaser
+
+                progress_fn = ShardReleaser(source, plan, bar.update)
+            ages["convert_start"] = stages.process_age()
+            result = convert(source, dst, config, progress=progress_fn, plan=planned)
+    except BaseException:
+        source.stop_prefetch()
+        raise
+    if rank() > 0:
+        return
+    if push_repo:
+        push_folder(dst, push_repo, private, token, quiet)
+    if as_json:
+        ages["summary"] = stages.process_age()
+        s = result.to_json()
+        warn_serving(fmt, rotate, s.setdefault("warnings", []))
+        if None not in ages.values():
+            s["process_s"] = {k: round(v, 3) for k, v in ages.items()}
+        click.echo(json.dumps(s, indent=2))
+        return
+    s = result.to_json()
+    if quiet:
+        warn_serving(fmt, rotate)
+        return
+    click.echo(
+        f"{dst}: {s['quantized']} tensors quantized ({scheme}{', had16' if rotate else ''}), {s['kept']} kept; "
+        f"{human_bytes(s['bytes_in'])} -> {human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s), "
+        f"{s['bits_per_param']} bits/param ({s['bits_per_param_quantized']} in quantized layers); "
+        f"{s['wall_s']:.1f} s, peak memory {human_bytes(s['peak_rss_bytes'])}"
+        + (f"; reused {len(s['reused_files'])} finished shard(s)" if s["reused_files"] else "")
+    )
+    for w in s.get("warnings", []):
+        click.echo(f"warning: {w}", err=True)
+    warn_serving(fmt, rotate)
+
+
+
+
+def print_plan(plan, quiet: bool = False) -> None:
+    from fp4convert.run.runner import plan_warnings
+
+    s = plan.summary()
+    width = max((len(d.name) for d in plan.decisions), default=10)
+    dtypes = [d.info.dtype if d.action != "keep" or d.outputs[0].dtype == d.info.dtype
+              else f"{d.info.dtype}->{d.outputs[0].dtype}" for d in plan.decisions]  # --kept-dtype bf16: F32->BF16
+    dw = max([5, *(len(t) for t in dtypes if "->" in t)])
+    for d, dtype in zip(plan.decisions, dtypes):
+        shape = "x".join(map(str, d.info.shape))
+        click.echo(f"{d.action:<8} {d.name:<{width}}  {dtype:<{dw}} {shape:<12} {d.reason}")
+    for w in [] if quiet else plan_warnings(plan):
+        click.echo(f"warning: {w}", err=True)
+    click.echo(
+        f"\n{s['quantized']} to quantize ({s['fused_groups']} fused groups), {s['kept']} to keep; "
+        f"{human_bytes(s['bytes_in'])} -> {human_bytes(s['bytes_out'])} projected in {s['shards_out']} shard(s); "
+        f"{s['bits_per_param']} bits/param ({s['bits_per_param_quantized']} in quantized layers)"
+    )
