@@ -7,7 +7,7 @@ in the machine's load hits all rows alike), median of ``--repeats``:
 - ``cp -r`` + sync;
 - fp4convert on one GPU (when there is one);
 - ``--device cpu`` as it runs by default: the torch-free ``cpu-native`` backend
-  (fp4convert/quantize/backends/cpu_native.py: each shape group of a batch one threaded kernel call on the
+  (fp4convert/quantizer/backends/cpu_native.py: each shape group of a batch one threaded kernel call on the
   reader's buffer, 2 lanes, no torch import);
 - ``--device cpu --backend cpu``: the torch backend (a pool of Python threads, each calling the CPU
   path, and so the kernel, on row slices with one kernel thread);

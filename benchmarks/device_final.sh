@@ -17,7 +17,7 @@ for arena in one default one default; do
     python3 -c "
 import sys, time
 from fp4convert import cli
-from fp4convert.quantize.backends import cpu as pipeline
+from fp4convert.quantizer.backends import cpu as pipeline
 if '$arena' == 'default':
     pipeline._one_malloc_arena = lambda: None
 sys.argv = ['fp4convert', 'quantize', '/tmp/d2', '/tmp/d2out', '--device', 'cpu', '-q', '--overwrite']

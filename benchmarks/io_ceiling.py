@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def stub_pipeline() -> None:
     import torch
 
-    from fp4convert.quantize.backend import MatrixOut, Result
-    from fp4convert.quantize.backends.cpu import CpuBackend
+    from fp4convert.quantizer.backend import MatrixOut, Result
+    from fp4convert.quantizer.backends.cpu import CpuBackend
     from fp4convert.kernels.tensor import as_bytes
 
     def quantize(self, item, inputs, release):

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from fp4convert.errors import Cancelled, FP4ConvertError, PlanError, QuantizationError, RankStopped
 from fp4convert.plan.types import QUANTIZE
-from fp4convert.quantize.backend import InputWeight
+from fp4convert.quantizer.backend import InputWeight
 
 if TYPE_CHECKING:
     import torch
@@ -733,7 +733,7 @@ class Statistics:
 
     ``amax`` / ``calibration``: W4A4 NVFP4's activation amax per quantized module (fused and expert
     groups at their max) and its manifest record; ``input_weights``: each quantized matrix's input
-    weight (module -> :class:`~fp4convert.quantize.backend.InputWeight`; fused members share one object) and
+    weight (module -> :class:`~fp4convert.quantizer.backend.InputWeight`; fused members share one object) and
     ``input_weight_record``, the identity entry that describes them (source, tokens, seed, digest).
     """
 

@@ -18,7 +18,6 @@ ACTIVATION_SCALES = ("calibrate", "constant")
 # Input weights (docs/numerics.md "Input weights"): where the per-input-channel mean squares that weight
 # the search rules' block error come from. auto: the W4A4 calibration pass's own when it runs, else none.
 INPUT_WEIGHTS = ("auto", "none", "random", "calibration")
-NO_SEARCH_RULES = ("max", "floor", "rceil")  # rules without a search: nothing for an input weight to change
 WEIGHTED_RULE = "mse"  # the default rule when input weights are on: the best measured with them (BENCHMARKS.md)
 CALIBRATION_SHAPE = (128, 512)  # samples x tokens of a calibration pass (text file or self-generated)
 RANDOM_SHAPE = (16, 256)  # samples x tokens of random token ids (--input-weights random): cheap, data-free
@@ -53,7 +52,7 @@ class ConvertConfig:
     revision: str | None = None
     verify_source: bool = False  # hash the source in full (recorded; --resume compares it)
     lanes: int = 0  # output shards written by this many lanes side by side in one process; 0: auto
-    backend: str | None = None  # what quantizes (fp4convert.quantize.backends); None: chosen from the device and the plan
+    backend: str | None = None  # what quantizes (fp4convert.quantizer.backends); None: chosen from the device and the plan
     allow_no_config: bool = False  # convert a source without config.json (nothing can load the output)
     base_model: str | None = None  # the model card's base_model (None: derived from the source)
     # W4A4 (docs/formats.md "W4A4"): activation quantization the engines apply, and how its static
@@ -132,9 +131,13 @@ class ConvertConfig:
     def _check_input_weights(self) -> None:
         if self.input_weights not in INPUT_WEIGHTS:
             raise ConfigError(f"--input-weights {self.input_weights!r}: choose one of {', '.join(INPUT_WEIGHTS)}")
-        if self.input_weights in ("random", "calibration") and self.scale_rule in NO_SEARCH_RULES:
+        if self.input_weights in ("random", "calibration") and not self._rule_searches():
             raise ConfigError(f"--input-weights {self.input_weights} changes only the search scale rules; "
                               f"--scale-rule {self.scale_rule} has no search (drop one of them)")
+
+    def _rule_searches(self) -> bool:
+        """The rule asked for searches (None: the default, resolved later, counts as searching)."""
+        return self.scale_rule is None or SCHEMES[self.scheme].rule(self.scale_rule).searches
 
     @property
     def input_weight_source(self) -> str:
@@ -144,7 +147,7 @@ class ConvertConfig:
         if self.input_weights != "auto":
             return self.input_weights
         if (self.activations == "nvfp4" and self.activation_scale == "calibrate"
-                and self.scale_rule not in NO_SEARCH_RULES):
+                and self._rule_searches()):
             return "calibration"
         return "none"
 

@@ -1,4 +1,4 @@
-"""The backend seam (fp4convert.quantize.backend): the group amax, the two passes' order, the refusal, the registry."""
+"""The backend seam (fp4convert.quantizer.backend): the group amax, the two passes' order, the refusal, the registry."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from fp4convert.quantize.backend import Result, backend_names, get_backend, refuse_nonfinite, two_passes, unit_amax
+from fp4convert.quantizer.backend import Result, backend_names, get_backend, refuse_nonfinite, two_passes, unit_amax
 from fp4convert.config import ConvertConfig
 from fp4convert.run.convert import choose_backend, plan_conversion
 from fp4convert.run.distributed import World
 from fp4convert.errors import ConfigError, NonFiniteError
-from fp4convert.quantize.items import Batch
+from fp4convert.quantizer.items import Batch
 
 from . import checkpoints as ck
 
@@ -55,7 +55,7 @@ class _Item:
 
 def test_two_passes_refuses_before_pass_2_and_releases() -> None:
     from fp4convert.numerics.scheme import MXFP4, NVFP4
-    from fp4convert.quantize.backend import Settings
+    from fp4convert.quantizer.backend import Settings
 
     item = _Item(["a", "b"], [0, 0])
     calls, released = [], []
@@ -81,7 +81,7 @@ def test_registry_lists_the_backend_modules_without_importing_them() -> None:
         choose_backend(ConvertConfig(backend="nope"), World(), None)
     with pytest.raises(ConfigError, match="--backend 'No Such' is not a backend name"):
         ConvertConfig(backend="No Such")
-    code = "import sys; from fp4convert.quantize.backend import backend_names; backend_names(); print('torch' in sys.modules)"
+    code = "import sys; from fp4convert.quantizer.backend import backend_names; backend_names(); print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 

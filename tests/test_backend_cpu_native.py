@@ -1,4 +1,4 @@
-"""The ``cpu-native`` backend (fp4convert.quantize.backends.cpu_native): the reference's bytes batch by batch, the torch
+"""The ``cpu-native`` backend (fp4convert.quantizer.backends.cpu_native): the reference's bytes batch by batch, the torch
 ``cpu`` backend's bytes file by file, which runs take it by default, that such a run never imports torch, the
 fallback to torch without a C++ compiler, and its NaN/Inf answers (the refusal, the kept tensors' scan)."""
 
@@ -14,13 +14,13 @@ import torch
 
 from fp4convert.kernels import cpu_lib as cpu_kernel, jit
 from fp4convert.numerics import reference as ref
-from fp4convert.quantize.backend import Context, Settings
-from fp4convert.quantize.backends.cpu_native import CpuNativeBackend
+from fp4convert.quantizer.backend import Context, Settings
+from fp4convert.quantizer.backends.cpu_native import CpuNativeBackend
 from fp4convert.config import ConvertConfig
 from fp4convert.run.convert import choose_backend, convert, plan_conversion
 from fp4convert.run.distributed import World
 from fp4convert.errors import ConfigError, NonFiniteError
-from fp4convert.quantize.items import Batch, grouped_offsets, make_items
+from fp4convert.quantizer.items import Batch, grouped_offsets, make_items
 from fp4convert.numerics.scheme import get_scheme
 from fp4convert.numerics.swizzle import swizzle_scales
 

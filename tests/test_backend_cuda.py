@@ -1,4 +1,4 @@
-"""The ``cuda`` backend (fp4convert.quantize.backends.cuda, fp4convert.kernels.cuda.runtime): which runs take it, the bytes
+"""The ``cuda`` backend (fp4convert.quantizer.backends.cuda, fp4convert.kernels.cuda.runtime): which runs take it, the bytes
 it writes (the ``stacked`` backend's and the CPU's, on the GPU), its error answers, and the host pieces
 it has instead of torch (the kept tensors' NaN/Inf scan, pinned size classes, its launch bookkeeping)."""
 
@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from fp4convert.numerics import reference as ref
-from fp4convert.quantize.backend import Settings
-from fp4convert.quantize.backends.cuda import CudaBackend
+from fp4convert.quantizer.backend import Settings
+from fp4convert.quantizer.backends.cuda import CudaBackend
 from fp4convert.config import ConvertConfig
 from fp4convert.run.convert import choose_backend, convert, plan_conversion
 from fp4convert.run.distributed import World
 from fp4convert.formats import get_format
-from fp4convert.quantize.items import Batch
+from fp4convert.quantizer.items import Batch
 
 AUTO_LANES = CudaBackend.auto_lanes
 
@@ -284,7 +284,7 @@ def test_group_launches_keep_every_member_apart(scheme, swizzle) -> None:
     import random
     from types import SimpleNamespace
 
-    from fp4convert.quantize.items import grouped_offsets
+    from fp4convert.quantizer.items import grouped_offsets
     from fp4convert.numerics.scheme import get_scheme
 
     seed = int(torch.randint(0, 2**31, ()).item())

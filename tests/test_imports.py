@@ -67,7 +67,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fp4convert.run",),  # one conversion top to bottom, the run loop, a part's work
     ("fp4convert.calibrate",),  # running the model on calibration tokens (its results feed the quantizer)
     ("fp4convert.output",),  # the writer, the manifest, the card
-    ("fp4convert.quantize",),  # the backend seam, work items, backends
+    ("fp4convert.quantizer",),  # the backend seam, work items, backends
     ("fp4convert.source",),  # a local folder or a Hub repo
     ("fp4convert.plan",),  # decisions from headers and the model definition
     ("fp4convert.config",),  # the recipe and the run options
@@ -91,7 +91,7 @@ def test_graph_is_read() -> None:
     g = _graph()
     assert "fp4convert.run.convert" in g and "fp4convert.output.finish" in g["fp4convert.run.runner"]
     assert "fp4convert.formats.base" in g["fp4convert.formats.native"]
-    assert "fp4convert.plan.planner" in g["fp4convert.quantize.backend"]  # a TYPE_CHECKING import counts
+    assert "fp4convert.plan.planner" in g["fp4convert.quantizer.backend"]  # a TYPE_CHECKING import counts
 
 
 def test_every_module_has_a_layer() -> None:

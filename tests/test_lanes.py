@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import fp4convert.run.work as work
-from fp4convert.quantize.backends.cuda import CudaBackend
+from fp4convert.quantizer.backends.cuda import CudaBackend
 from fp4convert.cli.main import main
 from fp4convert.config import ConvertConfig
 from fp4convert.run.convert import convert, lane_count, plan_conversion

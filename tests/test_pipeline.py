@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import fp4convert.quantize.items as schedule
+import fp4convert.quantizer.items as schedule
 import fp4convert.run.work as work
 from fp4convert.kernels import cpu
-from fp4convert.quantize.backends.stacked import StackedBackend
+from fp4convert.quantizer.backends.stacked import StackedBackend
 from fp4convert.config import ConvertConfig
 from fp4convert.run.convert import convert, plan_conversion
 from fp4convert.errors import NonFiniteError, OutputError

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from fp4convert.errors import CheckpointFormatError
-from fp4convert.quantize.matrices import TensorBuffer, tensors
+from fp4convert.quantizer.matrices import TensorBuffer, tensors
 from fp4convert.run.readahead import ReadAhead
 from fp4convert.storage.safetensors import read_header
 

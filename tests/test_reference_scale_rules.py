@@ -60,8 +60,14 @@ def test_scale_rules_per_scheme_and_defaults() -> None:
     assert ref.check_scale_rule("nvfp4", None) == "4over6" and ref.check_scale_rule("mxfp4", None) == "wmse"
     from fp4convert.numerics.scheme import SCHEMES
 
-    for name, scheme in SCHEMES.items():  # the registry and the reference agree, codes in the same order
+    # the kernels' rule codes (csrc: fp4c_cpu.cpp NVFP4_RULES / MXFP4_RULES, the CUDA launchers) and which
+    # rules search (input weights change only those): one ScaleRule list, which the reference reads too
+    assert {n: [(r.name, r.code, r.searches) for r in s.rules] for n, s in SCHEMES.items()} == {
+        "nvfp4": [("max", 0, False), ("4over6", 1, True), ("mse", 2, True), ("wmse", 3, True)],
+        "mxfp4": [("floor", 0, False), ("rceil", 1, False), ("mse", 2, True), ("wmse", 3, True)]}
+    for name, scheme in SCHEMES.items():
         assert scheme.scale_rules == ref.SCALE_RULES[name] and scheme.default_rule == ref.DEFAULT_SCALE_RULE[name]
+        assert scheme.rule(None).name == scheme.default_rule
     assert ref.check_scale_rule("mxfp4", "mse") == "mse"
 
 

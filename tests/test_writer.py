@@ -20,7 +20,7 @@ from fp4convert.config import ConvertConfig
 from fp4convert.run.convert import convert, plan_conversion
 from fp4convert.errors import OutputError
 from fp4convert.checkpoint.inspect import inspect_checkpoint
-from fp4convert.quantize.matrices import nonfinite_bytes
+from fp4convert.quantizer.matrices import nonfinite_bytes
 from fp4convert.output.shards import ShardFile
 from fp4convert.output import destination, files, finish, record
 from fp4convert.output.record import sample_digest

@@ -220,7 +220,7 @@ class _ExportWork:
         return records, job
 
     def nonfinite(self, dtype: str, data: memoryview) -> bool:
-        from fp4convert.quantize.matrices import nonfinite_bytes
+        from fp4convert.quantizer.matrices import nonfinite_bytes
 
         return nonfinite_bytes(dtype, data)
 

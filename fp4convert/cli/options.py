@@ -11,7 +11,7 @@ import click
 from fp4convert.config import CALIBRATION_SHAPE, DEFAULT_MAX_SHARD, INPUT_WEIGHTS, KEPT_DTYPES, RANDOM_SHAPE, WEIGHTED_RULE
 from fp4convert.errors import EXIT_CODES
 from fp4convert.numerics.scheme import SCHEMES
-from fp4convert.quantize.backend import backend_names
+from fp4convert.quantizer.backend import backend_names
 
 SCALE_RULES = sorted({r for s in SCHEMES.values() for r in s.scale_rules})
 

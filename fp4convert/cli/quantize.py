@@ -23,7 +23,7 @@ from fp4convert.cli.options import (
 from fp4convert.config import ConvertConfig, human_bytes, parse_size
 from fp4convert.formats import DEFAULT_FORMAT, OUTPUT_FORMATS
 from fp4convert.numerics.scheme import ROTATIONS, SCHEMES
-from fp4convert.quantize.backend import backend_names
+from fp4convert.quantizer.backend import backend_names
 
 
 @click.command(epilog=EXIT_CODE_HELP)

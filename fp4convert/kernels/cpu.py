@@ -23,6 +23,7 @@ import torch
 
 from fp4convert.kernels import cpu_lib as cpu_kernel
 from fp4convert.numerics import reference as ref
+from fp4convert.numerics.scheme import get_scheme
 from fp4convert.numerics.swizzle import swizzle_scales
 
 CHUNK_ELEMS = 1 << 20  # ~4 MB of fp32 per temporary (measured best of 2^18..2^22 on 2 cores)
@@ -221,7 +222,7 @@ def quantize_input_weighted(
     b, m, k = x.shape
     bs = ref.NVFP4_BLOCK if fmt == "nvfp4" else ref.MXFP4_BLOCK
     iw = ref.check_input_weight(input_weight, k, bs)  # [nb, bs]
-    if rule in ("max", "floor", "rceil"):
+    if not get_scheme(fmt).rule(rule).searches:
         return quantize(x, fmt, gs, rotate, swizzle, rule)
     wmse = rule == "wmse"
 

@@ -152,7 +152,7 @@ def _dtype_codes() -> dict:
 def dtype_code(dtype: torch.dtype) -> int | None:
     """The kernel's code for a torch dtype it takes (fp32, bf16, fp16), else None. (This module imports
     torch only here and in the tensor wrappers below: the torch-free ``--device cpu`` backend,
-    fp4convert.quantize.backends.cpu_native, loads the kernel without it.)"""
+    fp4convert.quantizer.backends.cpu_native, loads the kernel without it.)"""
     return _dtype_codes().get(dtype)
 
 
@@ -196,7 +196,7 @@ def quantize(
     import torch
 
     scheme = get_scheme(fmt)
-    code = scheme.scale_rules.index(rule)
+    code = scheme.rule(rule).code
     if not lib.fp4c_cpu_has_rule(SCHEMES[fmt], code):
         return None
     x = x.contiguous()

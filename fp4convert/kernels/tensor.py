@@ -211,7 +211,7 @@ def _quantize_cuda(
     while the kernel runs, then one stream sync."""
     ops = _cuda_ops()
     packed, scale, gs, flagged = ops.quantize_checked(x, s.name, _group_amax(x, s, global_amax), rotate,
-                                                      scale_layout == "swizzled", s.scale_rules.index(rule),
+                                                      scale_layout == "swizzled", s.rule(rule).code,
                                                       input_weight)
     q = QuantizedTensor(packed, scale, gs, s.name, rotate, scale_layout, rule)
     if flagged():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from fp4convert.errors import NonFiniteError, QuantizationError, ShapeError
+from fp4convert.numerics.scheme import SCHEMES
 
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
@@ -34,15 +35,9 @@ FLT_MAX = torch.finfo(torch.float32).max
 # Magnitudes of E2M1 codes 0..7; codes 8..15 are the same magnitudes negated.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-# Valid per-block scale rules per scheme, in the kernels' rule-code order (index = launcher code).
-SCALE_RULES: dict[str, tuple[str, ...]] = {
-    "nvfp4": ("max", "4over6", "mse", "wmse"),
-    "mxfp4": ("floor", "rceil", "mse", "wmse"),
-}
-# The rule used when none is given: the best measured on real language models (BENCHMARKS.md,
-# benchmarks/accuracy.py). The reference functions' own ``scale_rule`` arguments keep the textbook
-# rules as their defaults; the converter and fp4convert.quantize resolve None to these.
-DEFAULT_SCALE_RULE: dict[str, str] = {"nvfp4": "4over6", "mxfp4": "wmse"}
+# The scale rules and each scheme's default, as numerics/scheme.py states them (names in kernel-code order).
+SCALE_RULES: dict[str, tuple[str, ...]] = {name: s.scale_rules for name, s in SCHEMES.items()}
+DEFAULT_SCALE_RULE: dict[str, str] = {name: s.default_rule for name, s in SCHEMES.items()}
 
 E4M3_MAX_CODE = 0x7E  # 448; 0x7F is NaN
 E8M0_MAX_EXP = 254  # 2^127; 255 is NaN

@@ -10,7 +10,7 @@ from the page cache on the hash threads. Once every chunk is hashed the shard is
 with its ``chunked_sha256`` and size, fsync'd and renamed into place (on a closer thread). Kept
 tensors are copied from the source unchanged, each piece scanned for NaN/Inf before it is written, or,
 where the plan gave one another dtype (``--kept-dtype bf16``: F32/F64 -> BF16), each piece converted
-(:func:`fp4convert.quantize.matrices.kept_bytes_to_bf16`) and written at its place in the smaller tensor.
+(:func:`fp4convert.quantizer.matrices.kept_bytes_to_bf16`) and written at its place in the smaller tensor.
 Nothing here decides what is written or when: the run loop (:mod:`fp4convert.run.runner`) and the write
 jobs it queues call down into :class:`ShardSet`.
 """
@@ -375,7 +375,7 @@ class ShardSet:
                 return
             if out_dtype != "BF16" or info.dtype not in ("F32", "F64"):
                 raise RuntimeError(f"internal: kept tensor {name!r} planned as {out_dtype}, its source is {info.dtype}")
-            from fp4convert.quantize.matrices import kept_bytes_to_bf16
+            from fp4convert.quantizer.matrices import kept_bytes_to_bf16
 
             ratio = ITEMSIZE[info.dtype] // ITEMSIZE[out_dtype]
             out = _copy_buffer(n // ratio, "out")

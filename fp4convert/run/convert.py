@@ -2,7 +2,7 @@
 
 :func:`plan_conversion` opens the source and plans it from headers alone (what ``--dry-run`` shows).
 :func:`convert` then asks the kernel to start reading the source in plan order (``posix_fadvise``)
-while the device starts, opens a backend by name (:mod:`fp4convert.quantize.backend`; one per lane) and
+while the device starts, opens a backend by name (:mod:`fp4convert.quantizer.backend`; one per lane) and
 hands the run to the one run loop (:mod:`fp4convert.run.runner`), which reads, quantizes and writes
 every unit and finishes with the manifest. docs/architecture.md draws the whole data flow.
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from fp4convert.formats.base import OutputFormat
     from fp4convert.plan.planner import Plan
-    from fp4convert.quantize.backend import Backend, InputWeight, Settings
+    from fp4convert.quantizer.backend import Backend, InputWeight, Settings
     from fp4convert.run.work import Work
     from fp4convert.source.source import Source
 
@@ -185,7 +185,7 @@ def convert(
     """
     from fp4convert.numerics.scheme import get_scheme
     from fp4convert.output.record import run_identity
-    from fp4convert.quantize.backend import Settings
+    from fp4convert.quantizer.backend import Settings
     from fp4convert.run.work import QuantizeWork
 
     t0 = time.perf_counter()
@@ -255,10 +255,10 @@ TORCH_FREE = ("cuda", "cpu-native")  # backends opened before torch: if one cann
 
 def choose_backend(config: ConvertConfig, world: World, plan: Plan) -> str | None:
     """The backend a run takes from the plan alone: ``--backend`` when given; in one process converting
-    plain 2-D weights (:meth:`~fp4convert.quantize.backends.cuda.CudaBackend.supports`), a torch-free one: ``cuda``
+    plain 2-D weights (:meth:`~fp4convert.quantizer.backends.cuda.CudaBackend.supports`), a torch-free one: ``cuda``
     on a GPU (``--device auto`` or ``cuda[:N]``), ``cpu-native`` for ``--device cpu``; else None:
     torch's, decided once the device is known (``stacked`` on a GPU, ``cpu`` on the CPU)."""
-    from fp4convert.quantize.backend import backend_names, get_backend
+    from fp4convert.quantizer.backend import backend_names, get_backend
 
     if config.backend:
         if config.backend not in backend_names():
@@ -278,7 +278,7 @@ def open_backends(config: ConvertConfig, world: World, plan: Plan, source: Sourc
     """One backend per lane, chosen by name (:func:`choose_backend`). A torch-free backend (``cuda``,
     ``cpu-native``) falls back to torch's when the GPU or the kernel library is not there (``auto`` then
     falls back to the CPU with a warning, ``cuda`` without a GPU is an error)."""
-    from fp4convert.quantize.backend import Context, get_backend
+    from fp4convert.quantizer.backend import Context, get_backend
 
     name = choose_backend(config, world, plan)
     first = None

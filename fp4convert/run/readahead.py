@@ -68,12 +68,12 @@ class ReadAhead:
     buffer sets is allocated once, for the largest item (growing it item by item cost more pinned
     allocations, ~0.8 s per GB on the H100 machine). ``init``: run first in the reader's thread.
     An item's inputs are ``(buffer, [(offset, info)...])``, the members of a shape group back to back
-    (:func:`~fp4convert.quantize.items.grouped_offsets`).
+    (:func:`~fp4convert.quantizer.items.grouped_offsets`).
     """
 
     def __init__(self, units: list[list[TensorInfo]], locate: Callable[[str], Path], alloc: Callable[[int], Any],
                  init: Callable[[], None] | None = None) -> None:
-        from fp4convert.quantize.items import grouped_offsets
+        from fp4convert.quantizer.items import grouped_offsets
 
         self._alloc, self._init = alloc, init
         self._units = units
@@ -93,7 +93,7 @@ class ReadAhead:
 
     def _fill(self, set_index: int, unit: list[TensorInfo]) -> tuple[Any, list[tuple[int, TensorInfo]]]:
         """Read an item into set ``set_index``'s buffer, once the set's last copies have finished."""
-        from fp4convert.quantize.items import grouped_offsets
+        from fp4convert.quantizer.items import grouped_offsets
         from fp4convert.storage.safetensors import read_many
 
         with self._lock:

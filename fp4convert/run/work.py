@@ -5,7 +5,7 @@ order, for the unit's records and the job that writes it: a kept tensor is copie
 F32/F64 as BF16 with --kept-dtype bf16) in pieces that the part's writer threads copy side by side; the
 first unit of an item takes the item's inputs from the reader (:mod:`fp4convert.run.readahead`), starts
 the backend on them (:func:`quantize`) and returns :func:`write_result`, the one write job every
-backend's :class:`~fp4convert.quantize.backend.Result` goes through; the item's other units have nothing left
+backend's :class:`~fp4convert.quantizer.backend.Result` goes through; the item's other units have nothing left
 to do. Export (:mod:`fp4convert.checkpoint.export`) brings a work of its own with the same interface (:class:`Work`).
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from fp4convert import stages
-from fp4convert.quantize.backend import attach_input_weights, refuse_nonfinite
-from fp4convert.quantize.items import is_kept_copy, make_items
+from fp4convert.quantizer.backend import attach_input_weights, refuse_nonfinite
+from fp4convert.quantizer.items import is_kept_copy, make_items
 from fp4convert.run.readahead import ReadAhead
 
 if TYPE_CHECKING:
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from fp4convert.formats.base import OutputFormat
     from fp4convert.output.shards import ShardSet
     from fp4convert.plan.types import Decision
-    from fp4convert.quantize.backend import Backend, Inputs, InputWeight, Result, Settings
-    from fp4convert.quantize.items import Item
+    from fp4convert.quantizer.backend import Backend, Inputs, InputWeight, Result, Settings
+    from fp4convert.quantizer.items import Item
     from fp4convert.source.source import Source
 
 WriteJob = Callable[["ShardSet"], None]  # runs on one of the part's writer threads

@@ -26,7 +26,6 @@ _FMTS = {"nvfp4": 0, "mxfp4": 1}
 _BLOCK = {"nvfp4": 16, "mxfp4": 32}
 _SCALE_DTYPE = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.uint8}
 # Scale rules by launcher code: the index in the scheme's list (scheme.py states them, docs/numerics.md "Scale rules").
-SCALE_RULES = {name: s.scale_rules for name, s in SCHEMES.items()}
 
 
 def available() -> bool:
@@ -151,14 +150,15 @@ def _per_matrix_gs(gs: torch.Tensor | None, fmt: str, b: int, device: torch.devi
 
 
 def scale_rule_code(fmt: str, scale_rule: int | str) -> int:
-    """The launchers' int for a scale rule: its index in the scheme's list (scheme.py: 0 max / floor,
-    1 4over6 / rceil, 2 mse, 3 wmse; docs/numerics.md "Scale rules")."""
+    """The launchers' int for a scale rule: its ``code`` in scheme.py (:class:`~fp4convert.numerics.scheme.ScaleRule`)."""
+    rules = SCHEMES[fmt].rules
     if isinstance(scale_rule, str):
-        names = SCALE_RULES[fmt]
-        if scale_rule not in names:
-            raise CUDAKernelError(f"scale rule {scale_rule!r} does not apply to {fmt}; expected one of {', '.join(names)}")
-        return names.index(scale_rule)
-    codes = range(len(SCALE_RULES[fmt]))
+        found = [r for r in rules if r.name == scale_rule]
+        if not found:
+            names = ", ".join(r.name for r in rules)
+            raise CUDAKernelError(f"scale rule {scale_rule!r} does not apply to {fmt}; expected one of {names}")
+        return found[0].code
+    codes = sorted(r.code for r in rules)
     if scale_rule not in codes or isinstance(scale_rule, bool):
         raise CUDAKernelError(f"scale rule {scale_rule!r} is not one of {', '.join(map(str, codes))}")
     return int(scale_rule)

@@ -1,7 +1,7 @@
 """The backends: one module each, named as ``--backend`` names it (``_`` read as ``-``).
 
-Each module defines ``BACKEND``, a class implementing :class:`fp4convert.quantize.backend.Backend`; the
-registry (:func:`fp4convert.quantize.backend.backend_names`) lists this package's modules without importing
+Each module defines ``BACKEND``, a class implementing :class:`fp4convert.quantizer.backend.Backend`; the
+registry (:func:`fp4convert.quantizer.backend.backend_names`) lists this package's modules without importing
 them, so adding a backend is adding a module here (and its test). Nothing else belongs in this package.
 
 - ``cpu``: the host's cores, each matrix cut in row slices run by a thread pool (torch CPU ops);

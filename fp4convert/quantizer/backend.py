@@ -1,9 +1,9 @@
 """The backend seam: what quantizes a run's work items, whatever it launches them on.
 
-A backend is one module in :mod:`fp4convert.quantize.backends` whose ``BACKEND`` class implements
+A backend is one module in :mod:`fp4convert.quantizer.backends` whose ``BACKEND`` class implements
 :class:`Backend`; it is found by its name (the module's, ``_`` read as ``-``), so adding one is adding
-that module. Every backend takes the same items (:mod:`fp4convert.quantize.items`: a :class:`~fp4convert.
-schedule.Batch` of plain 2-D weights, or one :class:`~fp4convert.quantize.items.Complex` unit: stacked
+that module. Every backend takes the same items (:mod:`fp4convert.quantizer.items`: a :class:`~fp4convert.
+schedule.Batch` of plain 2-D weights, or one :class:`~fp4convert.quantizer.items.Complex` unit: stacked
 experts, a decoded FP8/MXFP4 input) from the same reader, runs the same two passes (docs/numerics.md,
 "The pipeline"): pass 1 takes every matrix's amax, :func:`unit_amax` the max over each fused group,
 pass 2 quantizes every block with its group's amax; and returns one :class:`Result`, which one write
@@ -34,7 +34,7 @@ _SATURATING_AMAX = 2688.0 / 3.4028234663852886e38
 
 if TYPE_CHECKING:
     from fp4convert.plan.planner import Plan
-    from fp4convert.quantize.items import Item
+    from fp4convert.quantizer.items import Item
     from fp4convert.storage.safetensors import TensorInfo
 
 
@@ -256,8 +256,8 @@ def refuse_nonfinite(item: Item, refused: Sequence[bool], rotate: str | None) ->
 # -- the registry -----------------------------------------------------------------------------------
 
 def backend_names() -> list[str]:
-    """Every backend's name, from the modules of :mod:`fp4convert.quantize.backends` (none is imported)."""
-    from fp4convert.quantize import backends
+    """Every backend's name, from the modules of :mod:`fp4convert.quantizer.backends` (none is imported)."""
+    from fp4convert.quantizer import backends
 
     return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(backends.__path__)
                   if not m.name.startswith("_"))

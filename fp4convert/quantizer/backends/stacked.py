@@ -3,9 +3,9 @@
 It runs every unit kind (stacked experts, decoded FP8 / MXFP4 inputs) and under torchrun, on
 :mod:`fp4convert.kernels.cuda.ops`. On CUDA the host-to-device copies go on a copy stream, the passes and the
 device-to-host copies (into pinned memory) on a compute stream; the host waits for the GPU twice per
-batch: for pass 1's amax (each fused group's max is taken on the host, :func:`~fp4convert.quantize.backend.
+batch: for pass 1's amax (each fused group's max is taken on the host, :func:`~fp4convert.quantizer.backend.
 unit_amax`), and in the writer thread for the outputs. On the CPU (``--device cpu --backend stacked``)
-the same code runs with no streams on :data:`fp4convert.quantize.backends.cpu.OPS`, which has the CUDA ops'
+the same code runs with no streams on :data:`fp4convert.quantizer.backends.cpu.OPS`, which has the CUDA ops'
 signature: that is how the tests check this scheduling without a GPU.
 """
 
@@ -19,10 +19,10 @@ import torch
 
 from fp4convert import stages
 from fp4convert.kernels.tensor import as_bytes
-from fp4convert.quantize.backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes, weight_runs
-from fp4convert.quantize.backends.cpu import weight_tensors
-from fp4convert.quantize.items import Batch, Item
-from fp4convert.quantize.matrices import TensorBuffer, kept_output, launch_groups, nonfinite_bytes, tensors, unit_weights
+from fp4convert.quantizer.backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes, weight_runs
+from fp4convert.quantizer.backends.cpu import weight_tensors
+from fp4convert.quantizer.items import Batch, Item
+from fp4convert.quantizer.matrices import TensorBuffer, kept_output, launch_groups, nonfinite_bytes, tensors, unit_weights
 
 
 class StackedBackend:
@@ -47,7 +47,7 @@ class StackedBackend:
             self.compute = torch.cuda.Stream(device)
             self.ops = ops
         else:
-            from fp4convert.quantize.backends.cpu import OPS
+            from fp4convert.quantizer.backends.cpu import OPS
 
             self.ops = OPS
 

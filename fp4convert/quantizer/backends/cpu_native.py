@@ -34,9 +34,9 @@ from fp4convert import stages
 from fp4convert.errors import ConfigError
 from fp4convert.kernels import cpu_lib as cpu_kernel
 from fp4convert.kernels.cuda.runtime import HOST_CHECK_CODES, size_class
-from fp4convert.quantize.backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes
-from fp4convert.quantize.backends.cuda import CudaBackend, output_layout
-from fp4convert.quantize.items import Batch
+from fp4convert.quantizer.backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes
+from fp4convert.quantizer.backends.cuda import CudaBackend, output_layout
+from fp4convert.quantizer.items import Batch
 
 KERNEL_DTYPES = {"F32": 0, "BF16": 1, "F16": 2}  # fp4c_cpu.cpp's dtype ints (not the CUDA launchers' order)
 SCHEMES = cpu_kernel.SCHEMES
@@ -130,7 +130,7 @@ class CpuNativeBackend:
         if lib is None:
             raise ConfigError(f"--backend {cls.name} needs the compiled CPU kernel, which is unavailable here "
                               "(see the warning above); choose --backend cpu")
-        if not lib.fp4c_cpu_has_rule(SCHEMES[s.scheme.name], s.scheme.scale_rules.index(s.rule)):
+        if not lib.fp4c_cpu_has_rule(SCHEMES[s.scheme.name], s.scheme.rule(s.rule).code):
             raise ConfigError(f"--backend {cls.name}: the CPU kernel lacks the {s.scheme.name} scale rule {s.rule!r}; "
                               "choose --backend cpu")
         return cls(s, lib, cores(), _HostPool(), owner=True)
@@ -197,7 +197,7 @@ class CpuNativeBackend:
                     slot = pos[g[0]]
                     status = lib.fp4c_cpu_quantize(
                         buf.ptr + off, KERNEL_DTYPES[info.dtype], SCHEMES[s.scheme.name],
-                        s.scheme.scale_rules.index(s.rule), rotate, int(s.swizzle), len(g), m, k,
+                        s.scheme.rule(s.rule).code, rotate, int(s.swizzle), len(g), m, k,
                         ctypes.byref(gs, 4 * slot) if nvfp4 else None, out.ptr + p_off, out.ptr + s_off,
                         ctypes.byref(flags, slot), threads)
                     _check(status == cpu_kernel.OK, f"quantize returned {status} on {item.members[g[0]].name}")

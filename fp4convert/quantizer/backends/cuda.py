@@ -25,8 +25,8 @@ from fp4convert import stages
 from fp4convert.kernels.cuda.runtime import D2H, H2D, DeviceArena, HostBuffer, Runtime, align
 from fp4convert.numerics.swizzle import padded_shape
 from fp4convert.plan.types import QUANTIZE
-from fp4convert.quantize.backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes, weight_runs
-from fp4convert.quantize.items import Batch, is_plain
+from fp4convert.quantizer.backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes, weight_runs
+from fp4convert.quantizer.items import Batch, is_plain
 
 DTYPE_CODES = {"F32": 0, "F16": 1, "BF16": 2}  # the launchers' dtype ints
 FMT_CODES = {"nvfp4": 0, "mxfp4": 1}
@@ -82,7 +82,7 @@ class CudaBackend:
 
     def quantize(self, item: Batch, inputs: Inputs, release: Release) -> Callable[[], Result]:
         """``inputs``: (pinned buffer, [(offset, info)]) from the reader, each shape group's members back
-        to back (:func:`~fp4convert.quantize.items.grouped_offsets`)."""
+        to back (:func:`~fp4convert.quantizer.items.grouped_offsets`)."""
         rt, lib, st, s = self.rt, self.rt.lib, self.rt.stream, self.s
         items = inputs[1]
         buf = cast(HostBuffer, inputs[0])  # from host_buffer(): pinned by the runtime (has .ptr)
@@ -92,7 +92,7 @@ class CudaBackend:
         rt.copy(din, buf.ptr, total, H2D)
         nvfp4 = s.scheme.global_scale
         rotate = int(s.rotate == "had16")
-        rule = s.scheme.scale_rules.index(s.rule)  # the launchers' rule code: its index in the scheme's list
+        rule = s.scheme.rule(s.rule).code  # the launchers' rule code
         # One launch per shape group (all experts' gate/up of a batch, say): its inputs are one
         # [B, M, K] array in the buffer. Per-matrix values (amax, unit amax, gs, flags) sit in group
         # order: member i at slot pos[i]. Outputs, in one device arena copied back at once: each group's

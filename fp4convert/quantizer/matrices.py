@@ -1,7 +1,7 @@
-"""Torch helpers of the torch backends (:mod:`fp4convert.quantize.backends.cpu`, :mod:`fp4convert.quantize.backends.stacked`).
+"""Torch helpers of the torch backends (:mod:`fp4convert.quantizer.backends.cpu`, :mod:`fp4convert.quantizer.backends.stacked`).
 
 An item's inputs arrive as one host buffer (:mod:`fp4convert.run.readahead`); here they become tensors,
-a :class:`~fp4convert.quantize.items.Complex` unit's weights become launch groups of 2-D matrices (a
+a :class:`~fp4convert.quantizer.items.Complex` unit's weights become launch groups of 2-D matrices (a
 quantized input decoded to the fp32 weight it encodes, stacked experts sliced per expert and per
 gate/up half, in-features-first layouts transposed), and a kept tensor's bytes are scanned for NaN/Inf
 and, with ``--kept-dtype bf16``, rounded to BF16 (the writer imports this module for that alone).
@@ -20,8 +20,8 @@ from fp4convert.storage.safetensors import DTYPES, tensor_memoryview
 
 if TYPE_CHECKING:
     from fp4convert.plan.types import Decision, Matrix
-    from fp4convert.quantize.backend import Inputs
-    from fp4convert.quantize.items import Complex
+    from fp4convert.quantizer.backend import Inputs
+    from fp4convert.quantizer.items import Complex
 
 
 class TensorBuffer:

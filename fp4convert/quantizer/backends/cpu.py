@@ -24,9 +24,9 @@ from fp4convert.kernels import cpu
 from fp4convert.kernels.tensor import as_bytes
 from fp4convert.numerics import reference as ref
 from fp4convert.numerics.swizzle import swizzle_scales
-from fp4convert.quantize.backend import Context, Inputs, InputWeight, MatrixOut, Release, Result, Settings, matrix_weights, two_passes
-from fp4convert.quantize.items import Batch, Item
-from fp4convert.quantize.matrices import TensorBuffer, kept_output, launch_groups, nonfinite_bytes, tensors, unit_weights
+from fp4convert.quantizer.backend import Context, Inputs, InputWeight, MatrixOut, Release, Result, Settings, matrix_weights, two_passes
+from fp4convert.quantizer.items import Batch, Item
+from fp4convert.quantizer.matrices import TensorBuffer, kept_output, launch_groups, nonfinite_bytes, tensors, unit_weights
 
 
 class CpuOps:
