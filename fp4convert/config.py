@@ -6,10 +6,10 @@ Importing this module imports no torch: the CLI validates options and prints hel
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from fp4convert.errors import ConfigError
-from fp4convert.formats import DEFAULT_FORMAT, OUTPUT_FORMATS
+from fp4convert.formats import DEFAULT_FORMAT, OUTPUT_FORMATS, get_format
 from fp4convert.numerics.scheme import SCHEMES, check_rotation
 
 DEFAULT_MAX_SHARD = 5 * 10**9
@@ -35,25 +35,19 @@ def kept_output_dtype(dtype: str, kept_dtype: str) -> str:
 
 
 @dataclass(frozen=True)
-class ConvertConfig:
-    """Everything that decides the output bytes (identity), and how to run (the rest)."""
+class Recipe:
+    """Everything that decides the output bytes: what ``--resume`` compares (:meth:`identity`) and the
+    manifest records. Two runs with equal recipes on the same source write the same bytes, whatever
+    their :class:`RunOptions`."""
 
     scheme: str = "nvfp4"
     rotate: str | None = None
-    scale_rule: str | None = None  # None: the scheme's default (scheme.py: NVFP4 4over6, MXFP4 wmse)
+    scale_rule: str | None = None  # None: the scheme's default (numerics/scheme.py: NVFP4 4over6, MXFP4 wmse)
     format: str = DEFAULT_FORMAT
     ignore: tuple[str, ...] = ()
     only: tuple[str, ...] = ()
     max_shard_size: int = DEFAULT_MAX_SHARD
-    # Not part of the output's identity:
-    device: str = "auto"
-    overwrite: bool = False
-    resume: bool = False
-    revision: str | None = None
-    verify_source: bool = False  # hash the source in full (recorded; --resume compares it)
-    lanes: int = 0  # output shards written by this many lanes side by side in one process; 0: auto
-    backend: str | None = None  # what quantizes (fp4convert.quantizer.backends); None: chosen from the device and the plan
-    allow_no_config: bool = False  # convert a source without config.json (nothing can load the output)
+    revision: str | None = None  # a Hub source's revision: other weights, other bytes
     base_model: str | None = None  # the model card's base_model (None: derived from the source)
     # W4A4 (docs/formats.md "W4A4"): activation quantization the engines apply, and how its static
     # scale is found. Part of the identity only when activations != "none" (W4A16 outputs unchanged).
@@ -70,6 +64,33 @@ class ConvertConfig:
     # How kept tensors are stored (KEPT_DTYPES). Part of the identity only when not "source" (outputs,
     # manifests and resumes of default runs unchanged).
     kept_dtype: str = "source"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run goes, never what it writes: where it computes, how it treats DST, how it checks the source."""
+
+    device: str = "auto"
+    overwrite: bool = False
+    resume: bool = False
+    verify_source: bool = False  # hash the source in full (recorded; --resume compares it)
+    lanes: int = 0  # output shards written by this many lanes side by side in one process; 0: auto
+    backend: str | None = None  # what quantizes (fp4convert.quantizer.backends); None: chosen from the device and the plan
+    allow_no_config: bool = False  # convert a source without config.json (nothing can load the output)
+
+
+@dataclass(frozen=True)
+class ConvertConfig(RunOptions, Recipe):
+    """A conversion's settings, frozen: its :class:`Recipe` (the bytes) and its :class:`RunOptions` (the
+    rest). The CLI builds one; the library only reads it. :attr:`recipe` is the part ``--resume`` compares."""
+
+    @property
+    def recipe(self) -> Recipe:
+        return Recipe(**{f.name: getattr(self, f.name) for f in fields(Recipe)})
+
+    @property
+    def run_options(self) -> RunOptions:
+        return RunOptions(**{f.name: getattr(self, f.name) for f in fields(RunOptions)})
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -123,7 +144,7 @@ class ConvertConfig:
         if self.rotate:
             raise ConfigError("--activations cannot be combined with --rotate (the activation scales would have "
                               "to be measured on rotated activations); drop one of them")
-        allowed = ("compressed-tensors", "modelopt") if self.activations == "nvfp4" else ("compressed-tensors",)
+        allowed = [name for name in OUTPUT_FORMATS if self.activations in get_format(name).activation_modes]
         if self.format not in allowed:
             raise ConfigError(f"--activations {self.activations} is written for --format {' or '.join(allowed)} "
                               f"only (the engines' W4A4 conventions), not --format {self.format}")
@@ -183,6 +204,7 @@ class ConvertConfig:
             **self.activation_identity(),
             **self.input_weight_identity(),
             **({"kept_dtype": self.kept_dtype} if self.kept_dtype != "source" else {}),
+            **({"base_model": self.base_model} if self.base_model is not None else {}),
         }
 
     def kept_output_dtype(self, dtype: str) -> str:

@@ -27,3 +27,39 @@ def test_kept_dtype_values_identity_and_map() -> None:
     assert {d: kept_output_dtype(d, "bf16") for d in want} == want
     assert {d: ConvertConfig(kept_dtype="bf16").kept_output_dtype(d) for d in want} == want
     assert all(kept_output_dtype(d, "source") == d for d in want)
+
+
+def test_the_recipe_is_the_identity_and_run_options_never_change_it() -> None:
+    """issue 29: the configuration is split into the recipe (what decides the bytes, what --resume compares)
+    and the run options. Changing any run option leaves the identity as it is; changing any recipe field
+    (to another valid value) changes it."""
+    from dataclasses import fields, replace
+
+    from fp4convert.config import Recipe, RunOptions
+
+    base = ConvertConfig()
+    assert {f.name for f in fields(Recipe)}.isdisjoint(f.name for f in fields(RunOptions))
+    assert {f.name for f in fields(ConvertConfig)} == {f.name for f in fields(Recipe)} | {f.name for f in fields(RunOptions)}
+    run_changes = {"device": "cpu", "overwrite": True, "resume": True, "verify_source": True, "lanes": 3,
+                   "backend": "cpu", "allow_no_config": True}
+    assert set(run_changes) == {f.name for f in fields(RunOptions)}
+    for name, value in run_changes.items():
+        assert replace(base, **{name: value}).identity() == base.identity(), name
+    recipe_changes = {"scheme": ("mxfp4",), "rotate": ("had16",), "scale_rule": ("max",), "format": ("modelopt",),
+                      "ignore": (("x",),), "only": (("y",),), "max_shard_size": (10**6,), "revision": ("main",),
+                      "base_model": ("org/name",), "kept_dtype": ("bf16",), "input_weights": ("random",),
+                      "calibration_samples": (4,), "calibration_seq_len": (8,), "calibration_seed": (1,),
+                      "activations": ("nvfp4",), "activation_scale": ("constant",), "calibration_data": ("c.txt",)}
+    assert set(recipe_changes) == {f.name for f in fields(Recipe)}
+    # fields that only count with others on (W4A4 NVFP4 with calibration / input weights) are changed with them
+    w4a4 = replace(base, activations="nvfp4", format="compressed-tensors")
+    iw = replace(base, input_weights="random")
+    for name, (value,) in recipe_changes.items():
+        start = w4a4 if name in ("activation_scale", "calibration_data") else \
+            iw if name in ("calibration_samples", "calibration_seq_len", "calibration_seed") else base
+        if name == "activations":
+            start, changed = replace(base, format="compressed-tensors"), w4a4
+        else:
+            changed = replace(start, **{name: value})
+        assert changed.identity() != start.identity(), name
+        assert changed.recipe != start.recipe and changed.run_options == start.run_options, name

@@ -151,3 +151,12 @@ def test_cycle_detector_finds_a_cycle(tmp_path: Path, monkeypatch) -> None:
 
     with pytest.raises(AssertionError, match="import cycle"):
         test_no_import_cycle()
+
+
+def test_no_module_shadows_the_public_api() -> None:
+    """``fp4convert.quantize(x, ...)`` is a function: a subpackage of that name would replace it as soon as
+    anything imported the subpackage (attribute lookup finds the module first)."""
+    import fp4convert
+
+    names = {p.stem if p.suffix == ".py" else p.name for p in PKG.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+    assert sorted(set(fp4convert.__all__) & names) == []

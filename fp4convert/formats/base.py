@@ -105,6 +105,7 @@ class OutputFormat:
     schemes: tuple[str, ...] = tuple(SCHEMES)
     packed_suffix, scale_suffix, global_suffix = ".weight_packed", ".weight_scale", ".weight_global_scale"
     input_suffix = ""  # W4A4: the static activation scale's suffix ("" where the format has none)
+    activation_modes: tuple[str, ...] = ()  # --activations it can write besides "none" (the engines' W4A4 conventions)
     activations = "none"  # W4A4 formats (with_activations) say which activation quantization they write
 
     def check(self, scheme: str, rotate: str | None) -> None:

@@ -24,6 +24,7 @@ class ModelOptFormat(OutputFormat):
     swizzled = False
     schemes = ("nvfp4",)
     packed_suffix, scale_suffix, global_suffix = ".weight", ".weight_scale", ".weight_scale_2"
+    activation_modes = ("nvfp4",)  # quant_algo NVFP4 with a static input_scale per linear
     input_suffix = ".input_scale"  # W4A4: the activation DECODE scale amax / 2688, F32 scalar like weight_scale_2
 
     def check(self, scheme: str, rotate: str | None) -> None:
