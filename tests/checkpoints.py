@@ -397,10 +397,10 @@ def inline_writes(monkeypatch) -> None:
     """Every write of a run (an item's writes, a kept copy's pieces, a finished chunk's hash, a finished
     shard's record, sync and rename) in the thread that queued it, in order: a run's writes are then
     done when the next item starts."""
-    import fp4convert.quantizer.items as schedule
+    import fp4convert.run.writebehind as writebehind
     from fp4convert.output import shards
 
-    monkeypatch.setattr(schedule.WriteBehind, "submit", lambda self, job, light=False, held=True: job())
+    monkeypatch.setattr(writebehind.WriteBehind, "submit", lambda self, job, light=False, held=True: job())
     monkeypatch.setattr(shards, "background", _inline)
 
 

@@ -768,7 +768,7 @@ def io_error_writing_shard(c: Ctx) -> None:
 
 @case
 def io_error_reading_source(c: Ctx) -> None:
-    import fp4convert.storage.safetensors as sio
+    import fp4convert.storage.reads as sio
 
     bad = c.src / "model-00002-of-00003.safetensors"
     real = sio.read_many

@@ -34,7 +34,8 @@ import safetensors
 import torch
 from safetensors.torch import save_file
 
-from fp4convert.storage.safetensors import DTYPE_BITS, CheckpointFormatError, header_length, parse_header, read_header
+from fp4convert.storage.safetensors import DTYPE_BITS, CheckpointFormatError, header_length, parse_header
+from fp4convert.storage.reads import read_header
 
 FILE = "fuzz-00001-of-00002.safetensors"
 DEEP = (2, 10, 63, 64, 65, 200, 5000, 200_000)

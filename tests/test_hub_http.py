@@ -321,7 +321,7 @@ def test_a_corrupt_download_is_refused_against_the_hubs_sha256(runs) -> None:
 def test_header_read_by_range_must_match_the_download(files, tmp_path, monkeypatch) -> None:
     """The header planned from (range reads) and the downloaded file's header must agree: exit 4 otherwise."""
     from fp4convert.errors import CheckpointFormatError
-    from fp4convert.storage.safetensors import read_header
+    from fp4convert.storage.reads import read_header
     from fp4convert.source.source import Source
 
     snap = tmp_path / "snap"

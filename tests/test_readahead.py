@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from fp4convert.errors import CheckpointFormatError
 from fp4convert.quantizer.matrices import TensorBuffer, tensors
 from fp4convert.run.readahead import ReadAhead
-from fp4convert.storage.safetensors import read_header
+from fp4convert.storage.reads import read_header
 
 
 def _plain(n: int) -> TensorBuffer:
@@ -131,7 +131,7 @@ def test_read_many_scatters_adjacent_tensors_and_survives_short_reads(tmp_path: 
     read on from where it stopped, across buffer boundaries; a file cut short names the tensor cut."""
     import os
 
-    from fp4convert.storage import safetensors as sio
+    from fp4convert.storage import reads as sio
 
     t = {f"t{i}": torch.arange(i * 50, i * 50 + 40 + i, dtype=torch.int32) for i in range(6)}
     save_file(t, tmp_path / "a.safetensors")
@@ -159,7 +159,7 @@ def test_read_many_scatters_adjacent_tensors_and_survives_short_reads(tmp_path: 
 def test_parallel_read_splits_bytes_over_threads_exactly(tmp_path: Path, monkeypatch) -> None:
     """read_many(threads=N): tensors from two files, some cut across threads at page boundaries,
     land byte-exact whatever the order asked; a truncated file still names its tensor."""
-    from fp4convert.storage import safetensors as sio
+    from fp4convert.storage import reads as sio
 
     monkeypatch.setattr(sio, "SPLIT_MIN", 4096)  # so these few hundred KB are split four ways
     seed = int(torch.randint(0, 2**31, ()).item())

@@ -20,7 +20,11 @@ import torch
 from safetensors.torch import save_file
 
 import fp4convert.storage.safetensors as sio
-from fp4convert.storage.safetensors import DTYPE_BITS, MAX_HEADER, CheckpointFormatError, loads_strict, parse_header, read_header
+import fp4convert.storage.reads as reads
+import fp4convert.storage.strict_json as strict_json
+from fp4convert.storage.safetensors import DTYPE_BITS, MAX_HEADER, CheckpointFormatError, parse_header
+from fp4convert.storage.strict_json import loads_strict
+from fp4convert.storage.reads import read_header
 
 FILE = "case-0001.safetensors"
 A = {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}  # a valid 2-byte tensor
@@ -213,7 +217,7 @@ def test_real_files_parse_like_the_library(tmp_path) -> None:
             t = f.get_tensor(i.name)
             assert list(i.shape) == list(t.shape)
             assert i.nbytes == t.numel() * t.element_size()
-            assert torch.equal(sio.read_tensor(path, i), tensors[i.name])
+            assert torch.equal(reads.read_tensor(path, i), tensors[i.name])
     # File order, contiguous, from the header's end to the file's end.
     start = 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
     assert infos[0].begin == start and infos[-1].end == path.stat().st_size
@@ -282,7 +286,7 @@ def test_reads_only_the_header(tmp_path, monkeypatch) -> None:
         def __exit__(self, *a):
             self.f.close()
 
-    monkeypatch.setattr(sio, "open", lambda *a, **k: Counting(real_open(*a, **k)), raising=False)
+    monkeypatch.setattr(reads, "open", lambda *a, **k: Counting(real_open(*a, **k)), raising=False)
     read_header(path)
     assert sum(read_total) == 8 + n
 
@@ -322,10 +326,10 @@ def test_depth_scan_ignores_brackets_in_strings() -> None:
     data = blob({name: entry()}, b"\0\0")
     infos, _ = parse_header(data[8:8 + struct.unpack("<Q", data[:8])[0]], FILE, len(data))
     assert infos[0].name == name
-    assert sio.json_depth(b'{"a": [[["]]]]]]"]]]}') == 4
+    assert strict_json.json_depth(b'{"a": [[["]]]]]]"]]]}') == 4
     deep = b"[" * 70_000 + b"]" * 70_000
-    assert sio.json_depth(deep) == 70_000 and sio.json_depth(b"[]" * 70_000) == 1
-    assert sio.json_depth(b"") == 0 and sio.json_depth(b"]]}[") == 0 and sio.json_depth(b"{}][[[") == 2
+    assert strict_json.json_depth(deep) == 70_000 and strict_json.json_depth(b"[]" * 70_000) == 1
+    assert strict_json.json_depth(b"") == 0 and strict_json.json_depth(b"]]}[") == 0 and strict_json.json_depth(b"{}][[[") == 2
 
 
 def test_torch_dtypes_cover_what_torch_holds() -> None:
@@ -371,6 +375,6 @@ def test_every_safetensors_dtype_is_kept_as_raw_bytes(tmp_path, dtype) -> None:
     export(str(tmp_path / "q"), tmp_path / "ct", ConvertConfig(format="compressed-tensors"))
     for out in ("q", "ct"):
         shard = ck.shard_with(tmp_path / out, name)
-        (info,) = [i for i in sio.read_header(shard)[0] if i.name == name]
+        (info,) = [i for i in reads.read_header(shard)[0] if i.name == name]
         assert info.dtype == dtype and list(info.shape) == [32, 64]
-        assert bytes(sio.read_bytes(shard, info)) == payload
+        assert bytes(reads.read_bytes(shard, info)) == payload

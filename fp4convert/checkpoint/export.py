@@ -25,7 +25,8 @@ from fp4convert.run.distributed import World
 from fp4convert.run.runner import ConvertResult, Job, Progress, run
 from fp4convert.source.source import open_source
 from fp4convert.storage import checksum
-from fp4convert.storage.safetensors import DTYPE_BITS, OutEntry, TensorInfo, dtype_nbytes, open_regular, read_tensor
+from fp4convert.storage.reads import open_regular, read_tensor
+from fp4convert.storage.safetensors import DTYPE_BITS, OutEntry, TensorInfo, dtype_nbytes
 
 
 def plan_export(src: str, config: ConvertConfig):

@@ -42,7 +42,7 @@ from fp4convert.output.manifest import MANIFEST_NAME, PROGRESS_NAME
 from fp4convert.plan.planner import fused_group
 from fp4convert.source.source import Source, open_source
 from fp4convert.storage import checksum
-from fp4convert.storage.safetensors import open_regular, read_regular_file, read_tensor
+from fp4convert.storage.reads import open_regular, read_regular_file, read_tensor
 
 # --verify fails when any layer's relative error ||w - x|| / ||x|| exceeds this. Measured (1024x1024,
 # bf16): NVFP4 0.088-0.102 and MXFP4 0.114-0.145 on Gaussian, Laplace, Student-t(3) and outlier-laden

@@ -15,7 +15,8 @@ from fp4convert.formats.base import QuantizedModule
 from fp4convert.numerics.scheme import SCHEMES, get_scheme
 from fp4convert.output.manifest import MANIFEST_NAME, load_manifest
 from fp4convert.source.source import Source
-from fp4convert.storage.safetensors import TensorInfo, read_tensor
+from fp4convert.storage.reads import read_tensor
+from fp4convert.storage.safetensors import TensorInfo
 
 if TYPE_CHECKING:  # the layout is read from headers; only loading a module's data needs torch
     import torch

@@ -326,7 +326,7 @@ def load_manifest(root: Path, roots: tuple[str, ...] | None = None) -> dict | No
     """
     import os
 
-    from fp4convert.storage.safetensors import read_regular_file
+    from fp4convert.storage.reads import read_regular_file
 
     path = root / MANIFEST_NAME
     if not os.path.lexists(path):

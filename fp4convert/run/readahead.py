@@ -94,7 +94,7 @@ class ReadAhead:
     def _fill(self, set_index: int, unit: list[TensorInfo]) -> tuple[Any, list[tuple[int, TensorInfo]]]:
         """Read an item into set ``set_index``'s buffer, once the set's last copies have finished."""
         from fp4convert.quantizer.items import grouped_offsets
-        from fp4convert.storage.safetensors import read_many
+        from fp4convert.storage.reads import read_many
 
         with self._lock:
             event = self._pending.pop(set_index, None)

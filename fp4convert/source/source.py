@@ -35,16 +35,9 @@ from typing import TYPE_CHECKING
 from fp4convert.errors import CheckpointFormatError, CheckpointIndexError, FP4ConvertError, OutsideSourceError, SourceError
 from fp4convert.source.prefetch import AHEAD, Cancelled, Prefetcher
 from fp4convert.storage.names import INDEX_NAME, LOCK_NAME, MANIFEST_NAME, OWN_FILES, PROGRESS_NAME  # noqa: F401
-from fp4convert.storage.safetensors import (
-    TensorInfo,
-    header_length,
-    json_error,
-    json_kind,
-    loads_bounded,
-    loads_strict,
-    parse_header,
-    read_header,
-)
+from fp4convert.storage.reads import read_header
+from fp4convert.storage.safetensors import TensorInfo, header_length, parse_header
+from fp4convert.storage.strict_json import json_error, json_kind, loads_bounded, loads_strict
 
 if TYPE_CHECKING:
     from fp4convert.plan.types import Decision

@@ -1,4 +1,6 @@
-"""The safetensors file format at the byte level: strict header parsing, raw reads, output headers.
+"""The safetensors file format at the byte level: strict header parsing and output headers.
+
+Raw reads of the data are in :mod:`fp4convert.storage.reads`, the hardened JSON in :mod:`fp4convert.storage.strict_json`.
 
 We read and write the format ourselves rather than through ``safetensors.torch`` for two reasons:
 planning needs only the JSON header (never the data), and a shard of several GB is written tensor by
@@ -20,22 +22,15 @@ header must start with ``{`` (0.8 also accepts leading whitespace). Every failur
 
 from __future__ import annotations
 
-import array
 import ctypes
-import functools
-import itertools
 import json
-import math
-import os
-import re
-import stat
 import struct
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fp4convert.errors import CheckpointFormatError, NotRegularFile
+from fp4convert.errors import CheckpointFormatError
+from fp4convert.storage.strict_json import file_label, json_error, json_kind, loads_strict, quoted
 
 if TYPE_CHECKING:
     import torch
@@ -55,8 +50,6 @@ DTYPE_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, 
 FLOAT_DTYPES = ("F32", "F16", "BF16")  # what the quantizer accepts as source
 
 MAX_HEADER = 100_000_000  # bytes; the safetensors library's limit
-MAX_JSON_DEPTH = 64  # a header needs 3 levels; serde_json (the library's parser) stops at 128
-MAX_INT_DIGITS = 20  # 2**64 - 1 has 20 digits
 _U64 = 1 << 64
 _MAX_DIM = (1 << 63) - 1  # torch sizes are int64
 
@@ -98,110 +91,6 @@ class TensorInfo:
         return n
 
 
-# ---------------------------------------------------------------------------------------------
-# Hardened JSON (also used for the index and config.json)
-# ---------------------------------------------------------------------------------------------
-
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_NOT_BRACKET = bytes(sorted(set(range(256)) - set(b"[]{}")))
-_BRACKET_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # as signed bytes: +1 +1 -1 -1
-
-
-def json_depth(raw: bytes) -> int:
-    """Deepest bracket nesting outside JSON strings, without recursion (cheap; run before json.loads).
-
-    Each bracket becomes a +1/-1 step and the running sum's maximum is the depth; ``accumulate`` over
-    a signed byte array runs in C (about 25 ns a bracket, faster than torch even for 10M brackets).
-    """
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
-    steps = array.array("b", brackets.translate(_BRACKET_STEP))
-    return max(itertools.accumulate(steps, initial=0))
-
-
-def _object_no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise ValueError(f"key {_q(k)} appears twice")
-            seen.add(k)
-    return out
-
-
-def _int(s: str) -> int | float:
-    if len(s.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(f"integer {s[:12]}... has {len(s)} digits (at most {MAX_INT_DIGITS})")
-    if s == "-0":
-        return -0.0  # as serde_json (the library's parser) reads it: a float, so never a size or offset
-    return int(s)
-
-
-def _float(s: str) -> float:
-    v = float(s)
-    if not math.isfinite(v):
-        raise ValueError(f"number {s[:24]} is out of range")
-    return v
-
-
-def _constant(s: str) -> float:
-    raise ValueError(f"{s} is not JSON")
-
-
-def loads_strict(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> object:
-    """Bytes -> JSON value, refusing what a careless parse would accept or crash on.
-
-    Raises :class:`ValueError` (``UnicodeDecodeError``, ``json.JSONDecodeError`` or a plain one from
-    the hooks) with a short message; never ``RecursionError`` or a traceback-worthy type.
-    """
-    text = raw.decode("utf-8")  # strict: UnicodeDecodeError is a ValueError
-    if json_depth(raw) > max_depth:
-        raise ValueError(f"JSON nests deeper than {max_depth} levels")
-    try:
-        return json.loads(text, object_pairs_hook=_object_no_duplicates, parse_int=_int, parse_float=_float,
-                          parse_constant=_constant)
-    except RecursionError as exc:  # not reached after json_depth; kept so no caller ever sees one
-        raise ValueError("JSON nests too deeply") from exc
-
-
-def loads_bounded(raw: bytes) -> object:
-    """Bytes -> JSON value as Python's json reads it (NaN, duplicate keys: last wins), but UTF-8 only and
-    with nesting bounded, so a hostile file is a ValueError, never a RecursionError (config.json)."""
-    text = raw.decode("utf-8")
-    if json_depth(raw) > MAX_JSON_DEPTH:
-        raise ValueError(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        return json.loads(text)
-    except RecursionError as exc:
-        raise ValueError("JSON nests too deeply") from exc
-
-
-def json_kind(v: object) -> str:
-    """'JSON list', 'string', 'null'... for messages about a value of the wrong type."""
-    return {dict: "JSON object", list: "JSON list", str: "string", bool: "boolean", int: "number",
-            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
-
-
-def json_error(exc: ValueError) -> str:
-    """A one-line reason for a :func:`loads_strict` failure (no document text echoed)."""
-    if isinstance(exc, UnicodeDecodeError):
-        return f"not UTF-8 (byte {exc.start})"
-    if isinstance(exc, json.JSONDecodeError):
-        return f"not valid JSON ({exc.msg} at byte {exc.pos})"
-    return " ".join(str(exc).split())[:200]
-
-
-def _q(name: object, limit: int = 80) -> str:
-    """A name for a one-line message: repr (escapes newlines), truncated."""
-    s = str(name)
-    return repr(s) if len(s) <= limit else repr(s[:limit]) + "..."
-
-
-def _f(file: str) -> str:
-    """A file name for a message: as is when printable, else quoted."""
-    return file if file.isprintable() and len(file) <= 200 else _q(file, 200)
-
-
 def _utf8_ok(s: str) -> bool:
     try:
         s.encode("utf-8")
@@ -217,7 +106,7 @@ def _utf8_ok(s: str) -> bool:
 def header_length(head: bytes, file: str, file_size: int | None) -> int:
     """The 8-byte length prefix, checked against the limit and the file size (the value is not echoed:
     for a file that is not safetensors it is just its first 8 bytes)."""
-    file = _f(file)
+    file = file_label(file)
     if len(head) < 8:
         raise CheckpointFormatError(f"{file}: {len(head)} bytes, too short to be a safetensors file")
     (n,) = struct.unpack("<Q", head[:8])
@@ -239,7 +128,7 @@ def parse_header(raw: bytes, file: str, file_size: int | None) -> tuple[list[Ten
     ``file_size`` is the whole file's size (8 + header + data); None skips only the final
     "the data ends where the file ends" check (for callers that cannot know it).
     """
-    name = _f(file)
+    name = file_label(file)
 
     def bad(what: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"{name}: {what}")
@@ -262,9 +151,9 @@ def parse_header(raw: bytes, file: str, file_size: int | None) -> tuple[list[Ten
         raise bad(f"__metadata__ is a {json_kind(meta)}, not a map of strings")
     for k, v in meta.items():
         if not isinstance(v, str):
-            raise bad(f"__metadata__ entry {_q(k)} is a {json_kind(v)}, not a string")
+            raise bad(f"__metadata__ entry {quoted(k)} is a {json_kind(v)}, not a string")
         if not (_utf8_ok(k) and _utf8_ok(v)):
-            raise bad(f"__metadata__ entry {_q(k)} is not valid Unicode (lone surrogate escape)")
+            raise bad(f"__metadata__ entry {quoted(k)} is not valid Unicode (lone surrogate escape)")
 
     base = 8 + len(raw)
     infos: list[TensorInfo] = []
@@ -276,15 +165,15 @@ def parse_header(raw: bytes, file: str, file_size: int | None) -> tuple[list[Ten
     expected, prev = base, None
     for i in infos:
         if i.begin < expected:
-            raise bad(f"tensor {_q(i.name)} overlaps tensor {_q(prev.name)} (data_offsets "
+            raise bad(f"tensor {quoted(i.name)} overlaps tensor {quoted(prev.name)} (data_offsets "
                       f"[{i.begin - base}, {i.end - base}] start before {expected - base})")
         if i.begin > expected:
             raise bad(f"bytes {expected - base}..{i.begin - base} of the data belong to no tensor "
-                      f"(a hole before tensor {_q(i.name)})")
+                      f"(a hole before tensor {quoted(i.name)})")
         expected, prev = i.end, i
     if file_size is not None and expected != file_size:
         if expected > file_size:
-            last = f" (tensor {_q(prev.name)} ends at byte {expected})" if prev else ""
+            last = f" (tensor {quoted(prev.name)} ends at byte {expected})" if prev else ""
             raise bad(f"truncated: the header needs {expected} bytes{last}, the file has {file_size}")
         raise bad(f"{file_size - expected} bytes after the last tensor's data belong to no tensor")
     return infos, meta
@@ -295,7 +184,7 @@ def _is_int(v: object) -> bool:
 
 
 def _tensor_info(tname: str, h: object, file: str, base: int, bad) -> TensorInfo:
-    t = f"tensor {_q(tname)}"
+    t = f"tensor {quoted(tname)}"
     if not _utf8_ok(tname):
         raise bad(f"{t}: the name is not valid Unicode (lone surrogate escape)")
     if not isinstance(h, dict):
@@ -308,7 +197,7 @@ def _tensor_info(tname: str, h: object, file: str, base: int, bad) -> TensorInfo
         raise bad(f"{t}: dtype is a {json_kind(dtype)}, not a dtype name")
     bits = DTYPE_BITS.get(dtype)
     if bits is None:
-        raise bad(f"{t}: dtype {_q(dtype, 20)} is not a safetensors dtype")
+        raise bad(f"{t}: dtype {quoted(dtype, 20)} is not a safetensors dtype")
     if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
         raise bad(f"{t}: shape must be a list of integers")
     if any(d < 0 or d > _MAX_DIM for d in shape):
@@ -346,183 +235,6 @@ def _numel(shape: list[int]) -> int:
 def _short(v: list) -> str:
     s = str(v)
     return s if len(s) <= 80 else s[:80] + "...]"
-
-
-def open_regular(path: str | os.PathLike) -> int:
-    """A read-only descriptor of ``path`` that is certainly a regular file: opened with O_NONBLOCK (so a
-    FIFO cannot block the open, nor a device the first read) and checked with fstat on the descriptor
-    itself (no race with a rename between a stat and the open). Raises NotRegularFile otherwise."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket"
-                    if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "special")
-            raise NotRegularFile(0, f"{kind}, not a regular file", str(path))
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
-    """A small regular file's bytes (config, index, manifest): never blocks on special files, and refuses
-    more than ``limit`` bytes (OSError with EFBIG) before reading them."""
-    fd = open_regular(path)
-    with os.fdopen(fd, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise OSError(27, f"{size} bytes is too large (at most {limit})", str(path))  # EFBIG
-        return f.read(limit + 1)[:limit]
-
-
-def read_header(path: Path, file: str | None = None) -> tuple[list[TensorInfo], dict[str, str]]:
-    """Read and validate only the header of a local safetensors file (the data is never read)."""
-    file = file or path.name
-    try:
-        with open(open_regular(path), "rb") as f:  # a FIFO or device would block a plain open(path)
-            st = os.fstat(f.fileno())
-            n = header_length(f.read(8), file, st.st_size)
-            raw = f.read(n)
-    except NotRegularFile as exc:
-        raise CheckpointFormatError(f"{_f(file)}: not a regular file ({exc.strerror.split(',')[0]})") from exc
-    except OSError as exc:
-        raise CheckpointFormatError(f"{_f(file)}: cannot read ({exc.strerror or exc})") from exc
-    if len(raw) != n:
-        raise CheckpointFormatError(f"{_f(file)}: truncated header")
-    return parse_header(raw, file, st.st_size)
-
-
-def read_bytes(path: Path, info: TensorInfo) -> bytearray:
-    """The tensor's raw bytes with a plain read (no mmap, so the pages do not linger in our RSS)."""
-    buf = bytearray(info.nbytes)
-    read_many([(path, info, memoryview(buf))])
-    return buf
-
-
-IOV_MAX = 1024  # buffers per preadv call (Linux's limit)
-SPLIT_MIN = 8 << 20  # a parallel read gives each thread at least this much
-
-
-def read_many(items: list[tuple[Path, TensorInfo, memoryview]], threads: int = 1) -> None:
-    """Read each tensor into its buffer. A run of tensors adjacent in one file is one ``preadv``
-    scattering into their buffers (a layer's experts are one run: on the H100 machine 1,536 separate
-    1.5 MB reads ran at 1.6 GB/s), and each file is opened once per thread. ``threads`` > 1 splits
-    the bytes (tensors cut at page boundaries where need be) over that many threads: page-cache
-    copies into pinned memory ran at 5.0 GB/s on one thread there, 17.8 GB/s on four."""
-    pieces = [(path, info, info.begin, view[: info.nbytes]) for path, info, view in items if info.nbytes]
-    total = sum(len(p[3]) for p in pieces)
-    parts = min(threads, total // SPLIT_MIN)
-    if parts <= 1:
-        _read_pieces(pieces)
-        return
-    first, *rest = _split(pieces, -(-total // parts))
-    futures = []
-    try:
-        for part in rest:
-            futures.append(_readers(threads).submit(_read_pieces, part))
-        _read_pieces(first)
-    finally:
-        errors = [f.exception() for f in futures]  # every thread has stopped writing into the buffers
-    for exc in errors:
-        if exc is not None:
-            raise exc
-
-
-@functools.lru_cache(maxsize=None)
-def _readers(threads: int):
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(threads - 1, thread_name_prefix="fp4convert-read")
-
-
-def _split(pieces: list, per: int) -> list[list]:
-    """Consecutive parts of about ``per`` bytes each; a piece crossing a boundary is cut at a page."""
-    parts: list[list] = [[]]
-    room = per
-    for path, info, off, view in pieces:
-        while len(view) > room:
-            cut = room + (-(off + room)) % 4096  # end the part at a page boundary of the file
-            if cut >= len(view):
-                break
-            if cut:
-                parts[-1].append((path, info, off, view[:cut]))
-            off, view = off + cut, view[cut:]
-            parts.append([])
-            room = per
-        parts[-1].append((path, info, off, view))
-        room -= len(view)
-        if room <= 0:
-            parts.append([])
-            room = per
-    return [p for p in parts if p]
-
-
-def _read_pieces(pieces: list) -> None:
-    """(path, info, file offset, view) pieces: runs adjacent in one file are one preadv."""
-    fds: dict[Path, int] = {}
-    try:
-        i = 0
-        while i < len(pieces):
-            path, info, off, view = pieces[i]
-            j, end = i + 1, off + len(view)
-            while j < len(pieces) and j - i < IOV_MAX and pieces[j][0] == path and pieces[j][2] == end:
-                end += len(pieces[j][3])
-                j += 1
-            try:
-                fd = fds.get(path)
-                if fd is None:
-                    fd = fds[path] = open_regular(path)
-            except OSError as exc:
-                raise CheckpointFormatError(f"{_f(info.file)}: cannot read tensor {_q(info.name)} "
-                                            f"({exc.strerror or exc})") from exc
-            _preadv_exact(fd, pieces[i:j])
-            i = j
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _preadv_exact(fd: int, run: list) -> None:
-    """Fill the run's buffers from its first piece's offset on; a short file names the tensor it cut."""
-    views = [v for _, _, _, v in run]
-    names = [info for _, info, _, _ in run]
-    offset = run[0][2]
-    k = 0  # the view being filled
-    while k < len(views):
-        try:
-            if hasattr(os, "preadv"):
-                got = os.preadv(fd, views[k : k + IOV_MAX], offset)
-            else:  # no preadv here: one view at a time
-                os.lseek(fd, offset, os.SEEK_SET)
-                got = os.readv(fd, views[k : k + 1])
-        except OSError as exc:
-            raise CheckpointFormatError(f"{_f(names[k].file)}: cannot read tensor {_q(names[k].name)} "
-                                        f"({exc.strerror or exc})") from exc
-        if not got:
-            raise CheckpointFormatError(f"{_f(names[k].file)}: tensor {_q(names[k].name)} is truncated")
-        offset += got
-        while got and k < len(views):  # skip the views this read filled; keep the rest of a part-filled one
-            if got >= len(views[k]):
-                got -= len(views[k])
-                k += 1
-            else:
-                views[k] = views[k][got:]
-                got = 0
-
-
-def read_tensor(path: Path, info: TensorInfo) -> torch.Tensor:
-    import torch
-
-    dtype = torch_dtypes().get(info.dtype)
-    if dtype is None:
-        raise CheckpointFormatError(
-            f"{_f(info.file)}: tensor {_q(info.name)} has dtype {info.dtype}, which torch cannot hold")
-    buf = read_bytes(path, info)
-    if not buf:
-        return torch.empty(info.shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(info.shape)
 
 
 @dataclass(frozen=True)
