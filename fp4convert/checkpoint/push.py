@@ -21,10 +21,10 @@ from pathlib import Path
 
 from fp4convert.errors import ConfigError, OutputError, PushError, SourceError
 from fp4convert.output.card import PLACEHOLDER, build_card
-from fp4convert.output.manifest import MANIFEST_NAME, PROGRESS_NAME, file_digest, manifest_text
+from fp4convert.output.manifest import MANIFEST_NAME, PROGRESS_NAME, manifest_text
 from fp4convert.plan.planner import Plan
 from fp4convert.source.source import Source, check_relative, one_line
-from fp4convert.storage.checksum import matches, record_problem
+from fp4convert.storage.checksum import file_sha256, matches, record_problem
 from fp4convert.storage.names import CARD_NAME
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ def retarget_card(folder: Path, repo_id: str) -> None:
                      config=config if isinstance(config, dict) else {}, original_is_ours=True)
     with _writing(folder):
         write_new(folder, CARD_NAME, new.encode())
-        manifest["files"][CARD_NAME] = {"sha256": file_digest(folder / CARD_NAME), "size": len(new.encode())}
+        manifest["files"][CARD_NAME] = {"sha256": file_sha256(folder / CARD_NAME), "size": len(new.encode())}
         write_new(folder, MANIFEST_NAME, manifest_text(manifest).encode())
 
 

@@ -6,7 +6,6 @@ same input and settings give a byte-identical manifest, like every other output 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fp4convert.errors import CheckpointFormatError
 from fp4convert.numerics.scheme import get_scheme
+from fp4convert.storage.checksum import file_sha256
 from fp4convert.storage.names import LOCK_NAME, MANIFEST_NAME, PROGRESS_NAME  # noqa: F401 - re-exported (names.py states them)
 from fp4convert.version import producer
 
@@ -25,14 +25,6 @@ if TYPE_CHECKING:
 # Identity keys kept in the progress record only: the manifest of a copied or touched source stays the same.
 PROGRESS_ONLY = ("source_mtimes", "source_sha256")
 MANIFEST_VERSION = 2  # 2: weight shards recorded with chunked_sha256 (docs/formats.md); 1: sha256 only
-
-
-def file_digest(path: Path, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict, state: dict, dst: Path,
@@ -62,7 +54,7 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
     files = {f: rec for f, rec in state["files"].items() if f in shards}
     for rel in sorted(set(written) - set(files)):
         p = dst / rel
-        files[rel] = {"sha256": file_digest(p), "size": p.stat().st_size}
+        files[rel] = {"sha256": file_sha256(p), "size": p.stat().st_size}
     out = {
         "manifest_version": MANIFEST_VERSION,
         "producer": producer(),

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp4convert.output.files import atomic_write, is_regular, output_error, rename_in, source_error, writing
-from fp4convert.output.manifest import PROGRESS_ONLY, file_digest, portable_description
-from fp4convert.storage.checksum import file_matches, record_problem
+from fp4convert.output.manifest import PROGRESS_ONLY, portable_description
+from fp4convert.storage.checksum import file_matches, file_sha256, record_problem
 from fp4convert.storage.names import PART_RECORD, PARTIAL, PROGRESS_NAME, SHARD_PATTERN
 from fp4convert.version import __version__
 
@@ -97,7 +97,7 @@ def run_identity(config: ConvertConfig, source: Source, **extra) -> dict:
         hashes = {}
         for f in source.weight_files:
             try:
-                hashes[f] = file_digest(source.root / f)
+                hashes[f] = file_sha256(source.root / f)
             except OSError as exc:
                 raise source_error(exc, source.root / f) from exc
         identity[FULL_HASHES] = hashes

@@ -169,3 +169,10 @@ def file_record(path: Path) -> dict:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         return {"chunked_sha256": chunked_sha256(f.fileno(), size), "size": size}
+
+
+def file_sha256(path: Path) -> str:
+    """The whole-file sha256 of the file at ``path``: what the manifest records of every file that is not
+    a weight shard (and of the source's files, for ``--verify-source``)."""
+    with open(path, "rb") as f:
+        return sha256(f.fileno(), os.fstat(f.fileno()).st_size)
