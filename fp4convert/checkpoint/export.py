@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import resource
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fp4convert.checkpoint.layout import load_quantized, manifest_disagreements, module_shape_problems, read_layout
@@ -23,6 +23,7 @@ from fp4convert.plan.planner import Plan, check_collisions, layout_shards
 from fp4convert.plan.types import QUANTIZE, Decision, Matrix
 from fp4convert.run.distributed import World
 from fp4convert.run.runner import ConvertResult, Job, Progress, run
+from fp4convert.run.work import WriteJob
 from fp4convert.source.source import open_source
 from fp4convert.storage import checksum
 from fp4convert.storage.safetensors import DTYPE_BITS, OutEntry, TensorInfo, dtype_nbytes, open_regular, read_tensor
@@ -187,6 +188,13 @@ def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress 
     return ConvertResult(dst, plan, time.perf_counter() - t0, peak, sorted(f for f in done if f in dict(plan.shards)))
 
 
+@dataclass
+class _ExportUnit(WriteJob):
+    """One unit of an export: its modules loaded from the native shards and written in the target format."""
+
+    unit: list[Decision]
+
+
 class _ExportWork:
     """The run loop's work for an export (:class:`fp4convert.run.work.Work`): each quantized module loaded
     from the native shards and written in the target format, every other tensor copied unchanged."""
@@ -199,25 +207,25 @@ class _ExportWork:
     def start(self, pending: list[list[Decision]]) -> None:
         pass
 
-    def unit(self, unit: list[Decision]):
+    def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], list[WriteJob]]:
         records = {}
         for d in unit:
             rec = self.manifest["tensors"][d.name]
             records[d.name] = ({k: rec[k] for k in ("global_scale", "amax", "matrices") if k in rec}
                               if d.action == QUANTIZE else {})
+        return records, [_ExportUnit(unit)]
 
-        def job(shards) -> None:
-            for d in unit:
-                if d.action == QUANTIZE:
-                    for mx in d.matrices:
-                        m = self.layout.modules[mx.module]
-                        for name, data in self.fmt.tensors(mx.module, load_quantized(self.source, self.layout, m)):
-                            shards.write(name, data)
-                else:
-                    info = self.layout.tensors[d.name]
-                    shards.copy_kept(d.name, self.source.local_path(info.file), info)
-
-        return records, job
+    def write(self, job: WriteJob, shards) -> None:
+        assert isinstance(job, _ExportUnit)
+        for d in job.unit:
+            if d.action == QUANTIZE:
+                for mx in d.matrices:
+                    m = self.layout.modules[mx.module]
+                    for name, data in self.fmt.tensors(mx.module, load_quantized(self.source, self.layout, m)):
+                        shards.write(name, data)
+            else:
+                info = self.layout.tensors[d.name]
+                shards.copy_kept(d.name, self.source.local_path(info.file), info)
 
     def nonfinite(self, dtype: str, data: memoryview) -> bool:
         from fp4convert.quantizer.matrices import nonfinite_bytes

@@ -273,12 +273,9 @@ def _run_part(job: Job, part: Part, work: Work, done: dict, progress: Progress,
             n = sum(d.info.nbytes for d in unit)
             if id(unit) in pending_ids:
                 check()
-                records, write = work.unit(unit)
-                if isinstance(write, list):  # a kept copy's pieces: independent, holding nothing until they run
-                    for piece in write:
-                        behind.submit(functools.partial(piece, shards), held=False)
-                elif write is not None:
-                    behind.submit(functools.partial(write, shards))
+                records, jobs = work.unit(unit)
+                for job_ in jobs:  # a kept copy's pieces hold nothing until they run (held False)
+                    behind.submit(functools.partial(work.write, job_, shards), held=job_.held)
                 record.units_done(records)
             if tells(unit):
                 # Progress follows the unit's writes and every write before them: a Hub source shard it
