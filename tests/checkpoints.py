@@ -397,10 +397,10 @@ def inline_writes(monkeypatch) -> None:
     """Every write of a run (an item's writes, a kept copy's pieces, a finished chunk's hash, a finished
     shard's record, sync and rename) in the thread that queued it, in order: a run's writes are then
     done when the next item starts."""
-    import fp4convert.quantizer.items as schedule
+    import fp4convert.run.writebehind as writebehind
     from fp4convert.output import shards
 
-    monkeypatch.setattr(schedule.WriteBehind, "submit", lambda self, job, light=False, held=True: job())
+    monkeypatch.setattr(writebehind.WriteBehind, "submit", lambda self, job, light=False, held=True: job())
     monkeypatch.setattr(shards, "background", _inline)
 
 
@@ -487,3 +487,13 @@ def definitions_in_process(mp, like_child: bool = False) -> None:
         return modeldef._from_json(json.loads(json.dumps(modeldef._to_json(d))))
 
     mp.setattr(modeldef, "_build_in_child", build)
+
+
+def progress_seen(monkeypatch) -> list[int]:
+    """The bytes a run tells its (hidden) progress display, one entry per update, in order: the run loop
+    updates the library's display (fp4convert.run.progress), a NoProgress unless progress is shown."""
+    from fp4convert.run.progress import NoProgress
+
+    seen: list[int] = []
+    monkeypatch.setattr(NoProgress, "update", lambda self, n: seen.append(n))
+    return seen

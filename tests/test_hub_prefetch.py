@@ -153,7 +153,7 @@ def test_delete_source_shards_holds_at_most_ahead_more(model, local_out, tmp_pat
     monkeypatch.setattr(ShardReleaser, "release", release)
     try:
         source, plan, fmt = plan_conversion(REPO, CFG)
-        convert(source, tmp_path / "out", CFG, progress=ShardReleaser(source, plan), plan=(source, plan, fmt))
+        convert(source, tmp_path / "out", CFG, delete_source_shards=True, plan=(source, plan, fmt))
     finally:
         hub.stop()
     assert shard_outputs(ck.all_files(tmp_path / "out")) == shard_outputs(local_out)
@@ -204,7 +204,7 @@ def test_delete_source_shards_keeps_a_shard_a_later_unit_reads(tmp_path, monkeyp
     monkeypatch.setattr(ShardReleaser, "release", release)
     try:
         source, plan, fmt = plan_conversion(REPO, CFG)
-        convert(source, tmp_path / "out", CFG, progress=ShardReleaser(source, plan), plan=(source, plan, fmt))
+        convert(source, tmp_path / "out", CFG, delete_source_shards=True, plan=(source, plan, fmt))
     finally:
         hub.stop()
     assert shard_outputs(ck.all_files(tmp_path / "out")) == shard_outputs(ck.all_files(tmp_path / "local"))

@@ -47,7 +47,7 @@ def test_a_set_is_refilled_only_after_its_own_item_is_released(tmp_path: Path) -
     units = [[infos[f"t{i}"]] for i in range(4)]
     ra = ReadAhead(units, lambda f: tmp_path / f, _plain)
     try:
-        (in0, n0), (in1, n1) = ra.next(), ra.next()
+        (in0, n0), (_, n1) = ra.next(), ra.next()
         ra.release(n1)  # item 1 first: its set may take item 3, but item 2 goes into item 0's set
         time.sleep(0.5)  # the reader had time to (wrongly) refill item 0's set
         assert torch.equal(tensors(in0)[0], values["t0"])

@@ -22,7 +22,8 @@ from fp4convert.output.record import run_identity
 from fp4convert.plan.planner import Plan, check_collisions, layout_shards
 from fp4convert.plan.types import QUANTIZE, Decision, Matrix
 from fp4convert.run.distributed import World
-from fp4convert.run.runner import ConvertResult, Job, Progress, run
+from fp4convert.run.progress import progress_bar
+from fp4convert.run.runner import ConvertResult, Job, run
 from fp4convert.run.work import WriteJob
 from fp4convert.source.source import open_source
 from fp4convert.storage import checksum
@@ -162,20 +163,21 @@ def verify_files(root: Path, manifest: dict, weight_files: list[str], progress=N
                                             "corrupted: re-create it with fp4convert quantize")
 
 
-def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress | None = None,
-           bar=None) -> ConvertResult:
+def export(src: str, dst: str | Path, config: ConvertConfig, progress: bool = False) -> ConvertResult:
     """Write native checkpoint ``src`` as ``config.format`` into ``dst``.
 
-    ``bar``: a progress bar (``total``, ``update(n)``; the CLI's tqdm) for the whole export: the sha256
-    check of every listed file, then the writing, in bytes; ``progress`` alone counts the writing."""
+    ``progress``: show progress (:mod:`fp4convert.run.progress`) for the whole export: the sha256
+    check of every listed file, then the writing, in bytes."""
     t0 = time.perf_counter()
     dst = Path(dst)
     source, layout, manifest, plan, fmt = plan_export(src, config)
-    if bar is not None:
-        bar.total = sum(rec["size"] for rec in manifest["files"].values()) + plan.summary()["bytes_in"]
-        if hasattr(bar, "refresh"):
-            bar.refresh()
-        progress = progress or bar.update
+    total = sum(rec["size"] for rec in manifest["files"].values()) + plan.summary()["bytes_in"]
+    with progress_bar(total, "export", progress) as bar:
+        return _export(source, layout, manifest, plan, fmt, dst, bar, t0)
+
+
+def _export(source, layout, manifest: dict, plan: Plan, fmt, dst: Path, bar, t0: float) -> ConvertResult:
+    """The export once planned: the files checked, then the run loop, both advancing ``bar``."""
     verify_files(source.root, manifest, source.weight_files, progress=bar)
     check_global_scales(source, manifest, layout)
     identity = run_identity(plan.config, source, exported_from=manifest.get("identity"))
@@ -183,7 +185,7 @@ def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress 
     world = World.from_env()  # under torchrun each rank writes its share of the shards
     world.init()
     job = Job(source, plan, fmt, dst, plan.config, identity, source.other_files(exclude=dst))
-    done = run(job, world, [_ExportWork(source, layout, manifest, fmt)], progress)
+    done = run(job, world, [_ExportWork(source, layout, manifest, fmt)], bar)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return ConvertResult(dst, plan, time.perf_counter() - t0, peak, sorted(f for f in done if f in dict(plan.shards)))
 

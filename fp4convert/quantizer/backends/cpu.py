@@ -22,8 +22,18 @@ from fp4convert.kernels import cpu
 from fp4convert.kernels.tensor import as_bytes
 from fp4convert.numerics import reference as ref
 from fp4convert.numerics.swizzle import swizzle_scales
-from fp4convert.quantizer.backend import (Context, Inputs, InputWeight, MatrixOut, Pending, Result, Settings, Staged,
-                                          matrix_weights, two_passes)
+from fp4convert.quantizer.backend import (
+    Context,
+    Inputs,
+    InputWeight,
+    MatrixOut,
+    Pending,
+    Result,
+    Settings,
+    Staged,
+    matrix_weights,
+    two_passes,
+)
 from fp4convert.quantizer.items import Batch, Item
 from fp4convert.quantizer.matrices import TensorBuffer, kept_output, launch_groups, nonfinite_bytes, tensors, unit_weights
 

@@ -33,8 +33,7 @@ from fp4convert import stages
 from fp4convert.errors import ConfigError
 from fp4convert.kernels import cpu_lib as cpu_kernel
 from fp4convert.kernels.cuda.runtime import HOST_CHECK_CODES, size_class
-from fp4convert.quantizer.backend import (Context, Inputs, MatrixOut, Pending, Result, Settings, Staged, matrix_weights,
-                                          two_passes)
+from fp4convert.quantizer.backend import Context, Inputs, MatrixOut, Pending, Result, Settings, Staged, matrix_weights, two_passes
 from fp4convert.quantizer.backends.cuda import CudaBackend, output_layout
 from fp4convert.quantizer.items import Batch
 

@@ -24,8 +24,19 @@ from fp4convert import stages
 from fp4convert.kernels.cuda.runtime import D2H, H2D, DeviceArena, HostBuffer, Runtime, align
 from fp4convert.numerics.swizzle import padded_shape
 from fp4convert.plan.types import QUANTIZE
-from fp4convert.quantizer.backend import (Context, Event, Inputs, MatrixOut, Pending, Result, Settings, Staged,
-                                          matrix_weights, two_passes, weight_runs)
+from fp4convert.quantizer.backend import (
+    Context,
+    Event,
+    Inputs,
+    MatrixOut,
+    Pending,
+    Result,
+    Settings,
+    Staged,
+    matrix_weights,
+    two_passes,
+    weight_runs,
+)
 from fp4convert.quantizer.items import Batch, is_plain
 
 DTYPE_CODES = {"F32": 0, "F16": 1, "BF16": 2}  # the launchers' dtype ints

@@ -18,8 +18,19 @@ import torch
 
 from fp4convert import stages
 from fp4convert.kernels.tensor import as_bytes
-from fp4convert.quantizer.backend import (IN_USE, Context, Inputs, MatrixOut, Pending, Result, Settings, Staged,
-                                          matrix_weights, two_passes, weight_runs)
+from fp4convert.quantizer.backend import (
+    IN_USE,
+    Context,
+    Inputs,
+    MatrixOut,
+    Pending,
+    Result,
+    Settings,
+    Staged,
+    matrix_weights,
+    two_passes,
+    weight_runs,
+)
 from fp4convert.quantizer.backends.cpu import weight_tensors
 from fp4convert.quantizer.items import Batch, Item
 from fp4convert.quantizer.matrices import TensorBuffer, kept_output, launch_groups, nonfinite_bytes, tensors, unit_weights
