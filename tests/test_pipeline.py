@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fp4convert.quantizer.items as schedule
+import fp4convert.run.writebehind as writebehind
 import fp4convert.run.work as work
 from fp4convert.kernels import cpu
 from fp4convert.quantizer.backends.stacked import StackedBackend
@@ -188,7 +189,7 @@ def test_light_jobs_take_no_slot_and_run_after_the_writes_before_them() -> None:
     import threading
     import time
 
-    behind = schedule.WriteBehind(depth=1)
+    behind = writebehind.WriteBehind(depth=1)
     gate, order = threading.Event(), []
     behind.submit(lambda: (gate.wait(5), order.append("write 1")))  # holds the one slot while it runs
     t0 = time.monotonic()

@@ -114,11 +114,11 @@ class StackedBackend:
         return e
 
     def stage(self, item: Item, inputs: Inputs) -> Staged:
-        """The item's launch groups on the device (each with its matrices' indices), ``state``; on CUDA
-        the inputs are free once the copies out of the pinned set are done (``inputs_free``: their
-        event). On the CPU a batch's members are copied into its groups (free now); a unit's weights
-        are views of the inputs, in use until quantize() returns (the CPU ops are synchronous). A kept
-        quantized input: ``state`` is its finished Pending (the fp32 weight it encodes)."""
+        """The item's inputs on the device, ``state``: a batch's launch groups (each with its matrices'
+        indices), a unit's read tensors (quantize() decodes and groups them). On CUDA the inputs are
+        free once the copies out of the pinned set are done (``inputs_free``: their event, recorded right
+        after them). On the CPU a batch's members are copied into its groups (free now); a unit's
+        tensors are views of the inputs, in use until quantize() returns (the CPU ops are synchronous)."""
         with self._stream("compute"):
             return self._stage(item, inputs)
 
@@ -149,22 +149,24 @@ class StackedBackend:
                 self.compute.wait_event(done)
             return Staged(item, inputs, done, list(zip(xs, item.groups)))
         on_device = [h.to(dev, non_blocking=self.cuda) for h in hosts]
-        # CUDA: the copies out of the pinned set are queued before the event; on the CPU the weights are
+        # CUDA: the copies out of the pinned set are queued before the event; on the CPU the tensors are
         # views of the inputs: in use until quantize() is done with them
-        free = self._event() if self.cuda else IN_USE
-        weights = unit_weights(item, on_device)
-        if item.kept:  # a kept quantized input: written as the fp32 weight it encodes (--kept-dtype bf16: BF16)
-            w = self._to_host(kept_output(item.members[0], weights[0]).contiguous())
-            return Staged(item, inputs, free, _Kept(Result([], [], [(item.members[0].name, as_bytes(w))], keep=w),
-                                                    self._event()))
-        return Staged(item, inputs, free, launch_groups(item, weights))
+        return Staged(item, inputs, self._event() if self.cuda else IN_USE, on_device)
 
     def quantize(self, staged: Staged) -> Pending:
-        """Both passes on the staged launch groups: pass 1 synced (each fused group's amax on the host),
-        pass 2 queued (CUDA) or done (CPU); the result waits for pass 2's copies to the host."""
-        if isinstance(staged.state, _Kept):
-            return staged.state
-        item, groups = staged.item, staged.state
+        """Both passes on the staged launch groups (a unit's weights decoded and grouped first): pass 1
+        synced (each fused group's amax on the host), pass 2 queued (CUDA) or done (CPU); the result
+        waits for pass 2's copies to the host. A kept quantized input: the fp32 weight it encodes."""
+        item = staged.item
+        if isinstance(item, Batch):
+            groups = staged.state
+        else:
+            with self._stream("compute"):
+                weights = unit_weights(item, staged.state)
+                if item.kept:  # a kept quantized input: written as the fp32 weight it encodes (--kept-dtype bf16: BF16)
+                    w = self._to_host(kept_output(item.members[0], weights[0]).contiguous())
+                    return _Kept(Result([], [], [(item.members[0].name, as_bytes(w))], keep=w), self._event())
+                groups = launch_groups(item, weights)
         s = self.s
         n = len(item.matrices)
 
