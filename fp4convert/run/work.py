@@ -16,7 +16,6 @@ own with the same interface (:class:`Work`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from fp4convert import stages
@@ -25,6 +24,8 @@ from fp4convert.quantizer.items import is_kept_copy, make_items
 from fp4convert.run.readahead import ReadAhead
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from fp4convert.formats.base import OutputFormat
     from fp4convert.output.shards import ShardSet
     from fp4convert.plan.types import Decision
