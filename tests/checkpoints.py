@@ -487,3 +487,13 @@ def definitions_in_process(mp, like_child: bool = False) -> None:
         return modeldef._from_json(json.loads(json.dumps(modeldef._to_json(d))))
 
     mp.setattr(modeldef, "_build_in_child", build)
+
+
+def progress_seen(monkeypatch) -> list[int]:
+    """The bytes a run tells its (hidden) progress display, one entry per update, in order: the run loop
+    updates the library's display (fp4convert.run.progress), a NoProgress unless progress is shown."""
+    from fp4convert.run.progress import NoProgress
+
+    seen: list[int] = []
+    monkeypatch.setattr(NoProgress, "update", lambda self, n: seen.append(n))
+    return seen

@@ -20,7 +20,7 @@ import json, os, resource, signal, sys, time
 import fp4convert.cli
 import fp4convert.run.convert, fp4convert.checkpoint.export, fp4convert.checkpoint.inspect  # torch and the work modules, before the forks
 import transformers, transformers.conversion_mapping, transformers.core_model_loading  # the planner's model definitions
-from fp4convert.cli import main
+from fp4convert.cli.main import main
 out = sys.stdout
 for line in sys.stdin:
     req = json.loads(line)

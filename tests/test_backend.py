@@ -53,22 +53,23 @@ class _Item:
         self.keys = keys
 
 
-def test_two_passes_refuses_before_pass_2_and_releases() -> None:
+def test_two_passes_refuses_before_pass_2_and_frees_the_inputs() -> None:
     from fp4convert.numerics.scheme import MXFP4, NVFP4
-    from fp4convert.quantizer.backend import Settings
+    from fp4convert.quantizer.backend import Pending, Settings
 
     item = _Item(["a", "b"], [0, 0])
-    calls, released = [], []
+    calls: list = []
     s = Settings(NVFP4, None, False, "max")
-    result = two_passes(item, s, released.append, lambda: [1.0, float("inf")],
-                        lambda ga: calls.append(ga) or (lambda: Result([], [])))()
-    assert calls == [] and released == [None] and result.refused == [False, True]
+    later = Pending(Result([], []), inputs_free=object())  # type: ignore[arg-type]  # an event
+    refused = two_passes(item, s, lambda: [1.0, float("inf")], lambda ga: calls.append(ga) or later)
+    result = refused.result()
+    # refused after pass 1: no pass 2, and the inputs are free now (pass 1 is done with them)
+    assert calls == [] and refused.inputs_free is None and result.refused == [False, True]
     with pytest.raises(NonFiniteError, match=r"^b \(in f\.safetensors\) holds NaN or Inf"):
         refuse_nonfinite(item, result.refused, None)
-    two_passes(item, s, released.append, lambda: [1.0, 3.0], lambda ga: calls.append(ga) or (lambda: None))
-    assert calls == [[3.0, 3.0]]  # pass 2 gets each matrix's group amax
-    two_passes(item, Settings(MXFP4, None, False, "floor"), released.append, lambda: 1 / 0,
-               lambda ga: calls.append(ga) or (lambda: None))
+    assert two_passes(item, s, lambda: [1.0, 3.0], lambda ga: calls.append(ga) or later) is later
+    assert calls == [[3.0, 3.0]]  # pass 2 gets each matrix's group amax, and its Pending is returned as is
+    two_passes(item, Settings(MXFP4, None, False, "floor"), lambda: 1 / 0, lambda ga: calls.append(ga) or later)
     assert calls[-1] is None  # no global scale: no pass 1
 
 

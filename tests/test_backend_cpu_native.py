@@ -14,7 +14,7 @@ import torch
 
 from fp4convert.kernels import cpu_lib as cpu_kernel, jit
 from fp4convert.numerics import reference as ref
-from fp4convert.quantizer.backend import Context, Settings
+from fp4convert.quantizer.backend import IN_USE, Context, Settings
 from fp4convert.quantizer.backends.cpu_native import CpuNativeBackend
 from fp4convert.config import ConvertConfig
 from fp4convert.run.convert import choose_backend, convert, plan_conversion
@@ -70,9 +70,12 @@ def test_batches_are_the_references_bytes(tmp_path, scheme, rule, dtype, rotate,
         buf = be.host_buffer(total)
         for info, off in zip(reads, offsets):
             buf.view(off, info.nbytes)[:] = _raw(t[info.name])
-        released: list = []
-        result = be.quantize(item, (buf, list(zip(offsets, reads))), released.append)()
-        assert released == [None] and result.refused == [False] * len(item.members)
+        staged = be.stage(item, (buf, list(zip(offsets, reads))))
+        assert staged.inputs_free is IN_USE  # the kernel reads the buffer in place ...
+        pending = be.quantize(staged)
+        assert pending.inputs_free is None  # ... and is done with it once both passes ran
+        result = pending.result()
+        assert result.refused == [False] * len(item.members)
         for i, ((d, _), out) in enumerate(zip(item.matrices, result.matrices)):
             assert out is not None
             x = t[d.name]

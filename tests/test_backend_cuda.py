@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fp4convert.numerics import reference as ref
-from fp4convert.quantizer.backend import Settings
+from fp4convert.quantizer.backend import IN_USE, Settings
 from fp4convert.quantizer.backends.cuda import CudaBackend
 from fp4convert.config import ConvertConfig
 from fp4convert.run.convert import choose_backend, convert, plan_conversion
@@ -317,11 +317,16 @@ def test_group_launches_keep_every_member_apart(scheme, swizzle) -> None:
             v = list((ctypes.c_float * len(v))(*v))  # as stored (fp32)
             values.append(v)
             (ctypes.c_float * len(v)).from_address(buf.ptr + off)[:] = v
-        released = []
         backend = CudaBackend(s, rt, owner=False)
-        result = backend.quantize(batch, (buf, list(zip(offsets, batch.reads()))), released.append)()
+        staged = backend.stage(batch, (buf, list(zip(offsets, batch.reads()))))
+        assert staged.inputs_free is IN_USE  # one stream: the buffer is read until pass 1's sync (or the event)
+        pending = backend.quantize(staged)
         ctx = f"seed={seed} trial={trial}"
-        assert released, ctx  # the inputs are released (the reader's release ignores a second call)
+        # NVFP4: free once quantize() returns (pass 1 synced after the copy); MXFP4: after the batch's event
+        assert (pending.inputs_free is None) == (scheme == "nvfp4"), ctx
+        if pending.inputs_free is not None:
+            pending.inputs_free.synchronize()
+        result = pending.result()
         # NVFP4 refuses a NaN member after pass 1 (its amax), MXFP4 by pass 2's block flags
         assert result.refused == [i == nan_at for i in range(k)], ctx
         if nan_at is not None:

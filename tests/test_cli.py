@@ -628,19 +628,23 @@ class _Recorder:
 def test_inspect_and_export_show_progress(src, tmp_path, monkeypatch, command) -> None:
     """Issue 23 item 17: inspect --verify and export were 18 s of silence on a 374 MB model. Their bar
     counts every byte they read; --quiet (and --json) show none."""
-    import fp4convert.cli.common as cli_common
+    import fp4convert.run.progress as shown
 
     native = tmp_path / "native"
     assert run("quantize", src, native, "--device", "cpu", "-q").exit_code == 0
     bars = []
-    real = cli_common.progress
+    real = shown.progress_bar
 
-    def recording(total, desc, quiet):
-        bars.append((desc, quiet))
-        return real(total, desc, quiet) if quiet else _Recorder()
+    def recording(total, desc, show):
+        bars.append((desc, show))
+        if not show:
+            return real(total, desc, show)
+        bar = _Recorder()
+        bar.total = total
+        return bar
 
-    for command_module in ("inspect", "export"):
-        monkeypatch.setattr(f"fp4convert.cli.{command_module}.progress", recording)
+    for module in ("inspect", "export"):
+        monkeypatch.setattr(f"fp4convert.checkpoint.{module}.progress_bar", recording)
     args = {"inspect --check-files": ["inspect", native, "--check-files"],
             "inspect --verify": ["inspect", native, "--verify", src],
             "export": ["export", native, tmp_path / "ct", "--format", "compressed-tensors"]}[command]
@@ -648,10 +652,10 @@ def test_inspect_and_export_show_progress(src, tmp_path, monkeypatch, command) -
     monkeypatch.setattr(_Recorder, "__exit__", lambda self, *e: seen.append((self.total, self.done)))
     r = run(*args)
     assert r.exit_code == 0, r.output
-    assert bars == [(args[0], False)] and len(seen) == 1
+    assert bars == [(args[0], True)] and len(seen) == 1
     total, done = seen[0]
     assert total > 0 and done == total, seen
     bars.clear()
     quiet_args = args + (["--overwrite"] if command == "export" else []) + ["-q"]
     assert run(*quiet_args).exit_code == 0
-    assert bars == [(args[0], True)]
+    assert bars == [(args[0], False)]

@@ -410,9 +410,9 @@ def test_resume_refused_when_source_changed(llama_src, tmp_path, monkeypatch) ->
         convert(src, dst, cfg(max_shard_size=6000, resume=True))
 
 
-def test_progress_callback_counts_every_input_byte(llama_src, tmp_path) -> None:
-    seen = []
-    res = convert(llama_src, tmp_path / "q", cfg(), progress=seen.append)
+def test_progress_counts_every_input_byte(llama_src, tmp_path, monkeypatch) -> None:
+    seen = ck.progress_seen(monkeypatch)
+    res = convert(llama_src, tmp_path / "q", cfg())
     assert sum(seen) == res.plan.summary()["bytes_in"]
     assert res.wall_s > 0 and res.peak_rss_bytes > 10 * 2**20
     j = res.to_json()

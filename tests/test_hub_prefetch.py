@@ -153,7 +153,7 @@ def test_delete_source_shards_holds_at_most_ahead_more(model, local_out, tmp_pat
     monkeypatch.setattr(ShardReleaser, "release", release)
     try:
         source, plan, fmt = plan_conversion(REPO, CFG)
-        convert(source, tmp_path / "out", CFG, progress=ShardReleaser(source, plan), plan=(source, plan, fmt))
+        convert(source, tmp_path / "out", CFG, delete_source_shards=True, plan=(source, plan, fmt))
     finally:
         hub.stop()
     assert shard_outputs(ck.all_files(tmp_path / "out")) == shard_outputs(local_out)
@@ -204,7 +204,7 @@ def test_delete_source_shards_keeps_a_shard_a_later_unit_reads(tmp_path, monkeyp
     monkeypatch.setattr(ShardReleaser, "release", release)
     try:
         source, plan, fmt = plan_conversion(REPO, CFG)
-        convert(source, tmp_path / "out", CFG, progress=ShardReleaser(source, plan), plan=(source, plan, fmt))
+        convert(source, tmp_path / "out", CFG, delete_source_shards=True, plan=(source, plan, fmt))
     finally:
         hub.stop()
     assert shard_outputs(ck.all_files(tmp_path / "out")) == shard_outputs(ck.all_files(tmp_path / "local"))
@@ -311,11 +311,11 @@ def test_an_interrupted_run_cancels_the_download_in_flight(model, tmp_path, monk
     original = work.quantize
     calls = []
 
-    def interrupted(item, inputs, backend, release):
+    def interrupted(*args):
         calls.append(1)
         if len(calls) == 2:  # shard 1 converting; shard 2 on the way
             raise KeyboardInterrupt
-        return original(item, inputs, backend, release)
+        return original(*args)
 
     monkeypatch.setattr(work, "quantize", interrupted)
     size = {s: (model / s).stat().st_size for s in SHARDS}

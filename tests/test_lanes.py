@@ -40,9 +40,10 @@ def llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_lane(llama, tmp_path_factory) -> tuple[dict[str, bytes], list[int]]:
-    seen: list[int] = []
     dst = tmp_path_factory.mktemp("one") / "q"
-    res = convert(llama, dst, cfg(lanes=1), progress=seen.append)
+    with pytest.MonkeyPatch.context() as mp:
+        seen = ck.progress_seen(mp)
+        res = convert(llama, dst, cfg(lanes=1))
     assert res.counts["lanes"] == 1
     return ck.all_files(dst), seen
 
@@ -60,9 +61,9 @@ def test_lanes_write_the_bytes_of_one_lane(llama, one_lane, tmp_path, lanes, sch
     assert files == ref  # shards, index, manifest and the merged progress record: no lane's record left
 
 
-def test_progress_tells_every_unit_once(llama, one_lane, tmp_path) -> None:
-    seen: list[int] = []
-    convert(llama, tmp_path / "q", cfg(lanes=3), progress=seen.append)
+def test_progress_tells_every_unit_once(llama, one_lane, tmp_path, monkeypatch) -> None:
+    seen = ck.progress_seen(monkeypatch)
+    convert(llama, tmp_path / "q", cfg(lanes=3))
     assert sorted(seen) == sorted(one_lane[1])  # one call per unit, whichever lane wrote it
 
 

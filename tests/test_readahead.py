@@ -27,10 +27,10 @@ def test_units_arrive_in_order_with_their_values(tmp_path: Path) -> None:
     ra = ReadAhead(units, lambda f: tmp_path / f, _plain)
     try:
         for unit in units:
-            inputs, release = ra.next()
+            inputs, number = ra.next()
             got = tensors(inputs)
             assert [torch.equal(g, values[i.name]) for g, i in zip(got, unit)] == [True] * len(unit)
-            release()
+            ra.release(number)
     finally:
         ra.close()
 
@@ -47,18 +47,19 @@ def test_a_set_is_refilled_only_after_its_own_item_is_released(tmp_path: Path) -
     units = [[infos[f"t{i}"]] for i in range(4)]
     ra = ReadAhead(units, lambda f: tmp_path / f, _plain)
     try:
-        (in0, rel0), (in1, rel1) = ra.next(), ra.next()
-        rel1()  # item 1 first: its set may take item 3, but item 2 goes into item 0's set
+        (in0, n0), (_, n1) = ra.next(), ra.next()
+        ra.release(n1)  # item 1 first: its set may take item 3, but item 2 goes into item 0's set
         time.sleep(0.5)  # the reader had time to (wrongly) refill item 0's set
         assert torch.equal(tensors(in0)[0], values["t0"])
-        rel0()
-        (in2, rel2) = ra.next()
+        ra.release(n0)
+        (in2, n2) = ra.next()
         assert torch.equal(tensors(in2)[0], values["t2"])
-        rel2()
-        rel2()  # a second release of the same item changes nothing
-        (in3, rel3) = ra.next()
+        ra.release(n2)
+        ra.release(n2)  # a second release of the same item changes nothing
+        ra.release(n0)  # nor does a late one of an item whose set now holds another
+        (in3, n3) = ra.next()
         assert torch.equal(tensors(in3)[0], values["t3"])
-        rel3()
+        ra.release(n3)
     finally:
         ra.close()
 
@@ -108,7 +109,7 @@ def test_host_buffer_path_lays_shape_groups_out_back_to_back(tmp_path: Path) -> 
     ra = ReadAhead(units, lambda f: tmp_path / f, host)
     try:
         for unit in units:
-            (buf, items), release = ra.next()
+            (buf, items), number = ra.next()
             assert [i.name for _, i in items] == [i.name for i in unit]
             starts: dict[tuple, list[tuple[int, int]]] = {}
             for off, info in items:
@@ -119,7 +120,7 @@ def test_host_buffer_path_lays_shape_groups_out_back_to_back(tmp_path: Path) -> 
                 assert group[0][0] % 256 == 0
                 for (o0, n0), (o1, _) in zip(group, group[1:]):
                     assert o1 == o0 + n0  # back to back: the group is one contiguous [B, M, K] array
-            release()
+            ra.release(number)
     finally:
         ra.close()
     # a0..a2 (3 x 240 B) from 0, b0 (448 B) from 768: 1,216 B -> 1,280; the second batch is smaller.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import resource
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fp4convert.checkpoint.layout import load_quantized, manifest_disagreements, module_shape_problems, read_layout
@@ -22,7 +22,9 @@ from fp4convert.output.record import run_identity
 from fp4convert.plan.planner import Plan, check_collisions, layout_shards
 from fp4convert.plan.types import QUANTIZE, Decision, Matrix
 from fp4convert.run.distributed import World
-from fp4convert.run.runner import ConvertResult, Job, Progress, run
+from fp4convert.run.progress import progress_bar
+from fp4convert.run.runner import ConvertResult, Job, run
+from fp4convert.run.work import WriteJob
 from fp4convert.source.source import open_source
 from fp4convert.storage import checksum
 from fp4convert.storage.reads import open_regular, read_tensor
@@ -162,20 +164,21 @@ def verify_files(root: Path, manifest: dict, weight_files: list[str], progress=N
                                             "corrupted: re-create it with fp4convert quantize")
 
 
-def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress | None = None,
-           bar=None) -> ConvertResult:
+def export(src: str, dst: str | Path, config: ConvertConfig, progress: bool = False) -> ConvertResult:
     """Write native checkpoint ``src`` as ``config.format`` into ``dst``.
 
-    ``bar``: a progress bar (``total``, ``update(n)``; the CLI's tqdm) for the whole export: the sha256
-    check of every listed file, then the writing, in bytes; ``progress`` alone counts the writing."""
+    ``progress``: show progress (:mod:`fp4convert.run.progress`) for the whole export: the sha256
+    check of every listed file, then the writing, in bytes."""
     t0 = time.perf_counter()
     dst = Path(dst)
     source, layout, manifest, plan, fmt = plan_export(src, config)
-    if bar is not None:
-        bar.total = sum(rec["size"] for rec in manifest["files"].values()) + plan.summary()["bytes_in"]
-        if hasattr(bar, "refresh"):
-            bar.refresh()
-        progress = progress or bar.update
+    total = sum(rec["size"] for rec in manifest["files"].values()) + plan.summary()["bytes_in"]
+    with progress_bar(total, "export", progress) as bar:
+        return _export(source, layout, manifest, plan, fmt, dst, bar, t0)
+
+
+def _export(source, layout, manifest: dict, plan: Plan, fmt, dst: Path, bar, t0: float) -> ConvertResult:
+    """The export once planned: the files checked, then the run loop, both advancing ``bar``."""
     verify_files(source.root, manifest, source.weight_files, progress=bar)
     check_global_scales(source, manifest, layout)
     identity = run_identity(plan.config, source, exported_from=manifest.get("identity"))
@@ -183,9 +186,16 @@ def export(src: str, dst: str | Path, config: ConvertConfig, progress: Progress 
     world = World.from_env()  # under torchrun each rank writes its share of the shards
     world.init()
     job = Job(source, plan, fmt, dst, plan.config, identity, source.other_files(exclude=dst))
-    done = run(job, world, [_ExportWork(source, layout, manifest, fmt)], progress)
+    done = run(job, world, [_ExportWork(source, layout, manifest, fmt)], bar)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return ConvertResult(dst, plan, time.perf_counter() - t0, peak, sorted(f for f in done if f in dict(plan.shards)))
+
+
+@dataclass
+class _ExportUnit(WriteJob):
+    """One unit of an export: its modules loaded from the native shards and written in the target format."""
+
+    unit: list[Decision]
 
 
 class _ExportWork:
@@ -200,25 +210,25 @@ class _ExportWork:
     def start(self, pending: list[list[Decision]]) -> None:
         pass
 
-    def unit(self, unit: list[Decision]):
+    def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], list[WriteJob]]:
         records = {}
         for d in unit:
             rec = self.manifest["tensors"][d.name]
             records[d.name] = ({k: rec[k] for k in ("global_scale", "amax", "matrices") if k in rec}
                               if d.action == QUANTIZE else {})
+        return records, [_ExportUnit(unit)]
 
-        def job(shards) -> None:
-            for d in unit:
-                if d.action == QUANTIZE:
-                    for mx in d.matrices:
-                        m = self.layout.modules[mx.module]
-                        for name, data in self.fmt.tensors(mx.module, load_quantized(self.source, self.layout, m)):
-                            shards.write(name, data)
-                else:
-                    info = self.layout.tensors[d.name]
-                    shards.copy_kept(d.name, self.source.local_path(info.file), info)
-
-        return records, job
+    def write(self, job: WriteJob, shards) -> None:
+        assert isinstance(job, _ExportUnit)
+        for d in job.unit:
+            if d.action == QUANTIZE:
+                for mx in d.matrices:
+                    m = self.layout.modules[mx.module]
+                    for name, data in self.fmt.tensors(mx.module, load_quantized(self.source, self.layout, m)):
+                        shards.write(name, data)
+            else:
+                info = self.layout.tensors[d.name]
+                shards.copy_kept(d.name, self.source.local_path(info.file), info)
 
     def nonfinite(self, dtype: str, data: memoryview) -> bool:
         from fp4convert.quantizer.matrices import nonfinite_bytes

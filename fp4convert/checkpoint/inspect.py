@@ -40,6 +40,7 @@ from fp4convert.numerics.scheme import get_scheme
 from fp4convert.numerics.swizzle import padded_shape
 from fp4convert.output.manifest import MANIFEST_NAME, PROGRESS_NAME
 from fp4convert.plan.planner import fused_group
+from fp4convert.run.progress import progress_bar
 from fp4convert.source.source import Source, open_source
 from fp4convert.storage import checksum
 from fp4convert.storage.reads import open_regular, read_regular_file, read_tensor
@@ -97,12 +98,21 @@ def _guess_layout(source: Source, layout: CheckpointLayout) -> CheckpointLayout 
 
 def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: str | None = None,
                        revision: str | None = None, max_error: float = DEFAULT_MAX_ERROR,
-                       verify_revision: str | None = None, token: str | None = None, progress=None) -> dict:
+                       verify_revision: str | None = None, token: str | None = None, progress: bool = False) -> dict:
     """Everything ``fp4convert inspect`` reports, as a dict (``ok`` is True only for a sound quantized checkpoint).
 
-    ``progress``: an object with ``total`` and ``update(n)`` (a tqdm bar) that the long parts (the
-    sha256 of --check-files, the layers of --verify) advance in bytes; their totals are added to
-    ``total`` when known."""
+    ``progress``: show the progress (:mod:`fp4convert.run.progress`) of the long parts (the sha256 of
+    --check-files, the layers of --verify), in bytes, their totals added as they become known."""
+    with progress_bar(0, "inspect", progress) as bar:
+        return _report(path_or_repo, check_files=check_files, verify=verify, revision=revision, max_error=max_error,
+                       verify_revision=verify_revision, token=token, progress=bar if progress else None)
+
+
+def _report(path_or_repo: str, *, check_files: bool = False, verify: str | None = None,
+            revision: str | None = None, max_error: float = DEFAULT_MAX_ERROR,
+            verify_revision: str | None = None, token: str | None = None, progress=None) -> dict:
+    """:func:`inspect_checkpoint`'s report; ``progress``: an object with ``total`` and ``update(n)`` (the
+    display) that the long parts advance in bytes; their totals are added to ``total`` when known."""
     source = open_source(path_or_repo, revision, token=token)
     manifest_errors: list[str] = []
     layout = read_layout(source, manifest_errors=manifest_errors)

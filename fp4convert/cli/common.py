@@ -1,4 +1,5 @@
-"""What every command shares at run time: the log handler, progress, the rank, and the error boundary.
+"""What every command shares at run time: the log handler, the rank, and the error boundary (progress is the
+library's: :mod:`fp4convert.run.progress`).
 
 Library errors (``FP4ConvertError`` subclasses) become one-line messages with their class's exit code (the
 table is ``fp4convert.errors.EXIT_CODES``, printed at the end of ``--help``).
@@ -6,19 +7,15 @@ table is ``fp4convert.errors.EXIT_CODES``, printed at the end of ``--help``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
-import threading
-import time
 from collections.abc import Callable
 from functools import wraps
 
 import click
 from tqdm import tqdm
 
-from fp4convert.config import human_bytes
 from fp4convert.errors import STDOUT_CLOSED, FP4ConvertError, Interrupted, RankFailed
 
 log = logging.getLogger("fp4convert")
@@ -90,64 +87,6 @@ def teardown_logging() -> None:
         handler, level = _installed.pop()
         root.removeHandler(handler)
         root.setLevel(level)
-
-
-PROGRESS_ENV = "FP4CONVERT_PROGRESS_INTERVAL"  # seconds between progress lines when stderr is not a TTY
-
-
-class LineProgress:
-    """Progress for logs and pipes: one line every N seconds (a ticker thread, so long downloads show too)."""
-
-    def __init__(self, total: int, desc: str, interval: float) -> None:
-        self.total, self.desc, self.interval = total, desc, interval
-        self.done = 0
-        self._clock = time.monotonic
-        self._t0 = self._clock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fp4convert-progress", daemon=True)
-
-    def update(self, n: int) -> None:
-        self.done += n
-
-    def line(self) -> str:
-        elapsed = self._clock() - self._t0
-        pct = 100 * self.done / self.total if self.total else 100.0
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        eta = f", ETA {(self.total - self.done) / rate:.0f} s" if rate > 0 and self.done < self.total else ""
-        return (f"{self.desc}: {human_bytes(self.done)} of {human_bytes(self.total)} ({pct:.0f}%), "
-                f"{elapsed:.0f} s, {human_bytes(rate)}/s{eta}")
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            click.echo(self.line(), err=True)
-
-    def __enter__(self) -> LineProgress:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
-class NoProgress:
-    total = 0
-
-    def update(self, n: int) -> None:
-        pass
-
-
-def progress(total: int, desc: str, quiet: bool):
-    """A tqdm bar on a terminal, a line every N seconds otherwise, nothing with --quiet/--json."""
-    if quiet:
-        return contextlib.nullcontext(NoProgress())
-    if sys.stderr.isatty():
-        return tqdm(total=total, unit="B", unit_scale=True, desc=desc, file=sys.stderr)
-    try:
-        interval = float(os.environ.get(PROGRESS_ENV, "10"))
-    except ValueError:
-        interval = 10.0
-    return LineProgress(total, desc, max(interval, 0.01))
 
 
 def rank() -> int:

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from fp4convert.cli.common import library_errors, progress, rank, setup_logging, warn_serving
+from fp4convert.cli.common import library_errors, rank, setup_logging, warn_serving
 from fp4convert.cli.options import (
     EXIT_CODE_HELP,
     output_options,
@@ -40,8 +40,7 @@ def export(src, dst, fmt, max_shard_size, overwrite, resume, verify_source, quie
     if rank() > 0:
         quiet, as_json = True, False
     setup_logging(quiet, status=not as_json)
-    with progress(0, "export", quiet or as_json) as bar:
-        result = run_export(src, dst, config, bar=bar)
+    result = run_export(src, dst, config, progress=not (quiet or as_json))
     if rank() > 0:
         return
     if push_repo:

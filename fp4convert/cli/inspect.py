@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from fp4convert.cli.common import NoProgress, library_errors, progress
+from fp4convert.cli.common import library_errors
 from fp4convert.cli.options import (
     EXIT_CODE_HELP,
     json_option,
@@ -48,10 +48,9 @@ def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision,
     from fp4convert.checkpoint.inspect import DEFAULT_MAX_ERROR, inspect_checkpoint, render, write_plot
 
     long = check_files or verify_src  # reads every byte: a bar (nothing with --json or --quiet)
-    with progress(0, "inspect", quiet or as_json or not long) as bar:
-        report = inspect_checkpoint(checkpoint, check_files=check_files, verify=verify_src, revision=revision,
-                                    max_error=DEFAULT_MAX_ERROR if max_error is None else max_error, token=token,
-                                    progress=None if isinstance(bar, NoProgress) else bar)
+    report = inspect_checkpoint(checkpoint, check_files=check_files, verify=verify_src, revision=revision,
+                                max_error=DEFAULT_MAX_ERROR if max_error is None else max_error, token=token,
+                                progress=bool(long) and not (quiet or as_json))
     if plot_path:
         try:
             written = write_plot(report, plot_path)

@@ -7,7 +7,7 @@ import os
 
 import click
 
-from fp4convert.cli.common import library_errors, log, progress, rank, setup_logging, warn_serving
+from fp4convert.cli.common import library_errors, log, rank, setup_logging, warn_serving
 from fp4convert.cli.options import (
     EXIT_CODE_HELP,
     SCALE_RULES,
@@ -122,15 +122,9 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
                 log.warning("warning: %s", w)
             raise PlanError("the plan quantizes no tensor: check --only / --ignore and the layer names "
                             "(--dry-run shows every decision); --allow-nothing-quantized writes the copy anyway")
-        progress_fn = None
-        with progress(plan.summary()["bytes_in"], "quantize", quiet or as_json) as bar:
-            progress_fn = bar.update
-            if delete_source_shards:
-                from fp4convert.source.release import ShardReleaser
-
-                progress_fn = ShardReleaser(source, plan, bar.update)
-            ages["convert_start"] = stages.process_age()
-            result = convert(source, dst, config, progress=progress_fn, plan=planned)
+        ages["convert_start"] = stages.process_age()
+        result = convert(source, dst, config, progress=not (quiet or as_json),
+                         delete_source_shards=delete_source_shards, plan=planned)
     except BaseException:
         source.stop_prefetch()
         raise

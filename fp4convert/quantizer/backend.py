@@ -10,6 +10,10 @@ pass 2 quantizes every block with its group's amax; and returns one :class:`Resu
 job (:func:`fp4convert.run.work.write_result`) checks (:func:`refuse_nonfinite`) and hands to the format
 and the shards. The bytes never depend on the backend (tests/test_pipeline.py, tests/test_direct.py).
 
+A backend never calls up: :meth:`Backend.stage` and :meth:`Backend.quantize` return data
+(:class:`Staged`, :class:`Pending`) that say when the reader may refill the item's host buffer, and the
+run loop (:mod:`fp4convert.run.work`) tells the reader.
+
 Imports nothing heavy: choosing a backend by name does not import torch.
 """
 
@@ -21,7 +25,7 @@ import math
 import pkgutil
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from fp4convert.errors import ConfigError, nonfinite_error
 from fp4convert.numerics.scheme import Scheme
@@ -84,8 +88,6 @@ class Event(Protocol):
 
 # An item's inputs as the reader delivers them: one buffer, and each read tensor's offset in it.
 Inputs = tuple[HostBuffer, list[tuple[int, "TensorInfo"]]]
-# The reader may refill an item's buffer once the event (None: now) has completed; only the first call counts.
-Release = Callable[["Event | None"], None]
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,50 @@ class Result:
     keep: object = None
 
 
+class InUse:
+    """The passes still read the item's host buffer itself (:data:`IN_USE`): the :class:`Pending` says when it is free."""
+
+    def __repr__(self) -> str:
+        return "IN_USE"
+
+
+IN_USE = InUse()
+
+
+@dataclass
+class Staged:
+    """An item a backend has taken in (:meth:`Backend.stage`), before its passes.
+
+    ``inputs_free``: when the reader may refill the item's host buffer: once the event has completed
+    (a GPU backend's copy of the inputs to the device), None: now, or :data:`IN_USE` while the passes
+    read the buffer in place (the CPU backends; the ``cuda`` backend, whose one stream syncs after pass
+    1). ``state``: the backend's own, what its :meth:`Backend.quantize` continues from.
+    """
+
+    item: Item
+    inputs: Inputs
+    inputs_free: Event | None | InUse = IN_USE
+    state: Any = None
+
+
+class Pending:
+    """One item's passes as :meth:`Backend.quantize` returns them: started, perhaps still running.
+
+    ``inputs_free``: when the reader may refill the item's host buffer (once the event completed; None:
+    now), for an item whose :class:`Staged` said :data:`IN_USE`. :meth:`result` waits for the
+    :class:`Result` (the write job calls it on a writer thread). This class holds a finished Result; a
+    backend whose work finishes later returns a subclass whose :meth:`result` waits for it.
+    """
+
+    def __init__(self, result: Result | None = None, inputs_free: Event | None = None) -> None:
+        self._result = result
+        self.inputs_free = inputs_free
+
+    def result(self) -> Result:
+        assert self._result is not None, "a Pending subclass waits for its result"
+        return self._result
+
+
 class Backend(Protocol):
     """What the run loop asks of a backend (one instance per lane)."""
 
@@ -193,10 +239,14 @@ class Backend(Protocol):
         """A buffer the reader fills with an item's inputs (pinned memory for a GPU)."""
         ...
 
-    def quantize(self, item: Item, inputs: Inputs, release: Release) -> Callable[[], Result]:
-        """Start both passes on ``item``; the returned function waits for the :class:`Result` (it is
-        called on the writer thread). ``release`` is called when the inputs are no longer needed (or
-        with an event after which they are not); only its first call counts."""
+    def stage(self, item: Item, inputs: Inputs) -> Staged:
+        """Take in ``item``'s inputs (a GPU backend queues their copy to the device); the
+        :class:`Staged` says when the reader may refill their buffer."""
+        ...
+
+    def quantize(self, staged: Staged) -> Pending:
+        """Start both passes on a staged item; returns once they are queued or done (never waiting for
+        the writes): the :class:`Pending` says when the inputs are free and waits for the :class:`Result`."""
         ...
 
     def nonfinite(self, dtype: str, data: memoryview) -> bool:
@@ -225,18 +275,19 @@ def nonfinite_amax(amax: Sequence[float]) -> list[bool]:
     return [not math.isfinite(a) for a in amax]
 
 
-def two_passes(item: Item, settings: Settings, release: Release, amax_pass: Callable[[], list[float]],
-               quantize_pass: Callable[[list[float] | None], Callable[[], Result]]) -> Callable[[], Result]:
+def two_passes(item: Item, settings: Settings, amax_pass: Callable[[], list[float]],
+               quantize_pass: Callable[[list[float] | None], Pending]) -> Pending:
     """The order every backend runs an item in: pass 1 (``amax_pass``: every matrix's amax, on the
-    host), each fused group's max, the refusal of NaN/Inf before anything is quantized, then pass 2
-    (``quantize_pass`` with each matrix's group amax; None for a scheme without a global scale)."""
+    host), each fused group's max, the refusal of NaN/Inf before anything is quantized (a finished
+    :class:`Pending` of refused matrices, its inputs free now: pass 1 is done with them), then pass 2
+    (``quantize_pass`` with each matrix's group amax; None for a scheme without a global scale).
+    The two callables are the backend's own passes, called here and now (nothing is kept)."""
     ga = None
     if settings.scheme.global_scale:
         amax = amax_pass()
         refused = nonfinite_amax(amax)
         if any(refused):
-            release(None)
-            return lambda: Result([None] * len(refused), refused)
+            return Pending(Result([None] * len(refused), refused), inputs_free=None)
         ga = unit_amax(amax, item.keys)
         for (d, _), a in zip(item.matrices, ga):
             if 0.0 < a < _SATURATING_AMAX:

@@ -24,8 +24,9 @@ from fp4convert import stages
 from fp4convert.config import ConvertConfig
 from fp4convert.errors import ConfigError, CUDAUnavailableError, FP4ConvertError, PlanError
 from fp4convert.run.distributed import World, assign
+from fp4convert.run.progress import Bar, progress_bar
 from fp4convert.run.readahead import advise
-from fp4convert.run.runner import ConvertResult, Job, Progress, plan_warnings, run
+from fp4convert.run.runner import ConvertResult, Job, plan_warnings, run
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from fp4convert.plan.planner import Plan
     from fp4convert.quantizer.backend import Backend, InputWeight, Settings
     from fp4convert.run.work import Work
+    from fp4convert.source.release import ShardReleaser
     from fp4convert.source.source import Source
 
 log = logging.getLogger(__name__)
@@ -173,21 +175,21 @@ def convert(
     src: str | Source,
     dst: str | Path,
     config: ConvertConfig = ConvertConfig(),
-    progress: Progress | None = None,
+    progress: bool = False,
     *,
+    delete_source_shards: bool = False,
     plan: tuple[Source, Plan, OutputFormat] | None = None,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` (folder or Hub repo id) into ``dst``.
 
-    ``plan``: the result of :func:`plan_conversion` when the caller already planned (the CLI prints
-    the plan's warnings first), so the source is planned once. Under torchrun (WORLD_SIZE > 1)
-    every rank calls this with the same arguments.
+    ``progress``: show the run's progress on stderr (:mod:`fp4convert.run.progress`: a bar on a
+    terminal, a line every few seconds otherwise), in input bytes, from when the source is planned.
+    ``delete_source_shards``: a Hub source's cached shards are deleted as soon as the run has read
+    them for the last time (ConfigError for a local folder, or under torchrun). ``plan``: the result
+    of :func:`plan_conversion` when the caller already planned (the CLI prints the plan's warnings
+    first), so the source is planned once. Under torchrun (WORLD_SIZE > 1) every rank calls this
+    with the same arguments.
     """
-    from fp4convert.numerics.scheme import get_scheme
-    from fp4convert.output.record import run_identity
-    from fp4convert.quantizer.backend import Settings
-    from fp4convert.run.work import QuantizeWork
-
     t0 = time.perf_counter()
     stages.reset()
     dst = Path(dst)
@@ -196,6 +198,31 @@ def convert(
         prewarm_device(config)  # the GPU starts while the source is planned
     with stages.timed("plan"):
         source, plan_, fmt = plan if plan is not None else plan_conversion(src, config, fetch_ahead=True)
+    try:
+        release = None
+        if delete_source_shards:
+            from fp4convert.source.release import ShardReleaser
+
+            if world.distributed:
+                raise ConfigError("--delete-source-shards cannot be used under torchrun (another rank may still "
+                                  "read a shard); convert with one process, or keep the source shards")
+            release = ShardReleaser(source, plan_)
+        shown = progress_bar(plan_.summary()["bytes_in"], "quantize", progress)
+    except BaseException:
+        source.stop_prefetch()  # a Hub source may be fetching since planning: nothing more is downloaded
+        raise
+    with shown as bar:
+        return _convert(source, plan_, fmt, dst, config, world, bar, release, t0)
+
+
+def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: ConvertConfig, world: World,
+             bar: Bar, release: ShardReleaser | None, t0: float) -> ConvertResult:
+    """The conversion once planned: statistics, backends, the run loop (which tells ``bar`` and ``release``)."""
+    from fp4convert.numerics.scheme import get_scheme
+    from fp4convert.output.record import run_identity
+    from fp4convert.quantizer.backend import Settings
+    from fp4convert.run.work import QuantizeWork
+
     try:
         input_weights, weight_record = _statistics(source, plan_, fmt, config)
         _advise_source(source, plan_, assign(plan_, world))
@@ -213,8 +240,8 @@ def convert(
     try:
         # what the input weights were measured as (digest included): --resume refuses other statistics
         identity = run_identity(config, source, **({"input_weights": weight_record} if weight_record else {}))
-        job = Job(source, plan_, fmt, dst, config, identity, others)
-        done = run(job, world, works, progress)
+        job = Job(source, plan_, fmt, dst, config, identity, others, release)
+        done = run(job, world, works, bar)
     except BaseException:
         source.stop_prefetch()
         _close_all([b.close for b in reversed(backends)], raising=False)  # the run's own error is the one to report

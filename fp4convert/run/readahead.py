@@ -5,7 +5,7 @@ quantization and writing. Host memory holds at most ``SETS`` items (the one in w
 next), in buffers the backend allocates (pinned for a GPU, so host-to-device copies run
 asynchronously at full speed), two sets used in turn; a set is refilled only after its copies
 completed (the consumer hands :meth:`ReadAhead.release` the event recorded after them, and the
-reader waits on it). Imports no torch.
+reader waits on it). The reader never calls anyone: it is told, by item number. Imports no torch.
 
 :func:`advise` asks the kernel to start reading the source (``posix_fadvise(WILLNEED)``) in plan
 order: it imports nothing heavy, so the converter calls it before torch and CUDA initialise.
@@ -81,6 +81,7 @@ class ReadAhead:
         self._locate = locate
         self._buffers: dict[int, Any] = {}  # set -> its buffer
         self._pending: dict[int, Any] = {}  # set -> the event its last consumer recorded
+        self._out: dict[int, int] = {}  # set -> the number of the item handed out in it, until released
         self._lock = threading.Lock()
         self._ready: queue.Queue = queue.Queue(maxsize=1)
         self._free = [threading.Event() for _ in range(SETS)]  # set k's last item has been released
@@ -125,8 +126,10 @@ class ReadAhead:
                 if self._stop.is_set():
                     return
                 got = self._fill(k, unit)
+                with self._lock:
+                    self._out[k] = i
                 t0 = time.perf_counter()
-                self._put(("ok", (got, self._releaser(k))))
+                self._put(("ok", (got, i)))
                 stages.add("read_waits_consumer", time.perf_counter() - t0)
         except BaseException as exc:  # handed to the consumer, which raises it with its context
             self._put(("error", exc))
@@ -139,25 +142,21 @@ class ReadAhead:
             except queue.Full:
                 continue
 
-    def _releaser(self, k: int) -> Callable[[object | None], None]:
-        done = threading.Event()
+    def release(self, number: int, after: object | None = None) -> None:
+        """Item ``number``'s buffer may be refilled: now, or (GPU) once event ``after`` completed.
+        Only the first call for an item counts (an error path may release it again)."""
+        k = number % SETS
+        with self._lock:
+            if self._out.get(k) != number:
+                return
+            del self._out[k]
+            if after is not None:
+                self._pending[k] = after
+        self._free[k].set()
 
-        def release(after: object | None = None) -> None:
-            """This item's buffer may be refilled: now, or (GPU) once event ``after`` completed.
-            Exactly once: later calls do nothing."""
-            with self._lock:
-                if done.is_set():
-                    return
-                done.set()
-                if after is not None:
-                    self._pending[k] = after
-            self._free[k].set()
-
-        return release
-
-    def next(self) -> tuple[Any, Callable[[Any], None]]:
-        """The next item's inputs, and the function that releases them (call it once they are no longer
-        needed, or with an event after which they are not)."""
+    def next(self) -> tuple[Any, int]:
+        """The next item's inputs, and its number: :meth:`release` it once they are no longer needed
+        (or with an event after which they are not)."""
         t0 = time.perf_counter()
         kind, value = self._ready.get()
         self.wait_s += time.perf_counter() - t0

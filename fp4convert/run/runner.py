@@ -3,7 +3,7 @@
 A run is cut into *parts*: torchrun ranks x lanes (threads of one process), one process being 1 x 1.
 Each part writes its share of the output shards (:func:`~fp4convert.run.distributed.assign`: deterministic
 from the plan, so every rank computes the same split without talking) and keeps its own progress
-record. The loop calls down, never up:
+record. The loop calls down, never up (nothing below it is handed a function to call back):
 
 1. the destination is prepared once (rank 0: refuse / ``--overwrite`` / ``--resume``, the lock);
 2. every part walks the plan's units in order: a unit a resume finished is only counted; for any
@@ -11,9 +11,12 @@ record. The loop calls down, never up:
    unit's records and its write job (a kept copy: its pieces), which the part's writer threads run
    side by side against the passive :class:`~fp4convert.output.shards.ShardSet` (every byte goes to
    the offset the plan gave it, so the order they finish in never matters);
-3. a part that fails stops the others at their next unit (lanes: an event; ranks: the rendezvous
+3. once a unit's writes (and every write before them) are done, the loop tells the run's progress
+   display (:mod:`fp4convert.run.progress`) the unit's input bytes and, with ``--delete-source-shards``,
+   lets go of the Hub source shards no later unit reads (:class:`~fp4convert.source.release.ShardReleaser`);
+4. a part that fails stops the others at their next unit (lanes: an event; ranks: the rendezvous
    store) and the run raises the first error once all stopped; finished shards stay for ``--resume``;
-4. once every part is done, the parts' records are merged into one and the finish writes the other
+5. once every part is done, the parts' records are merged into one and the finish writes the other
    files, the index and the manifest (rank 0): the bytes of a one-part run, whatever the parts.
 """
 
@@ -40,12 +43,12 @@ if TYPE_CHECKING:
     from fp4convert.output.destination import Session
     from fp4convert.plan.planner import Plan
     from fp4convert.plan.types import Decision
+    from fp4convert.run.progress import Bar
     from fp4convert.run.work import Work
+    from fp4convert.source.release import ShardReleaser
     from fp4convert.source.source import Source
 
 log = logging.getLogger(__name__)
-
-Progress = Callable[[int], None]  # told each unit's input bytes once its writes are done, in plan order
 
 
 @dataclass
@@ -86,6 +89,7 @@ class Job:
     config: ConvertConfig
     identity: dict
     others: list[Path]  # the source's other files the finish copies (the one walk of the source folder)
+    release: ShardReleaser | None = None  # --delete-source-shards: the Hub shards to let go of after their last unit
 
 
 @dataclass(frozen=True)
@@ -136,14 +140,17 @@ def plan_warnings(plan: Plan) -> list[str]:
     return out
 
 
-def run(job: Job, world: World, works: list[Work], progress: Progress | None = None) -> dict:
+def run(job: Job, world: World, works: list[Work], bar: Bar | None = None) -> dict:
     """Write ``job`` with one part per work (this process's lanes) under ``world``; returns what a
-    resume reused (``{shard: record}``). Under torchrun every rank calls this with the same job."""
+    resume reused (``{shard: record}``). ``bar``: the run's progress display, told each unit's input
+    bytes once its writes are done. Under torchrun every rank calls this with the same job."""
     from fp4convert.output.destination import prepare_destination
 
     for w in plan_warnings(job.plan) if world.rank == 0 else []:
         log.warning("warning: %s", w)
     parts = parts_of(job.plan, world, len(works))
+    if job.release is not None and (len(parts) > 1 or world.distributed):
+        raise AssertionError("internal: source shards are deleted by a run of one part")  # convert() gives it one
     session: Session | None = None
 
     def prepare() -> dict:
@@ -153,7 +160,7 @@ def run(job: Job, world: World, works: list[Work], progress: Progress | None = N
 
     done: dict = world.from_rank0(prepare)  # type: ignore[assignment]
     try:
-        states, error = _run_parts(job, world, parts, works, done, progress or (lambda n: None))
+        states, error = _run_parts(job, world, parts, works, done, UnitsDone(bar, job.release))
         if world.distributed:
             states = _gather(world, states, error)
         elif error is not None:
@@ -172,21 +179,32 @@ def run(job: Job, world: World, works: list[Work], progress: Progress | None = N
     return done
 
 
+class UnitsDone:
+    """What the loop does once a unit's writes, and every write before them, are done (a light job on
+    the part's writer threads, in plan order): the progress display gets the unit's input bytes, and
+    the Hub shards whose last reader it was leave the cache (``--delete-source-shards``)."""
+
+    def __init__(self, bar: Bar | None, release: ShardReleaser | None) -> None:
+        self.bar, self.release = bar, release
+        self._lock = threading.Lock()  # the lanes' writer threads report side by side
+
+    def __call__(self, index: int, unit: list[Decision]) -> None:
+        n = sum(d.info.nbytes for d in unit)
+        with self._lock:
+            if self.bar is not None:
+                self.bar.update(n)
+            if self.release is not None:
+                self.release.unit_done(index)
+
+
 def _run_parts(job: Job, world: World, parts: list[Part], works: list[Work], done: dict,
-               progress: Progress) -> tuple[list[dict], BaseException | None]:
+               report: UnitsDone) -> tuple[list[dict], BaseException | None]:
     """Every local part (one inline, several on threads); their states, and the first error in time."""
     stop = threading.Event()
     tells = teller(job.plan, parts)
     states: list[dict] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
-    report = progress
-    if len(parts) > 1:
-        told = threading.Lock()  # the lanes' writer threads report side by side
-
-        def report(n: int) -> None:
-            with told:
-                progress(n)
 
     def check() -> None:
         if stop.is_set():
@@ -245,7 +263,7 @@ def _gather(world: World, states: list[dict], error: BaseException | None) -> li
     return [st for s in statuses for st in s["states"]]
 
 
-def _run_part(job: Job, part: Part, work: Work, done: dict, progress: Progress,
+def _run_part(job: Job, part: Part, work: Work, done: dict, report: UnitsDone,
               tells: Callable[[list[Decision]], bool], check: Callable[[], None]) -> dict:
     """One part: every unit in plan order, its writes on the part's writer threads; returns its record."""
     from fp4convert.output.shards import ShardSet
@@ -269,21 +287,17 @@ def _run_part(job: Job, part: Part, work: Work, done: dict, progress: Progress,
         pending = [u for u in units if not finished(u)]
         work.start(pending)
         pending_ids = {id(u) for u in pending}
-        for unit in units:
-            n = sum(d.info.nbytes for d in unit)
+        for index, unit in enumerate(units):
             if id(unit) in pending_ids:
                 check()
-                records, write = work.unit(unit)
-                if isinstance(write, list):  # a kept copy's pieces: independent, holding nothing until they run
-                    for piece in write:
-                        behind.submit(functools.partial(piece, shards), held=False)
-                elif write is not None:
-                    behind.submit(functools.partial(write, shards))
+                records, jobs = work.unit(unit)
+                for job_ in jobs:  # a kept copy's pieces hold nothing until they run (held False)
+                    behind.submit(functools.partial(work.write, job_, shards), held=job_.held)
                 record.units_done(records)
             if tells(unit):
-                # Progress follows the unit's writes and every write before them: a Hub source shard it
+                # Once the unit's writes and every write before them are done: a Hub source shard it
                 # lets go of (--delete-source-shards) has then been read for the last time.
-                behind.submit(functools.partial(progress, n), light=True)
+                behind.submit(functools.partial(report, index, unit), light=True)
             if id(unit) in pending_ids:
                 step()
         behind.drain(True)

@@ -1,22 +1,25 @@
 """A part's work: its pending units become items, read ahead, quantized by a backend, written by one job.
 
 :class:`QuantizeWork` is what the run loop (:mod:`fp4convert.run.runner`) asks, unit by unit in plan
-order, for the unit's records and the job that writes it: a kept tensor is copied (unchanged, or its
-F32/F64 as BF16 with --kept-dtype bf16) in pieces that the part's writer threads copy side by side; the
+order, for the unit's records and the jobs that write it, as data the runner hands back to
+:meth:`Work.write` on a writer thread: a kept tensor is copied (unchanged, or its F32/F64 as BF16 with
+--kept-dtype bf16) in pieces (:class:`CopyPiece`) that the part's writer threads copy side by side; the
 first unit of an item takes the item's inputs from the reader (:mod:`fp4convert.run.readahead`), starts
-the backend on them (:func:`quantize`) and returns :func:`write_result`, the one write job every
-backend's :class:`~fp4convert.quantizer.backend.Result` goes through; the item's other units have nothing left
-to do. Export (:mod:`fp4convert.checkpoint.export`) brings a work of its own with the same interface (:class:`Work`).
+the backend on them (:func:`quantize`), tells the reader when their buffer may be refilled (the
+backend's :class:`~fp4convert.quantizer.backend.Staged` and :class:`~fp4convert.quantizer.backend.Pending`
+say when: the backend never calls up) and returns a :class:`WriteItem`, which :func:`write_result`, the
+one write every backend's :class:`~fp4convert.quantizer.backend.Result` goes through, writes; the item's
+other units have nothing left to do. Export (:mod:`fp4convert.checkpoint.export`) brings a work of its
+own with the same interface (:class:`Work`).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from fp4convert import stages
-from fp4convert.quantizer.backend import attach_input_weights, refuse_nonfinite
+from fp4convert.quantizer.backend import IN_USE, attach_input_weights, refuse_nonfinite
 from fp4convert.quantizer.items import is_kept_copy, make_items
 from fp4convert.run.readahead import ReadAhead
 
@@ -26,11 +29,38 @@ if TYPE_CHECKING:
     from fp4convert.formats.base import OutputFormat
     from fp4convert.output.shards import ShardSet
     from fp4convert.plan.types import Decision
-    from fp4convert.quantizer.backend import Backend, Inputs, InputWeight, Result, Settings
+    from fp4convert.quantizer.backend import Backend, Inputs, InputWeight, Pending, Result, Settings
     from fp4convert.quantizer.items import Item
     from fp4convert.source.source import Source
 
-WriteJob = Callable[["ShardSet"], None]  # runs on one of the part's writer threads
+
+class WriteJob:
+    """One write of a unit, as data: the runner submits it to a writer thread, which hands it to the
+    work's :meth:`Work.write`. ``held``: it holds memory (an item's results) until it has run, so the
+    writer threads bound how many wait; False: it holds nothing until it runs (a kept copy's piece)."""
+
+    held: ClassVar[bool] = True
+
+
+@dataclass
+class WriteItem(WriteJob):
+    """An item's outputs: the backend's Pending (its Result, waited for on the writer thread) and the
+    records of its units, filled in before any byte is written."""
+
+    item: Item
+    pending: Pending
+    records: dict[str, dict]
+
+
+@dataclass
+class CopyPiece(WriteJob):
+    """``n`` bytes at offset ``at`` of kept tensor ``decision``'s data in ``path``: read, NaN/Inf scan, written."""
+
+    held: ClassVar[bool] = False
+    decision: Decision
+    path: Path
+    at: int
+    n: int
 
 
 class Work(Protocol):
@@ -45,10 +75,14 @@ class Work(Protocol):
         """The units this part will process (those a resume does not skip), in plan order."""
         ...
 
-    def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], WriteJob | list[WriteJob] | None]:
-        """A unit's tensor records (filled in by its write job) and the job that writes it (None:
-        written with an earlier unit of its item; a list: independent pieces that hold no memory
-        until they run, e.g. a kept tensor's copy)."""
+    def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], list[WriteJob]]:
+        """A unit's tensor records (filled in by its write jobs) and the jobs that write it (none:
+        written with an earlier unit of its item; several: independent pieces, e.g. a kept tensor's
+        copy), to be handed to :meth:`write` on the part's writer threads."""
+        ...
+
+    def write(self, job: WriteJob, shards: ShardSet) -> None:
+        """Run one of :meth:`unit`'s write jobs against the part's shards (on a writer thread)."""
         ...
 
     def nonfinite(self, dtype: str, data: memoryview) -> bool:
@@ -62,10 +96,18 @@ class Work(Protocol):
     def close(self) -> None: ...
 
 
-def quantize(item: Item, inputs: Inputs, backend: Backend, release: Callable) -> Callable[[], Result]:
-    """Both passes of one item, started on ``backend`` (the tests interrupt runs here)."""
+def quantize(item: Item, inputs: Inputs, backend: Backend, reader: ReadAhead, number: int) -> Pending:
+    """Both passes of one item, started on ``backend`` (the tests interrupt runs here); the reader is told
+    when item ``number``'s buffer may be refilled: at staging when the backend copied the inputs (a GPU's
+    copy event), else once quantize() returns (the passes' Pending says when: now, or an event)."""
     with stages.timed("quantize"):
-        return backend.quantize(item, inputs, release)
+        staged = backend.stage(item, inputs)
+        if staged.inputs_free is not IN_USE:
+            reader.release(number, staged.inputs_free)
+        pending = backend.quantize(staged)
+        if staged.inputs_free is IN_USE:
+            reader.release(number, pending.inputs_free)
+        return pending
 
 
 def write_result(item: Item, result: Result, fmt: OutputFormat, settings: Settings, shards: ShardSet,
@@ -113,28 +155,30 @@ class QuantizeWork:
         self.source.prefetch(pending)  # a Hub source fetches its shards ahead, in this order
         self.reader = ReadAhead([it.reads() for it in items], self.source.local_path, b.host_buffer, b.thread_init)
 
-    def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], WriteJob | list[WriteJob] | None]:
+    def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], list[WriteJob]]:
         d = unit[0]
         if is_kept_copy(unit):
             path = self.source.local_path(d.info.file)
             return {d.name: {}}, _copy_jobs(d, path)
         item = self.item_of.get(id(unit))
         if item is None:
-            return {}, None  # a later unit of a batch: quantized and queued with its first unit
+            return {}, []  # a later unit of a batch: quantized and queued with its first unit
         assert self.reader is not None
-        inputs, release = self.reader.next()  # the reader refills the buffer after the first release(event)
+        inputs, number = self.reader.next()
         try:
-            result = quantize(item, inputs, self.backend, release)
+            pending = quantize(item, inputs, self.backend, self.reader, number)
         except BaseException:
-            release(None)
+            self.reader.release(number)  # only the first release counts
             raise
-        records: dict[str, dict] = {m.name: {} for m in item.members}
-        fmt, settings = self.fmt, self.settings
+        records: dict[str, dict] = {m.name: {} for m in item.members}  # the write job fills them in
+        return records, [WriteItem(item, pending, records)]
 
-        def job(shards: ShardSet) -> None:
-            write_result(item, result(), fmt, settings, shards, records)
-
-        return records, job
+    def write(self, job: WriteJob, shards: ShardSet) -> None:
+        if isinstance(job, CopyPiece):
+            shards.copy_piece(job.decision.name, job.path, job.decision.info, job.at, job.n)
+        else:
+            assert isinstance(job, WriteItem)
+            write_result(job.item, job.pending.result(), self.fmt, self.settings, shards, job.records)
 
     def nonfinite(self, dtype: str, data: memoryview) -> bool:
         return self.backend.nonfinite(dtype, data)
@@ -152,7 +196,4 @@ def _copy_jobs(d: Decision, path: Path) -> list[WriteJob]:
     """A kept tensor's copy, as independent pieces (read, NaN/Inf scan, write at their offsets)."""
     from fp4convert.output.shards import pieces
 
-    def piece(at: int, n: int, shards: ShardSet) -> None:
-        shards.copy_piece(d.name, path, d.info, at, n)
-
-    return [functools.partial(piece, at, n) for at, n in pieces(d.info.nbytes)]
+    return [CopyPiece(d, path, at, n) for at, n in pieces(d.info.nbytes)]

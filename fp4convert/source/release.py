@@ -1,7 +1,8 @@
 """Deleting a Hub source's cached shards once the run has read them (``--delete-source-shards``).
 
 The plan fixes the order of the work units, so the last unit that reads each shard is known before the
-run starts; the run calls :class:`ShardReleaser` once per finished unit, in plan order.
+run starts; the run loop (:mod:`fp4convert.run.runner`) tells :class:`ShardReleaser` each unit it has
+finished (its writes and every write before them done), by the unit's position in ``plan.units()``.
 """
 
 from __future__ import annotations
@@ -27,34 +28,29 @@ def _files_read(unit) -> set[str]:
 
 
 class ShardReleaser:
-    """A progress callback that also deletes each cached Hub shard after its last work unit.
+    """Deletes each cached Hub shard once the last work unit that reads it is finished.
 
-    ``writer.write_outputs`` calls progress once per work unit, in ``plan.units()`` order (skipped
-    units included), which is what lets this know when a shard has been used for the last time.
+    The run loop calls :meth:`unit_done` for every unit of ``plan.units()`` (a resume's skipped units
+    included), each once its writes and every earlier write are done, which is what makes a shard's
+    last unit its last read.
     """
 
-    def __init__(self, source: Source, plan: Plan, inner=None) -> None:
+    def __init__(self, source: Source, plan: Plan) -> None:
         if not source.is_hub:
             raise ConfigError("--delete-source-shards applies to Hub sources (it cleans the HF cache); "
                               "fp4convert never deletes a local folder's files")
-        self.source, self.inner = source, inner
+        self.source = source
         self.units = plan.units()
         self.last: dict[str, int] = {}
         for i, unit in enumerate(self.units):
             for f in _files_read(unit):
                 self.last[f] = i
-        self.position = 0
         self.deleted: list[str] = []
 
-    def __call__(self, n: int) -> None:
-        if self.inner is not None:
-            self.inner(n)
-        i = self.position
-        self.position += 1
-        if i >= len(self.units):
-            return
-        for f in sorted(_files_read(self.units[i])):
-            if self.last.get(f) == i:
+    def unit_done(self, index: int) -> None:
+        """Unit ``index`` of ``plan.units()`` is finished: remove the shards it was the last to read."""
+        for f in sorted(_files_read(self.units[index])):
+            if self.last.get(f) == index:
                 self.release(f)
 
     def release(self, file: str) -> None:

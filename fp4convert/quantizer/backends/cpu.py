@@ -12,9 +12,7 @@ signature of the CUDA ops (:mod:`fp4convert.kernels.cuda.ops`).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import ClassVar
 
@@ -24,7 +22,18 @@ from fp4convert.kernels import cpu
 from fp4convert.kernels.tensor import as_bytes
 from fp4convert.numerics import reference as ref
 from fp4convert.numerics.swizzle import swizzle_scales
-from fp4convert.quantizer.backend import Context, Inputs, InputWeight, MatrixOut, Release, Result, Settings, matrix_weights, two_passes
+from fp4convert.quantizer.backend import (
+    Context,
+    Inputs,
+    InputWeight,
+    MatrixOut,
+    Pending,
+    Result,
+    Settings,
+    Staged,
+    matrix_weights,
+    two_passes,
+)
 from fp4convert.quantizer.items import Batch, Item
 from fp4convert.quantizer.matrices import TensorBuffer, kept_output, launch_groups, nonfinite_bytes, tensors, unit_weights
 
@@ -131,7 +140,14 @@ class CpuBackend:
         rows = max(1, max(cpu.CHUNK_ELEMS // self.workers, cpu.CHUNK_ELEMS // 4) // max(k, 1))
         return [(r0, min(m, r0 + rows)) for r0 in range(0, m, rows)]
 
-    def quantize(self, item: Item, inputs: Inputs, release: Release) -> Callable[[], Result]:
+    def stage(self, item: Item, inputs: Inputs) -> Staged:
+        """Nothing to copy: the pool reads the reader's buffer in place (the Pending says until when)."""
+        return Staged(item, inputs)
+
+    def quantize(self, staged: Staged) -> Pending:
+        """Pass 1 now; pass 2's slices submitted to the pool: the Pending's ``inputs_free`` completes
+        with the last of them (the slices read the inputs in place), its result waits for them all."""
+        item, inputs = staged.item, staged.inputs
         s = self.s
         if isinstance(item, Batch):
             mats = tensors(inputs)  # each member one 2-D matrix, in item.matrices order
@@ -140,8 +156,7 @@ class CpuBackend:
                 weights = unit_weights(item, tensors(inputs))
                 if item.kept:  # a kept quantized input: written as the fp32 weight it encodes (--kept-dtype bf16: BF16)
                     w = kept_output(item.members[0], weights[0]).contiguous()
-                    release(None)
-                    return lambda: Result([], [], [(item.members[0].name, as_bytes(w))], keep=w)
+                    return Pending(Result([], [], [(item.members[0].name, as_bytes(w))], keep=w), inputs_free=None)
                 mats = [None] * len(item.matrices)
                 for x, idx in launch_groups(item, weights):
                     for j, i in enumerate(idx):
@@ -156,7 +171,7 @@ class CpuBackend:
                 amax[i] = torch.maximum(amax[i], f.result()[0])  # NaN propagates, as in cpu.amax
             return amax.tolist()
 
-        def quantize_pass(ga: list[float] | None) -> Callable[[], Result]:
+        def quantize_pass(ga: list[float] | None) -> Pending:
             bs = s.scheme.block_size
             packed = [torch.empty(x.shape[0], x.shape[1] // 2, dtype=torch.uint8) for x in mats]
             scale = [torch.empty(x.shape[0], x.shape[1] // bs, dtype=torch.uint8) for x in mats]
@@ -172,41 +187,48 @@ class CpuBackend:
                 return bool(flag.any())
 
             futs = [self.pool.submit(part, i, r0, r1) for i, r0, r1 in parts]
-            left = [len(futs)]
-            lock = threading.Lock()
+            return _Slices(s, futs, [i for i, _, _ in parts], packed, scale, ga)
 
-            def one_done(_f) -> None:
-                with lock:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last:
-                    release(None)
+        return two_passes(item, s, amax_pass, quantize_pass)
 
-            for f in futs:
-                f.add_done_callback(one_done)
-            if not futs:
-                release(None)
 
-            def result() -> Result:
-                refused = [False] * n
-                for (i, _, _), f in zip(parts, futs):
-                    refused[i] |= f.result()
-                gs = None if ga_t is None else ref.global_scale(ga_t).tolist()
-                outs: list[MatrixOut | None] = []
-                keep = []
-                for i in range(n):
-                    sc = scale[i]
-                    if s.swizzle:
-                        sc = swizzle_scales(sc.view(torch.float8_e4m3fn).unsqueeze(0) if s.scheme.name == "nvfp4"
-                                            else sc.unsqueeze(0))[0].view(torch.uint8)
-                    keep += [packed[i], sc]
-                    outs.append(MatrixOut(as_bytes(packed[i]), as_bytes(sc), None if gs is None else gs[i],
-                                          None if ga is None else ga[i]))
-                return Result(outs, refused, keep=keep)
+class _Done:
+    """An :class:`~fp4convert.quantizer.backend.Event` for pool work: complete once every future is done
+    (finished, failed or cancelled), which ``synchronize()`` waits for."""
 
-            return result
+    def __init__(self, futures: list[Future]) -> None:
+        self.futures = futures
 
-        return two_passes(item, s, release, amax_pass, quantize_pass)
+    def synchronize(self) -> None:
+        wait(self.futures)
+
+
+class _Slices(Pending):
+    """An item's pass 2 on the pool: the inputs are free once every slice is done (``inputs_free``);
+    :meth:`result` waits for the slices, then swizzles the scales when the format wants them so."""
+
+    def __init__(self, s: Settings, futs: list[Future], owners: list[int], packed: list[torch.Tensor],
+                 scale: list[torch.Tensor], ga: list[float] | None) -> None:
+        super().__init__(inputs_free=_Done(futs) if futs else None)
+        self.s, self.futs, self.owners, self.packed, self.scale, self.ga = s, futs, owners, packed, scale, ga
+
+    def result(self) -> Result:
+        s, ga, n = self.s, self.ga, len(self.packed)
+        refused = [False] * n
+        for i, f in zip(self.owners, self.futs):
+            refused[i] |= f.result()
+        gs = None if ga is None else ref.global_scale(torch.tensor(ga, dtype=torch.float32)).tolist()
+        outs: list[MatrixOut | None] = []
+        keep = []
+        for i in range(n):
+            sc = self.scale[i]
+            if s.swizzle:
+                sc = swizzle_scales(sc.view(torch.float8_e4m3fn).unsqueeze(0) if s.scheme.name == "nvfp4"
+                                    else sc.unsqueeze(0))[0].view(torch.uint8)
+            keep += [self.packed[i], sc]
+            outs.append(MatrixOut(as_bytes(self.packed[i]), as_bytes(sc), None if gs is None else gs[i],
+                                  None if ga is None else ga[i]))
+        return Result(outs, refused, keep=keep)
 
 
 def weight_tensors(weights: list[InputWeight | None], device: torch.device | None = None) -> list[torch.Tensor | None]:

@@ -27,14 +27,13 @@ import mmap
 import os
 import threading
 from array import array
-from collections.abc import Callable
 from typing import ClassVar
 
 from fp4convert import stages
 from fp4convert.errors import ConfigError
 from fp4convert.kernels import cpu_lib as cpu_kernel
 from fp4convert.kernels.cuda.runtime import HOST_CHECK_CODES, size_class
-from fp4convert.quantizer.backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes
+from fp4convert.quantizer.backend import Context, Inputs, MatrixOut, Pending, Result, Settings, Staged, matrix_weights, two_passes
 from fp4convert.quantizer.backends.cuda import CudaBackend, output_layout
 from fp4convert.quantizer.items import Batch
 
@@ -159,9 +158,15 @@ class CpuNativeBackend:
         if self.owner:
             self.pool.close()
 
-    def quantize(self, item: Batch, inputs: Inputs, release: Release) -> Callable[[], Result]:
-        """``inputs``: (buffer from :meth:`host_buffer`, [(offset, info)]), each shape group's members back
-        to back; both passes run now, and the inputs are released once pass 2 is done."""
+    def stage(self, item: Batch, inputs: Inputs) -> Staged:
+        """Nothing to copy: the kernel reads the reader's buffer in place."""
+        return Staged(item, inputs)
+
+    def quantize(self, staged: Staged) -> Pending:
+        """``staged.inputs``: (buffer from :meth:`host_buffer`, [(offset, info)]), each shape group's members
+        back to back; both passes run now, so the returned Pending is finished and its inputs are free."""
+        item, inputs = staged.item, staged.inputs
+        assert isinstance(item, Batch)
         lib, s, threads = self.lib, self.s, self.threads
         if any(w is not None for w in matrix_weights(item)):  # --backend cpu-native with --input-weights
             raise ConfigError(f"--backend {self.name} has no input-weighted search; choose --backend cpu for "
@@ -183,7 +188,7 @@ class CpuNativeBackend:
                     _check(status == cpu_kernel.OK, f"amax returned {status} on {item.members[g[0]].name}")
             return [slots[pos[i]] for i in range(n)]
 
-        def quantize_pass(ga: list[float] | None) -> Callable[[], Result]:
+        def quantize_pass(ga: list[float] | None) -> Pending:
             out = self.pool.get(max(size, 1))
             flags = (ctypes.c_uint8 * n)()
             gs = (ctypes.c_float * n)()
@@ -201,7 +206,6 @@ class CpuNativeBackend:
                         ctypes.byref(gs, 4 * slot) if nvfp4 else None, out.ptr + p_off, out.ptr + s_off,
                         ctypes.byref(flags, slot), threads)
                     _check(status == cpu_kernel.OK, f"quantize returned {status} on {item.members[g[0]].name}")
-            release(None)  # the inputs are consumed: the reader may refill the buffer
             gsv = array("f", bytes(gs)) if ga is not None else None
             matrices: list[MatrixOut | None] = []
             for i in range(n):
@@ -209,9 +213,9 @@ class CpuNativeBackend:
                 matrices.append(MatrixOut(out.view(p_off, p_n), out.view(s_off, s_n),
                                           None if gsv is None else gsv[pos[i]], None if ga is None else ga[i]))
             result = Result(matrices, [bool(flags[pos[i]]) for i in range(n)], keep=out)
-            return lambda: result
+            return Pending(result, inputs_free=None)  # the inputs are consumed: the reader may refill the buffer
 
-        return two_passes(item, s, release, amax_pass, quantize_pass)
+        return two_passes(item, s, amax_pass, quantize_pass)
 
 
 def _check(ok: bool, what: str) -> None:

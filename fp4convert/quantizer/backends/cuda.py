@@ -18,14 +18,25 @@ flag into a pooled pinned buffer, and an event the writer thread waits for.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
 from typing import ClassVar, cast
 
 from fp4convert import stages
 from fp4convert.kernels.cuda.runtime import D2H, H2D, DeviceArena, HostBuffer, Runtime, align
 from fp4convert.numerics.swizzle import padded_shape
 from fp4convert.plan.types import QUANTIZE
-from fp4convert.quantizer.backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes, weight_runs
+from fp4convert.quantizer.backend import (
+    Context,
+    Event,
+    Inputs,
+    MatrixOut,
+    Pending,
+    Result,
+    Settings,
+    Staged,
+    matrix_weights,
+    two_passes,
+    weight_runs,
+)
 from fp4convert.quantizer.items import Batch, is_plain
 
 DTYPE_CODES = {"F32": 0, "F16": 1, "BF16": 2}  # the launchers' dtype ints
@@ -80,9 +91,18 @@ class CudaBackend:
             a.free()
         self.rt.close()  # a lane's closes its stream; the first lane's also the pinned pool
 
-    def quantize(self, item: Batch, inputs: Inputs, release: Release) -> Callable[[], Result]:
-        """``inputs``: (pinned buffer, [(offset, info)]) from the reader, each shape group's members back
-        to back (:func:`~fp4convert.quantizer.items.grouped_offsets`)."""
+    def stage(self, item: Batch, inputs: Inputs) -> Staged:
+        """The input copy is queued by :meth:`quantize`, on the one stream: the buffer is in use until
+        pass 1's sync (NVFP4) or the batch's event (MXFP4), which the Pending gives."""
+        return Staged(item, inputs)
+
+    def quantize(self, staged: Staged) -> Pending:
+        """``staged.inputs``: (pinned buffer, [(offset, info)]) from the reader, each shape group's members
+        back to back (:func:`~fp4convert.quantizer.items.grouped_offsets`). Returns once pass 2 is queued:
+        NVFP4 after pass 1's sync, so the input copy is complete and the inputs are free now; MXFP4 (no
+        pass 1) with the batch's event, after which they are."""
+        item, inputs = staged.item, staged.inputs
+        assert isinstance(item, Batch)
         rt, lib, st, s = self.rt, self.rt.lib, self.rt.stream, self.s
         items = inputs[1]
         buf = cast(HostBuffer, inputs[0])  # from host_buffer(): pinned by the runtime (has .ptr)
@@ -122,11 +142,11 @@ class CudaBackend:
             rt.copy(back.ptr, d_amax, 4 * n, D2H)
             with stages.timed("quantize_waits_gpu"):
                 rt.sync()  # the batch's one sync before pass 2: the unit's amax is taken on the host
-            release(None)  # the input copy is complete: the reader may refill the buffer
+            # the input copy is complete: the reader may refill the buffer (the Pending says so: inputs_free None)
             slots = array("f", bytes(back.view(0, 4 * n)))
             return [slots[pos[i]] for i in range(n)]
 
-        def quantize_pass(ga: list[float] | None) -> Callable[[], Result]:
+        def quantize_pass(ga: list[float] | None) -> Pending:
             dout = self.dev_out.at_least(size)
             d_gs, d_flag = dout + tail, dout + tail + 4 * n
             keep: list = []  # pinned buffers an asynchronous copy still reads or writes
@@ -159,25 +179,37 @@ class CudaBackend:
             out = rt.pool.get(size)
             rt.copy(out.ptr, dout, size, D2H)
             done = rt.event().record(st)
-            if not nvfp4:
-                release(done)  # the reader waits for this event (the input copy precedes it) before refilling
+            # NVFP4: pass 1's sync saw the input copy complete; MXFP4: the reader waits for this event
+            # (the input copy precedes it) before refilling
+            return _Outputs(None if nvfp4 else done, done, out, keep, [pos[i] for i in range(n)], layout, tail, n,
+                            nvfp4, ga)
 
-            def result() -> Result:
-                with stages.timed("write_waits_gpu"):
-                    done.synchronize()  # in the writer thread
-                keep.clear()
-                flags = array("i", bytes(out.view(tail + 4 * n, 4 * n)))
-                gsv = array("f", bytes(out.view(tail, 4 * n))) if nvfp4 else None
-                matrices: list[MatrixOut | None] = []
-                for i in range(n):
-                    p_off, p_n, s_off, s_n = layout[i]
-                    matrices.append(MatrixOut(out.view(p_off, p_n), out.view(s_off, s_n),
-                                              None if gsv is None else gsv[pos[i]], None if ga is None else ga[i]))
-                return Result(matrices, [bool(flags[pos[i]]) for i in range(n)], keep=out)
+        return two_passes(item, s, amax_pass, quantize_pass)
 
-            return result
 
-        return two_passes(item, s, release, amax_pass, quantize_pass)
+class _Outputs(Pending):
+    """A batch's pass 2 in flight: every output arrives in the pinned buffer ``out`` once ``done``
+    completes; :meth:`result` waits for it (on a writer thread) and reads the flags and scales there."""
+
+    def __init__(self, inputs_free: Event | None, done: Event, out: HostBuffer, keep: list, pos: list[int],
+                 layout: list, tail: int, n: int, nvfp4: bool, ga: list[float] | None) -> None:
+        super().__init__(inputs_free=inputs_free)
+        self.done, self.out, self.keep = done, out, keep  # keep: pinned buffers the copies still read or write
+        self.pos, self.layout, self.tail, self.n, self.nvfp4, self.ga = pos, layout, tail, n, nvfp4, ga
+
+    def result(self) -> Result:
+        with stages.timed("write_waits_gpu"):
+            self.done.synchronize()  # in the writer thread
+        self.keep.clear()
+        out, tail, n, pos, ga = self.out, self.tail, self.n, self.pos, self.ga
+        flags = array("i", bytes(out.view(tail + 4 * n, 4 * n)))
+        gsv = array("f", bytes(out.view(tail, 4 * n))) if self.nvfp4 else None
+        matrices: list[MatrixOut | None] = []
+        for i in range(n):
+            p_off, p_n, s_off, s_n = self.layout[i]
+            matrices.append(MatrixOut(out.view(p_off, p_n), out.view(s_off, s_n),
+                                      None if gsv is None else gsv[pos[i]], None if ga is None else ga[i]))
+        return Result(matrices, [bool(flags[pos[i]]) for i in range(n)], keep=out)
 
 
 def output_layout(item: Batch, items: list, settings: Settings) -> tuple[list[int], list, list, int]:

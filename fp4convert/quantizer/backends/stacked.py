@@ -12,14 +12,25 @@ signature: that is how the tests check this scheduling without a GPU.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
 from fp4convert import stages
 from fp4convert.kernels.tensor import as_bytes
-from fp4convert.quantizer.backend import Context, Inputs, MatrixOut, Release, Result, Settings, matrix_weights, two_passes, weight_runs
+from fp4convert.quantizer.backend import (
+    IN_USE,
+    Context,
+    Inputs,
+    MatrixOut,
+    Pending,
+    Result,
+    Settings,
+    Staged,
+    matrix_weights,
+    two_passes,
+    weight_runs,
+)
 from fp4convert.quantizer.backends.cpu import weight_tensors
 from fp4convert.quantizer.items import Batch, Item
 from fp4convert.quantizer.matrices import TensorBuffer, kept_output, launch_groups, nonfinite_bytes, tensors, unit_weights
@@ -102,9 +113,16 @@ class StackedBackend:
         e.record(self.compute)
         return e
 
-    def _stage(self, item: Item, inputs: Inputs, release: Release) -> list[tuple[torch.Tensor, list[int]]] | Result:
-        """The item's launch groups on the device (each with its matrices' indices); the inputs are
-        released once copied. A kept quantized input: its Result (the fp32 weight it encodes)."""
+    def stage(self, item: Item, inputs: Inputs) -> Staged:
+        """The item's inputs on the device, ``state``: a batch's launch groups (each with its matrices'
+        indices), a unit's read tensors (quantize() decodes and groups them). On CUDA the inputs are
+        free once the copies out of the pinned set are done (``inputs_free``: their event, recorded right
+        after them). On the CPU a batch's members are copied into its groups (free now); a unit's
+        tensors are views of the inputs, in use until quantize() returns (the CPU ops are synchronous)."""
+        with self._stream("compute"):
+            return self._stage(item, inputs)
+
+    def _stage(self, item: Item, inputs: Inputs) -> Staged:
         hosts = tensors(inputs)
         dev = self.device
         if isinstance(item, Batch):
@@ -129,42 +147,28 @@ class StackedBackend:
                     done.record(self.copy)
             if self.cuda:
                 self.compute.wait_event(done)
-            release(done)
-            return list(zip(xs, item.groups))
+            return Staged(item, inputs, done, list(zip(xs, item.groups)))
         on_device = [h.to(dev, non_blocking=self.cuda) for h in hosts]
-        if self.cuda:
-            release(self._event())  # the copies out of the pinned set are queued before it
-        # (on the CPU the weights are views of the inputs: released once quantize() is done with them)
-        weights = unit_weights(item, on_device)
-        if item.kept:  # a kept quantized input: written as the fp32 weight it encodes (--kept-dtype bf16: BF16)
-            w = self._to_host(kept_output(item.members[0], weights[0]).contiguous())
-            done = self._event()
-            return Result([], [], [(item.members[0].name, as_bytes(w))], keep=(w, done))
-        return launch_groups(item, weights)
+        # CUDA: the copies out of the pinned set are queued before the event; on the CPU the tensors are
+        # views of the inputs: in use until quantize() is done with them
+        return Staged(item, inputs, self._event() if self.cuda else IN_USE, on_device)
 
-    def quantize(self, item: Item, inputs: Inputs, release: Release) -> Callable[[], Result]:
-        try:
-            return self._quantize(item, inputs, release)
-        finally:
-            if not self.cuda:
-                release(None)  # the CPU ops are synchronous: every input has been read (a second release is a no-op)
-
-    def _quantize(self, item: Item, inputs: Inputs, release: Release) -> Callable[[], Result]:
+    def quantize(self, staged: Staged) -> Pending:
+        """Both passes on the staged launch groups (a unit's weights decoded and grouped first): pass 1
+        synced (each fused group's amax on the host), pass 2 queued (CUDA) or done (CPU); the result
+        waits for pass 2's copies to the host. A kept quantized input: the fp32 weight it encodes."""
+        item = staged.item
+        if isinstance(item, Batch):
+            groups = staged.state
+        else:
+            with self._stream("compute"):
+                weights = unit_weights(item, staged.state)
+                if item.kept:  # a kept quantized input: written as the fp32 weight it encodes (--kept-dtype bf16: BF16)
+                    w = self._to_host(kept_output(item.members[0], weights[0]).contiguous())
+                    return _Kept(Result([], [], [(item.members[0].name, as_bytes(w))], keep=w), self._event())
+                groups = launch_groups(item, weights)
         s = self.s
         n = len(item.matrices)
-        with self._stream("compute"):
-            staged = self._stage(item, inputs, release)
-        if isinstance(staged, Result):
-            kept = staged
-            done = kept.keep[1] if isinstance(kept.keep, tuple) else None
-
-            def wait_kept() -> Result:
-                if done is not None:
-                    done.synchronize()
-                return kept
-
-            return wait_kept
-        groups = staged
 
         def amax_pass() -> list[float]:
             with self._stream("compute"):
@@ -183,7 +187,7 @@ class StackedBackend:
                     k += 1
             return amax
 
-        def quantize_pass(ga: list[float] | None) -> Callable[[], Result]:
+        def quantize_pass(ga: list[float] | None) -> Pending:
             outs: list = []
             weights = matrix_weights(item)
             with self._stream("compute"):
@@ -199,25 +203,50 @@ class StackedBackend:
                         outs.append((idx, self._to_host(p), self._to_host(sc.view(torch.uint8)),
                                      self._to_host(torch.cat(meta))))
                 done = self._event()
+            return _Outputs(n, outs, done, ga)
 
-            def result() -> Result:
-                if done is not None:
-                    with stages.timed("write_waits_gpu"):
-                        done.synchronize()  # in the writer thread
-                matrices: list[MatrixOut | None] = [None] * n
-                refused = [False] * n
-                for idx, p, sc, meta in outs:
-                    m = meta.tolist()
-                    flags, gss = m[: len(idx)], m[len(idx):]
-                    for j, i in enumerate(idx):
-                        refused[i] = bool(flags[j])
-                        matrices[i] = MatrixOut(as_bytes(p[j]), as_bytes(sc[j]), gss[j] if gss else None,
-                                                None if ga is None else ga[i])
-                return Result(matrices, refused, keep=outs)
+        return two_passes(item, s, amax_pass, quantize_pass)
 
-            return result
 
-        return two_passes(item, s, release, amax_pass, quantize_pass)
+class _Kept(Pending):
+    """A kept quantized input's fp32 weight, copied to the host: done once the event is (None: now).
+    Its inputs were released at staging (CUDA) or are free now (the CPU decoded them synchronously)."""
+
+    def __init__(self, result: Result, done: Any) -> None:
+        super().__init__(result, inputs_free=None)
+        self.done = done
+        result.keep = (result.keep, done)
+
+    def result(self) -> Result:
+        if self.done is not None:
+            self.done.synchronize()
+        return super().result()
+
+
+class _Outputs(Pending):
+    """Pass 2's outputs on their way to the host (pinned on CUDA): :meth:`result` waits for the event
+    (on a writer thread, None: the CPU, already there) and reads the flags and global scales.
+    ``inputs_free`` None: on CUDA they were released at staging, on the CPU the passes are done with them."""
+
+    def __init__(self, n: int, outs: list, done: Any, ga: list[float] | None) -> None:
+        super().__init__(inputs_free=None)
+        self.n, self.outs, self.done, self.ga = n, outs, done, ga
+
+    def result(self) -> Result:
+        if self.done is not None:
+            with stages.timed("write_waits_gpu"):
+                self.done.synchronize()  # in the writer thread
+        n, ga = self.n, self.ga
+        matrices: list[MatrixOut | None] = [None] * n
+        refused = [False] * n
+        for idx, p, sc, meta in self.outs:
+            m = meta.tolist()
+            flags, gss = m[: len(idx)], m[len(idx):]
+            for j, i in enumerate(idx):
+                refused[i] = bool(flags[j])
+                matrices[i] = MatrixOut(as_bytes(p[j]), as_bytes(sc[j]), gss[j] if gss else None,
+                                        None if ga is None else ga[i])
+        return Result(matrices, refused, keep=self.outs)
 
 
 BACKEND = StackedBackend
