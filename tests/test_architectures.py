@@ -42,7 +42,7 @@ def test_pure_import() -> None:
     import subprocess
     import sys
 
-    path = Path(__file__).parents[1] / "fp4convert" / "architectures.py"
+    path = Path(__file__).parents[1] / "fp4convert" / "plan" / "families.py"
     code = ("import importlib.util, sys; "
             f"spec = importlib.util.spec_from_file_location('arch', {str(path)!r}); "
             "m = importlib.util.module_from_spec(spec); sys.modules['arch'] = m; spec.loader.exec_module(m); "

@@ -158,7 +158,7 @@ def test_resume_after_a_rank_was_killed(llama, tmp_path) -> None:
         "    if os.environ['RANK'] == '1' and state['files']:\n"
         "        os._exit(9)\n"
         "w.save_progress = save\n"
-        "from fp4convert.cli import main\n"
+        "from fp4convert.cli.main import main\n"
         "main(prog_name='fp4convert')\n")
     args = ("quantize", str(llama), str(dst), "--device", "cpu", "--max-shard-size", SHARD, "-q")
     r = torchrun(*args, script=driver)
