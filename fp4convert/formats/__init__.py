@@ -31,15 +31,17 @@ INPUT_FORMATS: dict[str, str] = {
 
 
 @cache
-def get_format(name: str) -> OutputFormat:
-    """The format object registered under ``name``."""
+def get_format(name: str, activations: str = "none") -> OutputFormat:
+    """The format object registered under ``name``; with ``activations`` (W4A4), a writer of that format
+    whose outputs carry the activation scales (ConfigError when the format has no such convention)."""
     from fp4convert.errors import ConfigError
 
     try:
         module = OUTPUT_FORMATS[name]
     except (KeyError, TypeError):
         raise ConfigError(f"unknown format {name!r}; choose one of {', '.join(OUTPUT_FORMATS)}") from None
-    return importlib.import_module(f".{module}", __name__).FORMAT
+    fmt = importlib.import_module(f".{module}", __name__).FORMAT
+    return fmt if activations == "none" else type(fmt)(activations)
 
 
 def all_formats() -> list[OutputFormat]:

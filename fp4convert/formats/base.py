@@ -106,7 +106,15 @@ class OutputFormat:
     packed_suffix, scale_suffix, global_suffix = ".weight_packed", ".weight_scale", ".weight_global_scale"
     input_suffix = ""  # W4A4: the static activation scale's suffix ("" where the format has none)
     activation_modes: tuple[str, ...] = ()  # --activations it can write besides "none" (the engines' W4A4 conventions)
-    activations = "none"  # W4A4 formats (with_activations) say which activation quantization they write
+
+    def __init__(self, activations: str = "none") -> None:
+        """``activations``: the W4A4 activation quantization this writer's outputs carry ("none": weight-only;
+        else one of :attr:`activation_modes`). Part of what the format writes, fixed when it is made."""
+        if activations != "none" and activations not in self.activation_modes:
+            allowed = " or ".join(self.activation_modes) or "none"
+            raise ConfigError(f"--format {self.name} has no {activations} activation convention (it writes "
+                              f"--activations {allowed} only)")
+        self.activations = activations
 
     def check(self, scheme: str, rotate: str | None) -> None:
         """Refuse settings this format cannot carry faithfully."""
@@ -137,6 +145,8 @@ class OutputFormat:
         ]
         if s.global_scale:
             out.append(OutEntry(module + self.global_suffix, "F32", self.global_shape(lead)))
+        if self.activations == "nvfp4":  # W4A4 NVFP4: one static activation scale per matrix, shaped like its global
+            out.append(OutEntry(module + self.input_suffix, "F32", self.global_shape(lead)))
         return out
 
     def global_float(self, gs: float) -> float:
@@ -153,14 +163,20 @@ class OutputFormat:
         return torch.tensor(flat, dtype=torch.float32).reshape(self.global_shape(tuple(gs.shape)))
 
     def outputs(self, module: str, packed: memoryview, scale: memoryview, gs: float | None, scheme: str,
-                rotate: str | None) -> list[tuple[str, bytes | memoryview]]:
+                rotate: str | None, input_amax: float | None = None) -> list[tuple[str, bytes | memoryview]]:
         """The bytes of one quantized 2-D matrix, in :meth:`entries` order: what the shards store.
-        ``scale``: already in this format's layout (swizzled or linear); ``gs``: the encode scale (NVFP4).
-        The only method a format writes tensors with."""
+        ``scale``: already in this format's layout (swizzled or linear); ``gs``: the encode scale (NVFP4);
+        ``input_amax``: W4A4 NVFP4, the calibrated amax of the matrix's input (its module's, fused members
+        already sharing), stored in this format's activation-scale convention. The only method a format
+        writes tensors with."""
         out: list[tuple[str, bytes | memoryview]] = [(module + self.packed_suffix, packed),
                                                      (module + self.scale_suffix, scale)]
         if get_scheme(scheme).global_scale:
             out.append((module + self.global_suffix, struct.pack("<f", self.global_float(gs))))
+        if self.activations == "nvfp4":
+            if input_amax is None:
+                raise RuntimeError(f"internal: no activation amax for {module} (calibration did not cover it)")
+            out.append((module + self.input_suffix, struct.pack("<f", self.global_float(input_encode_scale(input_amax)))))
         return out
 
     def tensors(self, module: str, q: QuantizedTensor) -> list[tuple[str, bytes | memoryview]]:
@@ -301,49 +317,3 @@ def input_encode_scale(amax: float) -> float:
     if not (a > 0 and a != float("inf")):
         raise ValueError(f"activation amax {amax!r} is not finite and positive")
     return f32(CONSTANT_AMAX / a)
-
-
-class ActivationScales:
-    """Mixin over an OutputFormat: W4A4 (the format's own activation convention).
-
-    NVFP4: one static activation scale per quantized linear, stored beside the weight's global scale
-    with the same shape and the same encode/decode convention as that format's weight global
-    (compressed-tensors ``input_global_scale`` F32 [1], the ENCODE scale; ModelOpt ``input_scale`` F32
-    scalar, the DECODE scale: its reciprocal). MXFP4: dynamic activations, nothing stored. Planning
-    needs names and shapes only; the values (``input_amax``: module -> amax, fused members already
-    sharing) are set by :func:`fp4convert.calibrate.activation_amax` before anything is written.
-    """
-
-    activations: str = "nvfp4"
-    input_amax: dict
-
-    def _input_gs(self, module: str) -> float:
-        try:
-            return input_encode_scale(self.input_amax[module])
-        except KeyError:
-            raise RuntimeError(f"internal: no activation amax for {module} (calibration did not cover it)") from None
-
-    def entries(self, module, shape, scheme, rotate=None):
-        out = super().entries(module, shape, scheme, rotate)
-        if self.activations == "nvfp4":
-            out.append(OutEntry(module + self.input_suffix, "F32", self.global_shape(tuple(shape[:-2]))))
-        return out
-
-    def outputs(self, module, packed, scale, gs, scheme, rotate):
-        out = super().outputs(module, packed, scale, gs, scheme, rotate)
-        if self.activations == "nvfp4":  # one 2-D matrix: one value
-            out.append((module + self.input_suffix, struct.pack("<f", self.global_float(self._input_gs(module)))))
-        return out
-
-
-def with_activations(fmt: OutputFormat, activations: str) -> OutputFormat:
-    """``fmt`` writing W4A4 (a fresh object: the registry's shared one stays weight-only)."""
-    if activations == "none":
-        return fmt
-    if not fmt.input_suffix and activations == "nvfp4":
-        raise ConfigError(f"--format {fmt.name} has no activation scale convention; use compressed-tensors or modelopt")
-    cls = type(f"W4A4{type(fmt).__name__}", (ActivationScales, type(fmt)), {})
-    out = cls()
-    out.activations = activations
-    out.input_amax = {}
-    return out

@@ -58,8 +58,8 @@ class CompressedTensorsFormat(OutputFormat):
             out.append(OutEntry(self._transform_name(module), "BF16", (16, 16)))
         return out
 
-    def outputs(self, module, packed, scale, gs, scheme, rotate):
-        out = super().outputs(module, packed, scale, gs, scheme, rotate)
+    def outputs(self, module, packed, scale, gs, scheme, rotate, input_amax=None):
+        out = super().outputs(module, packed, scale, gs, scheme, rotate, input_amax)
         if rotate == "had16":
             out.append((self._transform_name(module), hadamard16_bf16_bytes()))
         return out

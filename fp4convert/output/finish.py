@@ -31,13 +31,14 @@ _COPY_CHUNK = 16 << 20
 
 
 def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict, others: list[Path],
-           session: Session | None) -> None:
-    """Other files, the index, then the manifest (last: its presence means 'finished'); releases DST."""
+           session: Session | None, calibration: dict | None = None) -> None:
+    """Other files, the index, then the manifest (last: its presence means 'finished'); releases DST.
+    ``calibration``: W4A4 NVFP4, how the activation scales were calibrated (the manifest records it)."""
     from fp4convert.output.destination import planned_names
 
     try:
         with stages.timed("finish"):
-            _finish(source, plan, fmt, dst, identity, others)
+            _finish(source, plan, fmt, dst, identity, others, calibration)
     except BaseException as exc:
         for name in planned_names(plan, source, others) - {f for f, _ in plan.shards}:  # only our own temporary files
             try:
@@ -53,7 +54,8 @@ def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: d
         session.release()
 
 
-def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict, others: list[Path]) -> None:
+def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict, others: list[Path],
+            calibration: dict | None) -> None:
     state = json.loads((dst / PROGRESS_NAME).read_text())
     rels = [p.relative_to(source.root).as_posix() for p in others]
     # Name every file finish writes in the record first: --overwrite then knows they are ours.
@@ -81,8 +83,8 @@ def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: 
         atomic_write(dst / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     step()
     with writing(dst / MANIFEST_NAME):
-        written = _write_model_card(source, plan, fmt, dst, identity, state, written)
-        manifest = build_manifest(plan, fmt, source, identity, state, dst, written)
+        written = _write_model_card(source, plan, fmt, dst, identity, state, written, calibration)
+        manifest = build_manifest(plan, fmt, source, identity, state, dst, written, calibration)
         atomic_write(dst / MANIFEST_NAME, manifest_text(manifest))
     step()
     with writing(dst / PROGRESS_NAME):
@@ -104,7 +106,7 @@ def _kept_dtype_config(dst: Path, plan: Plan) -> None:
 
 
 def _write_model_card(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict, state: dict,
-                      written: list[str]) -> list[str]:
+                      written: list[str], calibration: dict | None) -> list[str]:
     """README.md: the generated card (from what the manifest will say) above the source's own card.
 
     The source card is read contained (:meth:`Source.read_card`); it counts as our own earlier card
@@ -117,7 +119,7 @@ def _write_model_card(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, 
     ours = bool(text and src_manifest is not None and own_card(text, src_manifest))
     origin = src_manifest.get("source") if ours and src_manifest and isinstance(src_manifest.get("source"), dict) \
         else None
-    draft = build_manifest(plan, fmt, source, identity, state, dst, [w for w in written if w != CARD_NAME])
+    draft = build_manifest(plan, fmt, source, identity, state, dst, [w for w in written if w != CARD_NAME], calibration)
     config = source.config()
     base = getattr(plan.config, "base_model", None) or default_base_model(
         origin or source.describe(), source.root, config, split_card(text)[0] if ours and text else None)

@@ -28,7 +28,7 @@ MANIFEST_VERSION = 2  # 2: weight shards recorded with chunked_sha256 (docs/form
 
 
 def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict, state: dict, dst: Path,
-                   written: list[str]) -> dict:
+                   written: list[str], calibration: dict | None = None) -> dict:
     """The manifest of a finished conversion.
 
     ``state`` holds the shards' checksums and scales; ``written`` names the other files this run wrote
@@ -74,7 +74,7 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
         "tensors": tensors,
         "files": files,
     }
-    out.update(activation_section(fmt))
+    out.update(activation_section(fmt, calibration))
     return out
 
 
@@ -98,13 +98,13 @@ def manifest_text(manifest: dict) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
-def activation_section(fmt: OutputFormat) -> dict:
+def activation_section(fmt: OutputFormat, calibration: dict | None = None) -> dict:
     """W4A4: the activation quantization and its calibration ({} for weight-only outputs)."""
-    acts = getattr(fmt, "activations", "none")
+    acts = fmt.activations
     if acts == "none":
         return {}
     return {"activations": {"scheme": acts, "input_scale_suffix": fmt.input_suffix if acts == "nvfp4" else None,
-                            "calibration": getattr(fmt, "calibration", None)}}
+                            "calibration": calibration}}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -128,22 +129,31 @@ def _w4a4_format(source: Source, config: ConvertConfig, fmt: OutputFormat) -> Ou
     """W4A4 (--activations): the format writing activation scales; a model calibration cannot run
     is refused here, before anything is written (fp4convert.calibrate)."""
     from fp4convert.calibrate import check_runnable
-    from fp4convert.formats.base import with_activations
+    from fp4convert.formats import get_format
 
     check_runnable(source, config)
-    return with_activations(fmt, config.activations)
+    return get_format(fmt.name, config.activations)
 
 
-def _statistics(source: Source, plan: Plan, fmt: OutputFormat, config: ConvertConfig
-                ) -> tuple[dict[str, InputWeight] | None, dict | None]:
-    """The layer-by-layer stage, before anything is written: W4A4 NVFP4's activation amax (set on the
-    format) and the input weights of the weight scale rules (``config.input_weight_source``), with
-    their identity record. Nothing runs when neither is asked for (the data-free default)."""
+@dataclass(frozen=True)
+class Measured:
+    """What the layer-by-layer stage measured, handed down to the work and the manifest as data."""
+
+    input_weights: dict[str, InputWeight] | None = None  # the weight scale rules' input weights, per module
+    input_weight_record: dict | None = None  # their identity (digest included): --resume refuses others
+    activation_amax: dict[str, float] | None = None  # W4A4 NVFP4: each quantized module's input amax
+    calibration: dict | None = None  # W4A4 NVFP4: how the activation amax was found (the manifest records it)
+
+
+def _statistics(source: Source, plan: Plan, fmt: OutputFormat, config: ConvertConfig) -> Measured:
+    """The layer-by-layer stage, before anything is written: W4A4 NVFP4's activation amax and the input
+    weights of the weight scale rules (``config.input_weight_source``), with their identity record.
+    Nothing runs when neither is asked for (the data-free default)."""
     from fp4convert.calibrate import runs_model, statistics
 
-    calibrate = getattr(fmt, "activations", "none") == "nvfp4"
+    calibrate = fmt.activations == "nvfp4"
     if not calibrate and not runs_model(config):
-        return None, None
+        return Measured()
     device = None if config.device == "auto" else config.device
     if device is None and runs_model(config):
         import torch
@@ -151,12 +161,10 @@ def _statistics(source: Source, plan: Plan, fmt: OutputFormat, config: ConvertCo
         device = "cuda" if torch.cuda.is_available() else "cpu"
     with stages.timed("calibrate"):
         st = statistics(source, plan, config, device)
-    if calibrate:
-        fmt.input_amax = st.amax
-        fmt.calibration = st.calibration
     if st.input_weights is not None:
         log.info("input weights (%s): %d matrices weighted", config.input_weight_source, len(st.input_weights))
-    return st.input_weights, st.input_weight_record
+    return Measured(st.input_weights, st.input_weight_record, st.amax if calibrate else None,
+                    st.calibration if calibrate else None)
 
 
 def _advise_source(source: Source, plan: Plan, mine: set[str]) -> None:
@@ -224,7 +232,7 @@ def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: 
     from fp4convert.run.work import QuantizeWork
 
     try:
-        input_weights, weight_record = _statistics(source, plan_, fmt, config)
+        measured = _statistics(source, plan_, fmt, config)
         _advise_source(source, plan_, assign(plan_, world))
         others = source.other_files(exclude=dst)  # the one walk of the source folder
 
@@ -236,11 +244,13 @@ def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: 
         raise
     stages.add("startup", time.perf_counter() - t_start)
     stages.count("lanes", len(backends))
-    works: list[Work] = [QuantizeWork(source, fmt, settings, b, input_weights) for b in backends]
+    works: list[Work] = [QuantizeWork(source, fmt, settings, b, measured.input_weights, measured.activation_amax)
+                         for b in backends]
     try:
         # what the input weights were measured as (digest included): --resume refuses other statistics
-        identity = run_identity(config, source, **({"input_weights": weight_record} if weight_record else {}))
-        job = Job(source, plan_, fmt, dst, config, identity, others, release)
+        record = measured.input_weight_record
+        identity = run_identity(config, source, **({"input_weights": record} if record else {}))
+        job = Job(source, plan_, fmt, dst, config, identity, others, release, measured.calibration)
         done = run(job, world, works, bar)
     except BaseException:
         source.stop_prefetch()

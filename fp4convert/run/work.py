@@ -111,9 +111,10 @@ def quantize(item: Item, inputs: Inputs, backend: Backend, reader: ReadAhead, nu
 
 
 def write_result(item: Item, result: Result, fmt: OutputFormat, settings: Settings, shards: ShardSet,
-                 records: dict[str, dict]) -> None:
+                 records: dict[str, dict], activation_amax: dict[str, float] | None = None) -> None:
     """The one write job: refuse NaN/Inf, fill the units' records (before any byte: a shard finished by
-    these writes is saved with complete records), then every matrix's bytes in the format's names."""
+    these writes is saved with complete records), then every matrix's bytes in the format's names
+    (W4A4 NVFP4: with its module's calibrated input amax, ``activation_amax``)."""
     refuse_nonfinite(item, result.refused, settings.rotate)
     per: dict[str, dict[str, dict]] = {}
     for (d, m), out in zip(item.matrices, result.matrices):
@@ -126,7 +127,8 @@ def write_result(item: Item, result: Result, fmt: OutputFormat, settings: Settin
     scheme = settings.scheme.name
     for (d, m), out in zip(item.matrices, result.matrices):
         assert out is not None  # refused ones raised above
-        for name, data in fmt.outputs(m.module, out.packed, out.scale, out.gs, scheme, settings.rotate):
+        input_amax = activation_amax.get(m.module) if activation_amax is not None else None
+        for name, data in fmt.outputs(m.module, out.packed, out.scale, out.gs, scheme, settings.rotate, input_amax):
             shards.write(name, data, owner=result.keep)
     for name, data in result.tensors:
         shards.write(name, data, owner=result.keep)
@@ -136,9 +138,11 @@ class QuantizeWork:
     """A conversion part's work on one backend (one lane's: its own reader and stream)."""
 
     def __init__(self, source: Source, fmt: OutputFormat, settings: Settings, backend: Backend,
-                 input_weights: dict[str, InputWeight] | None = None) -> None:
+                 input_weights: dict[str, InputWeight] | None = None,
+                 activation_amax: dict[str, float] | None = None) -> None:
         self.source, self.fmt, self.settings, self.backend = source, fmt, settings, backend
         self.input_weights = input_weights  # module -> its input weight (fp4convert.calibrate.statistics)
+        self.activation_amax = activation_amax  # W4A4 NVFP4: module -> its calibrated input amax
         self.reader: ReadAhead | None = None
         self.item_of: dict[int, Item] = {}  # id(first unit) -> its item
 
@@ -178,7 +182,8 @@ class QuantizeWork:
             shards.copy_piece(job.decision.name, job.path, job.decision.info, job.at, job.n)
         else:
             assert isinstance(job, WriteItem)
-            write_result(job.item, job.pending.result(), self.fmt, self.settings, shards, job.records)
+            write_result(job.item, job.pending.result(), self.fmt, self.settings, shards, job.records,
+                         self.activation_amax)
 
     def nonfinite(self, dtype: str, data: memoryview) -> bool:
         return self.backend.nonfinite(dtype, data)
