@@ -1044,6 +1044,15 @@ int fp4c_cpu_abi_version(void) { return FP4C_CPU_ABI; }
 
 int fp4c_cpu_has_rule(int scheme, int rule) { return has_rule(scheme, rule) ? 1 : 0; }
 
+// Lanes per vector of the scale rules' path in use (16, 8 or 4; 0: the per-lane FP4C_SCALAR_RULES build).
+int fp4c_cpu_vector_width(void) {
+#ifdef FP4C_SCALAR_RULES
+  return 0;
+#else
+  return step_width();
+#endif
+}
+
 // amax per matrix of a contiguous [batch, m, k] input (reference.tensor_amax): out[b] = max |x|
 // (of the Had16-rotated values when rotate), as fp32; NaN and Inf propagate (a NaN wins over Inf).
 int fp4c_cpu_amax(const void* x, int dtype, int rotate, int64_t batch, int64_t m, int64_t k, float* out,
