@@ -292,10 +292,7 @@ __device__ __forceinline__ uint32_t encode8(const float* v, float r) {
 // path e * |x| = +-(e * x) exactly, so the square is the reference's.
 //   c (input_weight, may be null): the input channel's weight of each element, sq = (e * e) * c_i
 // before the sum (reference.block_error's input_weight); null is the unweighted error.
-//   IW: whether c is read at all. A template parameter, not a test of c per element: the branch (or
-// the predicated load and multiply) it cost in the unweighted kernels was ~2 instructions per element
-// and candidate, about a tenth of a search rule's work; callers branch on c once per block.
-template <int N, bool CLAMP, bool WEIGHTED = false, bool IW = false>
+template <int N, bool CLAMP, bool WEIGHTED = false>
 __device__ __forceinline__ float block_err_codes(const float* v, float r, float d, uint32_t* codes,
                                                  const float* c = nullptr) {
   float err = 0.0f;
@@ -312,12 +309,12 @@ __device__ __forceinline__ float block_err_codes(const float* v, float r, float 
       float e0 = __fsub_rn(__fmul_rn(q.x, d), v[j + 2 * i]);
       if constexpr (WEIGHTED) e0 = __fmul_rn(e0, v[j + 2 * i]);
       float s0 = __fmul_rn(e0, e0);
-      if constexpr (IW) s0 = __fmul_rn(s0, c[j + 2 * i]);
+      if (c) s0 = __fmul_rn(s0, c[j + 2 * i]);
       err = __fadd_rn(err, s0);
       float e1 = __fsub_rn(__fmul_rn(q.y, d), v[j + 2 * i + 1]);
       if constexpr (WEIGHTED) e1 = __fmul_rn(e1, v[j + 2 * i + 1]);
       float s1 = __fmul_rn(e1, e1);
-      if constexpr (IW) s1 = __fmul_rn(s1, c[j + 2 * i + 1]);
+      if (c) s1 = __fmul_rn(s1, c[j + 2 * i + 1]);
       err = __fadd_rn(err, s1);
     }
   }
@@ -334,7 +331,7 @@ __device__ __forceinline__ float block_err_codes(const float* v, float r, float 
     float e = __fsub_rn(__fmul_rn(q, d), a);
     if constexpr (WEIGHTED) e = __fmul_rn(e, a);
     float sq = __fmul_rn(e, e);
-    if constexpr (IW) sq = __fmul_rn(sq, c[i]);
+    if (c) sq = __fmul_rn(sq, c[i]);
     err = i == 0 ? sq : __fadd_rn(err, sq);  // 0 + sq is sq exactly (sq >= 0 or NaN)
   }
 #endif
@@ -369,10 +366,10 @@ __device__ __forceinline__ float2 nvfp4_candidate(float gs, uint32_t byte) {
 // has a strictly lower error. mse: the lowest error among {b6, b4, b6 - 1} (b6 - 1 of byte 0 is 0),
 // ties to the larger byte; wmse: the same with the weighted error.
 // c: the block's 16 input-channel weights (input_weight), or null.
-template <int RULE, bool IW>
-__device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float gs, uint32_t bmax_bits,
-                                                      const float2* rd, uint32_t codes[2], uint32_t& byte,
-                                                      const float* c) {
+template <int RULE>
+__device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, uint32_t bmax_bits,
+                                                   const float2* rd, uint32_t codes[2], uint32_t& byte,
+                                                   const float* c = nullptr) {
   const uint32_t b6 = e4m3_from_f32(__fdiv_rn(__fmul_rn(gs, __uint_as_float(bmax_bits)), 6.0f));
   const uint32_t b4 = nvfp4_byte4(gs, bmax_bits);
   const float2 k6 = rd[b6], k4 = rd[b4];
@@ -383,10 +380,10 @@ __device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float g
   constexpr bool W = RULE == RULE_WMSE;
   const float bmax = __uint_as_float(bmax_bits);
   uint32_t c6[2], c4[2];
-  const float err6 = __fmul_rn(bmax, k6.x) >= 7.0f ? block_err_codes<16, true, W, IW>(v, k6.x, k6.y, c6, c)
-                                                    : block_err_codes<16, false, W, IW>(v, k6.x, k6.y, c6, c);
-  const float err4 = __fmul_rn(bmax, k4.x) >= 7.0f ? block_err_codes<16, true, W, IW>(v, k4.x, k4.y, c4, c)
-                                                    : block_err_codes<16, false, W, IW>(v, k4.x, k4.y, c4, c);
+  const float err6 = __fmul_rn(bmax, k6.x) >= 7.0f ? block_err_codes<16, true, W>(v, k6.x, k6.y, c6, c)
+                                                    : block_err_codes<16, false, W>(v, k6.x, k6.y, c6, c);
+  const float err4 = __fmul_rn(bmax, k4.x) >= 7.0f ? block_err_codes<16, true, W>(v, k4.x, k4.y, c4, c)
+                                                    : block_err_codes<16, false, W>(v, k4.x, k4.y, c4, c);
   uint32_t best = b6, k0 = c6[0], k1 = c6[1];
   if constexpr (RULE == RULE_MSE || RULE == RULE_WMSE) {
     float best_err = err6;
@@ -394,7 +391,7 @@ __device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float g
     const uint32_t bm = b6 > 0u ? b6 - 1u : 0u;
     const float2 km = rd[bm];
     uint32_t cm[2];
-    const float errm = block_err_codes<16, true, W, IW>(v, km.x, km.y, cm, c);
+    const float errm = block_err_codes<16, true, W>(v, km.x, km.y, cm, c);
     if (errm < best_err || (errm == best_err && bm > best)) best = bm, k0 = cm[0], k1 = cm[1];
   } else {
     if (err4 < err6) best = b4, k0 = c4[0], k1 = c4[1];  // ties keep the /6 scale
@@ -404,39 +401,23 @@ __device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float g
   byte = best;
 }
 
-// c: the block's 16 input-channel weights (input_weight), or null: one branch per block.
-template <int RULE>
-__device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, uint32_t bmax_bits,
-                                                   const float2* rd, uint32_t codes[2], uint32_t& byte,
-                                                   const float* c = nullptr) {
-  if (c) nvfp4_block_search_iw<RULE, true>(v, gs, bmax_bits, rd, codes, byte, c);
-  else nvfp4_block_search_iw<RULE, false>(v, gs, bmax_bits, rd, codes, byte, nullptr);
-}
-
 // MXFP4 mse (wmse: W, the weighted error) for one block of 32: e (floor) against min(e + 1, 254),
 // ties to e. With e + 1 the values stay below 4 (bmax * 2^(127 - e) < 8), so only e's error clamps.
-template <bool W, bool IW>
-__device__ __forceinline__ void mxfp4_block_mse_iw(const float v[32], uint32_t bmax_bits, uint32_t codes[4],
-                                                   uint32_t& byte, const float* c) {
+template <bool W>
+__device__ __forceinline__ void mxfp4_block_mse(const float v[32], uint32_t bmax_bits, uint32_t codes[4],
+                                                uint32_t& byte, const float* c = nullptr) {
   uint32_t e;
   const float r0 = mxfp4_scale(bmax_bits, e);
   const uint32_t e1 = min(e + 1u, 254u);
   const float r1 = pow2i(127 - (int)e1);
   uint32_t k0[4], k1[4];
-  const float err0 = block_err_codes<32, true, W, IW>(v, r0, pow2i((int)e - 127), k0, c);
+  const float err0 = block_err_codes<32, true, W>(v, r0, pow2i((int)e - 127), k0, c);
   // e + 1 keeps every value below 4 (bmax * 2^(127 - e) < 8); e == 254 has no e + 1 (same candidate)
-  const float err1 = e1 == e ? err0 : block_err_codes<32, false, W, IW>(v, r1, pow2i((int)e1 - 127), k1, c);
+  const float err1 = e1 == e ? err0 : block_err_codes<32, false, W>(v, r1, pow2i((int)e1 - 127), k1, c);
   const bool up = err1 < err0;
 #pragma unroll
   for (int w = 0; w < 4; ++w) codes[w] = (up ? k1[w] : k0[w]) | search_signs8(v + 8 * w);
   byte = up ? e1 : e;
-}
-
-template <bool W>
-__device__ __forceinline__ void mxfp4_block_mse(const float v[32], uint32_t bmax_bits, uint32_t codes[4],
-                                                uint32_t& byte, const float* c = nullptr) {
-  if (c) mxfp4_block_mse_iw<W, true>(v, bmax_bits, codes, byte, c);
-  else mxfp4_block_mse_iw<W, false>(v, bmax_bits, codes, byte, nullptr);
 }
 
 }  // namespace fp4c
