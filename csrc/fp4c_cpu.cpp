@@ -20,8 +20,16 @@
 // Vector width. The library must run on any x86-64 machine the cache is shared with, so the hot
 // functions are compiled three times (GCC function multiversioning, target_clones): x86-64-v4
 // (AVX-512), x86-64-v3 (AVX2) and the x86-64 baseline (SSE2); the dynamic loader picks one clone per
-// process from the CPU it runs on. All three compute the same IEEE operations, so the bytes never
-// depend on the clone. Elsewhere (aarch64: NEON is baseline) one plain build.
+// process from the CPU it runs on. The scale rules and the encode are written as explicit vectors of
+// the target's width instead (16, 8 or 4 lanes, one set per level, picked once at load: see "explicit
+// vectors" below). All compute the same IEEE operations, so the bytes never depend on the clone or the
+// width. Elsewhere (aarch64: NEON is baseline) one plain build.
+//
+// Subnormals. The kernel runs with FTZ/DAZ off (exact bytes need them), and Intel CPUs take a microcode
+// assist (~100 cycles) on each operation that makes or reads a subnormal; the hot loops make none on
+// ordinary weights (the E2M1 index comes from integer operations, not from a multiply into the
+// subnormal range: that one multiply per element held the search rules to 0.24 GB/s per thread on a
+// Xeon, benchmarks in BENCHMARKS.md "Issue 33").
 //
 // Scale rules. Each rule is one `choose_*` function (a tile's scale bytes and element multipliers)
 // plus one line in rule_table(); the rule codes are fp4convert.reference.SCALE_RULES' order, as the
@@ -492,6 +500,27 @@ FP4C_INLINE typename Vec<N>::F pow2i_v(typename Vec<N>::I k) {
   return k >= -126 ? (VF)((VU)(k + 127) << 23) : (VF)(VU{} + 0x00400000u);
 }
 
+// e2m1_value and e2m1_index on bits, for y = a * r >= +0 as an integer yb (scalar or vector: the self
+// test runs the same expressions on every fp32 value). min6: min(y, 6) on the bits (equal to the float
+// select for every y but NaN, whose matrix is flagged). magic: c * 2^22 with c the exponent bits of
+// max(y', 1) (c = 2^e, e = 0, 1, 2); t = y' + c 2^22 rounds y' to E2M1's grid, q = t - c 2^22.
+// index298: the index without e2m1_index's multiply by 2^-126, whose result for 0.5 is subnormal (a
+// microcode assist per element on Intel CPUs): t's significand ends in m = 2q / c, idx = m + 2e (c = 1:
+// 2q; c = 2: q + 2; c = 4: q / 2 + 4), and cb >> 22 = 2 (149 + e), so bits(t) - cb + (cb >> 22) = idx + 298.
+template <class I>
+FP4C_INLINE I e2m1_min6_bits(I yb) {
+  return yb > 0x40C00000 ? I{} + 0x40C00000 : yb;
+}
+template <class I>
+FP4C_INLINE I e2m1_magic_bits(I yb) {
+  const I big = yb > 0x3F800000 ? yb : I{} + 0x3F800000;
+  return (big & 0x7F800000) + (22 << 23);
+}
+template <class U>
+FP4C_INLINE U e2m1_index298(U tbits, U cb) {
+  return tbits - cb + (cb >> 22);
+}
+
 // One candidate (multiplier r, step d) on lanes [o, o + N): its block error (error_term summed in
 // element order, lane by lane) and its codes without signs, eight to a word (element i at bits
 // 4 (i % 8) of word i / 8). The index of a grid value q is bits(q * 2^-126) >> 22 (e2m1_index), whose
@@ -507,17 +536,11 @@ FP4C_INLINE typename Vec<N>::F score(const Tile<BS>& t, int o, typename Vec<N>::
     // e2m1_value on the bits of y = a * r >= +0 (ordered as integers): y' = min(y, 6), then the
     // exponent bits of max(y', 1) plus 22 (c * 2^22); one integer min, max, and, add. Equal to the
     // float selects for every y but NaN (a NaN y comes from a NaN or Inf element: its matrix is flagged).
-    VI yb = (VI)(a * r);
-    yb = yb > 0x40C00000 ? VI{} + 0x40C00000 : yb;
-    const VI big = yb > 0x3F800000 ? yb : VI{} + 0x3F800000;
-    const VI cb = (big & 0x7F800000) + (22 << 23);  // c * 2^22, c = 2^e (e = 0, 1, 2)
+    const VI yb = e2m1_min6_bits((VI)(a * r));
+    const VI cb = e2m1_magic_bits(yb);
     const VF t = (VF)yb + (VF)cb;
     const VF q = t - (VF)cb;
-    // The index without e2m1_index's multiply by 2^-126 (its result for 0.5 is subnormal, and Intel
-    // CPUs take a microcode assist, ~100 cycles, on each one): t = c 2^22 + m c / 2 with m = 2q / c the
-    // low bits of t's significand, and idx = m + 2e (c = 1: 2q; c = 2: q + 2; c = 4: q / 2 + 4). With
-    // cb >> 22 = 2 (149 + e): bits(t) - cb + (cb >> 22) = idx + 298, the 298s taken out once per word.
-    const VU idx = (VU)t - (VU)cb + ((VU)cb >> 22);
+    const VU idx = e2m1_index298((VU)t, (VU)cb);  // idx + 298, the 298s taken out once per word
     const int s = 4 * (i % 8);  // a constant once unrolled
     w[i / 8] = i % 8 == 0 ? idx : (w[i / 8] + (idx << s));
     VF e = q * d - a;
@@ -892,15 +915,22 @@ FP4C_CLONES uint32_t amax_job(const Problem& p, int64_t b, int64_t e0, int64_t e
   return p.dtype == DT_BF16 ? h << 16 : f16_abs_bits_to_f32_bits(h);
 }
 
-// Mismatches of the fast E2M1 path against the predicate sum over the n bit patterns from u0 on (NaNs
-// skipped: a NaN is flagged, its bytes never written).
+// Mismatches of the fast E2M1 paths (the per-lane one and the vector path's integer form, value and
+// index) against the predicate sum over the n bit patterns from u0 on (NaNs skipped: a NaN is flagged,
+// its bytes never written).
 FP4C_CLONES int64_t e2m1_mismatches(uint32_t u0, uint32_t n) {
   int64_t bad = 0;
   for (uint32_t i = 0; i < n; ++i) {
     const uint32_t u = u0 + i;
     const float y = bits_as<float>(u);
     const uint32_t fast = e2m1_index(e2m1_value(__builtin_fabsf(y))) | ((u >> 28) & 8u);
-    bad += (y == y) & (fast != e2m1_spec(y));
+    // the vector path's form (score): the same templates on one lane
+    const int32_t yb = e2m1_min6_bits(int32_t(u & 0x7FFFFFFFu));
+    const int32_t cb = e2m1_magic_bits(yb);
+    const float t = bits_as<float>(yb) + bits_as<float>(cb);
+    const uint32_t vec = (e2m1_index298(bits_as<uint32_t>(t), uint32_t(cb)) - 298u) | ((u >> 28) & 8u);
+    const bool value_ok = t - bits_as<float>(cb) == e2m1_value(__builtin_fabsf(y));
+    bad += (y == y) & ((fast != e2m1_spec(y)) | (vec != e2m1_spec(y)) | !value_ok);
   }
   return bad;
 }
