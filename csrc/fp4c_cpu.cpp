@@ -20,8 +20,16 @@
 // Vector width. The library must run on any x86-64 machine the cache is shared with, so the hot
 // functions are compiled three times (GCC function multiversioning, target_clones): x86-64-v4
 // (AVX-512), x86-64-v3 (AVX2) and the x86-64 baseline (SSE2); the dynamic loader picks one clone per
-// process from the CPU it runs on. All three compute the same IEEE operations, so the bytes never
-// depend on the clone. Elsewhere (aarch64: NEON is baseline) one plain build.
+// process from the CPU it runs on. The scale rules and the encode are written as explicit vectors of
+// the target's width instead (16, 8 or 4 lanes, one set per level, picked once at load: see "explicit
+// vectors" below). All compute the same IEEE operations, so the bytes never depend on the clone or the
+// width. Elsewhere (aarch64: NEON is baseline) one plain build.
+//
+// Subnormals. The kernel runs with FTZ/DAZ off (exact bytes need them), and Intel CPUs take a microcode
+// assist (~100 cycles) on each operation that makes or reads a subnormal; the hot loops make none on
+// ordinary weights (the E2M1 index comes from integer operations, not from a multiply into the
+// subnormal range: that one multiply per element held the search rules to 0.24 GB/s per thread on a
+// Xeon, benchmarks in BENCHMARKS.md "Issue 33").
 //
 // Scale rules. Each rule is one `choose_*` function (a tile's scale bytes and element multipliers)
 // plus one line in rule_table(); the rule codes are fp4convert.reference.SCALE_RULES' order, as the
@@ -409,6 +417,375 @@ constexpr int N_NVFP4_RULES = int(sizeof(NVFP4_RULES) / sizeof(NVFP4_RULES[0]));
 constexpr int N_MXFP4_RULES = int(sizeof(MXFP4_RULES) / sizeof(MXFP4_RULES[0]));
 
 // ------------------------------------------------------------------------------------------------
+// The scale rules and the encode as explicit vectors (the default path)
+// ------------------------------------------------------------------------------------------------
+//
+// A vector holds one value per block: N of a tile's L = 16 lanes (GCC's generic vectors), the tile
+// taken in L / N parts. N is the target's register width, so every operation (the selects of the
+// comparisons included) maps to one instruction: 16 lanes (one zmm register) for x86-64-v4, 8 (ymm)
+// for x86-64-v3, 4 (xmm) for the baseline and for other architectures (NEON); on x86-64 the library
+// holds the three and picks one at load from the CPU (step_table), as the target_clones functions
+// do. Each lane runs the scalar code's IEEE operations in the scalar code's order, so the bytes are
+// the scalar path's and do not depend on N (tests/test_cpu_simd.py builds each width and the scalar
+// path alone and compares them with the reference). What the vector form changes beside the width:
+//  - every per-block step is a vector step too (the E4M3 encode of b6 / b4, the candidates' r = gs / sf
+//    and d = sf / gs as vector divisions: the same IEEE divisions as the per-matrix table);
+//  - one pass per candidate gives both its (weighted) error and its codes: the index comes from the
+//    rounded value's bits (e2m1_index), so the winner's codes are selected lane by lane, not encoded
+//    again; the signs are added once, from y = v * r of the chosen multiplier as in encode();
+//  - a full tile's codes go out as whole vectors (lanes interleaved with shuffles).
+// FP4C_SCALAR_RULES builds the per-lane path instead (choose_* then encode; the tests' yardstick).
+
+template <int N>
+struct Vec {
+  typedef float F __attribute__((vector_size(4 * N)));
+  typedef uint32_t U __attribute__((vector_size(4 * N)));
+  typedef int32_t I __attribute__((vector_size(4 * N)));
+};
+
+#define FP4C_VEC_TYPES                                  \
+  typedef typename Vec<N>::F VF __attribute__((unused)); \
+  typedef typename Vec<N>::U VU __attribute__((unused)); \
+  typedef typename Vec<N>::I VI __attribute__((unused))
+
+template <int N, class T, class P>
+FP4C_INLINE T vload(const P* p) {
+  T v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// e4m3_encode, lane by lane (signed compares: every operand is small and non-negative, and the
+// unsigned ones have no instruction before AVX-512).
+template <int N>
+FP4C_INLINE typename Vec<N>::U e4m3_encode_v(typename Vec<N>::F s) {
+  FP4C_VEC_TYPES;
+  s = s != s ? VF{} : s;
+  s = s > 448.0f ? VF{} + 448.0f : s;
+  const VU b = (VU)s;
+  const VU exp = (b >> 23) & 0xFFu;
+  const VU keep = (b & 0x7FFFFFu) >> 20, rest = b & 0xFFFFFu;
+  const VU up = (rest + 0x7FFFFu + (keep & 1u)) >> 20;  // rest above half, or a tie and keep odd
+  const VU normal = (((exp - 120u) << 3) | keep) + up;
+  const VF t = s * 512.0f;
+  const VI sub = __builtin_convertvector((t + 8388608.0f) - 8388608.0f, VI);
+  const VI code = (VI)exp >= 121 ? (VI)normal : sub;
+  return (VU)(code > 0x7E ? VI{} + 0x7E : code);
+}
+
+// e4m3_decode for bytes 0..0x7E, lane by lane: float(m) * 2^-9, or float(8 + m) * 2^(e - 10).
+template <int N>
+FP4C_INLINE typename Vec<N>::F e4m3_decode_v(typename Vec<N>::U c) {
+  FP4C_VEC_TYPES;
+  const VU e = (c >> 3) & 0xFu, m = c & 7u;
+  const VF sub = __builtin_convertvector((VI)m, VF) * 0x1p-9f;
+  const VF nrm = __builtin_convertvector((VI)(m + 8u), VF) * (VF)((e + 117u) << 23);
+  return (VI)e == 0 ? sub : nrm;
+}
+
+// nvfp4_context's (r, d) of candidate bytes c (0..0x7E): the same divisions, lane by lane.
+template <int N>
+FP4C_INLINE void nvfp4_rd(typename Vec<N>::U c, float gs, typename Vec<N>::F& r, typename Vec<N>::F& d) {
+  FP4C_VEC_TYPES;
+  const VF sf = e4m3_decode_v<N>(c);
+  const VF q = gs / sf;
+  r = sf > 0.0f ? (q > FLT_MAX_F ? VF{} + FLT_MAX_F : q) : VF{};
+  d = sf / gs;
+}
+
+// pow2i lane by lane, for k in [-127, 127].
+template <int N>
+FP4C_INLINE typename Vec<N>::F pow2i_v(typename Vec<N>::I k) {
+  FP4C_VEC_TYPES;
+  return k >= -126 ? (VF)((VU)(k + 127) << 23) : (VF)(VU{} + 0x00400000u);
+}
+
+// e2m1_value and e2m1_index on bits, for y = a * r >= +0 as an integer yb (scalar or vector: the self
+// test runs the same expressions on every fp32 value). min6: min(y, 6) on the bits (equal to the float
+// select for every y but NaN, whose matrix is flagged). magic: c * 2^22 with c the exponent bits of
+// max(y', 1) (c = 2^e, e = 0, 1, 2); t = y' + c 2^22 rounds y' to E2M1's grid, q = t - c 2^22.
+// index298: the index without e2m1_index's multiply by 2^-126, whose result for 0.5 is subnormal (a
+// microcode assist per element on Intel CPUs): t's significand ends in m = 2q / c, idx = m + 2e (c = 1:
+// 2q; c = 2: q + 2; c = 4: q / 2 + 4), and cb >> 22 = 2 (149 + e), so bits(t) - cb + (cb >> 22) = idx + 298.
+template <class I>
+FP4C_INLINE I e2m1_min6_bits(I yb) {
+  return yb > 0x40C00000 ? I{} + 0x40C00000 : yb;
+}
+template <class I>
+FP4C_INLINE I e2m1_magic_bits(I yb) {
+  const I big = yb > 0x3F800000 ? yb : I{} + 0x3F800000;
+  return (big & 0x7F800000) + (22 << 23);
+}
+template <class U>
+FP4C_INLINE U e2m1_index298(U tbits, U cb) {
+  return tbits - cb + (cb >> 22);
+}
+
+// One candidate (multiplier r, step d) on lanes [o, o + N): its block error (error_term summed in
+// element order, lane by lane) and its codes without signs, eight to a word (element i at bits
+// 4 (i % 8) of word i / 8). The index of a grid value q is bits(q * 2^-126) >> 22 (e2m1_index), whose
+// only set bits are idx << 22: one shift moves it to its nibble.
+template <int N, int BS, bool WEIGHTED>
+FP4C_INLINE typename Vec<N>::F score(const Tile<BS>& t, int o, typename Vec<N>::F r, typename Vec<N>::F d,
+                                     typename Vec<N>::U* w) {
+  FP4C_VEC_TYPES;
+  VF err = VF{};
+#pragma GCC unroll 32
+  for (int i = 0; i < BS; ++i) {
+    const VF a = (VF)(vload<N, VU>(&t.v[i][o]) & 0x7FFFFFFFu);
+    // e2m1_value on the bits of y = a * r >= +0 (ordered as integers): y' = min(y, 6), then the
+    // exponent bits of max(y', 1) plus 22 (c * 2^22); one integer min, max, and, add. Equal to the
+    // float selects for every y but NaN (a NaN y comes from a NaN or Inf element: its matrix is flagged).
+    const VI yb = e2m1_min6_bits((VI)(a * r));
+    const VI cb = e2m1_magic_bits(yb);
+    const VF t = (VF)yb + (VF)cb;
+    const VF q = t - (VF)cb;
+    const VU idx = e2m1_index298((VU)t, (VU)cb);  // idx + 298, the 298s taken out once per word
+    const int s = 4 * (i % 8);  // a constant once unrolled
+    w[i / 8] = i % 8 == 0 ? idx : (w[i / 8] + (idx << s));
+    VF e = q * d - a;
+    if (WEIGHTED) e = e * a;
+    const VF sq = e * e;
+    err = i == 0 ? sq : err + sq;
+  }
+  for (int k = 0; k < BS / 8; ++k) w[k] -= 298u * 0x11111111u;
+  return err;
+}
+
+// Words k of lanes interleaved: lo = (a[0], b[0], a[1], b[1], ...) over the first N / 2 lanes, hi the rest.
+template <int N>
+FP4C_INLINE void interleave(typename Vec<N>::U a, typename Vec<N>::U b, typename Vec<N>::U& lo, typename Vec<N>::U& hi) {
+  FP4C_VEC_TYPES;
+  if constexpr (N == 16) {
+    lo = __builtin_shuffle(a, b, VU{0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23});
+    hi = __builtin_shuffle(a, b, VU{8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31});
+  } else if constexpr (N == 8) {
+    lo = __builtin_shuffle(a, b, VU{0, 8, 1, 9, 2, 10, 3, 11});
+    hi = __builtin_shuffle(a, b, VU{4, 12, 5, 13, 6, 14, 7, 15});
+  } else {
+    static_assert(N == 4, "vector width");
+    lo = __builtin_shuffle(a, b, VU{0, 4, 1, 5});
+    hi = __builtin_shuffle(a, b, VU{2, 6, 3, 7});
+  }
+}
+
+// The sign bits of y = v * r (encode's code sign) into lanes [o, o + N)'s codes, then the codes of
+// the lanes below n out (block lane at out + lane * BS / 2).
+template <int N, int BS>
+FP4C_INLINE void finish_codes(const Tile<BS>& t, int o, typename Vec<N>::F r, typename Vec<N>::U* w, uint8_t* out,
+                              int n) {
+  FP4C_VEC_TYPES;
+#pragma GCC unroll 32
+  for (int i = 0; i < BS; ++i) w[i / 8] |= (((VU)(vload<N, VF>(&t.v[i][o]) * r) >> 31) << (4 * (i % 8) + 3));
+  constexpr int W = BS / 8;  // words per block
+  if (o + N <= n) {
+    uint8_t* dst = out + o * (BS / 2);
+    if constexpr (W == 2) {
+      VU lo, hi;
+      interleave<N>(w[0], w[1], lo, hi);
+      memcpy(dst, &lo, sizeof lo);
+      memcpy(dst + sizeof lo, &hi, sizeof hi);
+    } else {  // a 4 x N transpose: (w0, w2) and (w1, w3) pairs, then the pairs interleaved
+      VU a0, a1, b0, b1, o0, o1, o2, o3;
+      interleave<N>(w[0], w[2], a0, a1);
+      interleave<N>(w[1], w[3], b0, b1);
+      interleave<N>(a0, b0, o0, o1);
+      interleave<N>(a1, b1, o2, o3);
+      memcpy(dst, &o0, sizeof o0);
+      memcpy(dst + sizeof o0, &o1, sizeof o1);
+      memcpy(dst + 2 * sizeof o0, &o2, sizeof o2);
+      memcpy(dst + 3 * sizeof o0, &o3, sizeof o3);
+    }
+    return;
+  }
+  uint32_t ws[W][N];
+  for (int k = 0; k < W; ++k) memcpy(ws[k], &w[k], sizeof w[k]);
+  for (int lane = o; lane < n; ++lane)
+    for (int k = 0; k < W; ++k) memcpy(out + lane * (BS / 2) + 4 * k, &ws[k][lane - o], 4);
+}
+
+template <int N>
+FP4C_INLINE void store_bytes(typename Vec<N>::U b, uint8_t* byte) {
+  uint32_t tmp[N];
+  memcpy(tmp, &b, sizeof b);
+  for (int lane = 0; lane < N; ++lane) byte[lane] = uint8_t(tmp[lane]);
+}
+
+// NVFP4, every rule (choose_nvfp4_* and encode), lanes [o, o + N).
+template <int N, int RULE>
+FP4C_INLINE void nvfp4_part(const Tile<16>& t, const Ctx& c, int o, uint8_t* byte, uint8_t* out, int n) {
+  FP4C_VEC_TYPES;
+  const VF gb = c.gs * (VF)vload<N, VU>(&t.bmax[o]);
+  const VU b6 = e4m3_encode_v<N>(gb / 6.0f);
+  VF r, d;
+  nvfp4_rd<N>(b6, c.gs, r, d);
+  VU w[2];
+  VU best = b6;
+  if constexpr (RULE == 0) {
+    score<N, 16, false>(t, o, r, d, w);  // only the codes are kept
+  } else {
+    constexpr bool WEIGHTED = RULE == 3;
+    const VU b4 = e4m3_encode_v<N>(gb / 4.0f);
+    VF r4, d4;
+    nvfp4_rd<N>(b4, c.gs, r4, d4);
+    VU w4[2];
+    VF best_err = score<N, 16, WEIGHTED>(t, o, r, d, w);
+    const VF err4 = score<N, 16, WEIGHTED>(t, o, r4, d4, w4);
+    if constexpr (RULE == 1) {
+      const VI four = err4 < best_err;  // ties keep the /6 scale
+      best = four ? b4 : best, r = four ? r4 : r;
+      w[0] = four ? w4[0] : w[0], w[1] = four ? w4[1] : w[1];
+    } else {
+      // mse / wmse: b6, then b4, then b6 - 1; among equal errors the larger byte. E4M3 encoding is
+      // monotone, so b6 - 1 <= b6 <= b4: a tie goes to b4 (b4 == b6 is one candidate either way), and
+      // b6 - 1 wins only with a strictly lower error (b6 - 1 == b6 only for byte 0).
+      VI take = err4 <= best_err;
+      best = take ? b4 : best, best_err = take ? err4 : best_err, r = take ? r4 : r;
+      w[0] = take ? w4[0] : w[0], w[1] = take ? w4[1] : w[1];
+      const VU bm = (VI)b6 > 0 ? b6 - 1u : VU{};
+      VF rm, dm;
+      nvfp4_rd<N>(bm, c.gs, rm, dm);
+      const VF errm = score<N, 16, WEIGHTED>(t, o, rm, dm, w4);
+      take = errm < best_err;
+      best = take ? bm : best, r = take ? rm : r;
+      w[0] = take ? w4[0] : w[0], w[1] = take ? w4[1] : w[1];
+    }
+  }
+  finish_codes<N, 16>(t, o, r, w, out, n);
+  store_bytes<N>(best, byte + o);
+}
+
+// MXFP4, every rule (choose_mxfp4_* and encode), lanes [o, o + N).
+template <int N, int RULE>
+FP4C_INLINE void mxfp4_part(const Tile<32>& t, const Ctx&, int o, uint8_t* byte, uint8_t* out, int n) {
+  FP4C_VEC_TYPES;
+  const VU bmax = vload<N, VU>(&t.bmax[o]);
+  VI e = (VI)(bmax >> 23) - 2;  // mxfp4_floor_exp
+  e = e < 0 ? VI{} : (e > 254 ? VI{} + 254 : e);
+  VF r = pow2i_v<N>(127 - e);
+  VU w[4];
+  if constexpr (RULE == 0 || RULE == 1) {
+    if constexpr (RULE == 1) {  // rceil: e + 1 (at most 254) when bmax * 2^(127 - e) > 6
+      const VI up = ((VF)bmax * r) > 6.0f;
+      e = up ? (e < 254 ? e + 1 : VI{} + 254) : e;
+      r = pow2i_v<N>(127 - e);
+    }
+    score<N, 32, false>(t, o, r, VF{}, w);  // only the codes are kept
+  } else {
+    constexpr bool WEIGHTED = RULE == 3;
+    const VI e1 = e < 254 ? e + 1 : VI{} + 254;
+    const VF r1 = pow2i_v<N>(127 - e1);
+    VU w1[4];
+    const VF err0 = score<N, 32, WEIGHTED>(t, o, r, pow2i_v<N>(e - 127), w);
+    const VF err1 = score<N, 32, WEIGHTED>(t, o, r1, pow2i_v<N>(e1 - 127), w1);
+    const VI u = err1 < err0;  // ties keep the floor exponent
+    e = u ? e1 : e, r = u ? r1 : r;
+    for (int k = 0; k < 4; ++k) w[k] = u ? w1[k] : w[k];
+  }
+  finish_codes<N, 32>(t, o, r, w, out, n);
+  store_bytes<N>((VU)e, byte + o);
+}
+
+template <int BS>
+using StepFn = void (*)(const Tile<BS>&, const Ctx&, uint8_t* byte, uint8_t* out, int n);
+
+template <int N, int RULE>
+FP4C_INLINE void nvfp4_step(const Tile<16>& t, const Ctx& c, uint8_t* byte, uint8_t* out, int n) {
+  for (int o = 0; o < L; o += N) nvfp4_part<N, RULE>(t, c, o, byte, out, n);
+}
+template <int N, int RULE>
+FP4C_INLINE void mxfp4_step(const Tile<32>& t, const Ctx& c, uint8_t* byte, uint8_t* out, int n) {
+  for (int o = 0; o < L; o += N) mxfp4_part<N, RULE>(t, c, o, byte, out, n);
+}
+
+// The step functions of one width, compiled for one target (ATTR), and their tables.
+#define FP4C_STEPS(SUFFIX, ATTR, N)                                                                                \
+  ATTR void nvfp4_max_##SUFFIX(const Tile<16>& t, const Ctx& c, uint8_t* b, uint8_t* o, int n) {                \
+    nvfp4_step<N, 0>(t, c, b, o, n);                                                                               \
+  }                                                                                                                \
+  ATTR void nvfp4_4over6_##SUFFIX(const Tile<16>& t, const Ctx& c, uint8_t* b, uint8_t* o, int n) {             \
+    nvfp4_step<N, 1>(t, c, b, o, n);                                                                               \
+  }                                                                                                                \
+  ATTR void nvfp4_mse_##SUFFIX(const Tile<16>& t, const Ctx& c, uint8_t* b, uint8_t* o, int n) {                \
+    nvfp4_step<N, 2>(t, c, b, o, n);                                                                               \
+  }                                                                                                                \
+  ATTR void nvfp4_wmse_##SUFFIX(const Tile<16>& t, const Ctx& c, uint8_t* b, uint8_t* o, int n) {               \
+    nvfp4_step<N, 3>(t, c, b, o, n);                                                                               \
+  }                                                                                                                \
+  ATTR void mxfp4_floor_##SUFFIX(const Tile<32>& t, const Ctx& c, uint8_t* b, uint8_t* o, int n) {              \
+    mxfp4_step<N, 0>(t, c, b, o, n);                                                                               \
+  }                                                                                                                \
+  ATTR void mxfp4_rceil_##SUFFIX(const Tile<32>& t, const Ctx& c, uint8_t* b, uint8_t* o, int n) {              \
+    mxfp4_step<N, 1>(t, c, b, o, n);                                                                               \
+  }                                                                                                                \
+  ATTR void mxfp4_mse_##SUFFIX(const Tile<32>& t, const Ctx& c, uint8_t* b, uint8_t* o, int n) {                \
+    mxfp4_step<N, 2>(t, c, b, o, n);                                                                               \
+  }                                                                                                                \
+  ATTR void mxfp4_wmse_##SUFFIX(const Tile<32>& t, const Ctx& c, uint8_t* b, uint8_t* o, int n) {               \
+    mxfp4_step<N, 3>(t, c, b, o, n);                                                                               \
+  }                                                                                                                \
+  constexpr StepFn<16> NVFP4_STEPS_##SUFFIX[] = {nvfp4_max_##SUFFIX, nvfp4_4over6_##SUFFIX, nvfp4_mse_##SUFFIX,   \
+                                                 nvfp4_wmse_##SUFFIX};                                            \
+  constexpr StepFn<32> MXFP4_STEPS_##SUFFIX[] = {mxfp4_floor_##SUFFIX, mxfp4_rceil_##SUFFIX, mxfp4_mse_##SUFFIX,  \
+                                                 mxfp4_wmse_##SUFFIX};
+
+// FP4C_VEC_WIDTH (4, 8 or 16) forces one width (the tests build each); otherwise, where the library
+// has clones, the three x86-64 levels, else the width of the build's own target.
+#if defined(FP4C_VEC_WIDTH)
+FP4C_STEPS(one, , FP4C_VEC_WIDTH)
+#define FP4C_STEP_SETS 0
+#elif FP4C_X86 && defined(__GNUC__) && !defined(__clang__) && !defined(FP4C_NO_CLONES)
+FP4C_STEPS(v4, __attribute__((target("arch=x86-64-v4"))), 16)
+FP4C_STEPS(v3, __attribute__((target("arch=x86-64-v3"))), 8)
+FP4C_STEPS(v1, , 4)
+#define FP4C_STEP_SETS 1
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+FP4C_STEPS(one, , 16)
+#define FP4C_STEP_SETS 0
+#elif defined(__AVX2__)
+FP4C_STEPS(one, , 8)
+#define FP4C_STEP_SETS 0
+#else
+FP4C_STEPS(one, , 4)
+#define FP4C_STEP_SETS 0
+#endif
+
+// The width in use: 16, 8 or 4 lanes (the CPU's x86-64 level, checked once).
+int step_width() {
+#if FP4C_STEP_SETS
+  static const int w = __builtin_cpu_supports("x86-64-v4") ? 16 : __builtin_cpu_supports("x86-64-v3") ? 8 : 4;
+  return w;
+#elif defined(FP4C_VEC_WIDTH)
+  return FP4C_VEC_WIDTH;
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+  return 16;
+#elif defined(__AVX2__)
+  return 8;
+#else
+  return 4;
+#endif
+}
+
+StepFn<16> nvfp4_step_fn(int rule) {
+#if FP4C_STEP_SETS
+  const int w = step_width();
+  return w == 16 ? NVFP4_STEPS_v4[rule] : w == 8 ? NVFP4_STEPS_v3[rule] : NVFP4_STEPS_v1[rule];
+#else
+  return NVFP4_STEPS_one[rule];
+#endif
+}
+StepFn<32> mxfp4_step_fn(int rule) {
+#if FP4C_STEP_SETS
+  const int w = step_width();
+  return w == 16 ? MXFP4_STEPS_v4[rule] : w == 8 ? MXFP4_STEPS_v3[rule] : MXFP4_STEPS_v1[rule];
+#else
+  return MXFP4_STEPS_one[rule];
+#endif
+}
+
+
+
+// ------------------------------------------------------------------------------------------------
 // The per-tile stages every rule shares, compiled per target
 // ------------------------------------------------------------------------------------------------
 
@@ -461,19 +838,26 @@ FP4C_INLINE int64_t scale_index(const Problem& p, int64_t b, int64_t row, int64_
 
 // Quantize blocks [g0, g1) of matrix b with the rule `choose`; returns whether any block was non-finite.
 template <int BS>
-bool quantize_blocks(const Problem& p, const Ctx& ctx, ChooseFn<BS> choose, int64_t b, int64_t g0, int64_t g1) {
+bool quantize_blocks(const Problem& p, const Ctx& ctx, ChooseFn<BS> choose, StepFn<BS> step, int64_t b, int64_t g0,
+                     int64_t g1) {
   const int64_t nb = p.k / BS;
   const int64_t base = b * p.m * nb;  // the matrix's first block
   Tile<BS> t;
   alignas(64) uint8_t byte[L];
-  alignas(64) float r[L];
   uint32_t worst = 0;
   for (int64_t g = g0; g < g1; g += L) {
     const int n = int(std::min<int64_t>(L, g1 - g));
     prepare(t, p.x, p.dtype, p.rotate, base + g, n);
     for (int lane = 0; lane < n; ++lane) worst = std::max(worst, t.bmax[lane]);
+#ifdef FP4C_SCALAR_RULES
+    (void)step;
+    alignas(64) float r[L];
     choose(t, ctx, byte, r);
     encode_tile(t, r, p.packed + (base + g) * (BS / 2), n);
+#else
+    (void)choose;
+    step(t, ctx, byte, p.packed + (base + g) * (BS / 2), n);
+#endif
     if (!p.swizzle) {
       memcpy(p.scale + base + g, byte, size_t(n));
     } else {
@@ -511,8 +895,8 @@ FP4C_INLINE uint32_t max_abs_bits(const T* x, int64_t n) {
 }
 
 bool quantize_job(const Problem& p, const Ctx& ctx, int64_t b, int64_t g0, int64_t g1) {
-  if (p.scheme == NVFP4) return quantize_blocks<16>(p, ctx, NVFP4_RULES[p.rule], b, g0, g1);
-  return quantize_blocks<32>(p, ctx, MXFP4_RULES[p.rule], b, g0, g1);
+  if (p.scheme == NVFP4) return quantize_blocks<16>(p, ctx, NVFP4_RULES[p.rule], nvfp4_step_fn(p.rule), b, g0, g1);
+  return quantize_blocks<32>(p, ctx, MXFP4_RULES[p.rule], mxfp4_step_fn(p.rule), b, g0, g1);
 }
 
 bool has_rule(int scheme, int rule) {
@@ -531,15 +915,22 @@ FP4C_CLONES uint32_t amax_job(const Problem& p, int64_t b, int64_t e0, int64_t e
   return p.dtype == DT_BF16 ? h << 16 : f16_abs_bits_to_f32_bits(h);
 }
 
-// Mismatches of the fast E2M1 path against the predicate sum over the n bit patterns from u0 on (NaNs
-// skipped: a NaN is flagged, its bytes never written).
+// Mismatches of the fast E2M1 paths (the per-lane one and the vector path's integer form, value and
+// index) against the predicate sum over the n bit patterns from u0 on (NaNs skipped: a NaN is flagged,
+// its bytes never written).
 FP4C_CLONES int64_t e2m1_mismatches(uint32_t u0, uint32_t n) {
   int64_t bad = 0;
   for (uint32_t i = 0; i < n; ++i) {
     const uint32_t u = u0 + i;
     const float y = bits_as<float>(u);
     const uint32_t fast = e2m1_index(e2m1_value(__builtin_fabsf(y))) | ((u >> 28) & 8u);
-    bad += (y == y) & (fast != e2m1_spec(y));
+    // the vector path's form (score): the same templates on one lane
+    const int32_t yb = e2m1_min6_bits(int32_t(u & 0x7FFFFFFFu));
+    const int32_t cb = e2m1_magic_bits(yb);
+    const float t = bits_as<float>(yb) + bits_as<float>(cb);
+    const uint32_t vec = (e2m1_index298(bits_as<uint32_t>(t), uint32_t(cb)) - 298u) | ((u >> 28) & 8u);
+    const bool value_ok = t - bits_as<float>(cb) == e2m1_value(__builtin_fabsf(y));
+    bad += (y == y) & ((fast != e2m1_spec(y)) | (vec != e2m1_spec(y)) | !value_ok);
   }
   return bad;
 }
@@ -687,6 +1078,15 @@ extern "C" {
 int fp4c_cpu_abi_version(void) { return FP4C_CPU_ABI; }
 
 int fp4c_cpu_has_rule(int scheme, int rule) { return has_rule(scheme, rule) ? 1 : 0; }
+
+// Lanes per vector of the scale rules' path in use (16, 8 or 4; 0: the per-lane FP4C_SCALAR_RULES build).
+int fp4c_cpu_vector_width(void) {
+#ifdef FP4C_SCALAR_RULES
+  return 0;
+#else
+  return step_width();
+#endif
+}
 
 // amax per matrix of a contiguous [batch, m, k] input (reference.tensor_amax): out[b] = max |x|
 // (of the Had16-rotated values when rotate), as fp32; NaN and Inf propagate (a NaN wins over Inf).
