@@ -17,7 +17,7 @@ import torch
 
 from fp4convert import cpu_kernel, jit
 from fp4convert import reference as ref
-from fp4convert.swizzle import swizzle_scales
+from fp4convert.numerics.swizzle import swizzle_scales
 
 from .oracle import fresh_seed, random_weight
 from .test_cpu import rule_weight
