@@ -15,8 +15,9 @@ import ctypes
 import pytest
 import torch
 
-from fp4convert import cpu_kernel, jit
-from fp4convert import reference as ref
+from fp4convert.kernels import cpu_lib as cpu_kernel
+from fp4convert.kernels import jit
+from fp4convert.numerics import reference as ref
 from fp4convert.numerics.swizzle import swizzle_scales
 
 from .oracle import fresh_seed, random_weight
