@@ -16,8 +16,15 @@ a. every quantized matrix is a matmul weight quantized along its input axis: its
 b. no embedding, convolution, norm, router or position table is quantized;
 c. at least 95% of the loaded model's linear parameters (``nn.Linear`` and ``Conv1D`` weights, 3-D
    expert stacks) are quantized, outside the documented keep rules (docs/formats.md: the output head,
-   vision/audio towers, multimodal projectors, routers, in-features that are not a multiple of the
-   block size);
+   what lies outside a multimodal model's language model, multimodal projectors, routers, in-features
+   that are not a multiple of the block size);
+e. a model with a language model beside other parts (VLMs, audio LMs, omni models, Whisper): the
+   language model the plan names contains the decoder transformers exposes (``get_decoder()``); no
+   quantized weight lies outside it (every module built from a vision/audio/... sub-config, every
+   encoder ``get_encoder()`` returns for another modality, every connector stays unquantized) unless in
+   a text sub-model of its own; every linear inside it is quantized or kept by a documented rule (c);
+   routers (a Linear whose output its holder's forward feeds to a top-k/softmax, ``modelparts.
+   routing_linears``) are never quantized;
 d. transformers loads the output (compressed-tensors, ``dequantize=True``) with no missing,
    unexpected or mismatched keys beyond those of loading the bf16 source the same way.
 
@@ -497,17 +504,21 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
         if c[0] in c_params and id(c[1]) not in seen_ids:
             seen_ids.add(id(c[1]))
             unique.append(c)
-    # Towers are kept beside a language model; a model that is nothing but its audio/vision encoder is
-    # quantized like any model (docs/formats.md).
+    # A multimodal model's language model is quantized, the rest kept (docs/formats.md); a model with no language
+    # model beside other parts (an encoder, a dual encoder, a CTC speech model) is quantized whole.
     base = c_model.base_model_prefix
-    towers_beside_lm = any(not _in_tower(n, c_modules, base) and id(m) not in heads for _, _, n, m, _ in unique)
+    lm_root = definition.language_model if definition is not None else None
+    by_disk = plan.by_name
     missing_in_source = set(map(str, src_info.get("missing_keys") or ()))
     eligible: dict[str, int] = {}
     kept_by_rule: dict[str, int] = {}
     for pname, p, name, mod, in_size in unique:
         if pname in missing_in_source:  # transformers does not load it from the bf16 source either
             continue
-        rule = _kept_by_rule(name, mod, c_modules, heads, int(in_size), towers_beside_lm, base) \
+        disk = by_disk.get(on_disk.get(pname, ""))
+        outside = lm_root is not None and disk is not None and "outside the language model" in disk.reason
+        rule = ("outside the language model" if outside else None) \
+            or _kept_by_rule(name, mod, c_modules, heads, int(in_size), False, base) \
             or ct.kept_rule(pname, mod, p, on_disk.get(pname), cfg_json)
         (kept_by_rule if rule else eligible)[pname] = p.numel()
     total = sum(eligible.values())
@@ -519,6 +530,9 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
         missing = sorted((v, n) for n, v in eligible.items() if q_params.get(n, 0) < v)[::-1]
         fail(f"c: {share:.1%} of linear parameters quantized (< {SHARE:.0%})",
              ", ".join(n for _, n in missing[:8]))
+
+    # e. the language model of a multimodal model, checked against transformers' own accessors
+    _check_language_model(model, definition, lm_root, q_params, matrices, plan, fail, rec)
 
     # d. transformers loads the output with no more missing/unexpected/mismatched keys than the source, except
     # the parameters no FP4 form of which it can load (shown by ``_CtLoader.no_fp4_form`` from its loader);
@@ -570,6 +584,73 @@ def _check(built, root: Path, rec: dict, t0: float) -> dict:
     rec.update(status="failed" if failures else "passed", quantized=len(quantized),
                seconds=round(time.perf_counter() - t0, 2))
     return rec
+
+
+def _under(path: str, root: str) -> bool:
+    return root == "" or path == root or path.startswith(root + ".")
+
+
+def _other_modality_modules(model) -> dict[str, str]:
+    """path -> sub-config key of every module built from a sub-config of another modality (its ``config`` is
+    ``config.<key>`` for a key naming vision/audio/image/video/speech), and the encoders transformers'
+    ``get_encoder(modality)`` returns."""
+    from transformers import PretrainedConfig
+
+    top = model.config
+    keys = {id(getattr(top, k)): k for k in (getattr(top, "sub_configs", None) or {})
+            if re.search(r"vision|visual|audio|image|video|speech", k) and isinstance(getattr(top, k, None),
+                                                                                         PretrainedConfig)}
+    out = {p: keys[id(m.config)] for p, m in model.named_modules()
+           if p and isinstance(getattr(m, "config", None), PretrainedConfig) and id(m.config) in keys}
+    inv = {id(m): p for p, m in model.named_modules()}
+    for modality in ("image", "audio"):
+        try:
+            enc = model.get_encoder(modality=modality)
+        except Exception:  # noqa: BLE001
+            continue
+        if enc is not model and enc is not getattr(model, "base_model", None) and inv.get(id(enc)):
+            out.setdefault(inv[id(enc)], f"get_encoder({modality!r})")
+    return out
+
+
+def _check_language_model(model, definition, lm_root, q_params: dict, matrices: dict, plan, fail, rec: dict) -> None:
+    """Assertion e (see the module docstring)."""
+    from fp4convert.plan import parts as modelparts
+
+    modules = dict(model.named_modules(remove_duplicate=False))
+    routers = modelparts.routing_linears(modules)
+    role = definition.role if definition is not None else (lambda _n: None)
+    for mod_out, (src_name, _m) in matrices.items():
+        r = role(src_name)
+        if r is not None and r.module in routers:
+            fail("e: a router (its output feeds a routing decision) is quantized", f"{src_name}: {routers[r.module]}")
+    rec["language_model"] = lm_root
+    if lm_root is None:
+        return
+    if lm_root and lm_root not in modules:
+        fail("e: the language model is not a module of the model", lm_root)
+        return
+    inv = {id(m): p for p, m in modules.items()}
+    try:
+        dec = inv.get(id(model.get_decoder()))
+    except Exception:  # noqa: BLE001
+        dec = None
+    if dec is not None and not _under(dec, lm_root):
+        fail("e: the language model does not contain transformers' get_decoder()", f"{lm_root} vs {dec}")
+    others = {p: k for p, k in _other_modality_modules(model).items() if not _under(lm_root, p)}
+    text_subs = [p for p, m in modules.items() if p and modelparts._token_input(m) and not _under(p, lm_root)
+                 and not any(_under(p, o) for o in others)]
+    for p in q_params:
+        path = p.rpartition(".")[0]
+        other = next((o for o in others if _under(path, o)), None)
+        if other is not None:
+            fail("e: quantized inside a part of another modality", f"{p} in {other} ({others[other]})")
+        elif not _under(path, lm_root) and not any(_under(path, t) for t in text_subs):
+            fail("e: quantized outside the language model", f"{p} (language model {lm_root or '(the model)'})")
+    for d in plan.decisions:
+        if d.action == "keep" and "outside the language model" in d.reason and role(d.name) is not None \
+                and role(d.name).module_class != "-" and role(d.name).module_class not in d.reason:
+            fail("e: a module kept outside the language model without its class in the reason", d.name)
 
 
 # --- pytest ------------------------------------------------------------------------------------------
@@ -669,7 +750,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--root", type=Path, default=None, help="build/output folder (default: a temp dir)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes side by side")
     ap.add_argument("--part", default=None, help=argparse.SUPPRESS)  # a worker
-    ap.add_argument("--json", type=Path, default=Path(__file__).parents[1] / "benchmarks/results/model_sweep.json")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="where to write the record (default: benchmarks/results/model_sweep.json for a full sweep)")
     args = ap.parse_args(argv)
     root = args.root or _root()
     types = args.types or tiny_configs.model_types()
@@ -704,9 +786,10 @@ def main(argv: list[str]) -> int:
                "outcomes": {r["model_type"]: r for r in recs}}
     print(f"sweep: {len(recs)} model types, {summary['swept']} swept ({counts['passed']} passed, "
           f"{counts['failed']} failed), {counts['skipped']} skipped, {summary['seconds']} s with {args.jobs} jobs")
-    if not args.types:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    out = args.json or (None if args.types else Path(__file__).parents[1] / "benchmarks/results/model_sweep.json")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     return 0
 
 

@@ -46,6 +46,8 @@ SIZES: dict[str, int] = {
     "image_size": 32, "patch_size": 8,
     "first_k_dense_replace": 1, "num_nextn_predict_layers": 0,
     "emb_dim": 64, "n_layers": 2, "n_heads": 4, "dim": 64, "hidden_dim": 128, "embedding_size": 64,
+    # Gemma 3n / Gemma 4: no KV sharing across 2 layers, small per-layer embeddings
+    "num_kv_shared_layers": 0, "vocab_size_per_layer_input": 512, "hidden_size_per_layer_input": 32,
 }
 # Left None by some defaults for the model to derive from sizes this module changes: set too.
 DERIVED = {"head_dim", "num_key_value_heads", "moe_intermediate_size", "intermediate_size", "num_experts_per_tok"}

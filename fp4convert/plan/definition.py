@@ -33,7 +33,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fp4convert.errors import DefinitionUnknown
 
@@ -44,9 +44,9 @@ log = logging.getLogger(__name__)
 
 LINEAR, EXPERTS, KEPT = "linear", "experts", "kept"
 
-# Sub-models and modules kept by a documented rule (docs/formats.md "Which tensors are quantized"):
-# engines build vision/audio towers and multimodal projectors unquantized.
-_TOWER_RX = re.compile(r"Vision|Visual|Audio|Speech|Image|Video|Siglip|Clip", re.IGNORECASE)
+# Modules kept by a documented rule (docs/formats.md "Which tensors are quantized"): what lies outside a
+# model's language model is decided by :mod:`fp4convert.plan.parts` from the definition; multimodal projector
+# classes are kept wherever they sit.
 _PROJECTOR_RX = re.compile(r"MultiModal|Multimodal|Projector|Embedder|PatchMerger", re.IGNORECASE)
 _ROUTER_LEAVES = {"gate", "router", "shared_expert_gate", "router_proj"}
 # A router class: MixtralTopKRouter, DbrxRouter, JetMoeTopKGating (not one that merely gates something:
@@ -98,6 +98,11 @@ class Definition:
     notes: list[str] = field(default_factory=list)
     # why transformers cannot load a compressed-tensors checkpoint of this model at all ("" when it can)
     transformers_cannot_load: str = ""
+    # the language model's root module ("" the model itself); None: no language model beside other parts,
+    # the model is quantized whole (docs/formats.md "Which tensors are quantized")
+    language_model: str | None = None
+    # parts transformers could not build here, and the packages that would let it ("" when none)
+    unbuilt: str = ""
 
     @property
     def source(self) -> str:
@@ -147,6 +152,7 @@ def _cache_key(model_config: dict, tensors: list[TensorInfo]) -> str | None:
         h.update(json.dumps(sorted((t.name, list(t.shape)) for t in tensors)).encode())
         h.update(version.encode())
         h.update(Path(__file__).read_bytes())
+        h.update(Path(__file__).with_name("parts.py").read_bytes())
         return h.hexdigest()
     except Exception:  # noqa: BLE001 - no cache then (odd values, no transformers metadata)
         return None
@@ -202,14 +208,16 @@ def _build_in_child(model_config: dict, tensors: list[TensorInfo]) -> Definition
 def _to_json(d: Definition) -> dict:
     return {"model_class": d.model_class, "transformers_version": d.transformers_version, "heads": list(d.heads),
             "head_on_disk": d.head_on_disk, "roles": {n: asdict(r) for n, r in d.roles.items()},
-            "transformers_cannot_load": d.transformers_cannot_load}
+            "transformers_cannot_load": d.transformers_cannot_load, "language_model": d.language_model,
+            "unbuilt": d.unbuilt}
 
 
 def _from_json(obj: dict) -> Definition:
     roles = {n: Role(**{**r, "also": tuple(r.get("also") or ()),
                         "names": tuple(r["names"]) if r.get("names") else None}) for n, r in obj["roles"].items()}
     return Definition(obj["model_class"], obj["transformers_version"], roles, tuple(obj["heads"]),
-                      bool(obj["head_on_disk"]), transformers_cannot_load=obj.get("transformers_cannot_load", ""))
+                      bool(obj["head_on_disk"]), transformers_cannot_load=obj.get("transformers_cannot_load", ""),
+                      language_model=obj.get("language_model"), unbuilt=obj.get("unbuilt", ""))
 
 
 def _child_main() -> None:
@@ -286,13 +294,29 @@ def _load(model_config: dict, tensors: list[TensorInfo]) -> Definition:
     cls = _model_class(transformers, config, archs or [])
     if cls is None:
         raise Unknown(f"transformers {transformers.__version__} has no model class for {archs or mt}")
+    from fp4convert.plan import parts as modelparts
+
+    unbuilt: dict[str, str] = {}
     try:
         with torch.device("meta"):
             model = cls(config)
+    except ImportError as exc:  # an optional package of one part is missing (Gemma 3n's timm vision tower)
+        # build what can be built: the parts whose package is missing become empty placeholders
+        try:
+            with torch.device("meta"), modelparts.build_without_unbuildable_parts() as b:
+                model = cls(config)
+        except Exception as exc2:  # noqa: BLE001
+            need = modelparts.missing_packages(exc2) or modelparts.missing_packages(exc)
+            raise Unknown(f"transformers cannot build {cls.__name__} from this config.json without "
+                          + (f"{', '.join(need)} (pip install {' '.join(need)})" if need else
+                             f"an optional package ({_one_line(exc)})")) from exc2
+        unbuilt = {p: f"{b.unbuilt[id(m)][0]}, which transformers cannot build without {b.unbuilt[id(m)][1]} "
+                      f"(pip install {b.unbuilt[id(m)][1].replace(', ', ' ')})"
+                   for p, m in model.named_modules() if id(m) in b.unbuilt}
     except Exception as exc:  # noqa: BLE001
         raise Unknown(f"transformers cannot build {cls.__name__} from this config.json "
                       f"({type(exc).__name__}: {_one_line(exc)})") from exc
-    return _definition(model, tensors, transformers.__version__, model_config)
+    return _definition(model, tensors, transformers.__version__, model_config, unbuilt)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -315,9 +339,9 @@ def _model_class(transformers, config, archs: list[str]):
     return None
 
 
-def _definition(model, tensors: list[TensorInfo], version: str, model_config: dict | None = None) -> Definition:
+def _definition(model, tensors: list[TensorInfo], version: str, model_config: dict | None = None,
+                unbuilt: dict[str, str] | None = None) -> Definition:
     import torch.nn as nn
-    from transformers import PreTrainedModel
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key
     from transformers.pytorch_utils import Conv1D
@@ -328,26 +352,44 @@ def _definition(model, tensors: list[TensorInfo], version: str, model_config: di
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))
     modules = dict(model.named_modules(remove_duplicate=False))
-    # Vision/audio sub-models; never the base model itself (Higgs-Audio-V2's language model is a
-    # HiggsAudioV2Model: "Audio" in its name, but it is the model, not a tower beside one).
-    towers = [p for p, m in modules.items() if p and p != model.base_model_prefix and isinstance(m, PreTrainedModel)
-              and _TOWER_RX.search(type(m).__name__)]
+    from fp4convert.plan import parts as modelparts
+
+    unbuilt = unbuilt or {}
+    try:
+        mparts = modelparts.find_parts(model, modules, unbuilt)
+    except Exception as exc:  # noqa: BLE001 - say why, rather than plan a multimodal model wrongly
+        raise Unknown(f"the language model of {type(model).__name__} could not be found from its definition "
+                      f"({type(exc).__name__}: {_one_line(exc)})") from exc
     heads = _heads(model, modules)
 
     mapped = []  # (info, target, pattern) for every tensor a parameter of the model loads
     roles: dict[str, Role] = {}
     for info in tensors:
         target, pattern = rename_source_key(info.name, renamings, converters, model.base_model_prefix, params)
-        if target not in params:
+        gap = next((p for p in unbuilt if target.startswith(p + ".")), None)
+        if target not in params and gap is not None:  # a part transformers could not build here
+            roles[info.name] = Role(KEPT, _module_of(target), "-", f"{mparts.outside(gap) or gap}; not built here: "
+                                    f"{unbuilt[gap]}")
+        elif target not in params:
             roles[info.name] = Role(KEPT, _module_of(target), "-", f"not a parameter of {type(model).__name__} "
                                     "(transformers ignores it when loading)", absent=True)
         else:
             mapped.append((info, target, pattern))
-    if towers and not _beside_a_language_model(mapped, modules, towers, heads, nn, Conv1D):
-        towers = []  # the audio/vision model on its own (a CTC speech encoder): it is the model, not a tower
+    if mparts.language_model is not None and not all(_matmul_in_language_model(mapped, modules, mparts, heads, nn,
+                                                                             Conv1D, inside) for inside in (True, False)):
+        # nothing but encoders and heads (a CTC speech encoder): the model itself, quantized whole; or nothing to
+        # keep outside the language model (T5, T5Gemma: text encoders are part of it): the same, said as before
+        mparts = modelparts.Parts(None, classes=mparts.classes)
+    try:
+        routers = modelparts.routing_linears(modules)
+    except Exception as exc:  # noqa: BLE001 - the name and class rules for routers still apply
+        log.warning("routers by role not found for %s (%s): name and class rules only", type(model).__name__, exc)
+        routers = {}
+    facts = _ModelFacts(heads, mparts, routers, nn, Conv1D, None, model_config)
     # The model transformers builds to load OUR compressed-tensors output, and the key routing of that load
     # (before ``model`` is patched in place: ``params`` and ``modules`` above keep the bf16 model's objects).
     fp4 = _Fp4Loader.build(model, version)
+    facts = replace(facts, fp4=fp4)
     for info, target, pattern in mapped:
         name = info.name
         path, _, leaf = target.rpartition(".")
@@ -359,8 +401,8 @@ def _definition(model, tensors: list[TensorInfo], version: str, model_config: di
         parts = path.split(".")
         ancestors = [(a, type(modules[a]).__name__) for a in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
                      if a in modules]
-        role = _role(name, target, path, leaf, mod, cname, info, params[target], axes, converter, pattern,
-                     towers, heads, nn, Conv1D, ancestors, fp4, model_config)
+        role = _role(_TensorFacts(name, path, leaf, mod, cname, info, params[target], axes, converter,
+                                  tuple(ancestors)), facts)
         if converter is not None and len(converter.target_patterns) > 1 and pattern is not None:
             first = converter.target_patterns[0]
             also = tuple(_module_of(target.replace(first, t, 1)) for t in converter.target_patterns[1:] if first in target)
@@ -372,9 +414,11 @@ def _definition(model, tensors: list[TensorInfo], version: str, model_config: di
     if whole:  # transformers reads no compressed-tensors checkpoint of this model: write what vLLM reads
         roles = {n: (replace(r, kind=LINEAR, why="", tf_fp4=whole) if r.kind == KEPT and r.tf_fp4 else
                      replace(r, tf_fp4=r.tf_fp4 or whole) if r.kind != KEPT else r) for n, r in roles.items()}
-    on_disk = {r.module for r in roles.values()}
+    # a head counts as on disk only through its weight (a tied head's bias or norm on disk builds no weight)
+    on_disk = {r.module for n, r in roles.items() if n.endswith("weight")}
+    unbuilt_note = "; ".join(f"{p} ({why})" for p, why in unbuilt.items())
     return Definition(type(model).__name__, version, roles, heads, head_on_disk=any(h in on_disk for h in heads),
-                      transformers_cannot_load=whole)
+                      transformers_cannot_load=whole, language_model=mparts.language_model, unbuilt=unbuilt_note)
 
 
 def _whole_model_unloadable(fp4: _Fp4Loader | None, roles: dict[str, Role]) -> str:
@@ -401,15 +445,17 @@ def _whole_model_unloadable(fp4: _Fp4Loader | None, roles: dict[str, Role]) -> s
     return ""
 
 
-def _beside_a_language_model(mapped, modules: dict, towers: list[str], heads: tuple[str, ...], nn, Conv1D) -> bool:
-    """Whether some matmul weight on disk lies outside every vision/audio tower (and is not an output head).
+def _matmul_in_language_model(mapped, modules: dict, parts, heads: tuple[str, ...], nn, Conv1D,
+                              inside: bool = True) -> bool:
+    """Whether some matmul weight on disk lies inside (``inside``) or outside the language model (an output
+    head counts as neither).
 
-    The tower rule keeps a tower that sits beside a language model (engines build it unquantized); a
-    checkpoint that holds nothing else (GraniteSpeech5ForCTC: an audio encoder and a CTC head tied to it)
-    is that model itself, and its matmul weights are quantized like any model's."""
+    Parts are kept beside a language model (engines build them unquantized); a checkpoint that holds nothing
+    else (GraniteSpeech5ForCTC: an audio encoder and a CTC head tied to it) is that model itself, and its
+    matmul weights are quantized like any model's."""
     for _, target, _ in mapped:
         path = target.rpartition(".")[0]
-        if path in heads or any(path == t or path.startswith(t + ".") for t in towers):
+        if path in heads or (parts.outside(path) is None) != inside:
             continue
         mod = modules.get(path)
         if isinstance(mod, (nn.Linear, Conv1D)) or hasattr(mod, "is_transposed"):
@@ -572,18 +618,50 @@ def _disk_axes(converter, disk_shape: tuple[int, ...], param_shape: tuple[int, .
     return axes
 
 
-def _role(name, target, path, leaf, mod, cname, info, param, axes, converter, pattern, towers, heads, nn, Conv1D,
-          ancestors: list[tuple[str, str]], fp4: _Fp4Loader | None = None, model_config: dict | None = None) -> Role:
+@dataclass(frozen=True, eq=False)
+class _TensorFacts:
+    """One on-disk tensor and the parameter it loads into (what :func:`_role` decides from)."""
+
+    name: str  # on disk
+    path: str  # the module, as transformers builds it
+    leaf: str  # the parameter's name in that module
+    mod: Any
+    cname: str
+    info: Any  # TensorInfo
+    param: Any
+    axes: list | None  # the disk axis of each parameter axis (``_disk_axes``)
+    converter: Any
+    ancestors: tuple[tuple[str, str], ...]  # (path, class) of every enclosing module, outermost first
+
+
+@dataclass(frozen=True, eq=False)
+class _ModelFacts:
+    """What :func:`_role` needs to know of the whole model."""
+
+    heads: tuple[str, ...]
+    parts: Any  # modelparts.Parts: the language model and what lies outside it
+    routers: dict[str, str]  # Linear path -> why its output routes (modelparts.routing_linears)
+    nn: Any
+    Conv1D: Any
+    fp4: _Fp4Loader | None
+    model_config: dict | None
+
+
+def _role(t: _TensorFacts, mf: _ModelFacts) -> Role:
+    name, path, leaf, mod, cname, info, param = t.name, t.path, t.leaf, t.mod, t.cname, t.info, t.param
+    axes, converter, ancestors = t.axes, t.converter, t.ancestors
+    heads, nn, Conv1D, fp4, model_config = mf.heads, mf.nn, mf.Conv1D, mf.fp4, mf.model_config
+
     def kept(why: str) -> Role:
         return Role(KEPT, path, cname, why)
 
     if leaf.endswith("bias") or leaf in ("e_score_correction_bias",):
         return kept(f"bias of {cname}")
-    tower = next((t for t in towers if path == t or path.startswith(t + ".")), None)
-    if tower is not None:
-        return kept(f"vision/audio tower ({tower}: engines build it unquantized)")
     if path in heads:
         return kept(f"output projection ({cname} {path}: kept like the embeddings it is often tied to)")
+    outside = mf.parts.outside(path)
+    if outside is not None:
+        return kept(outside)
     if isinstance(mod, nn.Embedding) or "Embedding" in cname:
         return kept(f"embedding ({cname})")
     if isinstance(mod, Conv1D):
@@ -607,7 +685,12 @@ def _role(name, target, path, leaf, mod, cname, info, param, axes, converter, pa
                        if a.rpartition(".")[2] in _ROUTER_LEAVES), None)
     if router is not None:
         return kept(f"MoE router ({router})")
-    projector = next((c for _, c in ancestors if _PROJECTOR_RX.search(c)), None)
+    if path in mf.routers:  # by role: its output feeds a routing decision (Gemma 3n's altup.modality_router)
+        return kept(f"router ({cname} {path}; {mf.routers[path]})")
+    # a projector class in a model without a language model beside other parts (with one, what lies outside it
+    # was decided above, and Phi4MultimodalDecoderLayer is inside it)
+    projector = next((c for _, c in ancestors if _PROJECTOR_RX.search(c)), None) \
+        if mf.parts.language_model is None else None
     if projector is not None:
         return kept(f"multimodal projector/embedder ({projector}: engines build it unquantized)")
     if axes is None:

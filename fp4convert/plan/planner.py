@@ -193,8 +193,11 @@ class Knowledge:
 
     def describe(self) -> dict:
         if self.definition is not None:
+            lm = getattr(self.definition, "language_model", None)
             return {"source": "model definition", "transformers": self.definition.transformers_version,
-                    "model_class": self.definition.model_class}
+                    "model_class": self.definition.model_class,
+                    # a multimodal model: the module whose linears are quantized (docs/formats.md)
+                    **({"language_model": lm or "(the model)"} if lm is not None else {})}
         return {"source": "name rules", "why": self.why}
 
     def layout(self, name: str, shape: tuple[int, ...]) -> arch.ExpertLayout | None:
@@ -259,8 +262,8 @@ class Knowledge:
 
     def missing_heads(self, decisions: list[Decision]) -> list[str]:
         """Output heads transformers builds with no tensor on disk (tied to the embeddings)."""
-        if self.definition is not None:
-            on_disk = {(self.definition.role(d.name) or _NO_ROLE).module for d in decisions}
+        if self.definition is not None:  # a tied head's bias or norm on disk builds no weight: only weights count
+            on_disk = {(self.definition.role(d.name) or _NO_ROLE).module for d in decisions if d.name.endswith("weight")}
             return [h for h in self.definition.heads if h not in on_disk]
         if arch.tied_lm_head(self.cfg) and not any(d.module.endswith("lm_head") for d in decisions):
             return ["lm_head"]
@@ -499,6 +502,9 @@ def _plan_notes(decisions: list[Decision], knowledge: Knowledge, fmt: str = "") 
                        f"is for vLLM (whose loader reads them) and not for transformers: {unloadable[0][1]}; "
                        f"{some([n for n, _ in unloadable])}")
 
+    if knowledge.definition is not None and knowledge.definition.unbuilt:
+        out.append(f"transformers built {knowledge.definition.model_class} here without {knowledge.definition.unbuilt}; "
+                   "the tensors of that part are kept (it lies outside the language model)")
     if knowledge.definition is None:
         unknown = [d.name for d in decisions if d.reason == UNKNOWN_ROLE]
         out.append(f"planned from tensor names, not from the model definition ({knowledge.why}): check the plan "
