@@ -106,6 +106,7 @@ class OutputFormat:
     packed_suffix, scale_suffix, global_suffix = ".weight_packed", ".weight_scale", ".weight_global_scale"
     input_suffix = ""  # W4A4: the static activation scale's suffix ("" where the format has none)
     activation_modes: tuple[str, ...] = ()  # --activations it can write besides "none" (the engines' W4A4 conventions)
+    transformers_loads = False  # transformers loads its outputs (the plan then says what it cannot load of a model)
 
     def __init__(self, activations: str = "none") -> None:
         """``activations``: the W4A4 activation quantization this writer's outputs carry ("none": weight-only;

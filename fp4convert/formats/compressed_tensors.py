@@ -44,6 +44,7 @@ def hadamard16_bf16_bytes() -> bytes:
 class CompressedTensorsFormat(OutputFormat):
     name = "compressed-tensors"
     swizzled = False
+    transformers_loads = True  # with compressed-tensors installed: CompressedTensorsConfig decompresses at load
     activation_modes = ("nvfp4", "mxfp4")  # NVFP4: a static input_global_scale per linear; MXFP4: dynamic
     input_suffix = ".input_global_scale"  # W4A4 NVFP4: the activation ENCODE scale, F32 [1] like weight_global_scale
     transform_scheme = "had16"

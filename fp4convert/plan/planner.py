@@ -465,7 +465,7 @@ def make_plan(
     check_collisions(decisions)
     plan = Plan(decisions, {g: m for g, m in groups.items()}, layout_shards(decisions, config.max_shard_size), config,
                 knowledge=knowledge)
-    plan.warnings += _plan_notes(decisions, knowledge, config.format) + group_warnings
+    plan.warnings += _plan_notes(decisions, knowledge, fmt.transformers_loads) + group_warnings
     if not any(d.action == QUANTIZE for d in decisions):
         plan.warnings.insert(0, "no tensor is quantized: check --only / --ignore and the checkpoint's layer names")
     return plan
@@ -478,16 +478,16 @@ def _in_features(info: TensorInfo, knowledge: Knowledge) -> int | tuple:
     return tuple(info.shape[1:])
 
 
-def _plan_notes(decisions: list[Decision], knowledge: Knowledge, fmt: str = "") -> list[str]:
+def _plan_notes(decisions: list[Decision], knowledge: Knowledge, transformers_loads: bool = False) -> list[str]:
     """Warnings every run repeats: roles from name rules (and what they could not place), linear layers
-    kept for their in-features, a split-less expert stack kept whole, and (compressed-tensors) quantized
-    weights transformers cannot load."""
+    kept for their in-features, a split-less expert stack kept whole, and (for a format transformers
+    loads, ``OutputFormat.transformers_loads``) quantized weights transformers cannot load."""
     out = []
 
     def some(names: list[str]) -> str:
         return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
 
-    if fmt == "compressed-tensors":
+    if transformers_loads:
         unloadable = [(d.name, knowledge.transformers_cannot_load(d.name)) for d in decisions if d.action == QUANTIZE]
         unloadable = [(n, why) for n, why in unloadable if why]
         whole = knowledge.definition.transformers_cannot_load if knowledge.definition is not None else ""
