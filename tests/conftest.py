@@ -118,6 +118,18 @@ def _definition_cache(tmp_path_factory):
         os.environ["FP4CONVERT_DEFINITION_CACHE"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _calibration_cache(tmp_path_factory):
+    """Kept calibration results (fp4convert.calibrate.keep) per test session, not in the user's cache."""
+    old = os.environ.get("FP4CONVERT_CALIBRATION_CACHE")
+    os.environ["FP4CONVERT_CALIBRATION_CACHE"] = str(tmp_path_factory.mktemp("calibration"))
+    yield
+    if old is None:
+        os.environ.pop("FP4CONVERT_CALIBRATION_CACHE", None)
+    else:
+        os.environ["FP4CONVERT_CALIBRATION_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def cli_procs(tmp_path_factory):
     procs = CliProcs(tmp_path_factory.mktemp("procs"))

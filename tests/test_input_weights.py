@@ -157,16 +157,25 @@ def test_resume_refuses_other_input_weights(tmp_path, monkeypatch) -> None:
     with pytest.raises(OutputError, match="other settings.*seed"):
         convert(src, dst, ConvertConfig(**c, calibration_seed=1, resume=True))
     # same settings, other measured weights (another torch, say): the digest differs, refused
-    real = calibrate.input_weights_for
+    from fp4convert.calibrate import keep, stage
+
+    real = stage.input_weights_for
 
     def skewed(plan, mean_square, described, rotate=None):
         return real(plan, {k: v * 2 for k, v in mean_square.items()}, described, rotate)
 
     with monkeypatch.context() as mp:
-        mp.setattr(calibrate, "input_weights_for", skewed)
+        mp.setattr(stage, "input_weights_for", skewed)
+        mp.setattr(keep, "load", lambda k: None)  # measured again, not the interrupted run's kept result
+        mp.setattr(keep, "save", lambda k, st: None)
         with pytest.raises(OutputError, match="input_weights was"):
             convert(src, dst, ConvertConfig(**c, resume=True))
-    convert(src, dst, ConvertConfig(**c, resume=True))
+    # the interrupted run's statistics are kept: the resume does not run the model again
+    with monkeypatch.context() as mp:
+        def no_run(*a, **kw):
+            raise AssertionError("the resume ran the model again")
+        mp.setattr(calibrate.LayerwiseModel, "observe", no_run)
+        convert(src, dst, ConvertConfig(**c, resume=True))
     convert(src, tmp_path / "whole", ConvertConfig(**c))
     assert ck.all_files(dst) == ck.all_files(tmp_path / "whole")
 
@@ -186,7 +195,8 @@ def test_explicit_sources_refuse_a_model_that_cannot_run(tmp_path) -> None:
     moe = tmp_path / "moe"
     ck.moe(moe)
     r = cli(moe, tmp_path / "o2", "--input-weights", "random")
-    assert r.exit_code == 2 and "qwen2_moe" in r.output and "--input-weights none" in r.output
+    # a MoE runs now, but this hand-made checkpoint lacks the q/k/v biases Qwen2-MoE's attention has
+    assert r.exit_code == 2 and "q_proj.bias" in r.output and "--input-weights none" in r.output
     assert not (tmp_path / "o2").exists()
     plain = tmp_path / "plain"
     ck.llama(plain, layers=1)  # its tokenizer.json is a stub that does not load
@@ -225,9 +235,8 @@ def test_auto_weights_only_from_the_w4a4_calibration_pass(tmp_path) -> None:
     pass's mean squares (rule mse unless one is asked for); every other conversion runs no model and
     writes the unweighted bytes, so a model the layer-by-layer run cannot run (no config.json, a family
     it does not run, no tokenizer) converts as before."""
-    from .test_calibrate import TEXT, add_tokenizer
-
     from . import zoo
+    from .test_calibrate import TEXT, add_tokenizer
 
     llama = add_tokenizer(zoo.build("llama", tmp_path / "llama"))
     data = tmp_path / "calib.txt"

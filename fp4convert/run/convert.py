@@ -226,12 +226,15 @@ def convert(
 def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: ConvertConfig, world: World,
              bar: Bar, release: ShardReleaser | None, t0: float) -> ConvertResult:
     """The conversion once planned: statistics, backends, the run loop (which tells ``bar`` and ``release``)."""
+    from fp4convert.calibrate import check_destination, runs_model
     from fp4convert.numerics.scheme import get_scheme
     from fp4convert.output.record import run_identity
     from fp4convert.quantizer.backend import Settings
     from fp4convert.run.work import QuantizeWork
 
     try:
+        if world.rank == 0 and (fmt.activations == "nvfp4" or runs_model(config)):
+            check_destination(dst, source, config)  # before the model runs: a refusal costs no calibration
         measured = _statistics(source, plan_, fmt, config)
         _advise_source(source, plan_, assign(plan_, world))
         others = source.other_files(exclude=dst)  # the one walk of the source folder

@@ -1,0 +1,181 @@
+"""What each block is called with, taken from the model's own forward; and the experts' inputs.
+
+:func:`block_calls`: the model's forward runs once per micro-batch with every block's ``forward``
+replaced by a recorder that returns its input unchanged (the recorder of the last block stops the
+run): each block's positional and keyword arguments (attention masks, position embeddings, layer-type
+specific masks of sliding/full attention models) are exactly those a whole-model forward passes it,
+computed by the model's own code, not by a list of model types. Only block 0's hidden states are
+real; the next block's come from running block 0 (the runner replaces them).
+
+:class:`ExpertTap`: the down projection's input of every expert of a 3-D expert stack, taken while
+the stack's own eager forward runs (a ``TorchFunctionMode`` sees each ``linear``/``matmul`` whose
+weight is a view of the stack's ``down_proj``, the view's offset saying which expert, or a batched
+matmul over the whole stack, as Llama 4's experts compute).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+from fp4convert.errors import PlanError
+
+if TYPE_CHECKING:
+
+    from fp4convert.calibrate.stats import Observers
+
+
+class StopForward(Exception):
+    """Raised by the last block's recorder: nothing after the blocks needs to run."""
+
+
+def hidden_slot(block) -> str:
+    """The name of the block forward's first argument (its hidden states)."""
+    params = [p for p in inspect.signature(block.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not params:
+        raise PlanError(f"{type(block).__name__}.forward takes no positional hidden states; the layer-by-layer "
+                        "run cannot feed it")
+    return params[0].name
+
+
+def block_calls(model, blocks, run_prefix, n_batches: int) -> list[list[tuple[tuple, dict]]]:
+    """``calls[i][b]``: (args, kwargs) block ``i`` receives for micro-batch ``b`` (``run_prefix(b)`` runs
+    the model's forward on micro-batch ``b``)."""
+    calls: list[list[tuple[tuple, dict]]] = [[] for _ in blocks]
+    last = len(blocks) - 1
+
+    def recorder(i: int, block):
+        slot = hidden_slot(block)
+
+        def forward(*args, **kwargs):
+            calls[i].append((args, dict(kwargs)))
+            if i == last:
+                raise StopForward
+            return args[0] if args else kwargs[slot]
+        return forward
+
+    for i, b in enumerate(blocks):
+        b.forward = recorder(i, b)
+    try:
+        for k in range(n_batches):
+            try:
+                run_prefix(k)
+            except StopForward:
+                pass
+            else:
+                raise PlanError("the model's forward returned without calling its last block: the blocks found are "
+                                "not the layers it runs")
+            if any(len(c) != k + 1 for c in calls):
+                missing = next(i for i, c in enumerate(calls) if len(c) != k + 1)
+                raise PlanError(f"the model's forward did not call block {missing} exactly once per forward; the "
+                                "layer-by-layer run cannot feed its blocks")
+    finally:
+        for b in blocks:
+            del b.forward
+    return calls
+
+
+def replace_hidden(block, args: tuple, kwargs: dict, h) -> tuple[tuple, dict]:
+    """The recorded call of ``block`` with ``h`` as its hidden states."""
+    if args:
+        return (h, *args[1:]), kwargs
+    slot = hidden_slot(block)
+    return args, {**kwargs, slot: h}
+
+
+def block_output(out: Any):
+    """The hidden states a block returns (a tensor, or the first item of a tuple/ModelOutput)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    first = getattr(out, "to_tuple", None)
+    if first is not None:
+        return out.to_tuple()[0]
+    raise PlanError(f"a block returned {type(out).__name__}, not hidden states; the layer-by-layer run cannot "
+                    "carry it to the next block")
+
+
+def is_expert_stack(module) -> bool:
+    """A transformers experts module holding the experts as 3-D parameters (``down_proj [E, ., .]``)."""
+    p = module._parameters.get("down_proj")
+    return p is not None and p.dim() == 3
+
+
+def expert_count(module) -> int:
+    return int(module._parameters["down_proj"].shape[0])
+
+
+class ExpertTap:
+    """Observe a 3-D expert stack: its input (every expert's gate/up input) and each expert's down
+    input; with ``all_experts`` the statistics pass sends every token through every expert (the
+    block's output still uses the router's choice), as llm-compressor's ``moe_calibrate_all_experts``."""
+
+    def __init__(self, name: str, module, observers: Observers, all_experts: bool = True) -> None:
+        self.name, self.module, self.obs, self.all_experts = name, module, observers, all_experts
+        self.routed = None  # tokens the router sent to each expert
+        self.handle = module.register_forward_pre_hook(self._pre, with_kwargs=True)
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+    def _pre(self, module, args, kwargs):
+        import torch
+
+        x = args[0] if args else next(iter(kwargs.values()))
+        index = args[1] if len(args) > 1 else None
+        if index is None:
+            index = next((v for v in kwargs.values() if isinstance(v, torch.Tensor) and not v.is_floating_point()),
+                         None)
+        n = expert_count(module)
+        if index is not None and not index.is_floating_point():
+            counts = torch.bincount(index.reshape(-1).clamp(0, n).long(), minlength=n + 1)[:n]
+            self.routed = counts if self.routed is None else self.routed + counts
+        if not self.obs.enabled:
+            return None
+        self.obs.add(f"{self.name}:in", x)
+        flat = x.reshape(-1, x.shape[-1])
+        if self.all_experts and index is not None:
+            every = torch.arange(n, device=flat.device).expand(flat.shape[0], n)
+            ones = torch.ones(flat.shape[0], n, dtype=flat.dtype, device=flat.device)
+            self._tapped(lambda: module.forward(flat, every, ones))
+        elif index is None:  # a stack that takes its tokens already spread over the experts (Llama 4)
+            self._tapped(lambda: module.forward(*args, **kwargs))
+        return None
+
+    def _tapped(self, call) -> None:
+        """Run ``call`` (the stack's forward, eager) with every matmul on a ``down_proj`` view observed."""
+        import torch
+        import torch.nn.functional as F
+        from torch.overrides import TorchFunctionMode
+
+        down = self.module._parameters["down_proj"]
+        obs, name = self.obs, self.name
+        funcs = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm}
+
+        class Tap(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in funcs and len(args) >= 2:
+                    w = args[1]
+                    if isinstance(w, torch.Tensor) and w._base is down and w.dim() == 2:
+                        e = (w.storage_offset() - down.storage_offset()) // down.stride(0)
+                        obs.add(f"{name}:down:{e}", args[0])
+                    elif w is down and isinstance(args[0], torch.Tensor) and args[0].dim() == 3:
+                        for e in range(args[0].shape[0]):  # a batched matmul over the whole stack
+                            obs.add(f"{name}:down:{e}", args[0][e])
+                return func(*args, **kwargs)
+
+        cfg = getattr(self.module, "config", None)
+        saved = getattr(cfg, "_experts_implementation", None)
+        if cfg is not None and saved is not None:
+            cfg._experts_implementation = "eager"  # the per-expert loop: each expert's weight is a view
+        try:
+            with torch.no_grad(), Tap():
+                call()
+        finally:
+            if cfg is not None and saved is not None:
+                cfg._experts_implementation = saved

@@ -1,0 +1,269 @@
+"""What the statistics stage needs and refuses, decided while planning, before anything is written.
+
+Which modules share one activation scale (fused groups, a MoE layer's experts); whether the model can
+run at all (a local folder, config.json that transformers reads and builds, weights whose shapes
+agree with it, a tokenizer where text is tokenized, an architecture the block runner can run:
+:func:`fp4convert.calibrate.runner.structure_problem`), and every failure of transformers as one
+``Error:`` line naming the folder and, where it can be told, the config.json key.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fp4convert.calibrate.diagnose import WAYS_OUT, config_key, model_errors  # noqa: F401 - re-exported
+from fp4convert.errors import PlanError, QuantizationError
+from fp4convert.plan.types import QUANTIZE
+
+if TYPE_CHECKING:
+    from fp4convert.config import ConvertConfig
+    from fp4convert.plan.planner import Plan
+    from fp4convert.source.source import Source
+
+log = logging.getLogger(__name__)
+
+_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|w1|w3|down_proj|w2)$")
+
+
+# -- which modules share one activation scale ------------------------------------------------
+
+def quantized_modules(plan: Plan) -> list[str]:
+    """Every output module the plan quantizes (each gets an activation scale)."""
+    return [m.module for d in plan.decisions if d.action == QUANTIZE for m in d.matrices]
+
+
+def sharing_groups(plan: Plan) -> list[list[str]]:
+    """Modules that must carry one activation scale: the plan's fused groups (q/k/v, gate/up, each
+    expert's gate/up: the engines' fused GEMMs read one input scale) and, per MoE layer, all experts'
+    gate/up (w13) and all experts' down (w2): vLLM reduces ``w13_input_scale``/``w2_input_scale`` to
+    their max across experts, so an expert the calibration never routed to still gets a real scale."""
+    modules = quantized_modules(plan)
+    parent = {m: m for m in modules}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(a: str, b: str) -> None:
+        parent[find(a)] = find(b)
+
+    for members in plan.all_groups().values():
+        for m in members[1:]:
+            union(members[0], m)
+    by_layer: dict[tuple[str, str], str] = {}
+    for m in modules:
+        hit = _EXPERT.match(m)
+        if hit:
+            key = (hit.group(1), "w2" if hit.group(2) in ("down_proj", "w2") else "w13")
+            union(by_layer.setdefault(key, m), m)
+    out: dict[str, list[str]] = {}
+    for m in modules:
+        out.setdefault(find(m), []).append(m)
+    return list(out.values())
+
+
+def share(amax: dict[str, float], plan: Plan) -> dict[str, float]:
+    """The per-module amax with every sharing group at its members' max."""
+    out: dict[str, float] = {}
+    for members in sharing_groups(plan):
+        vals = [amax[m] for m in members if m in amax]
+        if not vals:
+            raise QuantizationError(f"calibration measured no input for {members[0]}; check the model runs these "
+                                    "modules, or use --activation-scale constant")
+        top = max(vals)
+        if not top > 0:
+            raise QuantizationError(f"{members[0]}: every calibration input was zero (amax 0): no activation scale "
+                                    "can be derived; give more calibration data or use --activation-scale constant")
+        for m in members:
+            out[m] = top
+    return out
+
+
+# -- refusing what cannot be calibrated, before anything is written ----------------------------
+
+def runs_model(config: ConvertConfig) -> bool:
+    """Does this conversion run the model (W4A4 NVFP4 activation calibration, or input weights)?"""
+    return activation_calibration(config) or config.input_weight_source != "none"
+
+
+def activation_calibration(config: ConvertConfig) -> bool:
+    return config.activations == "nvfp4" and config.activation_scale == "calibrate"
+
+
+def what_runs(config: ConvertConfig) -> tuple[str, str]:
+    """(what runs the model, the option that avoids it): the words of a refusal."""
+    if activation_calibration(config):
+        return "activation calibration", "or use --activation-scale constant"
+    return f"--input-weights {config.input_weight_source}", "or use --input-weights none"
+
+
+def check_runnable(source: Source, config: ConvertConfig) -> None:
+    """Refuse (exit 2, the reason) a model run that cannot happen: called while planning, before
+    anything is written. The activation calibration of W4A4 and the input weights' pass
+    (``--input-weights``) have the same needs; random token ids need no tokenizer."""
+    if not runs_model(config):
+        return
+    iw = config.input_weight_source
+    what, other = what_runs(config)
+    if source.is_hub:
+        raise PlanError(f"{what} runs the model from a local folder: download the checkpoint first "
+                        f"(huggingface-cli download), {other}")
+    root = Path(source.root)
+    cfg = source.config()
+    if not cfg:
+        raise PlanError(f"{root}: no config.json; {what} needs the model definition ({other})")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise PlanError(f"{what} needs transformers (pip install transformers), {other}") from None
+    text = activation_calibration(config) or iw == "calibration"
+    if text and not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise PlanError(f"{root}: no tokenizer (tokenizer.json / tokenizer.model / vocab.json); {what} needs one "
+                        f"to tokenize or generate its samples ({other})")
+    vocab = vocab_size(root, config_vocab(cfg)) if iw == "random" else None
+    if text and config.calibration_data is not None and not Path(config.calibration_data).is_file():
+        raise PlanError(f"--calibration-data {config.calibration_data}: no such file")
+    if text and config.calibration_data is not None:
+        from fp4convert.calibrate.samples import read_texts
+
+        read_texts(Path(config.calibration_data))  # empty, binary, not UTF-8, JSON lines of the wrong shape
+    check_definition(source, cfg, other, vocab)
+
+
+def config_vocab(cfg: dict) -> object:
+    """config.json's vocab_size: top level, else the text model's (``text_config``: VLMs, audio LMs)."""
+    if "vocab_size" in cfg:
+        return cfg["vocab_size"]
+    text = cfg.get("text_config")
+    return text.get("vocab_size") if isinstance(text, dict) else None
+
+
+def vocab_size(root: Path, value: object) -> int:
+    """config.json's vocab_size as the bound of random token ids: a positive int (``true`` is a bool to
+    JSON, not 1, and ``128.0`` is no int: transformers would refuse either)."""
+    if value is None:
+        raise PlanError(f"{root}: config.json has no vocab_size; --input-weights random draws token ids below it; "
+                        "fix config.json, or use --input-weights none")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{root}: config.json vocab_size={value!r} is not a positive integer; --input-weights random "
+                        "draws token ids below it; fix config.json (vocab_size), or use --input-weights none")
+    return value
+
+
+def check_definition(source: Source, cfg: dict, other: str, vocab: int | None = None) -> None:
+    """Build the config and the model (on ``meta``: no memory, ~0.1 s for 70B) as the layer-by-layer run
+    will, and compare the parameters' shapes with the checkpoint's headers (no data read): a config.json
+    transformers cannot read or build, or one that disagrees with the weights, is refused here, while
+    planning, rather than failing mid-run (``vocab``: random ids are drawn below it, so the embedding
+    must have that many rows)."""
+    from fp4convert.calibrate.runner import build_meta, structure_problem
+
+    root = Path(source.root)
+    tcfg, model = build_meta(root, cfg, other, buffers_real=False)
+    why = structure_problem(model, tcfg)
+    if why is not None:
+        raise PlanError(f"{root}: the layer-by-layer run cannot run this {type(model).__name__} "
+                        f"(model_type {cfg.get('model_type')!r}): {why}; {other}")
+    infos = {t.name: t for t in source.tensors()}
+    targets = _plain_targets(model, infos)
+    emb = model.get_input_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    embed_param = names.get(id(emb), "") + ".weight"
+    heads = set()
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out_emb is not None and id(out_emb) in names:
+        heads.add(names[id(out_emb)] + ".weight")
+    embed = next((k for k, t in targets.items() if t == embed_param), embed_param)
+    rows = infos[embed].shape[0] if embed in infos and infos[embed].shape else None
+    if vocab is not None and rows is not None and vocab > rows:
+        raise PlanError(f"{root}: config.json vocab_size {vocab} is larger than the {rows} rows of {embed}: random "
+                        "token ids would have no embedding; fix config.json (vocab_size), or use --input-weights none")
+    disk = {t: k for k, t in targets.items()}
+    for target, param in model.named_parameters(remove_duplicate=False):  # in the model's order
+        name = disk.get(target)
+        if name is None:
+            continue  # the run names a missing tensor itself
+        info = infos[name]
+        want, got = tuple(param.shape), tuple(info.shape)
+        # the embedding and head may hold more rows than vocab_size (padded); token ids stay below both
+        ok = got[1:] == want[1:] and got[:1] >= want[:1] if target in (embed_param, *heads) else got == want
+        if not ok:
+            raise PlanError(f"{root}: {name} is {list(got)} in the checkpoint but {list(want)} in the model "
+                            f"config.json describes (its sizes disagree with the weights); fix config.json, {other}")
+
+
+def _plain_targets(model, infos: dict) -> dict[str, str]:
+    """Checkpoint key -> the parameter it loads into unchanged (renamed only; converted ones are left
+    to the run, which checks their converted shapes)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    meta = dict(model.named_parameters(remove_duplicate=False))
+    out = {}
+    for name in infos:
+        target, pattern = rename_source_key(name, renamings, converters, model.base_model_prefix, meta)
+        if target not in meta and name in meta:
+            target, pattern = name, None
+        if pattern is None and target in meta:
+            out[name] = target
+    return out
+
+
+# -- the destination, before the model runs -------------------------------------------------------
+
+def check_destination(dst: Path, source: Source, config: ConvertConfig) -> None:
+    """What the writer would refuse about DST, checked read-only before the statistics stage runs the
+    model (minutes to hours): DST and SRC nested, DST a file, DST not empty without ``--overwrite`` /
+    ``--resume``, DST locked by a live run. The writer checks again (and locks) when it starts."""
+    import fcntl
+    import os
+
+    from fp4convert.errors import OutputError
+    from fp4convert.output.destination import check_paths
+    from fp4convert.storage.names import LOCK_NAME
+
+    dst = Path(dst)
+    check_paths(dst, source)
+    if dst.exists() and not dst.is_dir():
+        raise OutputError(f"{dst} exists and is not a folder; choose another DST")
+    if not dst.is_dir():
+        return
+    existing = [f for f in _entries(dst) if f != LOCK_NAME]
+    if existing and not (config.overwrite or config.resume):
+        raise OutputError(f"{dst} exists and is not empty; pass --overwrite to replace it or --resume to continue")
+    lock = dst / LOCK_NAME
+    if lock.is_file() and not lock.is_symlink():
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return  # the writer reports it with its own words
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise OutputError(f"{dst} is in use by another fp4convert run (pid {pid}, lock {lock}); wait for it "
+                              "to finish or choose another DST") from None
+        except OSError:
+            return
+        finally:
+            os.close(fd)
+
+
+def _entries(dst: Path) -> list[str]:
+    """Every file and symlink below DST (relative names), as the writer counts them."""
+    import os
+
+    out = []
+    for root, dirs, files in os.walk(dst):
+        rel = Path(root).relative_to(dst)
+        out += [(rel / n).as_posix() for n in files]
+        out += [(rel / n).as_posix() for n in dirs if (Path(root) / n).is_symlink()]
+    return out

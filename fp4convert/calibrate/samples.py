@@ -1,0 +1,192 @@
+"""Calibration input: a text file, seeded random token ids, or samples the model writes itself.
+
+A calibration file is checked before any model runs (one ``Error:`` line naming the file and what
+to do, nothing written): empty, binary (NUL bytes), not UTF-8, JSON lines without a string ``text``,
+or fewer tokens than the samples asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fp4convert.errors import PlanError
+
+if TYPE_CHECKING:
+    import torch
+
+    from fp4convert.calibrate.runner import LayerwiseModel
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "special_tokens_map.json")
+# Self-generated samples keep every weight resident when they fit in this share of the device's free
+# memory (fp32); beyond it each token step re-reads every block (one block resident at a time):
+# seq_len passes over the weights.
+RESIDENT_SHARE = 0.5
+
+
+def resident_budget(device) -> int:
+    """Bytes of weights self-generation may keep resident on ``device``: half its free memory."""
+    import os
+
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free * RESIDENT_SHARE)
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        free = 8 << 30
+    return int(free * RESIDENT_SHARE)
+
+
+def read_texts(path: Path) -> list[str]:
+    """A calibration file: JSON lines with a ``text`` field, or plain text (one document)."""
+    path = Path(path)
+    data = path.read_bytes()
+    if not data.strip():
+        raise PlanError(f"--calibration-data {path}: the file is empty; give a text or JSON-lines file")
+    nul = data.find(bytes(1))
+    if nul >= 0:
+        raise PlanError(f"--calibration-data {path}: a binary file (NUL byte at offset {nul}); give a "
+                        "UTF-8 text or JSON-lines file")
+    try:
+        raw = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PlanError(f"--calibration-data {path}: not UTF-8 (byte {exc.start}: {exc.reason}); convert it to UTF-8 "
+                        "text") from None
+    lines = [ln for ln in raw.splitlines() if ln.strip()]
+    if lines and all(ln.lstrip().startswith("{") for ln in lines):
+        texts = []
+        for i, ln in enumerate(lines, 1):
+            try:
+                obj = json.loads(ln)
+            except json.JSONDecodeError as exc:
+                raise PlanError(f"{path}:{i}: not a JSON line ({exc.msg}); give JSON lines with a 'text' field or "
+                                "plain text") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise PlanError(f"{path}:{i}: a JSON line without a string 'text' field")
+            texts.append(obj["text"])
+        if not any(t.strip() for t in texts):
+            raise PlanError(f"{path}: every JSON line's 'text' is empty; give calibration text")
+        return texts
+    return [raw]
+
+
+def tokenizer_digest(root: Path) -> str:
+    """sha256 over the tokenizer files present (name and bytes, sorted by name)."""
+    h = hashlib.sha256()
+    for name in sorted(TOKENIZER_FILES):
+        p = Path(root) / name
+        if p.is_file():
+            h.update(name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def file_tokens(tokenizer, path: Path, samples: int, seq_len: int) -> torch.Tensor:
+    """``[samples, seq_len]`` consecutive token windows of the file's documents (joined by blank lines);
+    a file holding fewer tokens than that is refused (the run would calibrate on less than asked)."""
+    import torch
+
+    ids = tokenizer("\n\n".join(read_texts(path)), add_special_tokens=False)["input_ids"]
+    n = len(ids) // seq_len
+    if n < samples:
+        raise PlanError(f"--calibration-data {path}: {len(ids)} tokens, {n} samples of {seq_len}, fewer than the "
+                        f"{samples} asked (--calibration-samples); give more text or ask for --calibration-samples "
+                        f"{max(n, 1)}" + (" / a shorter --calibration-seq-len" if n < 1 else ""))
+    return torch.tensor(ids[: samples * seq_len], dtype=torch.long).reshape(samples, seq_len)
+
+
+def start_token(tokenizer) -> int:
+    for tid in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id):
+        if tid is not None:
+            return int(tid)
+    raise PlanError("the tokenizer has no BOS/EOS/PAD token to start self-generated samples; give --calibration-data")
+
+
+def random_tokens(vocab_size: int, samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """``[samples, seq_len]`` uniformly random token ids in [0, vocab_size), from a seeded CPU generator.
+
+    Data-free input statistics for the weight scale rules' ``input_weight``: on SmolLM2-135M the
+    per-channel mean squares of linear inputs on 16 x 256 random ids gave NVFP4 ``mse`` 0.586x
+    llm-compressor's KL, against 0.544x with a calibration text (BENCHMARKS.md). No generation pass:
+    the massive-activation channels and norm gains that dominate these statistics do not depend on
+    the text. The same seed gives the same ids on every machine (torch's CPU generator).
+    """
+    import torch
+
+    if vocab_size < 1 or samples < 1 or seq_len < 1:
+        raise PlanError(f"random calibration tokens need a vocabulary and a shape, got {vocab_size}, {samples}x{seq_len}")
+    return torch.randint(0, vocab_size, (samples, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: int,
+             resident_bytes: int | None = None) -> torch.Tensor:
+    """``[samples, seq_len]`` tokens the model samples itself from its start token: the model's own
+    forward with its own KV cache, every sample at once, one token per step (seeded; the next token is
+    drawn on the CPU from fp32 probabilities, so the same seed gives the same samples on every device).
+
+    The weights stay resident when they fit in ``resident_bytes`` (fp32; default: half the device's
+    free memory); otherwise each step reads every block again, one at a time (``seq_len`` passes over
+    the checkpoint: the run says so).
+    """
+    import torch
+
+    from fp4convert.calibrate.runner import progress_bar
+
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.full((samples, 1), start_token(tokenizer), dtype=torch.long)
+    total = lm.total_bytes()
+    if resident_bytes is None:
+        resident_bytes = resident_budget(lm.device)
+    resident = total <= resident_bytes
+    if not resident:
+        log.warning("self-generated calibration samples: the model's %.1f GB (fp32) do not fit the %.1f GB kept "
+                    "resident, so each of the %d token steps reads every block again (%.0f GB read); give "
+                    "--calibration-data, or fewer/shorter samples (--calibration-samples, --calibration-seq-len)",
+                    total / 1e9, resident_bytes / 1e9, seq_len - 1, total / 2 * (seq_len - 1) / 1e9)
+    t0 = time.perf_counter()
+    bar = progress_bar(seq_len - 1, "calibrate: generating samples", True)
+    cache = None
+    with lm.whole(resident) as model, torch.no_grad():
+        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        for _ in range(seq_len - 1):
+            ids = tokens[:, -1:].to(lm.device) if cache is not None else tokens.to(lm.device)
+            out = model(input_ids=ids, use_cache=True, **{key: cache})
+            cache = getattr(out, "past_key_values", None) if getattr(out, "cache", None) is None else out.cache
+            logits = out.logits[:, -1].float().cpu()
+            vocab = min(logits.shape[-1], len(tokenizer))
+            probs = torch.softmax(logits[:, :vocab], dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=gen)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            bar.update(1)
+            if tokens.shape[1] == 5 and seq_len > 5:
+                _tell_cost(time.perf_counter() - t0, 4, samples, seq_len, lm.device)
+    bar.close()
+    log.info("self-generated %d x %d calibration tokens in %.1f s", samples, seq_len, time.perf_counter() - t0)
+    return tokens
+
+
+SLOW_SECONDS = 120.0  # a self-generation projected longer than this says what a smaller setting costs
+
+
+def _tell_cost(spent: float, steps: int, samples: int, seq_len: int, device) -> None:
+    """After the first steps: the projected time of the whole generation, and of a smaller setting."""
+    total = spent / steps * (seq_len - 1)
+    if total < SLOW_SECONDS:
+        return
+    small = (min(samples, 32), min(seq_len, 256))
+    part = total * (small[0] / samples) * (small[1] - 1) / (seq_len - 1)
+    log.warning("self-generating %d x %d calibration tokens on %s: about %.0f min; --calibration-samples %d "
+                "--calibration-seq-len %d takes about %.1f min, a --calibration-data file needs no generation",
+                samples, seq_len, device, total / 60, small[0], small[1], part / 60)
+

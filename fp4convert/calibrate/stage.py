@@ -1,0 +1,278 @@
+"""The statistics stage of a conversion: what W4A4 and ``--input-weights`` need, measured before
+anything is written, by the block-by-block runner (:mod:`fp4convert.calibrate.runner`) for any
+architecture it runs.
+
+W4A4 NVFP4 engines quantize every linear's input per 16-block under a static per-tensor global scale
+read from the checkpoint (docs/formats.md "W4A4"); that scale comes from the input's amax on
+calibration tokens, rounded up to bf16 precision (at most 0.4% larger) so last-bit GEMM differences
+between devices rarely reach the stored scale. The input-weighted scale rules use each input's
+per-channel mean square. The result is kept (:mod:`fp4convert.calibrate.keep`) so ``--resume`` after
+an interruption does not run the model again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from array import array
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fp4convert.calibrate.checks import check_runnable, config_vocab, model_errors, quantized_modules, share, vocab_size, what_runs
+from fp4convert.calibrate.runner import MICRO_BATCH, LayerwiseModel
+from fp4convert.calibrate.samples import file_tokens, generate, random_tokens, tokenizer_digest
+from fp4convert.calibrate.stats import Observers, Statistics
+from fp4convert.errors import PlanError, QuantizationError
+from fp4convert.plan.types import QUANTIZE
+from fp4convert.quantizer.backend import InputWeight
+
+if TYPE_CHECKING:
+    import torch
+
+    from fp4convert.config import ConvertConfig
+    from fp4convert.plan.planner import Plan
+    from fp4convert.source.source import Source
+
+log = logging.getLogger(__name__)
+_EXPERT_INDEX = re.compile(r"\.(\d+)\.[^.]+$")
+
+
+def bf16_ceil(x: float) -> float:
+    """The smallest bf16 value >= x (x finite, >= 0)."""
+    import struct
+
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    if bits & 0xFFFF:
+        bits = (bits & 0xFFFF0000) + 0x10000
+    return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+
+
+def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | None = None,
+                   micro_batch: int = MICRO_BATCH,
+                   mean_square: dict[str, torch.Tensor] | None = None,
+                   rotate: str | None = None) -> dict[str, torch.Tensor]:
+    """The fp32 amax of every observed input, by the runner's names (a linear's module name; expert
+    stacks ``{path}:in`` / ``{path}:down:{e}``), block by block; also ``lm_head`` (the head's input)
+    when ``wanted`` names it. Raw fp32 maxima (no rounding).
+
+    ``mean_square`` (a dict to fill): each input's per-channel mean square E[x_j^2] over every
+    calibration token (fp64 sums, rounded to bf16 at the end), the ``input_weight`` that makes the
+    weight scale rules' block error track the layer's output error (reference.block_error).
+    ``rotate`` ("had16"): the mean squares are those of the rotated inputs ``x H``; the amax stays
+    that of the plain inputs.
+    """
+    obs = Observers(squares=mean_square is not None, rotate=rotate)
+    lm.observe(tokens, obs, head=bool(wanted and "lm_head" in wanted), micro_batch=micro_batch)
+    if mean_square is not None:
+        mean_square.update(obs.mean_squares())
+    return obs.amax()
+
+
+def plan_inputs(lm: LayerwiseModel, plan: Plan) -> dict[str, str]:
+    """plan module -> the runner's name of the input it multiplies (see :func:`layerwise_amax`): a
+    linear's module; a 3-D expert stack's ``:in`` for gate/up and ``:down:{e}`` for expert ``e``'s
+    down projection (the plan names experts ``...experts.{e}.{proj}``); ``lm_head`` for the head."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    from fp4convert.calibrate.capture import is_expert_stack
+
+    out: dict[str, str] = {}
+    for d in plan.decisions:
+        if d.action != QUANTIZE:
+            continue
+        got = lm.keymap.get(d.info.name)
+        if got is None:
+            continue
+        path, _, leaf = got[0].rpartition(".")
+        mod = lm.modules.get(path)
+        for m in d.matrices:
+            if path in lm.heads:
+                out[m.module] = "lm_head"
+            elif isinstance(mod, (torch.nn.Linear, Conv1D)) and leaf == "weight":
+                out[m.module] = path
+            elif mod is not None and is_expert_stack(mod):
+                if leaf.startswith("down"):
+                    hit = _EXPERT_INDEX.search(m.module)
+                    if hit:
+                        out[m.module] = f"{path}:down:{int(hit.group(1))}"
+                else:
+                    out[m.module] = f"{path}:in"
+    return out
+
+
+def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Statistics:
+    """Run what this conversion needs, before anything is written: the activation calibration of W4A4
+    NVFP4 (the mean squares are recorded in the same pass when the input weights come from it) and,
+    for ``--input-weights random``, a pass over seeded random token ids."""
+    out = Statistics()
+    modules = quantized_modules(plan)
+    amax_pass = config.activations == "nvfp4"
+    if amax_pass and config.activation_scale == "constant":
+        from fp4convert.formats.base import CONSTANT_AMAX
+
+        out.amax = {m: CONSTANT_AMAX for m in modules}
+        out.calibration = {"method": "constant", "amax": CONSTANT_AMAX}
+        amax_pass = False
+    iw = config.input_weight_source
+    if not amax_pass and iw == "none":
+        return out
+
+    from fp4convert.calibrate import keep
+
+    check_runnable(source, config)
+    kept_key = keep.key(source, config, modules, None if device is None else str(device))
+    if config.resume:
+        kept = keep.load(kept_key)
+        if kept is not None:
+            return kept
+    try:
+        measured = _measure(source, plan, config, device, out, modules, amax_pass, iw)
+    except KeyboardInterrupt:
+        from fp4convert.errors import Interrupted
+
+        raise Interrupted("interrupted during calibration, before anything was written (nothing is kept: the "
+                          "statistics are kept once measured); run the same command again") from None
+    keep.save(kept_key, measured)
+    return measured
+
+
+def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Statistics, modules: list[str],
+             amax_pass: bool, iw: str) -> Statistics:
+    import torch
+
+    if any(d.decode is not None for d in plan.decisions):
+        what = "activation calibration" if amax_pass else f"--input-weights {iw}"
+        raise PlanError(f"{what} runs the model on bf16/fp16/fp32 weights; this checkpoint's weights are quantized "
+                        "(FP8/MXFP4) inputs" + (": use --activation-scale constant" if amax_pass else
+                                                ": use --input-weights none"))
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    root = Path(source.root)
+    what, other = what_runs(config)
+    with model_errors(root, source.config(), "build the model of", other):
+        lm = LayerwiseModel(source, dev, other)
+    inputs = plan_inputs(lm, plan)
+
+    def by_module(stats: dict) -> dict:
+        """The runner's statistics under the plan's module names."""
+        return {m: stats[n] for m, n in inputs.items() if n in stats}
+
+    def running():
+        """The forward's failures the plan-time check cannot see, as the same refusal."""
+        return model_errors(root, source.config(), "run the model of", other)
+
+    mean_square: dict[str, torch.Tensor] = {}
+    described: dict = {}
+    if amax_pass or iw == "calibration":
+        import transformers as tf
+
+        try:
+            tok = tf.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any loader failure is the same refusal, with its reason
+            raise PlanError(f"{root}: the tokenizer does not load ({type(exc).__name__}: {exc}); {what} needs it "
+                            f"to tokenize or generate its samples ({other})") from None
+        samples, seq_len = config.calibration_shape
+        if config.calibration_data is not None:
+            data = Path(config.calibration_data)
+            tokens = file_tokens(tok, data, samples, seq_len)
+            data_record: dict[str, object] = {"source": "file", "name": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
+        else:
+            with running():
+                tokens = generate(lm, tok, samples, seq_len, config.calibration_seed)
+            data_record = {"source": "self-generated", "start_token": int(tokens[0, 0])}
+        with running():
+            raw = by_module(layerwise_amax(lm, tokens, set(modules), mean_square=mean_square if iw == "calibration"
+                                           else None, rotate=config.rotate))
+        calibrated = {"data": data_record, "samples": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]),
+                      "seed": config.calibration_seed, "tokenizer_sha256": tokenizer_digest(root)}
+        if amax_pass:
+            out.amax, out.calibration = _activation_record(raw, modules, plan, calibrated)
+        described = {"source": "calibration", **calibrated}
+    if iw == "random":
+        samples, seq_len = config.random_shape
+        vocab = vocab_size(root, config_vocab(source.config()))
+        tokens = random_tokens(vocab, samples, seq_len, config.calibration_seed)
+        with running():
+            layerwise_amax(lm, tokens, set(modules), mean_square=mean_square, rotate=config.rotate)
+        described = {"source": "random", "samples": samples, "seq_len": seq_len, "seed": config.calibration_seed,
+                     "vocab_size": vocab}
+    if iw != "none":
+        out.input_weights, out.input_weight_record = input_weights_for(plan, by_module(mean_square), described,
+                                                                       config.rotate)
+    return out
+
+
+def _activation_record(raw: dict, modules: list[str], plan: Plan, calibrated: dict) -> tuple[dict[str, float], dict]:
+    measured = {m: bf16_ceil(float(v)) for m, v in raw.items()}
+    missing = [m for m in modules if m not in measured]
+    if missing:
+        raise PlanError(f"{missing[0]}: a quantized module whose input the model's forward never showed (not an "
+                        "nn.Linear, Conv1D or 3-D expert stack); "
+                        "activation calibration cannot measure it (use --activation-scale constant)")
+    shared = share(measured, plan)
+    record = {
+        "method": "calibrate",
+        **calibrated,
+        "amax_rounding": "bf16 ceil of the fp32 max; fused/expert groups at their max",
+        "measured_amax": {m: measured[m] for m in modules},
+        "amax": {m: shared[m] for m in modules},
+    }
+    return shared, record
+
+
+def activation_amax(source: Source, plan: Plan, config: ConvertConfig, device) -> tuple[dict[str, float], dict]:
+    """(module -> shared amax for every quantized module, the calibration record for the manifest)."""
+    from dataclasses import replace
+
+    st = statistics(source, plan, replace(config, input_weights="none"), device)
+    assert st.amax is not None and st.calibration is not None
+    return st.amax, st.calibration
+
+
+def input_weights_for(plan: Plan, mean_square: dict, described: dict,
+                      rotate: str | None = None) -> tuple[dict[str, InputWeight], dict]:
+    """Each quantized matrix's input weight from the measured mean squares, and their record.
+
+    Fused members (one group: q/k/v, gate/up, an expert's gate/up halves) share one input, so they
+    share one weight: the first member's that was measured. A matrix whose input the pass never saw
+    (a matrix no observed module multiplies) is quantized unweighted
+    and listed in the record's ``unweighted``.
+    """
+    import torch
+
+    group_of = {m: g for g, members in plan.all_groups().items() for m in members}
+    groups = plan.all_groups()
+    made: dict[str, InputWeight] = {}
+    out: dict[str, InputWeight] = {}
+    unweighted: list[str] = []
+    for d in plan.decisions:
+        if d.action != QUANTIZE:
+            continue
+        for m in d.matrices:
+            g = group_of.get(m.module)
+            members = groups[g] if g else [m.module]
+            src = next((x for x in members if x in mean_square), None)
+            if src is None:
+                unweighted.append(m.module)
+                continue
+            w = mean_square[src]
+            if w.dim() != 1 or w.numel() != m.shape[1]:
+                raise QuantizationError(f"{src}: its measured input has {w.numel()} channels but {m.module} has "
+                                        f"K={m.shape[1]}; use --input-weights none")
+            if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+                raise QuantizationError(f"{src}: the mean square of its input is not finite (the activations "
+                                        "overflowed); use --input-weights none")
+            if src not in made:
+                made[src] = InputWeight(src, array("f", w.to(torch.float32).tolist()).tobytes())
+            out[m.module] = made[src]
+    if unweighted:
+        log.warning("%d quantized matrices (e.g. %s) have no measured input (only nn.Linear inputs are recorded): "
+                    "quantized without input weights", len(unweighted), unweighted[0])
+    digest = hashlib.sha256()
+    for name in sorted(out):
+        digest.update(name.encode() + b"\0" + out[name].data)
+    record = {**described, "rotated": rotate,
+              "statistic": "per-channel mean square of each linear input (fp64 sums, rounded to bf16)",
+              "weighted": len(out), "unweighted": unweighted, "sha256": digest.hexdigest()}
+    return out, record
