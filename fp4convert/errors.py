@@ -105,6 +105,10 @@ class OutsideSourceError(SourceError):
     """A file the checkpoint names resolves outside the checkpoint folder (or the repo's HF cache)."""
 
 
+class ConfigJSONError(SourceError):
+    """config.json holds a value of the wrong JSON type under a key fp4convert reads (fp4convert.config_json)."""
+
+
 class CheckpointIndexError(SourceError):
     """The weight index is malformed or disagrees with the weight files it names."""
 

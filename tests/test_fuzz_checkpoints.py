@@ -7,10 +7,13 @@ them (native NVFP4, compressed-tensors MXFP4 with had16, ModelOpt).
 
 Mutations, 1-3 per case: a shard's header (tests/test_fuzz_headers.py's mutator) or its data bytes;
 the index, config.json, hf_quant_config.json or the manifest as JSON (a value anywhere swapped for
-another type, a huge, negative or deeply nested value, a bad regex, a key dropped or added); the model
+another type, a huge, negative or deeply nested value, a bad regex, a key dropped or added; a config.json
+key fp4convert or transformers reads given a value of another type; a number token no float holds, or
+NaN/Infinity, written into the text); the model
 card's text and front matter; the file system (a FIFO, a folder, a symlink out of the folder or to
 /dev/zero in place of a file, a file deleted or truncated). Source cases run ``quantize --dry-run``
-(every 8th a real ``quantize``), output cases ``inspect`` (every 3rd ``--check-files``) and ``export``.
+(every 8th a real ``quantize``; every output format, W4A4 with constant scales, ``--input-weights
+random`` while planning), output cases ``inspect`` (every 3rd ``--check-files``) and ``export``.
 
 Under pytest: a fixed seed and a bounded count (:data:`CI_MUTATIONS`). As a script, any count::
 
@@ -39,7 +42,6 @@ from click.testing import CliRunner
 
 from fp4convert.cli.main import main as cli
 from fp4convert.errors import EXIT_CODES
-
 from tests import checkpoints as ck
 from tests import test_fuzz_headers as headers
 
@@ -88,7 +90,49 @@ def build_seeds(root: Path) -> dict[str, Path]:
 
 _ODD = [None, True, 0, -1, 7, 2 ** 63, 10 ** 30, 1e308, -0.5, "", "x", "re:(", "re:.*", "../../etc/passwd",
         "/etc/passwd", "model.safetensors", [], {}, [1, 2], ["a", "b"], [[16], [16]], [None, None], {"a": 1},
-        "a" * 5000]
+        "a" * 5000, 10 ** 400, "64", ["LlamaForCausalLM", 5], {"language": 9}]
+
+# config.json keys the planner, the model definition, the calibration stage, the formats or the card read
+# (fp4convert.config_json.KEYS and a few transformers reads), for type confusion (issue 34).
+_CONFIG_KEYS = ["architectures", "model_type", "hidden_size", "num_hidden_layers", "num_nextn_predict_layers",
+                "tie_word_embeddings", "is_encoder_decoder", "_name_or_path", "torch_dtype", "quantization_config",
+                "text_config", "vision_config", "vocab_size", "head_dim", "num_attention_heads", "intermediate_size",
+                "num_local_experts", "rope_scaling"]
+# Number tokens Python's json reads but no float (or no int64) holds, and NaN/Infinity tokens.
+_HUGE = ["9" * 400, "-" + "9" * 400, "1e999", "-1e999", "1e-999", "NaN", "Infinity", "-Infinity", "1" + "0" * 4000]
+
+
+def _confused(v: object, rnd: random.Random) -> object:
+    """``v`` as a value of another JSON type: a number as a string, wrapped in a list or an object, null,
+    a boolean, a huge or negative number, a float for an int, deep nesting."""
+    deep: object = v
+    for _ in range(rnd.choice([3, 30, 70])):
+        deep = [deep]
+    return rnd.choice([str(v), [v], {"v": v}, None, True, False, 10 ** 400, -1, 0, 3.5, 1e308, deep, "",
+                       [[["x"]]], [None], {"a": {"b": [1, {}]}}])
+
+
+def _confuse_config(obj: dict, rnd: random.Random) -> dict:
+    """One config.json key fp4convert or transformers reads given a value of another type (at the top level
+    or inside text_config)."""
+    target = obj
+    if isinstance(obj.get("text_config"), dict) and rnd.random() < 0.3:
+        target = obj["text_config"]
+    key = rnd.choice(_CONFIG_KEYS)
+    target[key] = _confused(target.get(key, 8), rnd)
+    return obj
+
+
+def _huge_number_text(text: str, rnd: random.Random) -> str:
+    """One number token of a JSON text replaced by one no float holds (or NaN/Infinity): json.dumps cannot
+    write them, so the text is edited."""
+    import re
+
+    spots = [m.span() for m in re.finditer(r'(?<![\w".])-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?(?![\w"])', text)]
+    if not spots:
+        return text
+    a, b = rnd.choice(spots)
+    return text[:a] + rnd.choice(_HUGE) + text[b:]
 
 
 def _odd_value(rnd: random.Random):
@@ -149,7 +193,15 @@ def _mutate_json_file(p: Path, rnd: random.Random) -> None:
         p.write_bytes(rnd.choice([raw[: rnd.randrange(len(raw) + 1)], b"", b"\xff\xfe", b"[" * 100000,
                                   raw + b"}", b'{"a": NaN}']))
         return
-    p.write_text(json.dumps(mutate_json(obj, rnd)))
+    r = rnd.random()
+    if p.name == "config.json" and isinstance(obj, dict) and r < 0.4:
+        obj = _confuse_config(obj, rnd)
+    else:
+        obj = mutate_json(obj, rnd)
+    text = json.dumps(obj)
+    if rnd.random() < 0.25:
+        text = _huge_number_text(text, rnd)
+    p.write_text(text)
 
 
 def _mutate_shard(p: Path, rnd: random.Random) -> None:
@@ -270,6 +322,14 @@ def problem(code: int, output: str) -> str | None:
     return None
 
 
+# Every output format and W4A4 (constant scales: no calibration run) for real runs; planning also with
+# --input-weights random (it builds the model on meta to check the config: issue 34's type confusion).
+_RUN_OPTIONS = [(), ("--format", "compressed-tensors"), ("--format", "modelopt"),
+                ("--format", "modelopt", "--activations", "nvfp4", "--activation-scale", "constant")]
+_PLAN_OPTIONS = [*_RUN_OPTIONS, ("--input-weights", "random"),
+                 ("--format", "compressed-tensors", "--activations", "nvfp4", "--activation-scale", "constant")]
+
+
 def one_case(seeds: dict[str, Path], work: Path, i: int, rnd: random.Random) -> tuple[str, str, int, str | None]:
     """Mutate a copy of a seed and run the matching command; (seed, what, exit code, problem)."""
     name = rnd.choice(sorted(seeds))
@@ -280,7 +340,8 @@ def one_case(seeds: dict[str, Path], work: Path, i: int, rnd: random.Random) -> 
     outside.write_text("outside\n")
     what = mutate_folder(folder, rnd, outside)
     if name.startswith("src-"):
-        args = ["quantize", str(folder), str(case / "q"), "--device", "cpu", "-q", "--max-shard-size", "20KB"]
+        args = ["quantize", str(folder), str(case / "q"), "--device", "cpu", "-q", "--max-shard-size", "20KB",
+                *rnd.choice(_RUN_OPTIONS if i % 8 == 0 else _PLAN_OPTIONS)]
         if i % 8:
             args.append("--dry-run")
         cmd = "quantize" if i % 8 == 0 else "dry-run"

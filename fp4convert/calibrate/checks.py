@@ -162,8 +162,14 @@ def check_definition(source: Source, cfg: dict, other: str, vocab: int | None = 
     planning, rather than failing mid-run (``vocab``: random ids are drawn below it, so the embedding
     must have that many rows)."""
     from fp4convert.calibrate.runner import build_meta, structure_problem
+    from fp4convert.errors import DefinitionUnknown
+    from fp4convert.plan.definition import check_sizes
 
     root = Path(source.root)
+    try:  # absurd layer/expert counts: building them, even on meta, never ends (issue 34's campaign)
+        check_sizes(cfg)
+    except DefinitionUnknown as exc:
+        raise PlanError(f"{root}: {exc}; the model run builds every layer: fix config.json, {other}") from None
     tcfg, model = build_meta(root, cfg, other, buffers_real=False)
     why = structure_problem(model, tcfg)
     if why is not None:

@@ -16,9 +16,10 @@ from pathlib import Path
 from fp4convert.checkpoint.layout import load_quantized, manifest_disagreements, module_shape_problems, read_layout
 from fp4convert.config import ConvertConfig
 from fp4convert.errors import CheckpointFormatError, ConfigError
-from fp4convert.formats import get_format
+from fp4convert.formats import DEFAULT_FORMAT, get_format
 from fp4convert.output.manifest import MANIFEST_NAME, manifest_problem
 from fp4convert.output.record import run_identity
+from fp4convert.plan.collisions import check_part_names
 from fp4convert.plan.planner import Plan, check_collisions, layout_shards
 from fp4convert.plan.types import QUANTIZE, Decision, Matrix
 from fp4convert.run.distributed import World
@@ -36,8 +37,14 @@ def plan_export(src: str, config: ConvertConfig):
     source = open_source(src)
     layout = read_layout(source)
     manifest = layout.manifest
-    if manifest is None or manifest.get("format") != "fp4convert":
-        raise ConfigError(f"{src}: export reads fp4convert's native format (a folder with fp4convert.json)")
+    if manifest is None:
+        raise ConfigError(f"{src}: export reads fp4convert's native format (a folder with {MANIFEST_NAME}), and "
+                          f"{src} has no {MANIFEST_NAME}; convert the original with fp4convert quantize --format ...")
+    native = get_format(DEFAULT_FORMAT)
+    if manifest.get("format") != native.name:
+        raise ConfigError(f"{src}: its {MANIFEST_NAME} says it is already in the {str(manifest.get('format'))[:40]!r} "
+                          f"format; export re-lays out fp4convert's native format only. Use this folder as it is, "
+                          f"or convert the original with fp4convert quantize --format ...")
     problem = manifest_problem(manifest)
     if problem:
         raise CheckpointFormatError(f"{source.root / MANIFEST_NAME}: {problem}; re-create the checkpoint with "
@@ -78,6 +85,7 @@ def plan_export(src: str, config: ConvertConfig):
             outputs, matrices = (OutEntry(name, rec["outputs"][name]["dtype"], tuple(rec["shape"])),), ()
         decisions.append(Decision(name, rec["action"], rec["reason"], info, rec.get("group"), outputs, matrices))
     check_collisions(decisions)
+    check_part_names(decisions, fmt)
     plan = Plan(decisions, manifest.get("groups", {}), layout_shards(decisions, config.max_shard_size), config)
     return source, layout, manifest, plan, fmt
 

@@ -38,6 +38,7 @@ from fp4convert.formats.base import read_json
 from fp4convert.kernels.tensor import dequantize
 from fp4convert.numerics.scheme import get_scheme
 from fp4convert.numerics.swizzle import padded_shape
+from fp4convert.output.describe import activations_of, describe_activations
 from fp4convert.output.manifest import MANIFEST_NAME, PROGRESS_NAME
 from fp4convert.plan.planner import fused_group
 from fp4convert.run.progress import progress_bar
@@ -47,7 +48,8 @@ from fp4convert.storage.reads import open_regular, read_regular_file, read_tenso
 
 # --verify fails when any layer's relative error ||w - x|| / ||x|| exceeds this. Measured (1024x1024,
 # bf16): NVFP4 0.088-0.102 and MXFP4 0.114-0.145 on Gaussian, Laplace, Student-t(3) and outlier-laden
-# weights, with or without had16; the example checkpoint gives 0.095 (NVFP4) and 0.114 (MXFP4). A wrong
+# weights, with or without had16; the example checkpoint's worst layer: 0.0875 (NVFP4), 0.1126 (MXFP4 had16,
+# README, tests/test_readme_figures.py). A wrong
 # source of the same shapes gives ~1.4 (independent weights: sqrt 2), zeroed weights 1.0. 0.25 is 1.7x
 # the worst MXFP4 figure and 4x below a wrong source.
 DEFAULT_MAX_ERROR = 0.25
@@ -511,11 +513,23 @@ def _check_engine_config(source: Source, layout: CheckpointLayout) -> list[str]:
 _LAYER = re.compile(r"^(.*?layers\.\d+)\.")
 
 
+def _activation_scales(layout: CheckpointLayout) -> dict[str, object]:
+    """The W4A4 activation scales among the kept tensors (the format names them: its ``input_suffix``),
+    by module: part of a quantized module, not kept tensors."""
+    suffix = get_format(layout.format).input_suffix if layout.quantized else ""
+    if not suffix:
+        return {}
+    return {t.name: t for t in layout.kept if t.name.endswith(suffix) and t.name[: -len(suffix)] in layout.modules}
+
+
 def _summary(source: Source, layout: CheckpointLayout, globals_: dict[str, float], groups: dict) -> dict:
+    acts = _activation_scales(layout)
+    kept_list = [t for t in layout.kept if t.name not in acts]
     q_params = sum(math.prod(m.shape) for m in layout.modules.values())
-    kept_params = sum(t.numel for t in layout.kept)
-    q_bytes = sum(t.nbytes for m in layout.modules.values() for t in (m.packed, m.scale, m.global_) if t)
-    kept_bytes = sum(t.nbytes for t in layout.kept)
+    kept_params = sum(t.numel for t in kept_list)
+    q_bytes = sum(t.nbytes for m in layout.modules.values() for t in (m.packed, m.scale, m.global_) if t) + \
+        sum(t.nbytes for t in acts.values())  # type: ignore[attr-defined]
+    kept_bytes = sum(t.nbytes for t in kept_list)
     layers: dict[str, dict] = defaultdict(lambda: {"quantized": 0, "kept": 0, "bytes": 0})
     for m in layout.modules.values():
         key = (_LAYER.match(m.module + ".") or [None, "(other)"])[1]
@@ -523,8 +537,11 @@ def _summary(source: Source, layout: CheckpointLayout, globals_: dict[str, float
         layers[key]["bytes"] += sum(t.nbytes for t in (m.packed, m.scale, m.global_) if t)
     for t in layout.kept:
         key = (_LAYER.match(t.name) or [None, "(other)"])[1]
-        layers[key]["kept"] += 1
+        layers[key]["kept" if t.name not in acts else "quantized"] += 0 if t.name in acts else 1
         layers[key]["bytes"] += t.nbytes
+    activations = activations_of(layout.manifest)
+    if activations is None and acts:  # no manifest: the stored scales say W4A4 (their calibration is unknown)
+        activations = {"scheme": "nvfp4", "scales": "stored", "calibration": None}
     return {
         "path": source.label,
         "format": layout.format,
@@ -535,8 +552,11 @@ def _summary(source: Source, layout: CheckpointLayout, globals_: dict[str, float
             "scale_rule"),
         # Input-weighted scale rules: what the weights were measured on (the manifest's identity; None: unweighted).
         "input_weights": _input_weights(layout.manifest),
+        # W4A4 (None: weight-only): the activations' scheme, how their scales were had, the calibration.
+        "activations": activations if layout.quantized else None,
         "quantized": len(layout.modules),
-        "kept": len(layout.kept),
+        "kept": len(kept_list),  # tensors left unquantized (activation scales are part of the quantized layers)
+        "activation_scales": len(acts),
         "fused_groups": len(groups),
         "bytes": q_bytes + kept_bytes,
         "params": q_params + kept_params,
@@ -571,7 +591,9 @@ def _describe_input_weights(w: dict) -> str:
 
 
 def _natural(s: str) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+    # numbers compare by length, then digits: int() of a 5000-digit layer number in a crafted tensor name
+    # raises ValueError (Python's int-string limit), and a plain int would not compare with the other parts
+    return [(len(t.lstrip("0")), t.lstrip("0")) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", s))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,10 +738,12 @@ def render(r: dict) -> list[str]:
     else:
         lines.append(f"{r['path']}: format {r['format']}, scheme {r['scheme']}, rotation {r['rotate'] or 'none'}"
                      + (f", scale rule {r['scale_rule']}" if r.get("scale_rule") else ""))
+        lines.append(f"  activations: {describe_activations(r.get('activations'))}")
         if r.get("input_weights"):
             lines.append(f"  input weights: {_describe_input_weights(r['input_weights'])}")
+        acts = f", {r['activation_scales']} activation scales" if r.get("activation_scales") else ""
         lines.append(
-            f"  {r['quantized']} quantized weights, {r['kept']} kept tensors, {r['fused_groups']} fused groups; "
+            f"  {r['quantized']} quantized weights{acts}, {r['kept']} kept tensors, {r['fused_groups']} fused groups; "
             f"{human_bytes(r['bytes'])}, {r['params']:,} params, {r['bits_per_param']} bits/param "
             f"({r['bits_per_param_quantized']} in quantized layers)")
     lines.append(f"  {'layer':<28} {'quantized':>9} {'kept':>5} {'size':>10}")
@@ -760,6 +784,17 @@ def render(r: dict) -> list[str]:
     else:
         lines.append(f"  verdict: FAILED ({len(problems)} problem(s))")
     return lines
+
+
+def render_errors(r: dict) -> list[str]:
+    """What ``inspect --quiet`` prints (errors only): nothing for a sound checkpoint, else one ``Error:``
+    line with the verdict and the problems below it."""
+    if r["verdict"] == OK:
+        return []
+    if r["verdict"] == NOT_QUANTIZED:
+        return [f"Error: {r['path']}: not quantized (no FP4 weights; inspect expects an FP4 checkpoint)"]
+    problems = r["checks"]["problems"]
+    return [f"Error: {r['path']}: inspect found {len(problems)} problem(s):", *(f"  - {p}" for p in problems)]
 
 
 def write_plot(report: dict, path: str) -> str:

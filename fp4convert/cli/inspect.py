@@ -45,7 +45,7 @@ def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision,
     """
     if plot_path and not verify_src:
         raise click.UsageError("--plot needs --verify SRC")
-    from fp4convert.checkpoint.inspect import DEFAULT_MAX_ERROR, inspect_checkpoint, render, write_plot
+    from fp4convert.checkpoint.inspect import DEFAULT_MAX_ERROR, inspect_checkpoint, render, render_errors, write_plot
 
     long = check_files or verify_src  # reads every byte: a bar (nothing with --json or --quiet)
     report = inspect_checkpoint(checkpoint, check_files=check_files, verify=verify_src, revision=revision,
@@ -61,6 +61,9 @@ def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision,
             click.echo(f"no plot: {exc}", err=True)
     if as_json:
         click.echo(json.dumps(report, indent=2, default=str))
+    elif quiet and not verify_src:  # errors only (with --verify the report is the point: printed)
+        for line in render_errors(report):
+            click.echo(line, err=True)
     else:
         for line in render(report):
             click.echo(line)

@@ -23,6 +23,7 @@ from fp4convert.cli.options import (
 from fp4convert.config import ConvertConfig, human_bytes, parse_size
 from fp4convert.formats import DEFAULT_FORMAT, OUTPUT_FORMATS
 from fp4convert.numerics.scheme import ROTATIONS, SCHEMES
+from fp4convert.output.describe import run_note
 from fp4convert.quantizer.backend import backend_names
 
 
@@ -145,7 +146,8 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
         warn_serving(fmt, rotate)
         return
     click.echo(
-        f"{dst}: {s['quantized']} tensors quantized ({scheme}{', had16' if rotate else ''}), {s['kept']} kept; "
+        f"{dst}: {s['quantized']} tensors quantized ({scheme}{', had16' if rotate else ''}"
+        f"{run_note(activation.get('activations'), activation.get('activation_scale'))}), {s['kept']} kept; "
         f"{human_bytes(s['bytes_in'])} -> {human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s), "
         f"{s['bits_per_param']} bits/param ({s['bits_per_param_quantized']} in quantized layers); "
         f"{s['wall_s']:.1f} s, peak memory {human_bytes(s['peak_rss_bytes'])}"

@@ -117,6 +117,36 @@ class CompressedTensorsFormat(OutputFormat):
             }
         return qc
 
+    card_library = "transformers"
+
+    def serving_text(self, repo: str, scheme: str, rotate: str | None, auto: str, activations: dict | None) -> str:
+        lines = [
+            "compressed-tensors: vLLM and transformers (with `compressed-tensors` installed) read it from config.json.",
+            "",
+            "```bash",
+            f"vllm serve {repo}",
+            "```",
+            "",
+            "```python",
+            "import torch",
+            f"from transformers import {auto}, CompressedTensorsConfig",
+            f'model = {auto}.from_pretrained("{repo}", dtype=torch.bfloat16,',
+            "    quantization_config=CompressedTensorsConfig(dequantize=True))",
+            "```",
+        ]
+        if activations is not None:
+            stored = (" from the stored `input_global_scale` tensors" if activations.get("scales") != "dynamic"
+                      else " with dynamic scales")
+            lines += ["", f"W4A4: vLLM on Blackwell quantizes activations to {str(activations.get('scheme')).upper()}"
+                          f"{stored} (FP4 x FP4 GEMMs). The transformers snippet above dequantizes the weights and "
+                          "runs the activations unquantized (weight-only"
+                          + ("; it reports the `input_global_scale` tensors as unexpected keys" if
+                             activations.get("scales") != "dynamic" else "") + ")."]
+        if rotate:
+            lines += ["", "The weights carry a Had16 rotation recorded as `transform_config`: vLLM applies it "
+                          "(tensor parallel 1 only); transformers ignores it and computes wrong outputs."]
+        return "\n".join(lines)
+
     def input_activations(self) -> dict | None:
         """W4A4: compressed-tensors' own NVFP4 / MXFP4 presets (quantization/quant_scheme.py):
         NVFP4 per-16 local FP8 scales computed at run time under the stored static global

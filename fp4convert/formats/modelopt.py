@@ -36,6 +36,25 @@ class ModelOptFormat(OutputFormat):
                 "compute wrong outputs. Use --format compressed-tensors (transform_config) or drop --rotate"
             )
 
+    card_library = "vllm"
+
+    def serving_text(self, repo: str, scheme: str, rotate: str | None, auto: str, activations: dict | None) -> str:
+        lines = [
+            "NVIDIA ModelOpt NVFP4 (`hf_quant_config.json`): vLLM, SGLang and TensorRT-LLM read it; transformers does not.",
+            "",
+            "```bash",
+            f"vllm serve {repo} --quantization modelopt_fp4",
+            "```",
+            "",
+        ]
+        if activations is None:
+            lines.append("No activation scales are stored (weight-only conversion): on Blackwell vLLM treats ModelOpt "
+                         "NVFP4 as W4A4; prefer the compressed-tensors format for weight-only serving.")
+        else:
+            lines.append("W4A4: a static activation scale per linear (`input_scale`) is stored; on Blackwell the engines "
+                         "quantize activations to NVFP4 with it (FP4 x FP4 GEMMs).")
+        return "\n".join(lines)
+
     def global_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
         return lead  # a scalar per matrix
 

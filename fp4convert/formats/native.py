@@ -61,6 +61,19 @@ class NativeFormat(OutputFormat):
         write_json(path, cfg)
         return [CONFIG_NAME]
 
+    def serving_text(self, repo: str, scheme: str, rotate: str | None, auto: str, activations: dict | None) -> str:
+        return "\n".join([
+            "fp4convert's native layout (block scales pre-swizzled to the 128x4 tensor-core layout, described by "
+            "`fp4convert.json`). No engine loads it as is, and transformers refuses it (its config.json says "
+            "`model_type: fp4convert`). Re-layout it, losslessly and without the source weights:",
+            "",
+            "```bash",
+            f"fp4convert export {repo} out-ct --format compressed-tensors   # vLLM, transformers",
+            f"fp4convert export {repo} out-mo --format modelopt             # vLLM / SGLang / TensorRT-LLM"
+            + ("" if scheme == "nvfp4" else " (NVFP4 only)"),
+            "```",
+        ])
+
     def is_swizzled(self, manifest: dict | None) -> bool:
         return (manifest or {}).get("scale_layout", "128x4") == "128x4"
 

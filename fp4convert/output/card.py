@@ -22,7 +22,9 @@ import logging
 import re
 from pathlib import Path
 
+from fp4convert.formats import get_format
 from fp4convert.numerics.scheme import get_scheme
+from fp4convert.output.describe import activations_of, describe_activations, describe_method
 from fp4convert.storage.names import (
     CARD_NAME,  # noqa: F401 - re-exported (names.py states it)
     valid_repo_id,
@@ -34,15 +36,16 @@ log = logging.getLogger(__name__)
 START, END = "<!-- fp4convert:card-start -->", "<!-- fp4convert:card-end -->"
 ORIGINAL_HEADING = "## Original model card"
 PLACEHOLDER = "THIS_MODEL"  # where the card names the folder itself; push_to_hub puts the repo id there
-KEEP_KEYS = ("license", "license_name", "license_link", "language", "pipeline_tag", "datasets", "tags")
-LIBRARY = {"fp4convert": "fp4convert", "compressed-tensors": "transformers", "modelopt": "vllm"}
+# What passes from the source card's front matter: only what still describes the derived model (its license
+# and what it does). The source's tags, datasets, model-index, widget... describe the source (or whatever
+# its author wrote): a hostile `tags: [malware]` would otherwise be published by --push-to-hub.
+KEEP_KEYS = ("license", "license_name", "license_link", "language", "pipeline_tag")
 _FRONT = re.compile(r"\A---\s*\n(.*?)\n---\s*(?:\n|\Z)", re.S)
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9._\-]{0,63}$")
 _LANG = re.compile(r"^(?:[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8})*|multilingual)$")
 _LINK = re.compile(r"^[^\s<>\"'`\\]{1,300}$")
-_OF = re.compile(r"^Weight-only \S+ quantization of `([^`\n]{1,300})`", re.M)  # our section's model name
+_OF = re.compile(r"^(?:Weight-only|W4A4) \S+ quantization of `([^`\n]{1,300})`", re.M)  # our section's model name
 _NAME = re.compile(r"^[\w.\-:/]{1,300}$")  # a module name shown in our section as it is
-OWN_TAGS = {"fp4convert", "fp4", "quantized", "nvfp4", "mxfp4", "compressed-tensors", "modelopt"}
 
 
 def split_card(text: str) -> tuple[dict, str]:
@@ -95,8 +98,7 @@ def kept_metadata(meta: dict) -> dict:
     out: dict = {}
     checks = {"license": lambda v: _text_ok(v, _SLUG, 64), "license_name": lambda v: _text_ok(v, _SLUG, 64),
               "license_link": lambda v: _text_ok(v, _LINK, 300), "pipeline_tag": lambda v: _text_ok(v, _SLUG, 64)}
-    lists = {"language": lambda v: _text_ok(v, _LANG, 20), "datasets": lambda v: valid_repo_id(v) is not None,
-             "tags": lambda v: _text_ok(v, None, 100)}
+    lists = {"language": lambda v: _text_ok(v, _LANG, 20)}
     for key in KEEP_KEYS:
         if key not in meta or meta[key] is None:
             continue
@@ -117,8 +119,6 @@ def kept_metadata(meta: dict) -> dict:
         if len(good) < len(items):
             log.warning("warning: the source's %s: %d of the %s values are not valid; dropped", CARD_NAME,
                         len(items) - len(good), key)
-        if key == "tags":
-            good = [t for t in good if t.lower() not in OWN_TAGS]
         if good:
             out[key] = list(dict.fromkeys(good))
     return out
@@ -200,48 +200,12 @@ def _name(s: str) -> str:
     return s if _NAME.match(s) else re.sub(r"[^\w.\-:/]", "?", s)[:300] or "?"
 
 
-def _serving(fmt: str, repo: str, scheme: str, rotate: str | None, auto: str = "AutoModelForCausalLM") -> str:
-    if fmt == "compressed-tensors":
-        lines = [
-            "compressed-tensors: vLLM and transformers (with `compressed-tensors` installed) read it from config.json.",
-            "",
-            "```bash",
-            f"vllm serve {repo}",
-            "```",
-            "",
-            "```python",
-            "import torch",
-            f"from transformers import {auto}, CompressedTensorsConfig",
-            f'model = {auto}.from_pretrained("{repo}", dtype=torch.bfloat16,',
-            "    quantization_config=CompressedTensorsConfig(dequantize=True))",
-            "```",
-        ]
-        if rotate:
-            lines += ["", "The weights carry a Had16 rotation recorded as `transform_config`: vLLM applies it "
-                          "(tensor parallel 1 only); transformers ignores it and computes wrong outputs."]
-        return "\n".join(lines)
-    if fmt == "modelopt":
-        return "\n".join([
-            "NVIDIA ModelOpt NVFP4 (`hf_quant_config.json`): vLLM, SGLang and TensorRT-LLM read it; transformers does not.",
-            "",
-            "```bash",
-            f"vllm serve {repo} --quantization modelopt_fp4",
-            "```",
-            "",
-            "No activation scales are stored (weight-only conversion): on Blackwell vLLM treats ModelOpt NVFP4 as "
-            "W4A4; prefer the compressed-tensors format for weight-only serving.",
-        ])
-    return "\n".join([
-        "fp4convert's native layout (block scales pre-swizzled to the 128x4 tensor-core layout, described by "
-        "`fp4convert.json`). No engine loads it as is, and transformers refuses it (its config.json says "
-        "`model_type: fp4convert`). Re-layout it, losslessly and without the source weights:",
-        "",
-        "```bash",
-        f"fp4convert export {repo} out-ct --format compressed-tensors   # vLLM, transformers",
-        f"fp4convert export {repo} out-mo --format modelopt             # vLLM / SGLang / TensorRT-LLM"
-        + ("" if scheme == "nvfp4" else " (NVFP4 only)"),
-        "```",
-    ])
+def _serving(fmt: str, repo: str, scheme: str, rotate: str | None, auto: str = "AutoModelForCausalLM",
+             activations: dict | None = None) -> str:
+    """The format's own serving text (fp4convert/formats: each format states which engines read it)."""
+    from fp4convert.formats import get_format
+
+    return get_format(fmt).serving_text(repo, scheme, rotate, auto, activations)
 
 
 def kept_modules(manifest: dict) -> list[str]:
@@ -292,10 +256,11 @@ def build_card(manifest: dict, original: str | None, repo_hint: str | None = Non
     s = get_scheme(scheme)
     rule = (manifest.get("settings") or {}).get("scale_rule") or s.default_rule
     kept_meta = kept_metadata(meta_in)
-    tags = list(dict.fromkeys(["fp4convert", scheme, "fp4", fmt, "quantized", *kept_meta.pop("tags", [])]))
+    activations = activations_of(manifest)
+    tags = ["fp4convert", scheme, "fp4", fmt, "quantized", *(["w4a4"] if activations else [])]
     from huggingface_hub import ModelCard, ModelCardData
 
-    data = ModelCardData(base_model=base, library_name=LIBRARY.get(fmt, "fp4convert"), tags=tags,
+    data = ModelCardData(base_model=base, library_name=get_format(fmt).card_library, tags=tags,
                          base_model_relation="quantized" if base else None, **kept_meta)
     if s.global_scale:
         scale_desc = f"an E4M3 scale per {s.block_size} weights and an fp32 global scale per matrix"
@@ -319,8 +284,9 @@ def build_card(manifest: dict, original: str | None, repo_hint: str | None = Non
         START,
         f"# {title} {scheme.upper()} ({fmt})",
         "",
-        f"Weight-only {scheme.upper()} quantization of {what}, made with fp4convert "
-        f"{_name(str((manifest.get('producer') or {}).get('version', __version__)))} (data-free: no calibration set).",
+        f"{'W4A4' if activations else 'Weight-only'} {scheme.upper()} quantization of {what}, made with fp4convert "
+        f"{_name(str((manifest.get('producer') or {}).get('version', __version__)))}: {_name_text(describe_method(manifest))}"
+        f"; {_name_text(describe_activations(activations))}.",
         "",
         "| | |",
         "|---|---|",
@@ -328,6 +294,8 @@ def build_card(manifest: dict, original: str | None, repo_hint: str | None = Non
         f"| format | {fmt} |",
         f"| scale rule | {_name(str(rule))} |",
         f"| rotation | {rotate or 'none'} |",
+        f"| activations | {_name_text(describe_activations(activations))} |",
+        f"| weight scales | {_name_text(describe_method(manifest))} |",
         f"| quantized tensors | {_num(summary.get('quantized'))} of {_num(summary.get('tensors'))} "
         f"({_num(summary.get('bits_per_param_quantized'))} bits/param in quantized layers, "
         f"{_num(summary.get('bits_per_param'))} overall) |",
@@ -340,7 +308,7 @@ def build_card(manifest: dict, original: str | None, repo_hint: str | None = Non
         "",
         "## Serving",
         "",
-        _serving(fmt, repo, scheme, rotate, auto_class(config or {})),
+        _serving(fmt, repo, scheme, rotate, auto_class(config or {}), activations),
         END,
     ]
     text = "\n" + "\n".join(body) + "\n"
@@ -349,6 +317,12 @@ def build_card(manifest: dict, original: str | None, repo_hint: str | None = Non
         text += f"\n{ORIGINAL_HEADING}\n\n{kept_body}\n"
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
     return str(card)
+
+
+def _name_text(s: str) -> str:
+    """A sentence of ours built from manifest values (a data file's name among them): no Markdown/HTML
+    specials (a hand-edited manifest must not inject links or tags into the card)."""
+    return re.sub(r"[<>`\[\]|\n\r]", "?", s)[:400]
 
 
 def _num(v: object) -> str:

@@ -214,21 +214,41 @@ def _json_kind(v: object) -> str:
         type(v), type(v).__name__)
 
 
+MAX_INT = (1 << 63) - 1  # the largest count, size or shape a manifest may hold (int64, as torch and the OS take)
+
+
+def _finite(v: object) -> bool:
+    """A JSON number a float holds finitely: a 400-digit integer is an int to Python's json but no float
+    (float() of it raises OverflowError), and NaN/Infinity tokens are floats but not finite."""
+    if type(v) not in (int, float):
+        return False
+    try:
+        return math.isfinite(float(v))  # type: ignore[arg-type]
+    except OverflowError:
+        return False
+
+
 def _check(v: object, spec: object, where: str) -> str | None:
     """Why ``v`` does not follow ``spec`` (None when it does); ``where`` names the field."""
     if isinstance(spec, _Opt):
         return None if v is None else _check(v, spec.spec, where)
     if spec is int:
+        if type(v) is int and abs(v) > MAX_INT:  # shapes, sizes, block sizes: an int64 holds them
+            return f"{where} is an integer of {len(str(abs(v)))} digits, too large for a count or size"
         return None if type(v) is int else f"{where} is {_json_kind(v)}, not an integer"
     if spec is float:
-        ok = type(v) in (int, float) and math.isfinite(v)
+        ok = _finite(v)
         return None if ok else f"{where} is {_json_kind(v)}, not a finite number"
     if spec in (str, bool, dict, list):
         return None if type(v) is spec else f"{where} is {_json_kind(v)}, not {_KIND[spec]}"
     if spec == "size":
-        return None if type(v) is int and v >= 0 else f"{where} is {_json_kind(v)}, not a size in bytes"
+        return None if type(v) is int and 0 <= v <= MAX_INT else f"{where} is {_json_kind(v)}, not a size in bytes"
     if spec == "file":
         from fp4convert.storage.checksum import record_problem
+
+        size = v.get("size") if isinstance(v, dict) else None
+        if type(size) is int and not 0 <= size <= MAX_INT:
+            return f"{where}.'size' is {'an integer too large for' if size > 0 else 'negative, not'} a size in bytes"
 
         return None if (why := record_problem(v)) is None else f"{where} {why}"
     if spec in ("format", "scheme"):
@@ -243,7 +263,7 @@ def _check(v: object, spec: object, where: str) -> str | None:
         return None if ok else f"{where} is {v!r:.40}, not one of {list(spec)}"
     if isinstance(spec, _Scales):
         if type(v) in (int, float):
-            return None if math.isfinite(v) else f"{where} is not finite"
+            return None if _finite(v) else f"{where} is not a finite number a float can hold"
         if isinstance(v, list) and len(json.dumps(v)) < 1 << 24:
             why = next((w for i, x in enumerate(v) if (w := _check(x, spec, f"{where}[{i}]"))), None)
             if why is None and _ragged(v):  # readers make one tensor of it (a ragged list was a TypeError, exit 1)
@@ -319,6 +339,7 @@ def load_manifest(root: Path, roots: tuple[str, ...] | None = None) -> dict | No
     import os
 
     from fp4convert.storage.reads import read_regular_file
+    from fp4convert.storage.strict_json import loads_bounded
 
     path = root / MANIFEST_NAME
     if not os.path.lexists(path):
@@ -332,7 +353,7 @@ def load_manifest(root: Path, roots: tuple[str, ...] | None = None) -> dict | No
     except OSError as exc:
         raise CheckpointFormatError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     try:
-        m = json.loads(raw)
+        m = loads_bounded(raw)  # Python's json, nesting bounded (a deep list is a ValueError, not a RecursionError)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointFormatError(f"{path}: not valid JSON ({str(exc).splitlines()[0][:100]}); the manifest is "
                                     "damaged: re-create the checkpoint, or remove the file") from exc

@@ -449,7 +449,7 @@ def _is_mtp(tensor_name: str, model_config: dict | None) -> bool:
         return True
     cfg = _text_config(model_config)
     n, k = cfg.get("num_hidden_layers"), cfg.get("num_nextn_predict_layers") or 0
-    m = re.search(r"(^|\.)layers\.(\d+)\.", tensor_name)
+    m = re.search(r"(^|\.)layers\.(\d{1,4000})\.", tensor_name)
     return bool(m and isinstance(n, int) and k and n <= int(m.group(2)) < n + k)
 
 

@@ -22,6 +22,7 @@ from fp4convert.formats import input_weights, quantized_tensor_names
 from fp4convert.formats.base import OutputFormat, OutputInfo
 from fp4convert.numerics.scheme import get_scheme
 from fp4convert.plan import families as arch
+from fp4convert.plan.collisions import check_part_names
 from fp4convert.plan.types import KEEP, QUANTIZE, Decision, Matrix
 from fp4convert.storage.safetensors import FLOAT_DTYPES, OutEntry, TensorInfo
 
@@ -322,7 +323,7 @@ def _mtp_layers(model_config: dict) -> tuple[int, int] | None:
 
 
 def _in_mtp(name: str, mtp: tuple[int, int] | None) -> bool:
-    m = re.search(r"(^|\.)layers\.(\d+)\.", name)
+    m = re.search(r"(^|\.)layers\.(\d{1,4000})\.", name)
     return bool(m and mtp and mtp[0] <= int(m.group(2)) < mtp[1])
 
 
@@ -463,6 +464,7 @@ def make_plan(
                 decisions.append(Decision(name, KEEP, reason, i, g, (out,), (), decode))
 
     check_collisions(decisions)
+    check_part_names(decisions, fmt)  # a kept tensor named like a part of a quantized one (issue 34)
     plan = Plan(decisions, {g: m for g, m in groups.items()}, layout_shards(decisions, config.max_shard_size), config,
                 knowledge=knowledge)
     plan.warnings += _plan_notes(decisions, knowledge, fmt.transformers_loads) + group_warnings

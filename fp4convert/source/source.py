@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp4convert.errors import CheckpointFormatError, CheckpointIndexError, FP4ConvertError, OutsideSourceError, SourceError
+from fp4convert.source.config_json import check_types
 from fp4convert.source.prefetch import AHEAD, Cancelled, Prefetcher
 from fp4convert.storage.names import INDEX_NAME, LOCK_NAME, MANIFEST_NAME, OWN_FILES, PROGRESS_NAME  # noqa: F401
 from fp4convert.storage.reads import read_header
@@ -345,9 +346,7 @@ class Source:
         cfg = _read_json_file(path, label, strict=False)
         if not isinstance(cfg, dict):
             raise SourceError(f"{label}: a {json_kind(cfg)}, not a JSON object")
-        qc = cfg.get("quantization_config")
-        if qc is not None and not isinstance(qc, dict):
-            raise SourceError(f"{label}: quantization_config is a {json_kind(qc)}, not a JSON object")
+        check_types(cfg, label)  # the keys fp4convert reads, each of the JSON type it needs
         return cfg
 
     # --- non-weight files ------------------------------------------------------------------------
@@ -879,9 +878,44 @@ def _weight_files_in(root: Path, label: str, roots: tuple[str, ...] | None = Non
     if pickles:
         raise SourceError(
             f"{label} has only pickle weights ({', '.join(pickles[:3])}); fp4convert reads safetensors only, "
-            "because unpickling runs arbitrary code. Convert them to safetensors first."
+            f"because unpickling runs arbitrary code. {PICKLE_HOW}"
         )
-    raise SourceError(f"{label}: no *.safetensors weights found")
+    raise SourceError(_no_weights_here(root, label))
+
+
+# How to turn a trusted pickle checkpoint into safetensors (said wherever one is refused).
+PICKLE_HOW = ("Convert them to safetensors first, if you trust the files (loading them runs their code): "
+              "python -c \"from transformers import AutoModel as A; A.from_pretrained('IN').save_pretrained('OUT')\" "
+              "(save_pretrained writes safetensors; use the model's own Auto class, e.g. AutoModelForCausalLM), "
+              "then convert OUT")
+
+
+def _no_weights_here(root: Path, label: str) -> str:
+    """Why a folder has no weights, and where they are when they can be found: the root of a Hugging Face
+    cache entry (``models--org--name``: its snapshots hold them), or a subfolder holding safetensors (looked
+    for a few levels down, without following symlinks, a bounded number of entries)."""
+    snaps = root / "snapshots"
+    if root.name.startswith("models--") and snaps.is_dir() and not snaps.is_symlink():
+        found = sorted(p.name for p in snaps.iterdir() if p.is_dir())
+        ref = root / "refs" / "main"
+        main = ref.read_text(errors="replace").strip()[:64] if ref.is_file() and not ref.is_symlink() else ""
+        pick = main if main in found else (found[-1] if found else "<commit>")
+        repo = root.name[len("models--"):].replace("--", "/")
+        return (f"{label} is the root of a Hugging Face cache entry, not a checkpoint folder: pass a snapshot "
+                f"folder inside it ({snaps / pick}), or the repo id {repo!r} with --cache-dir {root.parent}")
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        depth = len(Path(dirpath).relative_to(root).parts)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")) if depth < 3 else []
+        seen += len(filenames) + len(dirnames)
+        hits = sorted(f for f in filenames if f.endswith(".safetensors"))
+        if hits and depth > 0:
+            rel = Path(dirpath).relative_to(root)
+            return (f"{label}: no *.safetensors weights at its top level; {rel}/ holds {len(hits)} (e.g. {hits[0]}): "
+                    f"pass that folder ({Path(dirpath)}) if it is the checkpoint")
+        if seen > 10_000:
+            break
+    return f"{label}: no *.safetensors weights found"
 
 
 def _check_local_weights(root: Path, files: list[str], roots: tuple[str, ...], label: str) -> None:
@@ -999,6 +1033,6 @@ def _hub_listing(repo_id: str, commit: str, snapshot: Path, token: str | None = 
     if pickles:
         raise SourceError(
             f"{repo_id} has only pickle weights ({', '.join(pickles[:3])}); fp4convert reads safetensors only, "
-            "because unpickling runs arbitrary code. Convert them to safetensors first."
+            f"because unpickling runs arbitrary code. {PICKLE_HOW}"
         )
     raise SourceError(f"{repo_id}: no *.safetensors weights found")

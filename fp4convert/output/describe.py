@@ -1,0 +1,69 @@
+"""What an output is, in words: weight-only or W4A4, and what data (if any) its scales were measured on.
+
+The model card, ``inspect`` (text and JSON) and the run's summary line all say this; they read it here,
+from the manifest's records (``activations``: the W4A4 section; ``identity.input_weights``: the
+input-weighted scale rules' measurement), so they cannot disagree. Torch-free (the CLI imports it).
+"""
+
+from __future__ import annotations
+
+
+def activations_of(manifest: dict | None) -> dict | None:
+    """The W4A4 record of a manifest, as reports show it: ``{"scheme", "scales", "calibration"}`` where
+    ``scales`` is "calibrated", "constant" or "dynamic" ("stored": inspect found scales but no manifest);
+    None for a weight-only output."""
+    rec = (manifest or {}).get("activations")
+    if not isinstance(rec, dict) or not isinstance(rec.get("scheme"), str):
+        return None
+    cal = rec.get("calibration") if isinstance(rec.get("calibration"), dict) else None
+    out: dict = {"scheme": rec["scheme"], "scales": "dynamic", "calibration": None}
+    if cal is not None:
+        method = cal.get("method")
+        out["scales"] = "constant" if method == "constant" else "calibrated"
+        keep = ("method", "samples", "seq_len", "seed", "data", "amax", "tokenizer_sha256")
+        out["calibration"] = {k: cal[k] for k in keep if k in cal and not (k == "amax" and isinstance(cal[k], dict))}
+    return out
+
+
+def _data(d: object) -> str:
+    if not isinstance(d, dict):
+        return "?"
+    return str(d.get("name") or d.get("source") or "?")
+
+
+def describe_activations(a: dict | None) -> str:
+    """One phrase: "weights only (activations stay in the model's dtype)" or what W4A4 does with activations."""
+    if a is None:
+        return "weights only (activations stay in the model's dtype)"
+    scheme = str(a.get("scheme", "?")).upper()
+    cal = a.get("calibration") or {}
+    if a.get("scales") == "dynamic":
+        return f"W4A4: activations quantized to {scheme} at run time (dynamic scales, nothing calibrated)"
+    if a.get("scales") == "constant":
+        return (f"W4A4: activations quantized to {scheme} with a constant static scale (amax {cal.get('amax', 2688.0)}, "
+                "no calibration; larger activations clip)")
+    if a.get("scales") == "stored":  # read from the tensors alone (no manifest records how they were had)
+        return f"W4A4: activations quantized to {scheme} with a stored static scale per linear (how it was had is not recorded)"
+    return (f"W4A4: activations quantized to {scheme} with a static scale per linear, calibrated on "
+            f"{cal.get('samples', '?')} x {cal.get('seq_len', '?')} tokens ({_data(cal.get('data'))})")
+
+
+def describe_method(manifest: dict | None) -> str:
+    """How the weights' scales were chosen, as far as data goes: data-free, or measured input weights."""
+    rec = ((manifest or {}).get("identity") or {}).get("input_weights")
+    if not isinstance(rec, dict):
+        return "data-free (no calibration set)"
+    tokens = f"{rec.get('samples', '?')} x {rec.get('seq_len', '?')} tokens"
+    if rec.get("source") == "random":
+        return f"scales weighted by per-channel input mean squares measured on seeded random token ids ({tokens})"
+    return f"scales weighted by per-channel input mean squares measured on calibration data ({_data(rec.get('data'))}, {tokens})"
+
+
+def run_note(activations: str | None, activation_scale: str | None) -> str:
+    """The run's summary line's note (", W4A4 ..."), from the options (the run has no manifest loaded)."""
+    if not activations or activations == "none":
+        return ""
+    if activations == "mxfp4":
+        return ", W4A4 with dynamic activation scales"
+    return ", W4A4 with constant activation scales, no calibration" if activation_scale == "constant" else \
+        ", W4A4 with calibrated activation scales"
