@@ -160,3 +160,39 @@ def test_no_module_shadows_the_public_api() -> None:
 
     names = {p.stem if p.suffix == ".py" else p.name for p in PKG.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
     assert sorted(set(fp4convert.__all__) & names) == []
+
+
+def test_no_format_name_is_compared_outside_formats() -> None:
+    """issue 29: what differs between output formats is stated by each format (formats/); a comparison of a
+    format's name anywhere else (``fmt == "compressed-tensors"``) is knowledge that a new format would not
+    get. Counted: a comparison with a registered format's name whose other side mentions a format."""
+    from fp4convert.formats import OUTPUT_FORMATS
+
+    names = set(OUTPUT_FORMATS)
+    offenders = []
+    for p in PKG.rglob("*.py"):
+        if "formats" in p.relative_to(PKG).parts:
+            continue
+        src = p.read_text()
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            consts = {c.value for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+            text = " ".join(ast.get_source_segment(src, s) or "" for s in sides)
+            if consts & names and ("fmt" in text or "format" in text):
+                offenders.append(f"{p.relative_to(PKG.parent)}:{node.lineno}: {ast.get_source_segment(src, node)}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_format_name_check_finds_a_planted_comparison(tmp_path: Path, monkeypatch) -> None:
+    """The check itself works: a comparison planted outside formats/ is reported, one inside is not."""
+    pkg = tmp_path / "fp4convert"
+    (pkg / "formats").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "formats" / "x.py").write_text("def f(fmt):\n    return fmt == 'modelopt'\n")
+    (pkg / "run.py").write_text("def g(config):\n    return config.format in ('compressed-tensors', 'x')\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
+
+    with pytest.raises(AssertionError, match=r"run.py:2: config.format in"):
+        test_no_format_name_is_compared_outside_formats()

@@ -14,7 +14,6 @@ The verdict is ``ok`` (every check passed), ``failed`` (the report lists why) or
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 import re
@@ -55,11 +54,6 @@ from fp4convert.storage.reads import open_regular, read_regular_file, read_tenso
 DEFAULT_MAX_ERROR = 0.25
 
 OK, FAILED, NOT_QUANTIZED = "ok", "failed", "not quantized"
-# A sound checkpoint that most loaders still get wrong: transformers ignores compressed-tensors'
-# transform_config, loads the rotated weights without error and computes garbage (cosine ~0 against
-# the original in the issue 23 campaign); vLLM applies the rotation.
-ROTATED_CT_WARNING = ("had16-rotated compressed-tensors weights: only vLLM applies transform_config; transformers "
-                      "ignores it and computes wrong outputs without an error")
 CARD_MARKER = "<!-- fp4convert:card-start -->"
 
 
@@ -76,7 +70,8 @@ def _guess_layout(source: Source, layout: CheckpointLayout) -> CheckpointLayout 
         modules, problems = find_modules(fmt, layout.tensors, None)
         if not modules:
             continue
-        if fmt.name in ("fp4convert", "compressed-tensors"):  # same names: the scale shape tells
+        if any(o.name != fmt.name and (o.packed_suffix, o.scale_suffix) == (fmt.packed_suffix, fmt.scale_suffix)
+               for o in all_formats()):  # another format writes the same names: the scale layout tells
             m = next(iter(modules.values()))
             nb = m.shape[-1] // get_scheme(m.scheme).block_size
             swizzled = tuple(m.scale.shape[-2:]) == padded_shape(m.shape[-2], nb) != (m.shape[-2], nb)
@@ -165,8 +160,9 @@ def _report(path_or_repo: str, *, check_files: bool = False, verify: str | None 
     checksums = _check_files(source, manifest, layout, problems, full=check_files, progress=progress)
     report = _summary(source, layout, globals_, groups)
     report["warnings"] = []
-    if layout.format == "compressed-tensors" and layout.rotate:
-        report["warnings"].append(ROTATED_CT_WARNING)
+    serving = get_format(layout.format).serving_warning(layout.rotate) if layout.format else None
+    if serving:  # e.g. transformers ignores compressed-tensors' transform_config (the issue 23 campaign: cosine ~0)
+        report["warnings"].append(serving)
     report["checks"] = {
         "problems": problems,
         "notes": notes,
@@ -262,7 +258,7 @@ def _manifest_state(source: Source, layout: CheckpointLayout) -> str:
          _producer_name(read_json(source.root / "hf_quant_config.json")) == "fp4convert"),
         ("README.md is an fp4convert model card", CARD_MARKER in _small_text(source, "README.md")),
     ) if hit]
-    if layout.format == "fp4convert" and not hints:
+    if layout.format and get_format(layout.format).described_by_manifest and not hints:
         hints = ["the native format is described by its manifest"]
     return f"missing ({'; '.join(hints)})" if hints else "not expected (not an fp4convert output)"
 
@@ -381,13 +377,6 @@ def _hidden(rel: str) -> bool:
 # Engine configs against the tensors
 # ---------------------------------------------------------------------------------------------
 
-def _matches_ct(pattern: str, module: str) -> bool:
-    """compressed-tensors' ignore entries: exact module names, or ``re:`` regexes (matched in full)."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], module) is not None
-    return pattern == module
-
-
 def _kept_2d(layout: CheckpointLayout) -> list[str]:
     """Kept 2-D float weights an engine would take for Linear layers; a rotated compressed-tensors
     module's own transform (``<module>.had16_input.weight``, 16x16) is part of that module, not one."""
@@ -436,73 +425,14 @@ def _kind(v: object) -> str:
 
 
 def _check_engine_config(source: Source, layout: CheckpointLayout) -> list[str]:
-    """The engine config files against the tensors. Every value is type-checked before use: a value of
-    the wrong type is a finding (one line naming the key), never an exception."""
-    cfg = source.config()
-    qc = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else None
-    out: list[str] = []
+    """The engine config files against the tensors (each format checks its own: ``OutputFormat.config_problems``),
+    then the modules its config keeps out of FP4 against the kept weights. Every value is type-checked before
+    use: a value of the wrong type is a finding (one line naming the key), never an exception."""
+    fmt = get_format(layout.format)
     scheme = get_scheme(layout.scheme) if layout.scheme else None
-    if layout.format == "compressed-tensors":
-        if qc is None:
-            return ["config.json has no quantization_config: engines will not read the weights as compressed-tensors"]
-        groups = qc.get("config_groups") or {}
-        if not isinstance(groups, dict):
-            return [f"quantization_config.config_groups is {_kind(groups)}, not an object"]
-        if not groups:
-            out.append("quantization_config has no config_groups")
-        for gname, g in groups.items():
-            where = f"quantization_config.config_groups.{gname}"
-            w = (g or {}).get("weights") if isinstance(g, dict) else None
-            if not isinstance(g, dict) or not isinstance(w, dict):
-                out.append(f"{where}{'' if not isinstance(g, dict) else '.weights'} is "
-                           f"{_kind(w if isinstance(g, dict) else g)}, not an object")
-                continue
-            where += ".weights"
-            if w.get("num_bits") != 4 or w.get("type") != "float":
-                out.append(f"{where}: num_bits {w.get('num_bits')!r} type {w.get('type')!r}, FP4 is 4 / float")
-            if scheme is not None:
-                if w.get("group_size") != scheme.block_size:
-                    out.append(f"{where}.group_size is {w.get('group_size')!r}, the {scheme.name} scales are per "
-                               f"{scheme.block_size}")
-                want = "tensor_group" if scheme.global_scale else "group"
-                if w.get("strategy") != want:
-                    out.append(f"{where}.strategy is {w.get('strategy')!r:.40}, {scheme.name} tensors need {want!r}")
-                fmt = g.get("format") or qc.get("format")
-                if fmt != f"{scheme.name}-pack-quantized":
-                    out.append(f"quantization_config format {fmt!r:.60} does not match the {scheme.name} tensors "
-                               f"({scheme.scale_dtype} block scales)")
-        gs = next(((g.get("weights") or {}).get("group_size") for g in groups.values()
-                   if isinstance(g, dict) and isinstance(g.get("weights"), dict)), None)
-        if type(gs) is int and gs > 0:
-            for m in layout.modules.values():
-                k = m.shape[-1]
-                if not m.swizzled and m.scale.shape[-1] * gs != k:
-                    out.append(f"{m.module}: {m.scale.shape[-1]} scales per row for K={k} disagree with group_size {gs}")
-                    break
-        out += _ignore_agrees(qc.get("ignore", []), layout, _matches_ct, "quantization_config.ignore", regex=True)
-        transform = qc.get("transform_config")
-        if transform is not None and not isinstance(transform, dict):
-            out.append(f"quantization_config.transform_config is {_kind(transform)}, not an object")
-    elif layout.format == "modelopt":
-        hq = read_json(source.root / "hf_quant_config.json").get("quantization")  # a Hub snapshot has it too
-        section = hq if hq is not None else qc
-        where = "hf_quant_config.json's quantization" if hq is not None else "config.json's quantization_config"
-        if section is None:
-            return ["neither hf_quant_config.json nor config.json's quantization_config describes the weights"]
-        if not isinstance(section, dict):
-            return [f"{where} is {_kind(section)}, not an object"]
-        if section.get("quant_algo") != "NVFP4":
-            out.append(f"ModelOpt quant_algo is {section.get('quant_algo')!r:.40}, the tensors are NVFP4")
-        if section.get("group_size", 16) != 16:
-            out.append(f"ModelOpt group_size is {section.get('group_size')!r:.40}, NVFP4 scales are per 16")
-        exclude = section.get("exclude_modules", section.get("ignore", []))
-        out += _ignore_agrees(exclude, layout, lambda p, m: fnmatch.fnmatchcase(m, p), "exclude_modules")
-    elif layout.format == "fp4convert" and qc is not None:
-        if scheme is not None and qc.get("scheme") not in (None, scheme.name):
-            out.append(f"config.json's quantization_config says {qc.get('scheme')!r:.40}, the tensors are {scheme.name}")
-        if scheme is not None and qc.get("block_size") not in (None, scheme.block_size):
-            out.append(f"config.json's quantization_config block_size {qc.get('block_size')!r:.40}, {scheme.name} has "
-                       f"{scheme.block_size}")
+    out, excluded = fmt.config_problems(source.root, source.config(), scheme, layout.modules)
+    if excluded is not None:
+        out += _ignore_agrees(excluded.patterns, layout, excluded.match, excluded.key, regex=excluded.regex)
     return out
 
 

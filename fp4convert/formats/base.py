@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp4convert.errors import ConfigError
-from fp4convert.numerics.scheme import SCHEMES, get_scheme
+from fp4convert.numerics.scheme import SCHEMES, Scheme, get_scheme
 from fp4convert.numerics.swizzle import padded_shape
 from fp4convert.storage.names import CONFIG_NAME
 from fp4convert.storage.safetensors import OutEntry, TensorInfo
@@ -97,6 +97,25 @@ class QuantizedModule:
         return tuple(t for t in (self.packed, self.scale, self.global_) if t is not None)
 
 
+def value_kind(v: object) -> str:
+    """What a config value is, for a finding about a value of the wrong type ("an object", "null", ...)."""
+    if v is None:
+        return "null"
+    return {bool: "true/false", str: "a string", int: "an integer", float: "a number", list: "a list",
+            dict: "an object"}.get(type(v), type(v).__name__)
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """The modules a format's engine config keeps out of FP4, as found there: ``inspect`` checks them against
+    the kept and the quantized weights with ``match(pattern, module)``; ``key`` names where they sit."""
+
+    patterns: object
+    match: Callable[[str, str], bool]
+    key: str
+    regex: bool = False
+
+
 class OutputFormat:
     """A convention for storing FP4 weights; subclasses set the names and override what differs."""
 
@@ -107,6 +126,7 @@ class OutputFormat:
     input_suffix = ""  # W4A4: the static activation scale's suffix ("" where the format has none)
     activation_modes: tuple[str, ...] = ()  # --activations it can write besides "none" (the engines' W4A4 conventions)
     transformers_loads = False  # transformers loads its outputs (the plan then says what it cannot load of a model)
+    described_by_manifest = False  # only the manifest (fp4convert.json) says what its tensors are (inspect expects one)
 
     def __init__(self, activations: str = "none") -> None:
         """``activations``: the W4A4 activation quantization this writer's outputs carry ("none": weight-only;
@@ -212,6 +232,13 @@ class OutputFormat:
     def finalize(self, dst: Path, info: OutputInfo) -> list[str]:
         """Write what the format needs beside the shards; returns the names written."""
         return []
+
+    def config_problems(self, root: Path, config: dict, scheme: Scheme | None, modules: dict[str, QuantizedModule]
+                        ) -> tuple[list[str], Excluded | None]:
+        """What this format's engine config files in ``root`` (``config``: config.json) say against the tensors
+        (``scheme``, ``modules``: what ``inspect`` found), and the modules they keep out of FP4 (None: no such
+        list, or the config is too broken to read one). Every value is type-checked before use."""
+        return [], None
 
     def serving_warning(self, rotate: str | None) -> str | None:
         """What a user must know before serving a checkpoint written with these settings (None: nothing).

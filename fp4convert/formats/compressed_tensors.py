@@ -9,10 +9,11 @@ Had16 is recorded as a ``transform_config`` with the online rotation as ``<modul
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fp4convert.formats.base import OutputFormat, OutputInfo, read_json, update_config
+from fp4convert.formats.base import Excluded, OutputFormat, OutputInfo, read_json, update_config, value_kind
 from fp4convert.numerics.scheme import get_scheme
 from fp4convert.storage.safetensors import OutEntry
 
@@ -174,6 +175,50 @@ class CompressedTensorsFormat(OutputFormat):
             log.warning(warning, extra={"serving": True})  # the command line prints it itself, in every mode
         return ["config.json"]
 
+    def config_problems(self, root, config, scheme, modules):
+        qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else None
+        out: list[str] = []
+        if qc is None:
+            return ["config.json has no quantization_config: engines will not read the weights as compressed-tensors"], None
+        groups = qc.get("config_groups") or {}
+        if not isinstance(groups, dict):
+            return [f"quantization_config.config_groups is {value_kind(groups)}, not an object"], None
+        if not groups:
+            out.append("quantization_config has no config_groups")
+        for gname, g in groups.items():
+            where = f"quantization_config.config_groups.{gname}"
+            w = (g or {}).get("weights") if isinstance(g, dict) else None
+            if not isinstance(g, dict) or not isinstance(w, dict):
+                out.append(f"{where}{'' if not isinstance(g, dict) else '.weights'} is "
+                           f"{value_kind(w if isinstance(g, dict) else g)}, not an object")
+                continue
+            where += ".weights"
+            if w.get("num_bits") != 4 or w.get("type") != "float":
+                out.append(f"{where}: num_bits {w.get('num_bits')!r} type {w.get('type')!r}, FP4 is 4 / float")
+            if scheme is not None:
+                if w.get("group_size") != scheme.block_size:
+                    out.append(f"{where}.group_size is {w.get('group_size')!r}, the {scheme.name} scales are per "
+                               f"{scheme.block_size}")
+                want = "tensor_group" if scheme.global_scale else "group"
+                if w.get("strategy") != want:
+                    out.append(f"{where}.strategy is {w.get('strategy')!r:.40}, {scheme.name} tensors need {want!r}")
+                fmt = g.get("format") or qc.get("format")
+                if fmt != f"{scheme.name}-pack-quantized":
+                    out.append(f"quantization_config format {fmt!r:.60} does not match the {scheme.name} tensors "
+                               f"({scheme.scale_dtype} block scales)")
+        gs = next(((g.get("weights") or {}).get("group_size") for g in groups.values()
+                   if isinstance(g, dict) and isinstance(g.get("weights"), dict)), None)
+        if type(gs) is int and gs > 0:
+            for m in modules.values():
+                k = m.shape[-1]
+                if not m.swizzled and m.scale.shape[-1] * gs != k:
+                    out.append(f"{m.module}: {m.scale.shape[-1]} scales per row for K={k} disagree with group_size {gs}")
+                    break
+        transform = qc.get("transform_config")
+        if transform is not None and not isinstance(transform, dict):
+            out.append(f"quantization_config.transform_config is {value_kind(transform)}, not an object")
+        return out, Excluded(qc.get("ignore", []), matches_ignore, "quantization_config.ignore", regex=True)
+
     def serving_warning(self, rotate: str | None) -> str | None:
         if not rotate:
             return None
@@ -206,3 +251,10 @@ class CompressedTensorsFormat(OutputFormat):
 
 
 FORMAT = CompressedTensorsFormat()
+
+
+def matches_ignore(pattern: str, module: str) -> bool:
+    """compressed-tensors' ignore entries: exact module names, or ``re:`` regexes (matched in full)."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return pattern == module

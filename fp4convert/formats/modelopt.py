@@ -7,11 +7,12 @@ for one).
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp4convert.errors import ConfigError
-from fp4convert.formats.base import OutputFormat, OutputInfo, read_json, update_config, write_json
+from fp4convert.formats.base import Excluded, OutputFormat, OutputInfo, read_json, update_config, value_kind, write_json
 from fp4convert.storage.names import HF_QUANT_CONFIG
 from fp4convert.version import producer as version_producer
 
@@ -54,6 +55,23 @@ class ModelOptFormat(OutputFormat):
             lines.append("W4A4: a static activation scale per linear (`input_scale`) is stored; on Blackwell the engines "
                          "quantize activations to NVFP4 with it (FP4 x FP4 GEMMs).")
         return "\n".join(lines)
+
+    def config_problems(self, root, config, scheme, modules):
+        qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else None
+        hq = read_json(root / HF_QUANT_CONFIG).get("quantization")  # a Hub snapshot has it too
+        section = hq if hq is not None else qc
+        where = f"{HF_QUANT_CONFIG}'s quantization" if hq is not None else "config.json's quantization_config"
+        if section is None:
+            return [f"neither {HF_QUANT_CONFIG} nor config.json's quantization_config describes the weights"], None
+        if not isinstance(section, dict):
+            return [f"{where} is {value_kind(section)}, not an object"], None
+        out: list[str] = []
+        if section.get("quant_algo") != "NVFP4":
+            out.append(f"ModelOpt quant_algo is {section.get('quant_algo')!r:.40}, the tensors are NVFP4")
+        if section.get("group_size", 16) != 16:
+            out.append(f"ModelOpt group_size is {section.get('group_size')!r:.40}, NVFP4 scales are per 16")
+        exclude = section.get("exclude_modules", section.get("ignore", []))
+        return out, Excluded(exclude, lambda p, m: fnmatch.fnmatchcase(m, p), "exclude_modules")
 
     def global_shape(self, lead: tuple[int, ...]) -> tuple[int, ...]:
         return lead  # a scalar per matrix

@@ -30,6 +30,7 @@ NOTE = ("fp4convert native layout (128x4 swizzled block scales): no engine loads
 
 class NativeFormat(OutputFormat):
     name = "fp4convert"
+    described_by_manifest = True
     swizzled = True
 
     def quantization_config(self, info: OutputInfo) -> dict:
@@ -73,6 +74,17 @@ class NativeFormat(OutputFormat):
             + ("" if scheme == "nvfp4" else " (NVFP4 only)"),
             "```",
         ])
+
+    def config_problems(self, root, config, scheme, modules):
+        qc = config.get("quantization_config") if isinstance(config.get("quantization_config"), dict) else None
+        out: list[str] = []
+        if qc is not None and scheme is not None:
+            if qc.get("scheme") not in (None, scheme.name):
+                out.append(f"config.json's quantization_config says {qc.get('scheme')!r:.40}, the tensors are {scheme.name}")
+            if qc.get("block_size") not in (None, scheme.block_size):
+                out.append(f"config.json's quantization_config block_size {qc.get('block_size')!r:.40}, {scheme.name} "
+                           f"has {scheme.block_size}")
+        return out, None
 
     def is_swizzled(self, manifest: dict | None) -> bool:
         return (manifest or {}).get("scale_layout", "128x4") == "128x4"
