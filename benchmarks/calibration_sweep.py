@@ -28,7 +28,7 @@ def one(model_type: str, root: Path, timeout: int) -> dict:
     import torch
 
     from fp4convert import calibrate
-    from fp4convert.source.source import open_source
+    from fp4convert.source.open import open_source
     from tests import tiny_configs
 
     built = tiny_configs.build(model_type, root)

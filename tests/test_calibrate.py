@@ -30,7 +30,7 @@ from click.testing import CliRunner
 from fp4convert import calibrate
 from fp4convert.cli.main import main
 from fp4convert.config import ConvertConfig
-from fp4convert.source.source import open_source
+from fp4convert.source.open import open_source
 from tests import zoo
 
 ROOT = Path(__file__).resolve().parents[1]

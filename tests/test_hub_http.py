@@ -322,7 +322,7 @@ def test_header_read_by_range_must_match_the_download(files, tmp_path, monkeypat
     """The header planned from (range reads) and the downloaded file's header must agree: exit 4 otherwise."""
     from fp4convert.errors import CheckpointFormatError
     from fp4convert.storage.reads import read_header
-    from fp4convert.source.source import Source
+    from fp4convert.source.hub import HubSource as Source
 
     snap = tmp_path / "snap"
     snap.mkdir()

@@ -21,7 +21,7 @@ from fp4convert.config import ConvertConfig
 from fp4convert.run.convert import convert, plan_conversion
 from fp4convert.errors import SourceError
 from fp4convert.source.release import ShardReleaser
-from fp4convert.source.source import Source
+from fp4convert.source.hub import HubSource as Source  # the Hub source (these tests are about it)
 
 from . import checkpoints as ck
 
@@ -235,7 +235,7 @@ def test_stopping_does_not_wait_for_a_stalled_download(model, tmp_path, monkeypa
     """A download whose server sends nothing more cannot see the cancellation (it looks once per chunk
     received): stopping returns after JOIN_S, not after huggingface_hub's timeouts and retries (a minute
     and more), and the stalled file's partial download is removed from the cache."""
-    from fp4convert.source.source import open_source
+    from fp4convert.source.open import open_source
 
     stalled, release = threading.Event(), threading.Event()
 
@@ -384,11 +384,11 @@ def test_the_first_shard_downloads_while_the_headers_are_read(model, local_out, 
     """The early start does not wait for the header reads: each range read of another shard's header
     waits here until the first shard's download has begun (it had not, before: the link idled for
     every header's three round trips); the output is unchanged."""
-    import fp4convert.source.source as source_mod
+    import fp4convert.source.hub as source_mod
 
     hub = online(monkeypatch, tmp_path, model, rate=8e6)
     first_download = threading.Event()
-    original_download, original_header = Source._download, source_mod._remote_header
+    original_download, original_header = source_mod.HubSource._download, source_mod._remote_header
     seen: dict[str, bool] = {}
 
     def download(source: Source, file: str, cancelled=None) -> Path:
@@ -416,9 +416,9 @@ def test_the_first_shard_downloads_while_the_headers_are_read(model, local_out, 
 def test_headers_are_read_several_at_a_time(model, tmp_path, monkeypatch) -> None:
     """The range reads of the headers overlap (up to HEADER_CONNECTIONS); the plan is the one a
     sequential read gives, and a malformed header is reported for the first such file in order."""
-    import fp4convert.source.source as source_mod
+    import fp4convert.source.hub as source_mod
     from fp4convert.errors import CheckpointFormatError
-    from fp4convert.source.source import open_source
+    from fp4convert.source.open import open_source
 
     hub = online(monkeypatch, tmp_path, model)
     original = source_mod._remote_header
@@ -457,12 +457,12 @@ def test_headers_are_read_several_at_a_time(model, tmp_path, monkeypatch) -> Non
 def test_a_download_checked_before_its_header_is_read_is_still_compared(model, tmp_path, monkeypatch) -> None:
     """With the early start a shard can finish downloading before its header's range read does: its
     check waits for the read, so a range answer that differs from the downloaded file is still exit 4."""
-    import fp4convert.source.source as source_mod
+    import fp4convert.source.hub as source_mod
     from fp4convert.errors import CheckpointFormatError
 
     hub = online(monkeypatch, tmp_path, model)
     downloaded = threading.Event()
-    original_download, original_header = Source._download, source_mod._remote_header
+    original_download, original_header = source_mod.HubSource._download, source_mod._remote_header
 
     def download(source: Source, file: str, cancelled=None) -> Path:
         path = original_download(source, file, cancelled)
@@ -526,7 +526,7 @@ def test_another_order_replaces_the_early_prefetch(model, tmp_path, monkeypatch)
     and one in the run's order takes over."""
     from huggingface_hub import constants
 
-    from fp4convert.source.source import open_source
+    from fp4convert.source.open import open_source
 
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 16 << 10)  # cancellation is looked for once per chunk
     hub = online(monkeypatch, tmp_path, model, rate=0.1e6)

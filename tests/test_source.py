@@ -25,7 +25,9 @@ import pytest
 from fp4convert.config import ConvertConfig
 from fp4convert.run.convert import convert
 from fp4convert.storage.safetensors import CheckpointFormatError
-from fp4convert.source.source import CheckpointIndexError, OutsideSourceError, SourceError, copy_rule, hub_ignore_patterns, open_source
+from fp4convert.source.source import CheckpointIndexError, OutsideSourceError, SourceError
+from fp4convert.source.copying import copy_rule, hub_ignore_patterns
+from fp4convert.source.open import open_source
 
 from . import checkpoints as ck
 
@@ -577,7 +579,7 @@ def test_nested_outputs_and_the_destination_are_not_copied(three, tmp_path) -> N
 @pytest.fixture
 def no_hub(monkeypatch):
     """Any attempt to reach the Hub fails the test."""
-    import fp4convert.source.source as source_mod
+    import fp4convert.source.open as source_mod
 
     def refuse(*a, **k):
         raise AssertionError(f"sent to the Hub: {a}")
@@ -607,7 +609,7 @@ def test_mistyped_local_path_is_no_such_folder(typed, words, tmp_path, monkeypat
 
 
 def test_plausible_repo_id_still_goes_to_the_hub(tmp_path, monkeypatch) -> None:
-    import fp4convert.source.source as source_mod
+    import fp4convert.source.open as source_mod
 
     ck.llama(tmp_path / "examples" / "tiny-llama", layers=1, single=True)
     monkeypatch.chdir(tmp_path)

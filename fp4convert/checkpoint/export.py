@@ -26,7 +26,7 @@ from fp4convert.run.distributed import World
 from fp4convert.run.progress import progress_bar
 from fp4convert.run.runner import ConvertResult, Job, run
 from fp4convert.run.work import WriteJob
-from fp4convert.source.source import open_source
+from fp4convert.source.open import open_source
 from fp4convert.storage import checksum
 from fp4convert.storage.reads import open_regular, read_tensor
 from fp4convert.storage.safetensors import DTYPE_BITS, OutEntry, TensorInfo, dtype_nbytes

@@ -41,7 +41,8 @@ from fp4convert.output.describe import activations_of, describe_activations
 from fp4convert.output.manifest import MANIFEST_NAME, PROGRESS_NAME
 from fp4convert.plan.planner import fused_group
 from fp4convert.run.progress import progress_bar
-from fp4convert.source.source import Source, open_source
+from fp4convert.source.open import open_source
+from fp4convert.source.source import Source
 from fp4convert.storage import checksum
 from fp4convert.storage.reads import open_regular, read_regular_file, read_tensor
 

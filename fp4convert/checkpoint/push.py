@@ -23,7 +23,8 @@ from fp4convert.errors import ConfigError, OutputError, PushError, SourceError
 from fp4convert.output.card import PLACEHOLDER, build_card
 from fp4convert.output.manifest import MANIFEST_NAME, PROGRESS_NAME, manifest_text
 from fp4convert.plan.planner import Plan
-from fp4convert.source.source import Source, check_relative, one_line
+from fp4convert.source.paths import check_relative, one_line
+from fp4convert.source.source import Source
 from fp4convert.storage.checksum import file_sha256, matches, record_problem
 from fp4convert.storage.names import CARD_NAME
 

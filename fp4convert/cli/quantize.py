@@ -81,7 +81,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
     from fp4convert.errors import PlanError
     from fp4convert.run.convert import convert, plan_conversion, prewarm_device
     from fp4convert.run.runner import plan_warnings
-    from fp4convert.source.source import open_source
+    from fp4convert.source.open import open_source
 
     config = ConvertConfig(
         scheme=scheme, rotate=rotate, scale_rule=scale_rule, format=fmt, ignore=tuple(ignore), only=tuple(only),

@@ -95,7 +95,8 @@ def plan_conversion(src: str | Source, config: ConvertConfig, fetch_ahead: bool 
     from fp4convert.formats import detect, get_format
     from fp4convert.output.manifest import MANIFEST_NAME, load_manifest
     from fp4convert.plan.planner import make_plan
-    from fp4convert.source.source import Source, open_source
+    from fp4convert.source.open import open_source
+    from fp4convert.source.source import Source
 
     source = src if isinstance(src, Source) else open_source(src, config.revision)
     manifest = load_manifest(source.root)
