@@ -14,7 +14,8 @@ from fp4convert.output.manifest import MANIFEST_VERSION
 from fp4convert.cli.main import main
 from fp4convert.config import ConvertConfig
 from fp4convert.run.convert import convert
-from fp4convert.checkpoint.inspect import DEFAULT_MAX_ERROR, inspect_checkpoint
+from fp4convert.checkpoint.verify import DEFAULT_MAX_ERROR
+from fp4convert.checkpoint.inspect import inspect_checkpoint
 
 from . import checkpoints as ck
 

@@ -21,23 +21,21 @@ from collections import defaultdict
 
 import torch
 
+from fp4convert.checkpoint.engine_config import check_engine_config
 from fp4convert.checkpoint.layout import (
     CheckpointLayout,
     find_modules,
-    load_quantized,
     manifest_disagreements,
     module_shape_problems,
     read_global,
     read_layout,
 )
-from fp4convert.config import human_bytes
-from fp4convert.errors import SourceError
+from fp4convert.checkpoint.verify import DEFAULT_MAX_ERROR, FAILED, NOT_QUANTIZED, OK, add_total, verify_against
 from fp4convert.formats import all_formats, get_format, quantized_tensor_names
 from fp4convert.formats.base import read_json
-from fp4convert.kernels.tensor import dequantize
 from fp4convert.numerics.scheme import get_scheme
 from fp4convert.numerics.swizzle import padded_shape
-from fp4convert.output.describe import activations_of, describe_activations
+from fp4convert.output.describe import activations_of
 from fp4convert.output.manifest import MANIFEST_NAME, PROGRESS_NAME
 from fp4convert.plan.planner import fused_group
 from fp4convert.run.progress import progress_bar
@@ -52,9 +50,7 @@ from fp4convert.storage.reads import open_regular, read_regular_file, read_tenso
 # README, tests/test_readme_figures.py). A wrong
 # source of the same shapes gives ~1.4 (independent weights: sqrt 2), zeroed weights 1.0. 0.25 is 1.7x
 # the worst MXFP4 figure and 4x below a wrong source.
-DEFAULT_MAX_ERROR = 0.25
 
-OK, FAILED, NOT_QUANTIZED = "ok", "failed", "not quantized"
 CARD_MARKER = "<!-- fp4convert:card-start -->"
 
 
@@ -155,7 +151,7 @@ def _report(path_or_repo: str, *, check_files: bool = False, verify: str | None 
         problems.append(f"{MANIFEST_NAME} is {manifest_state}")
     if manifest:
         problems += _check_against_manifest(manifest, layout, stored)
-    engine = _check_engine_config(source, layout) if layout.quantized else []
+    engine = check_engine_config(source, layout) if layout.quantized else []
     problems += engine
     problems += check_activation_scales(source, layout) if layout.quantized else []
     checksums = _check_files(source, manifest, layout, problems, full=check_files, progress=progress)
@@ -294,7 +290,7 @@ def _check_files(source: Source, manifest: dict | None, layout: CheckpointLayout
     bad = 0
     listed = manifest.get("files", {})
     if full:
-        _add_total(progress, sum(rec["size"] for rec in listed.values()))
+        add_total(progress, sum(rec["size"] for rec in listed.values()))
     for rel, rec in sorted(listed.items()):
         # Only a relative path resolving to a regular file inside the folder is stat'ed or read (the
         # manifest schema already refused absolute paths and '..'; symlinks out are refused here).
@@ -353,13 +349,6 @@ def _small_text(source: Source, rel: str, limit: int = 16 << 20) -> str:
         return ""
 
 
-def _add_total(progress, n: int) -> None:
-    if progress is not None:
-        progress.total = (progress.total or 0) + n
-        if hasattr(progress, "refresh"):
-            progress.refresh()
-
-
 def _walk(root) -> list[str]:
     """Every entry under ``root`` that is not a folder (symlinks included, never followed), relative."""
     out = []
@@ -372,69 +361,6 @@ def _walk(root) -> list[str]:
 
 def _hidden(rel: str) -> bool:
     return rel.startswith(".") or "/." in rel
-
-
-# ---------------------------------------------------------------------------------------------
-# Engine configs against the tensors
-# ---------------------------------------------------------------------------------------------
-
-def _kept_2d(layout: CheckpointLayout) -> list[str]:
-    """Kept 2-D float weights an engine would take for Linear layers; a rotated compressed-tensors
-    module's own transform (``<module>.had16_input.weight``, 16x16) is part of that module, not one."""
-    transforms = {f"{m}.{layout.rotate}_input" for m in layout.modules} if layout.rotate else set()
-    return sorted(n for n in (t.name[: -len(".weight")] for t in layout.kept
-                              if t.name.endswith(".weight") and len(t.shape) == 2 and t.dtype in ("BF16", "F16", "F32"))
-                  if n not in transforms)
-
-
-def _bad_patterns(ignore: list, key: str, regex: bool) -> list[str]:
-    """Entries of an ignore list that are not strings, or (compressed-tensors) ``re:`` patterns that do
-    not compile: engines would fail to load the config."""
-    out = []
-    for i, p in enumerate(ignore):
-        if not isinstance(p, str):
-            out.append(f"{key}[{i}] is {_kind(p)}, not a module name or pattern")
-        elif regex and p.startswith("re:"):
-            try:
-                re.compile(p[3:])
-            except (re.error, RecursionError, OverflowError) as exc:
-                out.append(f"{key}[{i}] {p[:60]!r}: the regular expression does not compile ({exc})")
-    return out
-
-
-def _ignore_agrees(ignore: object, layout: CheckpointLayout, match, key: str, regex: bool = False) -> list[str]:
-    out = []
-    if not isinstance(ignore, list):
-        return [f"{key} is {_kind(ignore)}, not a list"]
-    bad = _bad_patterns(ignore, key, regex)
-    if bad:
-        return bad
-    missing = [m for m in _kept_2d(layout) if not any(match(p, m) for p in ignore)]
-    if missing:
-        out.append(f"{key} misses {len(missing)} kept 2-D weight(s), e.g. {missing[0]}: an engine would load it as FP4")
-    wrong = sorted(m for m in layout.modules if any(match(p, m) for p in ignore))
-    if wrong:
-        out.append(f"{key} names {len(wrong)} quantized weight(s), e.g. {wrong[0]}: an engine would load it unquantized")
-    return out
-
-
-def _kind(v: object) -> str:
-    if v is None:
-        return "null"
-    return {bool: "true/false", str: "a string", int: "an integer", float: "a number", list: "a list",
-            dict: "an object"}.get(type(v), type(v).__name__)
-
-
-def _check_engine_config(source: Source, layout: CheckpointLayout) -> list[str]:
-    """The engine config files against the tensors (each format checks its own: ``OutputFormat.config_problems``),
-    then the modules its config keeps out of FP4 against the kept weights. Every value is type-checked before
-    use: a value of the wrong type is a finding (one line naming the key), never an exception."""
-    fmt = get_format(layout.format)
-    scheme = get_scheme(layout.scheme) if layout.scheme else None
-    out, excluded = fmt.config_problems(source.root, source.config(), scheme, layout.modules)
-    if excluded is not None:
-        out += _ignore_agrees(excluded.patterns, layout, excluded.match, excluded.key, regex=excluded.regex)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,7 +432,7 @@ def _input_weights(manifest: dict | None) -> dict | None:
     return {k: rec[k] for k in keep if k in rec}
 
 
-def _describe_input_weights(w: dict) -> str:
+def describe_input_weights(w: dict) -> str:
     src = w.get("source")
     tokens = f"{w.get('samples')} x {w.get('seq_len')} tokens"
     if src == "random":
@@ -527,249 +453,3 @@ def _natural(s: str) -> list:
     return [(len(t.lstrip("0")), t.lstrip("0")) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", s))]
 
 
-# ---------------------------------------------------------------------------------------------
-# --verify
-# ---------------------------------------------------------------------------------------------
-
-def _fingerprint_check(manifest: dict | None, original: Source) -> tuple[str, list[str]]:
-    """Is ``original`` the checkpoint the manifest was made from? (status, problems)"""
-    from fp4convert.output.record import source_fingerprint
-
-    if manifest is None:
-        return "not checked (no manifest)", []
-    identity = manifest.get("identity") or {}
-    recorded = (identity.get("exported_from") or {}).get("source") or identity.get("source") or {}
-    if recorded.get("type") == "hub" and original.is_hub:
-        got = source_fingerprint(original)
-        diffs = [f"{k} {got.get(k)!r}, the manifest names {recorded.get(k)!r}" for k in ("repo_id", "commit")
-                 if got.get(k) != recorded.get(k)]
-        return ("matches (repo id and commit)", []) if not diffs else (
-            "differs", [f"--verify source is not the converted one: {'; '.join(diffs)}"])
-    if recorded.get("type") == "local" and not original.is_hub and "files" in recorded:
-        got = source_fingerprint(original)["files"]
-        want = recorded["files"]
-        diffs = []
-        for f in sorted(set(want) | set(got)):
-            if f not in got:
-                diffs.append(f"{f} is missing")
-            elif f not in want:
-                diffs.append(f"{f} was not in the converted source")
-            elif got[f] != want[f]:
-                what = "size" if got[f].get("size") != want[f].get("size") else "header"
-                diffs.append(f"{f}: {what} differs")
-        if diffs:
-            return "differs", [f"--verify source does not match the manifest's source fingerprint: {'; '.join(diffs[:3])}"
-                               + (f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else "")]
-        return "matches (file sizes and header hashes)", []
-    return "not comparable (one is a Hub repo, the other a folder): tensor names, shapes and dtypes checked", []
-
-
-def _structure_check(manifest: dict | None, orig: dict) -> list[str]:
-    """The manifest's record of every source tensor (dtype, shape) against the --verify source's headers."""
-    if manifest is None:
-        return []
-    diffs = []
-    for name, rec in sorted(manifest.get("tensors", {}).items()):
-        info = orig.get(name)
-        if info is None:
-            diffs.append(f"{name} is missing")
-        elif info.dtype != rec.get("dtype") or list(info.shape) != rec.get("shape"):
-            diffs.append(f"{name} is {info.dtype} {list(info.shape)}, was {rec.get('dtype')} {rec.get('shape')}")
-    extra = sorted(set(orig) - set(manifest.get("tensors", {})))
-    if extra:
-        diffs.append(f"{len(extra)} tensor(s) the converted source did not have, e.g. {extra[0]}")
-    if not diffs:
-        return []
-    return [f"--verify source differs from the converted one: {'; '.join(diffs[:3])}"
-            + (f" (+{len(diffs) - 3} more)" if len(diffs) > 3 else "")]
-
-
-def verify_against(source: Source, layout: CheckpointLayout, src: str, *, max_error: float = DEFAULT_MAX_ERROR,
-                   revision: str | None = None, token: str | None = None, progress=None) -> dict:
-    """Dequantize every quantized weight and compare it with the original: per layer and overall.
-
-    Fails (``problems``) when SRC is not the source the manifest names, when a quantized weight is
-    missing from SRC or has another shape, or when a layer's relative error exceeds ``max_error``.
-    """
-    try:
-        original = open_source(src, revision, token=token)
-    except SourceError as exc:
-        return {"source": src, "max_error": max_error, "layers": {}, "overall": None, "fingerprint": "n/a",
-                "problems": [f"--verify: {exc}"], "passed": False}
-    orig = {t.name: t for t in original.tensors()}
-    fingerprint, problems = _fingerprint_check(layout.manifest, original)
-    problems += _structure_check(layout.manifest, orig)
-    layers: dict[str, dict] = {}
-    missing: list[str] = []
-    sum_err2 = sum_ref2 = 0.0
-    _add_total(progress, sum(orig[m + ".weight"].nbytes for m in layout.modules if m + ".weight" in orig))
-    for m in layout.modules.values():
-        info = orig.get(m.module + ".weight")
-        if info is None:
-            missing.append(m.module)
-            layers[m.module] = {"error": "not in the source checkpoint"}
-            continue
-        x = read_tensor(original.local_path(info.file), info).to(torch.float32)
-        if progress is not None:
-            progress.update(info.nbytes)
-        w = dequantize(load_quantized(source, layout, m), torch.float32)
-        if w.shape != x.shape:
-            layers[m.module] = {"error": f"shape {list(w.shape)} vs source {list(x.shape)}"}
-            problems.append(f"{m.module}: dequantized shape {list(w.shape)}, source {list(x.shape)}")
-            continue
-        err2 = float((w - x).double().pow(2).sum())
-        ref2 = float(x.double().pow(2).sum())
-        sum_err2 += err2
-        sum_ref2 += ref2
-        rel = math.sqrt(err2 / ref2) if ref2 else (0.0 if err2 == 0 else math.inf)
-        layers[m.module] = {"rel_error": rel, "snr_db": _snr(ref2, err2)}
-    if missing:
-        problems.append(f"{len(missing)} quantized weight(s) not in the --verify source, e.g. {missing[0]}")
-    measured = {k: v for k, v in layers.items() if "rel_error" in v}
-    overall = None
-    if measured:
-        worst = max(measured, key=lambda k: measured[k]["rel_error"])
-        overall = {
-            "layers": len(measured),
-            "mean_rel_error": sum(v["rel_error"] for v in measured.values()) / len(measured),
-            "worst_layer": worst,
-            "worst_rel_error": measured[worst]["rel_error"],
-            "snr_db": _snr(sum_ref2, sum_err2),
-        }
-        over = sorted((k for k, v in measured.items() if v["rel_error"] > max_error),
-                      key=lambda k: -measured[k]["rel_error"])
-        if over:
-            problems.append(f"{len(over)} layer(s) exceed --max-error {max_error}: worst {over[0]} "
-                            f"rel.err {measured[over[0]]['rel_error']:.4f}")
-    elif layout.modules:
-        problems.append("--verify compared no layer")
-    return {"source": src, "fingerprint": fingerprint, "max_error": max_error, "layers": layers,
-            "overall": overall, "problems": problems, "passed": not problems}
-
-
-def _snr(ref2: float, err2: float) -> float:
-    if err2 == 0:
-        return math.inf
-    if ref2 == 0:
-        return -math.inf
-    return 10 * math.log10(ref2 / err2)
-
-
-# ---------------------------------------------------------------------------------------------
-# Text and pictures
-# ---------------------------------------------------------------------------------------------
-
-
-def render(r: dict) -> list[str]:
-    """The report as the lines ``fp4convert inspect`` prints."""
-    lines = []
-    if r["verdict"] == NOT_QUANTIZED:
-        lines.append(f"{r['path']}: not quantized (no FP4 weights; {r['kept']} tensors, {human_bytes(r['bytes'])}, "
-                     f"{r['params']:,} params, {r['bits_per_param']} bits/param)")
-    else:
-        lines.append(f"{r['path']}: format {r['format']}, scheme {r['scheme']}, rotation {r['rotate'] or 'none'}"
-                     + (f", scale rule {r['scale_rule']}" if r.get("scale_rule") else ""))
-        lines.append(f"  activations: {describe_activations(r.get('activations'))}")
-        if r.get("input_weights"):
-            lines.append(f"  input weights: {_describe_input_weights(r['input_weights'])}")
-        acts = f", {r['activation_scales']} activation scales" if r.get("activation_scales") else ""
-        lines.append(
-            f"  {r['quantized']} quantized weights{acts}, {r['kept']} kept tensors, {r['fused_groups']} fused groups; "
-            f"{human_bytes(r['bytes'])}, {r['params']:,} params, {r['bits_per_param']} bits/param "
-            f"({r['bits_per_param_quantized']} in quantized layers)")
-    lines.append(f"  {'layer':<28} {'quantized':>9} {'kept':>5} {'size':>10}")
-    for name, row in r["layers"].items():
-        lines.append(f"  {name:<28} {row['quantized']:>9} {row['kept']:>5} {human_bytes(row['bytes']):>10}")
-    c = r["checks"]
-    for note in c.get("notes", []):
-        lines.append(f"  note: {note}")
-    if r["verdict"] != NOT_QUANTIZED:
-        lines.append(f"  manifest: {c['manifest']}; engine config: {c['engine_config']}")
-        lines.append(f"  files: {c['checksums']}; block scales "
-                     f"{'checked' if c['block_scales_checked'] else 'not read (use --check-files)'}")
-    v = r.get("verify")
-    if v:
-        lines.append(f"  verify against {v['source']} (source fingerprint: {v['fingerprint']}):")
-        for m, e in v["layers"].items():
-            if "error" in e:
-                lines.append(f"    {m}: {e['error']}")
-            else:
-                flag = "  > max-error" if e["rel_error"] > v["max_error"] else ""
-                lines.append(f"    {m:<44} rel.err {e['rel_error']:.4f}  SNR {e['snr_db']:.1f} dB{flag}")
-        o = v["overall"]
-        if o:
-            lines.append(f"    overall: mean rel.err {o['mean_rel_error']:.4f}, worst {o['worst_rel_error']:.4f} "
-                         f"({o['worst_layer']}), SNR {o['snr_db']:.1f} dB over {o['layers']} layers; "
-                         f"threshold {v['max_error']}")
-    problems = c["problems"]
-    if problems:
-        lines.append(f"  {len(problems)} problem(s):")
-        lines += [f"    - {p}" for p in problems]
-    for w in r.get("warnings", []):
-        lines.append(f"  warning: {w}")
-    if r["verdict"] == OK:
-        lines.append("  verdict: OK" + (" (verified against the source)" if v else "")
-                     + (f", with {len(r['warnings'])} warning(s) above" if r.get("warnings") else ""))
-    elif r["verdict"] == NOT_QUANTIZED:
-        lines.append("  verdict: NOT QUANTIZED (nothing to check; inspect expects an FP4 checkpoint)")
-    else:
-        lines.append(f"  verdict: FAILED ({len(problems)} problem(s))")
-    return lines
-
-
-def render_errors(r: dict) -> list[str]:
-    """What ``inspect --quiet`` prints (errors only): nothing for a sound checkpoint, else one ``Error:``
-    line with the verdict and the problems below it."""
-    if r["verdict"] == OK:
-        return []
-    if r["verdict"] == NOT_QUANTIZED:
-        return [f"Error: {r['path']}: not quantized (no FP4 weights; inspect expects an FP4 checkpoint)"]
-    problems = r["checks"]["problems"]
-    return [f"Error: {r['path']}: inspect found {len(problems)} problem(s):", *(f"  - {p}" for p in problems)]
-
-
-def write_plot(report: dict, path: str) -> str:
-    """A per-layer error chart of ``--verify``: PNG through matplotlib if installed, else a standalone SVG/HTML."""
-    v = report.get("verify") or {}
-    rows = [(m, e["rel_error"]) for m, e in v.get("layers", {}).items() if "rel_error" in e]
-    if not rows:
-        raise ValueError("--plot needs --verify with at least one compared layer")
-    if path.endswith(".png"):
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            path = path[: -len(".png")] + ".html"
-        else:
-            fig, ax = plt.subplots(figsize=(10, max(3, 0.18 * len(rows))))
-            ax.barh([m for m, _ in rows][::-1], [e for _, e in rows][::-1])
-            ax.axvline(v["max_error"], color="red", linestyle="--", label=f"max-error {v['max_error']}")
-            ax.set_xlabel("relative error ||w - x|| / ||x||")
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(path)
-            plt.close(fig)
-            return path
-    width, bar_h, label_w = 900, 14, 420
-    scale = (width - label_w - 60) / max(max(e for _, e in rows), v["max_error"])
-    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{(len(rows) + 2) * bar_h + 20}" '
-           'font-family="monospace" font-size="11">']
-    for i, (m, e) in enumerate(rows):
-        y = 10 + i * bar_h
-        color = "#c0392b" if e > v["max_error"] else "#2e86c1"
-        svg.append(f'<text x="0" y="{y + 10}">{m}</text><rect x="{label_w}" y="{y}" width="{e * scale:.1f}" '
-                   f'height="{bar_h - 3}" fill="{color}"/><text x="{label_w + e * scale + 4:.1f}" y="{y + 10}">{e:.4f}</text>')
-    x = label_w + v["max_error"] * scale
-    svg.append(f'<line x1="{x:.1f}" y1="5" x2="{x:.1f}" y2="{(len(rows) + 1) * bar_h}" stroke="red" stroke-dasharray="4"/>')
-    svg.append("</svg>")
-    o = v.get("overall") or {}
-    html = (f"<!doctype html><meta charset='utf-8'><title>fp4convert verify: {report['path']}</title>"
-            f"<h3>{report['path']}: {report['scheme']} ({report['format']}) against {v['source']}</h3>"
-            f"<p>mean rel.err {o.get('mean_rel_error', 0):.4f}, worst {o.get('worst_rel_error', 0):.4f} "
-            f"({o.get('worst_layer')}), SNR {o.get('snr_db', 0):.1f} dB; threshold {v['max_error']} (dashed)</p>"
-            + "".join(svg))
-    with open(path, "w") as fh:
-        fh.write(html)
-    return path

@@ -45,7 +45,9 @@ def inspect(checkpoint, check_files, verify_src, max_error, plot_path, revision,
     """
     if plot_path and not verify_src:
         raise click.UsageError("--plot needs --verify SRC")
-    from fp4convert.checkpoint.inspect import DEFAULT_MAX_ERROR, inspect_checkpoint, render, render_errors, write_plot
+    from fp4convert.checkpoint.inspect import inspect_checkpoint
+    from fp4convert.checkpoint.render import render, render_errors, write_plot
+    from fp4convert.checkpoint.verify import DEFAULT_MAX_ERROR
 
     long = check_files or verify_src  # reads every byte: a bar (nothing with --json or --quiet)
     report = inspect_checkpoint(checkpoint, check_files=check_files, verify=verify_src, revision=revision,
