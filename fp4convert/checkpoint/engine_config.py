@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from fp4convert.checkpoint.layout import CheckpointLayout
-from fp4convert.formats import get_format
+from fp4convert.formats import OUTPUT_FORMATS, get_format
 from fp4convert.numerics.scheme import get_scheme
 from fp4convert.source.source import Source
 
@@ -62,6 +62,8 @@ def check_engine_config(source: Source, layout: CheckpointLayout) -> list[str]:
     """The engine config files against the tensors (each format checks its own: ``OutputFormat.config_problems``),
     then the modules its config keeps out of FP4 against the kept weights. Every value is type-checked before
     use: a value of the wrong type is a finding (one line naming the key), never an exception."""
+    if layout.format not in OUTPUT_FORMATS:
+        return []  # an unquantized checkpoint: no engine config of ours to check
     fmt = get_format(layout.format)
     scheme = get_scheme(layout.scheme) if layout.scheme else None
     out, excluded = fmt.config_problems(source.root, source.config(), scheme, layout.modules)

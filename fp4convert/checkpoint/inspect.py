@@ -31,7 +31,7 @@ from fp4convert.checkpoint.layout import (
     read_layout,
 )
 from fp4convert.checkpoint.verify import DEFAULT_MAX_ERROR, FAILED, NOT_QUANTIZED, OK, add_total, verify_against
-from fp4convert.formats import all_formats, get_format, quantized_tensor_names
+from fp4convert.formats import OUTPUT_FORMATS, all_formats, get_format, quantized_tensor_names
 from fp4convert.formats.base import read_json
 from fp4convert.numerics.scheme import get_scheme
 from fp4convert.numerics.swizzle import padded_shape
@@ -157,7 +157,7 @@ def _report(path_or_repo: str, *, check_files: bool = False, verify: str | None 
     checksums = _check_files(source, manifest, layout, problems, full=check_files, progress=progress)
     report = _summary(source, layout, globals_, groups)
     report["warnings"] = []
-    serving = get_format(layout.format).serving_warning(layout.rotate) if layout.format else None
+    serving = get_format(layout.format).serving_warning(layout.rotate) if layout.format in OUTPUT_FORMATS else None
     if serving:  # e.g. transformers ignores compressed-tensors' transform_config (the issue 23 campaign: cosine ~0)
         report["warnings"].append(serving)
     report["checks"] = {
@@ -191,6 +191,8 @@ def check_activation_scales(source: Source, layout: CheckpointLayout) -> list[st
     scale at all) is not judged here. A W4A4 layer without a scale is a problem (FAILED)."""
     import re
 
+    if layout.format not in OUTPUT_FORMATS:
+        return []  # an unquantized checkpoint: no engine config of ours to check
     fmt = get_format(layout.format)
     suffix = getattr(fmt, "input_suffix", "")
     if not suffix:
@@ -255,7 +257,7 @@ def _manifest_state(source: Source, layout: CheckpointLayout) -> str:
          _producer_name(read_json(source.root / "hf_quant_config.json")) == "fp4convert"),
         ("README.md is an fp4convert model card", CARD_MARKER in _small_text(source, "README.md")),
     ) if hit]
-    if layout.format and get_format(layout.format).described_by_manifest and not hints:
+    if layout.format in OUTPUT_FORMATS and get_format(layout.format).described_by_manifest and not hints:
         hints = ["the native format is described by its manifest"]
     return f"missing ({'; '.join(hints)})" if hints else "not expected (not an fp4convert output)"
 
