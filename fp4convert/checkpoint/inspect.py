@@ -192,7 +192,7 @@ def check_activation_scales(source: Source, layout: CheckpointLayout) -> list[st
     import re
 
     if layout.format not in OUTPUT_FORMATS:
-        return []  # an unquantized checkpoint: no engine config of ours to check
+        return []  # an unquantized checkpoint: no activation scales to check
     fmt = get_format(layout.format)
     suffix = getattr(fmt, "input_suffix", "")
     if not suffix:
