@@ -190,5 +190,9 @@ class BuildFailed(Exception):
     """A lazy build's default error (fp4convert.kernels.jit): the compiler is missing or failed (callers usually fall back)."""
 
 
+class StopForward(Exception):
+    """Raised by the calibration runner's recorder after the last block it needs: the rest of the forward is not run (internal)."""
+
+
 class Cancelled(Exception):
     """Raised inside a Hub download or a checksum pass when the prefetcher stops (fp4convert.source.prefetch)."""

@@ -18,15 +18,11 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any
 
-from fp4convert.errors import PlanError
+from fp4convert.errors import PlanError, StopForward
 
 if TYPE_CHECKING:
 
     from fp4convert.calibrate.stats import Observers
-
-
-class StopForward(Exception):
-    """Raised by the last block's recorder: nothing after the blocks needs to run."""
 
 
 def hidden_slot(block) -> str:

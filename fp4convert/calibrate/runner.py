@@ -34,9 +34,9 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fp4convert.calibrate.capture import ExpertTap, StopForward, block_calls, block_output, is_expert_stack, replace_hidden
+from fp4convert.calibrate.capture import ExpertTap, block_calls, block_output, is_expert_stack, replace_hidden
 from fp4convert.calibrate.diagnose import WAYS_OUT, Said, model_errors
-from fp4convert.errors import PlanError
+from fp4convert.errors import PlanError, StopForward
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
