@@ -38,7 +38,7 @@ t0 = time.perf_counter()
 out = {}
 if mode == "calibrate-only":
     from fp4convert import calibrate
-    from fp4convert.source.source import open_source
+    from fp4convert.source.open import open_source
     from transformers import AutoTokenizer
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = AutoTokenizer.from_pretrained(src)

@@ -2,7 +2,7 @@
 do, its documented exit code, and nothing written (the rest of issue 12's matrix is test_bad_inputs.py).
 
 - config.json values of the wrong JSON type under keys fp4convert reads (every output format, --dry-run,
-  --input-weights random, W4A4): exit 4 (fp4convert.config_json), before planning.
+  --input-weights random, W4A4): exit 4 (fp4convert.source.config_json), before planning.
 - A manifest holding numbers no float holds (400-digit integers, 1e999, NaN/Infinity tokens), deep nesting
   or wrong types: ``inspect`` (-q, --check-files, --json) reports a finding (exit 6), ``export`` refuses
   (exit 4), never exit 1.

@@ -248,7 +248,7 @@ def test_materialized_weights_do_not_grow_with_layer_count(tmp_path):
 RSS_SCRIPT = r"""
 import sys, torch
 from fp4convert import calibrate
-from fp4convert.source.source import open_source
+from fp4convert.source.open import open_source
 lm = calibrate.LayerwiseModel(open_source(sys.argv[1]), torch.device("cpu"))
 tokens = torch.randint(3, 98, (4, 64), generator=torch.Generator().manual_seed(0))
 calibrate.layerwise_amax(lm, tokens)

@@ -93,7 +93,7 @@ _ODD = [None, True, 0, -1, 7, 2 ** 63, 10 ** 30, 1e308, -0.5, "", "x", "re:(", "
         "a" * 5000, 10 ** 400, "64", ["LlamaForCausalLM", 5], {"language": 9}]
 
 # config.json keys the planner, the model definition, the calibration stage, the formats or the card read
-# (fp4convert.config_json.KEYS and a few transformers reads), for type confusion (issue 34).
+# (fp4convert.source.config_json.KEYS and a few transformers reads), for type confusion (issue 34).
 _CONFIG_KEYS = ["architectures", "model_type", "hidden_size", "num_hidden_layers", "num_nextn_predict_layers",
                 "tie_word_embeddings", "is_encoder_decoder", "_name_or_path", "torch_dtype", "quantization_config",
                 "text_config", "vision_config", "vocab_size", "head_dim", "num_attention_heads", "intermediate_size",

@@ -216,14 +216,14 @@ class OutputFormat:
     def serving_text(self, repo: str, scheme: str, rotate: str | None, auto: str, activations: dict | None) -> str:
         """The model card's "Serving" section for an output in this format (Markdown): which engines read it
         and how, including what each does with W4A4 activation scales (``activations``: the manifest's
-        W4A4 record as fp4convert.describe.activations_of gives it, None for weight-only)."""
+        W4A4 record as fp4convert.output.describe.activations_of gives it, None for weight-only)."""
         return ""
 
     def part_names(self, module: str) -> tuple[str, ...]:
         """Every tensor name this format gives a part of quantized ``module`` (the activation scale of
         W4A4 included, written or not): a reader of the format takes a tensor of one of these names for
         that part, so a kept tensor of such a name cannot sit beside the quantized module
-        (fp4convert.collisions)."""
+        (fp4convert.plan.collisions)."""
         return tuple(dict.fromkeys(module + s for s in (self.packed_suffix, self.scale_suffix, self.global_suffix,
                                                         self.input_suffix) if s))
 
