@@ -116,7 +116,7 @@ def activation_options(fn: Callable) -> Callable:
                      help="Seed of self-generated samples and of random token ids."),
         click.option("--input-weights", type=click.Choice(INPUT_WEIGHTS), default="auto", show_default=True,
                      help="Weight each search scale rule's block error by the mean square of the layer's input "
-                          "channel, measured by running the model layer by layer (Llama/Mistral/Qwen2/Qwen3/Gemma 3 text, "
+                          "channel, measured by running the model block by block (decoders, MoEs, VLM text decoders; "
                           "local folder, transformers). random: on seeded random token ids (no data; about one pass over "
                           "the weights); calibration: on the calibration samples; auto: the W4A4 NVFP4 calibration "
                           "pass's own, else none (data-free, no model run). With weights the default rule is mse. "
