@@ -233,7 +233,7 @@ def check_destination(dst: Path, source: Source, config: ConvertConfig) -> None:
     import os
 
     from fp4convert.errors import OutputError
-    from fp4convert.output.destination import check_paths
+    from fp4convert.output.destination import check_paths, dst_files
     from fp4convert.storage.names import LOCK_NAME
 
     dst = Path(dst)
@@ -242,7 +242,7 @@ def check_destination(dst: Path, source: Source, config: ConvertConfig) -> None:
         raise OutputError(f"{dst} exists and is not a folder; choose another DST")
     if not dst.is_dir():
         return
-    existing = [f for f in _entries(dst) if f != LOCK_NAME]
+    existing = [f for f in dst_files(dst) if f != LOCK_NAME]
     if existing and not (config.overwrite or config.resume):
         raise OutputError(f"{dst} exists and is not empty; pass --overwrite to replace it or --resume to continue")
     lock = dst / LOCK_NAME
@@ -261,15 +261,3 @@ def check_destination(dst: Path, source: Source, config: ConvertConfig) -> None:
             return
         finally:
             os.close(fd)
-
-
-def _entries(dst: Path) -> list[str]:
-    """Every file and symlink below DST (relative names), as the writer counts them."""
-    import os
-
-    out = []
-    for root, dirs, files in os.walk(dst):
-        rel = Path(root).relative_to(dst)
-        out += [(rel / n).as_posix() for n in files]
-        out += [(rel / n).as_posix() for n in dirs if (Path(root) / n).is_symlink()]
-    return out

@@ -174,7 +174,7 @@ def planned_names(plan: Plan, source: Source, others: list[Path]) -> set[str]:
     return names
 
 
-def _dst_files(dst: Path) -> list[str]:
+def dst_files(dst: Path) -> list[str]:
     """Every entry below DST (files, symlinks, and folders that hold no files), relative posix names."""
     out = []
     for root, dirs, files in os.walk(dst):
@@ -241,7 +241,7 @@ def _owned(dst: Path, records: list[dict], files: list[str]) -> set[str]:
 
 def _check_destination(dst: Path, plan: Plan, config: ConvertConfig, identity: dict, source: Source,
                        others: list[Path]) -> dict:
-    files = _dst_files(dst)
+    files = dst_files(dst)
     existing = [f for f in files if f != LOCK_NAME]
     done: dict = {}
     if existing and not (config.overwrite or config.resume):
