@@ -81,7 +81,7 @@ class GPTQ:
         """The in-batch sweep: the CUDA kernel on a GPU (same bytes as the reference there), else the reference."""
         from fp4convert.numerics import gptq
 
-        if self.lm.device.type == "cuda":
+        if self.lm.device.type == "cuda" and self.config.gptq_block <= 384:  # (the kernel's shared memory)
             from fp4convert.kernels.cuda.ops import gptq_sweep
 
             return gptq_sweep
