@@ -264,12 +264,22 @@ def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: 
         _close_all([b.close for b in reversed(backends)], raising=False)  # the run's own error is the one to report
         raise
     _close_all([b.close for b in reversed(backends)])
+    _gpu_peak()
     if measured.quantized is not None and world.rank == 0:
         measured.quantized.remove()  # written: the kept matrices are not needed again
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan_.shards))
     wait = sum(w.read_wait_s for w in works)
     return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, stages.snapshot(), stages.counts())
+
+
+def _gpu_peak() -> None:
+    """The run's peak GPU memory held by torch (calibration, GPTQ, the torch backends), when it used CUDA."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        stages.count("gpu_peak_MB", max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 2**20)
 
 
 def _close_all(closers: list[Callable[[], None]], raising: bool = True) -> None:

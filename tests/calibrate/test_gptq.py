@@ -168,3 +168,41 @@ def test_gptq_defaults_and_identity():
     assert c.input_weight_source == "none" and c.rule == "mse"
     assert c.identity()["method"]["name"] == "gptq"
     assert ConvertConfig(method="gptq", scale_rule="4over6").rule == "4over6"
+
+
+def _cuda() -> bool:
+    try:
+        from fp4convert.kernels.cuda import ops
+
+        return ops.available()
+    except Exception:  # noqa: BLE001 - no CUDA build of torch
+        return False
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (capability >= 8.9) and nvcc")
+def test_gptq_on_the_gpu_is_deterministic_and_matches_the_cpu_at_the_model_level(tmp_path, text):
+    """docs/numerics.md "GPTQ": the GPU run is deterministic (two runs, the same bytes); its float
+    arithmetic (TF32 Hessians, cuBLAS, the GPU Cholesky) differs from the CPU's, so the checkpoints
+    differ in bytes but not in quality: both beat round-to-nearest, and their KLs are within 25%."""
+    src = add_tokenizer(zoo.build("llama", tmp_path / "llama", dtype=torch.float32))
+    common = ("--format", "compressed-tensors", "--scale-rule", "mse", "--method", "gptq")
+
+    def run(dst: str, device: str) -> dict:
+        r = cli("quantize", src, tmp_path / dst, "--device", device, "--calibration-data", text,
+                "--calibration-samples", 4, "--calibration-seq-len", 48, "-q", *common)
+        assert r.exit_code == 0, r.output
+        return json.loads((tmp_path / dst / "fp4convert.json").read_text())
+
+    a, b, c = run("gpu1", "cuda"), run("gpu2", "cuda"), run("cpu", "cpu")
+    assert a["method"]["device"] == "cuda" and a["method"]["sha256"] == b["method"]["sha256"]
+    quantize(src, tmp_path / "rtn", text, "--format", "compressed-tensors", "--scale-rule", "mse")
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(src))
+    ids = tok(TEXT[:400], return_tensors="pt").input_ids[:, :96]
+    base = logits(src, ids)
+    k_gpu, k_cpu, k_rtn = (kl(base, logits(tmp_path / d, ids)) for d in ("gpu1", "cpu", "rtn"))
+    assert k_gpu < k_rtn and k_cpu < k_rtn
+    assert abs(k_gpu - k_cpu) <= 0.25 * k_cpu
+    assert c["method"]["device"] == "cpu"
