@@ -252,7 +252,7 @@ class LayerwiseModel:
         ahead = self._ahead.pop(name, None)
         buf = ahead.result() if ahead is not None else self._bytes(name)
         t = torch.frombuffer(buf, dtype=torch_dtypes()[info.dtype]).reshape(info.shape)
-        return t.to(self.device, torch.float32)
+        return t.to(self.device).float() if self.device.type == "cuda" else t.to(self.device, torch.float32)
 
     def _bytes(self, name: str) -> bytearray:
         info = self.infos[name]
@@ -474,10 +474,11 @@ class LayerwiseModel:
 
     def _run_block(self, i: int, block, calls: list, hs: list) -> list:
         outs = []
-        for k in range(len(hs)):
-            a, kw = calls[k]
-            args, kw = replace_hidden(block, a, kw, hs[k])
-            outs.append(self.run_layer(i, args, kw))
+        with fast_matmul(self.device):
+            for k in range(len(hs)):
+                a, kw = calls[k]
+                args, kw = replace_hidden(block, a, kw, hs[k])
+                outs.append(self.run_layer(i, args, kw))
         return outs
 
     def block_keys(self, i: int) -> list[str]:
@@ -492,7 +493,7 @@ class LayerwiseModel:
 
         info = self.infos[name]
         t = torch.frombuffer(self._bytes(name), dtype=torch_dtypes()[info.dtype]).reshape(info.shape)
-        return t.to(self.device, torch.float32)
+        return t.to(self.device).float() if self.device.type == "cuda" else t.to(self.device, torch.float32)
 
     def reload_block(self, visit: Visit, replaced: dict[str, torch.Tensor]) -> None:
         """Load the visited block again with some checkpoint tensors replaced (``replaced``: key -> the
@@ -594,6 +595,24 @@ class LayerwiseModel:
                 else:
                     self._free_params([(f"{h}.{n}", p) for n, p in head.named_parameters()])
             self.free_outside()
+
+
+@contextmanager
+def fast_matmul(device):
+    """fp32 matmuls with TF32 on a GPU while the model runs on calibration tokens (8x the strict fp32 rate on
+    an H100/H200; the statistics are float sums whose last bits depend on the device anyway, docs/numerics.md
+    "GPTQ"); no change on the CPU. GPTQ's own lazy update turns TF32 off again (numerics/gptq.py)."""
+    import torch
+
+    if getattr(device, "type", device) != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _numel(info) -> int:

@@ -83,7 +83,7 @@ def logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
     kw = {}
     if (path / "fp4convert.json").exists():
         kw["quantization_config"] = tf.CompressedTensorsConfig(dequantize=True)
-    model = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw).float().eval()
     with torch.no_grad():
         return model(input_ids=ids).logits.float()
 
