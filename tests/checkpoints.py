@@ -384,7 +384,7 @@ def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
         return real(*a, **kw)
 
     monkeypatch.setattr(work, "quantize", flaky)
-    # Writes in the calling thread, so "after a shard has been finished" is exact (tests/test_pipeline.py
+    # Writes in the calling thread, so "after a shard has been finished" is exact (tests/run/test_pipeline.py
     # crashes the writer thread itself).
     inline_writes(monkeypatch)
     if hard:

@@ -8,7 +8,7 @@ whole conversion there), and every shape group of a batch is one call of the CPU
 on) straight on the reader's buffer. Everything else (stacked experts, FP8 / MXFP4 inputs,
 torchrun, or no C++ compiler to build the kernel) runs on the torch ``cpu`` backend, which calls the
 same kernel (:mod:`fp4convert.kernels.cpu`) where it can; the bytes are the same either way
-(tests/test_backend_cpu_native.py).
+(tests/quantizer/test_backend_cpu_native.py).
 
 Per batch (the reader filled one anonymous-memory buffer with its members, each shape group back to
 back): pass 1, one amax call per shape group; each unit's amax on the host (``backend.two_passes``);
