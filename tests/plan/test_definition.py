@@ -16,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fp4convert.plan import definition as modeldef
+from fp4convert.plan import model_build
 from fp4convert import quantize  # noqa: E402
 from fp4convert.config import ConvertConfig  # noqa: E402
 from fp4convert.run.convert import convert, plan_conversion  # noqa: E402
@@ -127,9 +128,9 @@ def test_definition_tracks_axes_of_transposed_expert_stacks() -> None:
     class Checked:  # Qwen3-VL-MoE: transposed only when the disk shape is not the parameter's
         operations = [Transpose(1, 2, check_dims=True)]
 
-    assert modeldef._disk_axes(Conv(), (4, 64, 192), (4, 192, 64)) == [0, 2, 1]
-    assert modeldef._disk_axes(Checked(), (4, 64, 192), (4, 192, 64)) == [0, 2, 1]  # a release: [E, H, 2I]
-    assert modeldef._disk_axes(Checked(), (4, 192, 64), (4, 192, 64)) == [0, 1, 2]  # saved by transformers 5
+    assert model_build.disk_axes(Conv(), (4, 64, 192), (4, 192, 64)) == [0, 2, 1]
+    assert model_build.disk_axes(Checked(), (4, 64, 192), (4, 192, 64)) == [0, 2, 1]  # a release: [E, H, 2I]
+    assert model_build.disk_axes(Checked(), (4, 192, 64), (4, 192, 64)) == [0, 1, 2]  # saved by transformers 5
 
 
 def test_unknown_architecture_falls_back_with_a_warning(tmp_path) -> None:
@@ -283,7 +284,7 @@ def sweep_families(tmp_path_factory):
     mp = pytest.MonkeyPatch()
 
     def build_here(model_config, tensors):
-        return modeldef._from_json(json.loads(json.dumps(modeldef._to_json(modeldef._load(model_config, tensors)))))
+        return modeldef._from_json(json.loads(json.dumps(modeldef._to_json(model_build.build(model_config, tensors)))))
 
     mp.setattr(modeldef, "_build_in_child", build_here)
     mp.setenv("FP4CONVERT_DEFINITION_CACHE", str(root / "definitions"))

@@ -23,7 +23,7 @@ from safetensors.torch import save_file  # noqa: E402
 from fp4convert.plan import parts as modelparts  # noqa: E402
 from fp4convert.config import ConvertConfig  # noqa: E402
 from fp4convert.run.convert import plan_conversion  # noqa: E402
-from fp4convert.plan.definition import KEPT, Definition, Role  # noqa: E402
+from fp4convert.plan.roles import KEPT, Definition, Role  # noqa: E402
 from fp4convert.plan.types import KEEP, QUANTIZE
 from fp4convert.plan.planner import Knowledge  # noqa: E402
 
