@@ -37,7 +37,7 @@ from fp4convert.numerics.scheme import get_scheme
 from fp4convert.numerics.swizzle import padded_shape
 from fp4convert.output.describe import activations_of
 from fp4convert.output.manifest import MANIFEST_NAME, PROGRESS_NAME
-from fp4convert.plan.planner import fused_group
+from fp4convert.plan.knowledge import fused_group
 from fp4convert.run.progress import progress_bar
 from fp4convert.source.open import open_source
 from fp4convert.source.source import Source

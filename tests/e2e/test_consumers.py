@@ -40,6 +40,7 @@ from transformers import CompressedTensorsConfig  # noqa: E402
 
 import fp4convert  # noqa: E402
 from fp4convert.plan import families as arch  # noqa: E402
+from fp4convert.plan import name_roles  # noqa: E402
 from fp4convert.cli.main import main  # noqa: E402
 
 from tests import zoo  # noqa: E402
@@ -142,7 +143,7 @@ def numel(shape) -> int:
 
 @family_params("share")
 def test_linear_and_expert_params_quantized(conv: Converted) -> None:
-    eligible = {n: s for n, s in conv.shapes.items() if arch.role_of(n, s, conv.config) in ("linear", "expert")}
+    eligible = {n: s for n, s in conv.shapes.items() if name_roles.role_of(n, s, conv.config) in ("linear", "expert")}
     assert eligible
     total = sum(numel(s) for s in eligible.values())
     quantized = sum(numel(s) for n, s in eligible.items() if conv.action(n) == "quantize")
@@ -151,7 +152,7 @@ def test_linear_and_expert_params_quantized(conv: Converted) -> None:
 
 @pytest.mark.parametrize("conv", FAMILIES, indirect=True)
 def test_routers_embeddings_heads_towers_kept(conv: Converted) -> None:
-    kept_roles = {n: arch.role_of(n, s, conv.config) for n, s in conv.shapes.items()}
+    kept_roles = {n: name_roles.role_of(n, s, conv.config) for n, s in conv.shapes.items()}
     kept_roles = {n: r for n, r in kept_roles.items() if r in KEPT_ROLES}
     assert kept_roles, "every family has norms and embeddings"
     for name, role in kept_roles.items():
@@ -236,7 +237,7 @@ def test_quantized_linears_bit_exact_in_transformers(conv: Converted) -> None:
         module = name.removesuffix(".weight")
         loaded = arch.loaded_module_name(module, conv.config) + ".weight"
         if loaded not in params:
-            assert arch.role_of(name, tuple(rec["shape"]), conv.config) == "expert", f"{loaded} not in the model"
+            assert name_roles.role_of(name, tuple(rec["shape"]), conv.config) == "expert", f"{loaded} not in the model"
             continue  # per-expert weights merged into a 3-D parameter: see the next test
         got = params[loaded].data
         want = dequantized_from_files(conv, module)
@@ -257,7 +258,7 @@ def test_experts_from_files_and_transformers_drops_expert_global_scale(conv: Con
     checked = 0
     for name in conv.shapes:
         gid = arch.fused_group_of(name, conv.config)
-        if not (gid and arch.role_of(name, conv.shapes[name], conv.config) == "expert"):
+        if not (gid and name_roles.role_of(name, conv.shapes[name], conv.config) == "expert"):
             continue
         module = name.removesuffix(".weight")
         parent, _, leaf = module.rpartition(".")

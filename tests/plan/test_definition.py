@@ -22,7 +22,7 @@ from fp4convert.config import ConvertConfig  # noqa: E402
 from fp4convert.run.convert import convert, plan_conversion  # noqa: E402
 from fp4convert.errors import PlanError  # noqa: E402
 from fp4convert.plan.types import KEEP, QUANTIZE
-from fp4convert.plan.planner import UNKNOWN_ROLE  # noqa: E402
+from fp4convert.plan.knowledge import UNKNOWN_ROLE  # noqa: E402
 
 from tests import checkpoints as ck  # noqa: E402
 

@@ -1,5 +1,5 @@
-"""fp4convert.plan.families on real names: every table and function against checkpoints saved by the
-transformers classes themselves (tests/zoo.py), and against the modules transformers builds."""
+"""fp4convert.plan.families (and the name rules of fp4convert.plan.name_roles) on real names: every table and function
+against checkpoints saved by the transformers classes themselves (tests/zoo.py), and against the modules transformers builds."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fp4convert.plan import families as arch  # noqa: E402
+from fp4convert.plan import name_roles  # noqa: E402
 
 from tests import zoo  # noqa: E402
 
@@ -258,9 +259,9 @@ def test_tied_lm_head_text_config_wins() -> None:
 def test_norms_case_insensitive(saved) -> None:
     cfg, shapes = saved["bert"]
     norms = [n for n in shapes if "LayerNorm" in n]
-    assert norms and all(arch.is_norm(n) and arch.role_of(n, shapes[n], cfg) == "norm" for n in norms)
-    assert not arch.is_norm("encoder.layer.0.attention.self.query.weight")
-    assert arch.is_norm("transformer.ln_f.weight") and arch.is_norm("model.layers.0.self_attn.q_norm.weight")
+    assert norms and all(name_roles.is_norm(n) and name_roles.role_of(n, shapes[n], cfg) == "norm" for n in norms)
+    assert not name_roles.is_norm("encoder.layer.0.attention.self.query.weight")
+    assert name_roles.is_norm("transformer.ln_f.weight") and name_roles.is_norm("model.layers.0.self_attn.q_norm.weight")
 
 
 REASONS = {  # family -> {tensor name: words the reason must contain}
@@ -294,13 +295,13 @@ def test_describe_says_what_a_tensor_is(saved, family: str) -> None:
     cfg, shapes = saved[family]
     for name, words in REASONS[family].items():
         assert name in shapes, name
-        assert words in arch.describe(name, shapes[name], cfg), (name, arch.describe(name, shapes[name], cfg))
+        assert words in name_roles.describe(name, shapes[name], cfg), (name, name_roles.describe(name, shapes[name], cfg))
 
 
 @pytest.mark.parametrize("family", list(zoo.FAMILIES))
 def test_roles_partition_the_checkpoint(saved, family: str) -> None:
     cfg, shapes = saved[family]
-    roles = {n: arch.role_of(n, s, cfg) for n, s in shapes.items()}
+    roles = {n: name_roles.role_of(n, s, cfg) for n, s in shapes.items()}
     assert set(roles.values()) <= {"vision", "projector", "embedding", "lm_head", "router", "norm", "mtp",
                                    "expert", "linear", "other"}
     for n, r in roles.items():
@@ -313,5 +314,5 @@ def test_roles_partition_the_checkpoint(saved, family: str) -> None:
 
 def test_mtp_layers_from_config() -> None:
     cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 2, "num_nextn_predict_layers": 1}
-    assert arch.role_of("model.layers.2.eh_proj.weight", (64, 128), cfg) == "mtp"
-    assert arch.role_of("model.layers.1.self_attn.o_proj.weight", (64, 64), cfg) == "linear"
+    assert name_roles.role_of("model.layers.2.eh_proj.weight", (64, 128), cfg) == "mtp"
+    assert name_roles.role_of("model.layers.1.self_attn.o_proj.weight", (64, 64), cfg) == "linear"

@@ -25,7 +25,7 @@ from fp4convert.config import ConvertConfig  # noqa: E402
 from fp4convert.run.convert import plan_conversion  # noqa: E402
 from fp4convert.plan.roles import KEPT, Definition, Role  # noqa: E402
 from fp4convert.plan.types import KEEP, QUANTIZE
-from fp4convert.plan.planner import Knowledge  # noqa: E402
+from fp4convert.plan.knowledge import Knowledge  # noqa: E402
 
 from tests import tiny_configs  # noqa: E402
 from tests.checkpoints import definitions_in_process  # noqa: E402
