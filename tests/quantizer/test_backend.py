@@ -9,7 +9,17 @@ import sys
 import pytest
 import torch
 
-from fp4convert.quantizer.backend import Result, backend_names, get_backend, refuse_nonfinite, two_passes, unit_amax
+from fp4convert.quantizer.backend import (
+    BackendFacts,
+    Result,
+    auto_backends,
+    backend_facts,
+    backend_names,
+    get_backend,
+    refuse_nonfinite,
+    two_passes,
+    unit_amax,
+)
 from fp4convert.config import ConvertConfig
 from fp4convert.run.convert import choose_backend, plan_conversion
 from fp4convert.run.distributed import World
@@ -82,8 +92,28 @@ def test_registry_lists_the_backend_modules_without_importing_them() -> None:
         choose_backend(ConvertConfig(backend="nope"), World(), None)
     with pytest.raises(ConfigError, match="--backend 'No Such' is not a backend name"):
         ConvertConfig(backend="No Such")
-    code = "import sys; from fp4convert.quantizer.backend import backend_names; backend_names(); print('torch' in sys.modules)"
+    code = ("import sys; from fp4convert.quantizer.backend import backend_facts, backend_names; "
+            "[backend_facts(n) for n in backend_names()]; print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", backend_names())
+def test_the_facts_read_from_the_source_are_the_class_attributes(name: str) -> None:
+    """The registry reads a backend's facts from its source without importing it (the torch backends' modules
+    import torch); they must be what the class says once imported."""
+    cls = get_backend(name)
+    facts = backend_facts(name)
+    assert facts == BackendFacts(**{k: getattr(cls, k) for k in BackendFacts.__dataclass_fields__})
+    assert facts.name == name
+
+
+def test_automatic_choice_by_rank_and_kind() -> None:
+    """Without --backend: the torch-free backends for a device, before torch; torch's once the device is
+    known, best rank first (``cpu`` before ``stacked`` on the CPU)."""
+    assert [f.name for f in auto_backends("cuda", needs_torch=False)] == ["cuda"]
+    assert [f.name for f in auto_backends("cpu", needs_torch=False)] == ["cpu-native"]
+    assert [f.name for f in auto_backends("cuda", needs_torch=True)] == ["stacked"]
+    assert [f.name for f in auto_backends("cpu", needs_torch=True)] == ["cpu", "stacked"]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cpu-native"])

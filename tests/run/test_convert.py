@@ -526,3 +526,32 @@ def test_kept_dtype_bf16_for_a_kept_quantized_input(tmp_path, backend) -> None:
     from fp4convert.checkpoint.inspect import inspect_checkpoint
 
     assert inspect_checkpoint(str(tmp_path / "b"), check_files=True)["ok"]
+
+
+@pytest.mark.parametrize("device,backend,want", [
+    ("cpu", None, "cpu kernel"), ("cpu", "cpu", "cpu kernel"), ("cpu", "cpu-native", "cpu kernel"),
+    ("cpu", "stacked", None), ("cpu", "cuda", None),
+    ("auto", None, "gpu 0"), ("cuda:1", None, "gpu 1"), ("cuda", "cuda", "gpu 0"),
+    ("cuda", "stacked", None), ("cuda", "cpu", None), ("cuda", "cpu-native", None),
+])
+def test_prewarm_starts_the_device_the_run_will_take(monkeypatch, device, backend, want) -> None:
+    """While the source is planned, the device of the backend the run will take starts (its ``prewarm``):
+    the CPU kernel for ``cpu``/``cpu-native`` on the CPU, the GPU for ``cuda`` (by name or the default on a
+    GPU); nothing for torch's ``stacked``, for a backend that does not run on the device, or under torchrun."""
+    import fp4convert.kernels.cpu_lib as cpu_lib
+    import fp4convert.kernels.cuda.runtime as runtime
+    import fp4convert.output.card as card
+
+    started: list[str] = []
+    monkeypatch.setattr(card, "preload", lambda: None)
+    monkeypatch.setattr(cpu_lib, "prepare", lambda: started.append("cpu kernel"))
+    monkeypatch.setattr(runtime, "prewarm", lambda index: started.append(f"gpu {index}"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    convert_mod.prewarm_device(ConvertConfig(device=device, backend=backend))
+    assert started == ([want] if want else [])
+    if want and want.startswith("gpu"):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
+        started.clear()
+        convert_mod.prewarm_device(ConvertConfig(device=device, backend=backend))
+        assert started == []  # torchrun: each rank's torch starts its own GPU
