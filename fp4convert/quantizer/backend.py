@@ -8,7 +8,7 @@ experts, a decoded FP8/MXFP4 input) from the same reader, runs the same two pass
 "The pipeline"): pass 1 takes every matrix's amax, :func:`unit_amax` the max over each fused group,
 pass 2 quantizes every block with its group's amax; and returns one :class:`Result`, which one write
 job (:func:`fp4convert.run.work.write_result`) checks (:func:`refuse_nonfinite`) and hands to the format
-and the shards. The bytes never depend on the backend (tests/run/test_pipeline.py, tests/test_direct.py).
+and the shards. The bytes never depend on the backend (tests/run/test_pipeline.py, tests/quantizer/test_backend_cuda.py).
 
 A backend never calls up: :meth:`Backend.stage` and :meth:`Backend.quantize` return data
 (:class:`Staged`, :class:`Pending`) that say when the reader may refill the item's host buffer, and the

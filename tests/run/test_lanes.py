@@ -1,6 +1,6 @@
 """Lanes (output shards written side by side in one process) on the CPU: the bytes of one lane, progress
 counted once, a failing lane fails the run cleanly, and --resume with another lane count finishes it.
-(The GPU tests run the torch-free path with lanes: tests/test_direct.py.)"""
+(The GPU tests run the torch-free path with lanes: tests/quantizer/test_backend_cuda.py.)"""
 
 from __future__ import annotations
 

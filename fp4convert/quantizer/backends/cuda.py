@@ -5,7 +5,7 @@ checkpoint) runs here, on :mod:`fp4convert.kernels.cuda.runtime` and the kernel 
 one process and the device is CUDA. It never imports torch, whose import alone took 4 s on the H100
 machine, as long as `cp -r` of a 5.6 GB checkpoint. Everything else (stacked experts, FP8 / MXFP4
 inputs, torchrun) runs on the ``stacked`` backend; the bytes are the same either way
-(tests/test_direct.py compares them on the GPU).
+(tests/quantizer/test_backend_cuda.py compares them on the GPU).
 
 Per batch (the reader filled one pinned buffer with its members, each shape group back to back),
 on one stream: one host-to-device copy of the whole buffer; pass 1 (amax of every matrix, one
