@@ -61,7 +61,7 @@ print(json.dumps(out))
 
 
 def add_tokenizer(path: Path) -> Path:
-    """A character-level tokenizer (as tests/test_calibrate.py writes one): calibration needs one."""
+    """A character-level tokenizer (as tests/calibrate/test_calibrate.py writes one): calibration needs one."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 

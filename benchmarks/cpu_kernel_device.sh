@@ -2,8 +2,8 @@
 # One device call (issue 21 item 6, "the CPU at the disk's speed"), on the 16-core GPU host:
 #   1. build the CPU kernel (cold, timed) and, meanwhile, the CUDA kernels;
 #   2. the bit-exact CPU tests on this CPU (the kernel's AVX-512 clone where the CPU has it, and every
-#      x86-64 level it runs built alone): tests/test_cpu_kernel.py, tests/test_cpu.py,
-#      tests/test_backend_cpu_native.py;
+#      x86-64 level it runs built alone): tests/kernels/test_cpu_kernel.py, tests/kernels/test_cpu.py,
+#      tests/quantizer/test_backend_cpu_native.py;
 #   3. kernel throughput per thread count beside memcpy (benchmarks/cpu_kernel.py);
 #   4. --device cpu beside `cp -r` + sync and the GPU on e2e_vs_copy.py's dense (8 Llama-3-8B layers, 5.6 GB)
 #      and MoE (64 experts x 8 layers, 3 GB) checkpoints, interleaved, median of 3, with two CPU rows
@@ -38,8 +38,8 @@ cuda_build=$!
 
 # 2. bit-exact tests (their status is recorded; the benchmarks run either way)
 set +e
-timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_cpu_kernel.py tests/test_cpu.py \
-    tests/test_backend_cpu_native.py \
+timeout 300 python3 -m pytest -q -p no:cacheprovider --durations=5 tests/kernels/test_cpu_kernel.py tests/kernels/test_cpu.py \
+    tests/quantizer/test_backend_cpu_native.py \
     > "$OUT/tests_full.txt" 2>&1
 echo "pytest exit status: $?" >> "$OUT/tests_full.txt"
 set -e

@@ -47,7 +47,7 @@ rc=0
 if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = quick ]; then
     sel=()
     [ "$MODE" = quick ] && sel=(-k "not large")
-    python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cuda_build.py "${sel[@]}" \
+    python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_cuda_kernels.py tests/kernels/test_cuda_build.py "${sel[@]}" \
         --durations=8 2>&1 | tee "$OUT/tests.txt"
     rc=${PIPESTATUS[0]}
 fi

@@ -18,8 +18,8 @@ python3 -c "import torch; from fp4convert.kernels.cuda import ops; ops.ensure_lo
 python3 -c "from fp4convert import cpu_kernel; cpu_kernel.load(); print('cpu kernel ready')" 2>&1 | tail -2
 echo "build: $(( $(date +%s) - t0 )) s"
 if [ -n "${TESTS:-}" ]; then
-    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_backend_cuda.py \
-        tests/test_pipeline.py tests/test_convert.py tests/test_lanes.py ${TESTS_EXTRA:-} 2>&1 | tail -15 | tee "$OUT/tests.txt"
+    timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m cuda tests/quantizer/test_backend_cuda.py \
+        tests/run/test_pipeline.py tests/run/test_convert.py tests/run/test_lanes.py ${TESTS_EXTRA:-} 2>&1 | tail -15 | tee "$OUT/tests.txt"
 fi
 timeout ${E2E_TIMEOUT:-540} python3 benchmarks/e2e_vs_copy.py --work /tmp/e2e --out "$OUT" --layers 8 --moe-layers 8 \
     --experts 64 --repeats "${E2E_REPEATS:-3}" --procs-per-gpu 0 --floor ${E2E_ONLY:+--only $E2E_ONLY} \

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 python3 -c "import torch; from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda'))"
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_pipeline.py tests/test_convert.py -k cuda 2>&1 | tail -2 | tee "$OUT/pipeline_tests.txt"
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/run/test_pipeline.py tests/run/test_convert.py -k cuda 2>&1 | tail -2 | tee "$OUT/pipeline_tests.txt"
 timeout 200 python3 benchmarks/e2e_vs_copy.py --work /tmp/e2e --out "$OUT" --only moe --repeats 3 --no-cpu \
     --procs-per-gpu 0 2>&1 | tail -8 | tee "$OUT/moe.txt"
 rm -rf /tmp/e2e

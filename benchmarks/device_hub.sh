@@ -15,9 +15,9 @@ t0=$(date +%s)
 python3 -c "import torch; from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" 2>&1 | tail -1
 python3 -c "from fp4convert import cpu_kernel; cpu_kernel.load(); print('cpu kernel ready')" 2>&1 | tail -1
 echo "build: $(( $(date +%s) - t0 )) s"
-TESTS="${TESTS:-tests/test_cuda_kernels.py tests/test_backend_cuda.py tests/test_pipeline.py tests/test_convert.py
-    tests/test_lanes.py tests/test_backend.py tests/test_cuda_build.py tests/test_tensor.py tests/test_api_ext.py
-    tests/test_readahead.py tests/test_backend_cpu_native.py}"
+TESTS="${TESTS:-tests/kernels/test_cuda_kernels.py tests/quantizer/test_backend_cuda.py tests/run/test_pipeline.py tests/run/test_convert.py
+    tests/run/test_lanes.py tests/quantizer/test_backend.py tests/kernels/test_cuda_build.py tests/kernels/test_tensor.py tests/kernels/test_api_ext.py
+    tests/run/test_readahead.py tests/quantizer/test_backend_cpu_native.py}"
 for mode in ${MODE:-tests}; do
 case "$mode" in
 tests)

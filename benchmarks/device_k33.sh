@@ -5,7 +5,7 @@
 #   A=/path/to/before B=/path/to/after bash benchmarks/device_k33.sh kernels   # ~6 min
 #   A=/path/to/before B=/path/to/after bash benchmarks/device_k33.sh e2e       # ~6 min
 # kernels: builds both trees' CUDA and CPU kernels (in parallel); B's bit-exact tests on this GPU and CPU
-#   (tests/test_cuda_kernels.py, the CPU kernel's rule tests, tests/test_cpu_simd.py); benchmarks/kernels.py
+#   (tests/kernels/test_cuda_kernels.py, the CPU kernel's rule tests, tests/kernels/test_cpu_simd.py); benchmarks/kernels.py
 #   --sizes 16384 --no-peers for A then B (bare kernels, every rule, and the public-API rows); Nsight Compute on
 #   the NVFP4 4over6 and MXFP4 wmse kernels of each tree (one launch each, --clock-control none); the CPU
 #   kernel's throughput per thread count (benchmarks/cpu_kernel.py --threads 1,16).
@@ -42,8 +42,8 @@ stamp "built"
 
 if [ "$MODE" = kernels ]; then
     # bit-exactness on this GPU and this CPU (AVX-512 here), tree B
-    in_tree "$B" timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_kernels.py tests/test_cpu_simd.py \
-        tests/test_cpu_kernel.py -k "not build and not compiler and not cache and not import" 2>&1 | tail -6 > "$OUT/tests.txt"
+    in_tree "$B" timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_cuda_kernels.py tests/kernels/test_cpu_simd.py \
+        tests/kernels/test_cpu_kernel.py -k "not build and not compiler and not cache and not import" 2>&1 | tail -6 > "$OUT/tests.txt"
     cat "$OUT/tests.txt"; stamp "tests"
     for T in "$A" "$B"; do
         echo "== $(basename "$T")"

@@ -4,7 +4,7 @@
 # API=1 the public-API rows and benchmarks/api_overhead.py; then the dense and MoE checkpoints beside `cp -r` + sync with every
 # fp4convert run's --json stage times (e2e_vs_copy.py; E2E_ONLY=dense|moe, TORCH_ROW=1 adds the stacked
 # backend's row, LANE_ROWS=1,4 rows with those --lanes); CPU_ROW=1 one 16-core --device cpu run of the dense checkpoint. Results in $OUT.
-# Next call for issue 10: E2E_ONLY=moe API=1 HOST_IO=1 TESTS="-m cuda tests/test_backend_cuda.py" bash benchmarks/device_profile.sh
+# Next call for issue 10: E2E_ONLY=moe API=1 HOST_IO=1 TESTS="-m cuda tests/quantizer/test_backend_cuda.py" bash benchmarks/device_profile.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"

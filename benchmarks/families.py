@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import CompressedTensorsConfig  # noqa: E402
 
-from fp4convert.plan import families as arch  # noqa: E402
+from fp4convert.plan import name_roles  # noqa: E402
 from fp4convert.config import ConvertConfig  # noqa: E402
 from fp4convert.run.convert import convert  # noqa: E402
 from tests import zoo  # noqa: E402
@@ -37,7 +37,7 @@ def row(family: str, work: Path) -> dict:
     plan = res.plan
     total = quant = 0
     for d in plan.decisions:
-        role = arch.role_of(d.name, d.info.shape, cfg)
+        role = name_roles.role_of(d.name, d.info.shape, cfg)
         if role in ("linear", "expert"):
             n = math.prod(d.info.shape)
             total += n

@@ -5,7 +5,7 @@ and its DeepSeek-style FP8 twin (E4M3 weights + fp32 ``weight_scale_inv`` per 12
 ``quantization_config`` quant_method fp8), then converts each with ``fp4convert quantize --device DEV``
 in a fresh process, interleaved, median of ``--repeats``. Reports the process wall time and the
 converter's own ``wall_s`` (from ``--json``), and checks that the FP8 route equals converting the
-fp32-dequantized twin on a small slice (the full byte-identity is a test: tests/test_consumers.py).
+fp32-dequantized twin on a small slice (the full byte-identity is a test: tests/e2e/test_consumers.py).
 
     python benchmarks/fp8_input.py --work /tmp/fp8bench --layers 8 --device cuda --json out.json
 """

@@ -426,7 +426,7 @@ constexpr int N_MXFP4_RULES = int(sizeof(MXFP4_RULES) / sizeof(MXFP4_RULES[0]));
 // for x86-64-v3, 4 (xmm) for the baseline and for other architectures (NEON); on x86-64 the library
 // holds the three and picks one at load from the CPU (step_table), as the target_clones functions
 // do. Each lane runs the scalar code's IEEE operations in the scalar code's order, so the bytes are
-// the scalar path's and do not depend on N (tests/test_cpu_simd.py builds each width and the scalar
+// the scalar path's and do not depend on N (tests/kernels/test_cpu_simd.py builds each width and the scalar
 // path alone and compares them with the reference). What the vector form changes beside the width:
 //  - every per-block step is a vector step too (the E4M3 encode of b6 / b4, the candidates' r = gs / sf
 //    and d = sf / gs as vector divisions: the same IEEE divisions as the per-matrix table);

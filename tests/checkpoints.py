@@ -384,7 +384,7 @@ def crash_after_first_shard(monkeypatch, dst: Path, hard: bool = False) -> None:
         return real(*a, **kw)
 
     monkeypatch.setattr(work, "quantize", flaky)
-    # Writes in the calling thread, so "after a shard has been finished" is exact (tests/test_pipeline.py
+    # Writes in the calling thread, so "after a shard has been finished" is exact (tests/run/test_pipeline.py
     # crashes the writer thread itself).
     inline_writes(monkeypatch)
     if hard:
@@ -470,20 +470,21 @@ def definitions_in_process(mp, like_child: bool = False) -> None:
     the traceback).
     """
     from fp4convert.plan import definition as modeldef
+    from fp4convert.plan import model_build, roles
 
     def build(model_config: dict, tensors: list) -> object:
         req = json.loads(json.dumps({"config": model_config, "tensors": [[t.name, list(t.shape)] for t in tensors]},
                                     default=str))
         infos = [TensorInfo(n, "BF16", tuple(shape), "", 0, 0) for n, shape in req["tensors"]]
         try:
-            d = modeldef._load(req["config"], infos)
+            d = model_build.build(req["config"], infos)
         except modeldef.Unknown:
             raise
         except Exception as exc:  # noqa: BLE001 - the child would exit non-zero; the planner says so
             if not like_child:
                 raise
             raise modeldef.Unknown(f"the model definition could not be built (exit 1: {type(exc).__name__}: "
-                                   f"{modeldef._one_line(exc)})") from exc
+                                   f"{roles.one_line(exc)})") from exc
         return modeldef._from_json(json.loads(json.dumps(modeldef._to_json(d))))
 
     mp.setattr(modeldef, "_build_in_child", build)

@@ -165,7 +165,7 @@ def check_definition(source: Source, cfg: dict, other: str, vocab: int | None = 
     must have that many rows)."""
     from fp4convert.calibrate.runner import build_meta, structure_problem
     from fp4convert.errors import DefinitionUnknown
-    from fp4convert.plan.definition import check_sizes
+    from fp4convert.plan.model_build import check_sizes
 
     root = Path(source.root)
     try:  # absurd layer/expert counts: building them, even on meta, never ends (issue 34's campaign)

@@ -37,7 +37,7 @@ from fp4convert.numerics.scheme import get_scheme
 from fp4convert.numerics.swizzle import padded_shape
 from fp4convert.output.describe import activations_of
 from fp4convert.output.manifest import MANIFEST_NAME, PROGRESS_NAME
-from fp4convert.plan.planner import fused_group
+from fp4convert.plan.knowledge import fused_group
 from fp4convert.run.progress import progress_bar
 from fp4convert.source.open import open_source
 from fp4convert.source.source import Source
@@ -47,7 +47,7 @@ from fp4convert.storage.reads import open_regular, read_regular_file, read_tenso
 # --verify fails when any layer's relative error ||w - x|| / ||x|| exceeds this. Measured (1024x1024,
 # bf16): NVFP4 0.088-0.102 and MXFP4 0.114-0.145 on Gaussian, Laplace, Student-t(3) and outlier-laden
 # weights, with or without had16; the example checkpoint's worst layer: 0.0875 (NVFP4), 0.1126 (MXFP4 had16,
-# README, tests/test_readme_figures.py). A wrong
+# README, tests/docs/test_readme_figures.py). A wrong
 # source of the same shapes gives ~1.4 (independent weights: sqrt 2), zeroed weights 1.0. 0.25 is 1.7x
 # the worst MXFP4 figure and 4x below a wrong source.
 

@@ -3,7 +3,7 @@
 Why compiled: the torch CPU path (:mod:`fp4convert.kernels.cpu`) runs each step of the reference as one torch
 op over a chunk, about thirty passes over memory for a search rule; the kernel does them all on a
 tile of 16 blocks held in L1, vectorised by the compiler and threaded inside, so ``--device cpu``
-keeps up with the disk. It computes the reference's bytes exactly (tests/test_cpu_kernel.py).
+keeps up with the disk. It computes the reference's bytes exactly (tests/kernels/test_cpu_kernel.py).
 
 How it is built: the first call compiles one C++ file (plain C ABI, no torch or Python headers;
 ~10 s of CPU, once) with ``-O3 -fno-fast-math -ffp-contract=off`` into the cache folder of the

@@ -8,23 +8,30 @@ experts, a decoded FP8/MXFP4 input) from the same reader, runs the same two pass
 "The pipeline"): pass 1 takes every matrix's amax, :func:`unit_amax` the max over each fused group,
 pass 2 quantizes every block with its group's amax; and returns one :class:`Result`, which one write
 job (:func:`fp4convert.run.work.write_result`) checks (:func:`refuse_nonfinite`) and hands to the format
-and the shards. The bytes never depend on the backend (tests/test_pipeline.py, tests/test_direct.py).
+and the shards. The bytes never depend on the backend (tests/run/test_pipeline.py, tests/quantizer/test_backend_cuda.py).
 
 A backend never calls up: :meth:`Backend.stage` and :meth:`Backend.quantize` return data
 (:class:`Staged`, :class:`Pending`) that say when the reader may refill the item's host buffer, and the
 run loop (:mod:`fp4convert.run.work`) tells the reader.
 
-Imports nothing heavy: choosing a backend by name does not import torch.
+Imports nothing heavy: choosing a backend does not import torch. What the run asks before opening one
+(whether it needs torch, its rank for the automatic choice, whether its device starts while the source is
+planned, whether it runs the input-weighted search) is a class attribute of the backend, read from its
+module's source (:func:`backend_facts`), so no name of a backend is compared outside its module.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+import importlib.util
 import logging
 import math
 import pkgutil
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from fp4convert.errors import ConfigError, nonfinite_error
@@ -216,6 +223,14 @@ class Backend(Protocol):
     batch_units: ClassVar[int]  # consecutive plain units one batch may hold (1: a unit at a time)
     batch_bytes: ClassVar[int]  # ... and their input bytes at most
     auto_lanes: ClassVar[int]  # lanes a one-process run of a local folder gets when --lanes is not given
+    # What the run asks before it opens a backend, read by the registry from the class's source without
+    # importing its module (:func:`backend_facts`; a torch backend's module imports torch): together with
+    # ``name`` and ``devices``, literal values in the class body itself.
+    needs_torch: ClassVar[bool]  # its module imports torch: opened once torch has resolved the device
+    auto_rank: ClassVar[int]  # without --backend: the highest rank of its kind (torch-free ones are tried
+    # first, before torch is imported) that runs on the device and supports the plan; 0: only by name
+    prewarm: ClassVar[bool]  # its device's start-up (the CPU kernel's build, a GPU's context) overlaps planning
+    input_weighted: ClassVar[bool]  # it runs the input-weighted search rules (--input-weights)
 
     @classmethod
     def supports(cls, plan: Plan) -> bool:
@@ -320,3 +335,56 @@ def get_backend(name: str) -> type[Backend]:
         raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
     cls = importlib.import_module(f".backends.{name.replace('-', '_')}", __package__).BACKEND
     return cls
+
+
+@dataclass(frozen=True)
+class BackendFacts:
+    """A backend's class attributes that decide whether and how a run takes it (see :class:`Backend`)."""
+
+    name: str
+    devices: tuple[str, ...]
+    needs_torch: bool
+    auto_rank: int
+    prewarm: bool
+    input_weighted: bool
+
+
+@functools.lru_cache(maxsize=None)
+def backend_facts(name: str) -> BackendFacts:
+    """The :class:`BackendFacts` of the backend registered under ``name``, read from its module's source
+    (the literal class attributes of its ``BACKEND`` class) without importing it: choosing a backend,
+    and starting its device while the source is planned, import neither torch nor the backend."""
+    if name not in backend_names():
+        raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
+    spec = importlib.util.find_spec(f"{__package__}.backends.{name.replace('-', '_')}")
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    registered = next(n.value.id for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name)
+                      and any(isinstance(t, ast.Name) and t.id == "BACKEND" for t in n.targets))
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == registered)
+    wanted = {f.name for f in fields(BackendFacts)}
+    values: dict[str, Any] = {}
+    for node in cls.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+            targets, value = [node.target.id], node.value
+        elif isinstance(node, ast.Assign):
+            targets, value = [t.id for t in node.targets if isinstance(t, ast.Name)], node.value
+        else:
+            continue
+        for t in targets:
+            if t in wanted:
+                values[t] = ast.literal_eval(value)
+    missing = sorted(wanted - set(values))
+    if missing:
+        raise TypeError(f"backend {name}: {registered} must set {', '.join(missing)} to literal values in its class body")
+    values["devices"] = tuple(values["devices"])
+    return BackendFacts(**values)
+
+
+def auto_backends(device_type: str, needs_torch: bool) -> list[BackendFacts]:
+    """The backends a run without ``--backend`` may take on ``device_type`` ("cpu", "cuda"), of one kind
+    (torch-free ones, tried before torch is imported; or torch's, once the device is known), best first
+    (``Backend.auto_rank``; 0: never without ``--backend``)."""
+    facts = [backend_facts(n) for n in backend_names()]
+    return sorted((f for f in facts if f.auto_rank > 0 and device_type in f.devices and f.needs_torch == needs_torch),
+                  key=lambda f: -f.auto_rank)

@@ -306,45 +306,51 @@ def lane_count(config: ConvertConfig, world: World, plan: Plan, source: Source, 
     return max(1, min(want, len(plan.shards)))
 
 
-TORCH_FREE = ("cuda", "cpu-native")  # backends opened before torch: if one cannot open, torch's runs instead
-
-
 def choose_backend(config: ConvertConfig, world: World, plan: Plan) -> str | None:
-    """The backend a run takes from the plan alone: ``--backend`` when given; in one process converting
-    plain 2-D weights (:meth:`~fp4convert.quantizer.backends.cuda.CudaBackend.supports`), a torch-free one: ``cuda``
-    on a GPU (``--device auto`` or ``cuda[:N]``), ``cpu-native`` for ``--device cpu``; else None:
-    torch's, decided once the device is known (``stacked`` on a GPU, ``cpu`` on the CPU)."""
-    from fp4convert.quantizer.backend import backend_names, get_backend
+    """The backend a run takes from the plan alone: ``--backend`` when given; in one process, the best
+    torch-free backend (:func:`~fp4convert.quantizer.backend.auto_backends`) that runs on the device asked
+    for (``--device cpu``: the CPU; ``auto`` or ``cuda[:N]``: a GPU) and supports the plan; else None:
+    torch's, decided once the device is known (:func:`open_backends`). Imports no torch backend."""
+    from fp4convert.quantizer.backend import auto_backends, backend_facts, backend_names, get_backend
 
     if config.backend:
         if config.backend not in backend_names():
             raise ConfigError(f"--backend {config.backend!r}: choose one of {', '.join(backend_names())}")
-        if config.backend == "cpu-native" and config.input_weight_source != "none":
-            raise ConfigError("--backend cpu-native has no input-weighted search; choose --backend cpu for "
-                              f"--input-weights {config.input_weight_source}")
+        facts = backend_facts(config.backend)
+        if config.input_weight_source != "none" and not facts.input_weighted:
+            other = next((f.name for d in facts.devices for f in auto_backends(d, True) + auto_backends(d, False)
+                          if f.input_weighted), None)
+            raise ConfigError(f"--backend {config.backend} has no input-weighted search; "
+                              + (f"choose --backend {other} for " if other else "leave out ")
+                              + f"--input-weights {config.input_weight_source}")
         return config.backend
-    name = "cpu-native" if config.device == "cpu" else "cuda" if _cuda_index(config.device) is not None else None
-    if world.distributed or name is None:
+    device_type = _device_type(config.device)
+    if world.distributed or device_type is None:
         return None
-    return name if get_backend(name).supports(plan) else None
+    return next((f.name for f in auto_backends(device_type, needs_torch=False) if get_backend(f.name).supports(plan)),
+                None)
 
 
 def open_backends(config: ConvertConfig, world: World, plan: Plan, source: Source,
                   settings: Settings) -> list[Backend]:
-    """One backend per lane, chosen by name (:func:`choose_backend`). A torch-free backend (``cuda``,
-    ``cpu-native``) falls back to torch's when the GPU or the kernel library is not there (``auto`` then
-    falls back to the CPU with a warning, ``cuda`` without a GPU is an error)."""
-    from fp4convert.quantizer.backend import Context, get_backend
+    """One backend per lane, chosen by name (:func:`choose_backend`). A torch-free backend
+    (``Backend.needs_torch`` False: ``cuda``, ``cpu-native``) falls back to torch's when the GPU or the kernel
+    library is not there (``auto`` then falls back to the CPU with a warning, ``cuda`` without a GPU is an
+    error); torch's is the best one for the device (``Backend.auto_rank``: ``stacked`` on a GPU, ``cpu`` on
+    the CPU)."""
+    from fp4convert.quantizer.backend import Context, auto_backends, backend_facts, get_backend
 
     name = choose_backend(config, world, plan)
     first = None
-    if name in TORCH_FREE:
+    facts = backend_facts(name) if name is not None else None
+    if facts is not None and not facts.needs_torch:
         index = _cuda_index(config.device)
-        if name == "cuda" and index is None:
-            raise ConfigError(f"--backend cuda runs on a GPU; --device {config.device} is not one")
+        on_gpu = "cpu" not in facts.devices
+        if on_gpu and index is None:
+            raise ConfigError(f"--backend {name} runs on a GPU; --device {config.device} is not one")
         lanes = lane_count(config, world, plan, source, get_backend(name).auto_lanes)
         try:
-            device = f"cuda:{index}" if name == "cuda" else "cpu" if config.device == "auto" else config.device
+            device = f"cuda:{index}" if on_gpu else "cpu" if config.device == "auto" else config.device
             first = get_backend(name).open(Context(settings, device, world, lanes))
         except FP4ConvertError as exc:
             if config.backend:
@@ -359,7 +365,11 @@ def open_backends(config: ConvertConfig, world: World, plan: Plan, source: Sourc
             device = torch.device("cpu")  # --backend cpu on a machine with a GPU
         else:
             device = resolve_device(config.device, world)  # from here on the work needs torch
-        name = name or ("stacked" if device.type == "cuda" else "cpu")
+        if name is None:
+            name = next((f.name for f in auto_backends(device.type, needs_torch=True) if get_backend(f.name).supports(plan)),
+                        None)
+            if name is None:
+                raise ConfigError(f"no backend runs this plan on {device}; choose one with --backend")
         cls = get_backend(name)
         if device.type not in cls.devices:
             raise ConfigError(f"--backend {name} runs on {' or '.join(cls.devices)}, not on {device}; "
@@ -373,6 +383,12 @@ def open_backends(config: ConvertConfig, world: World, plan: Plan, source: Sourc
         _close_all([b.close for b in reversed(backends)], raising=False)
         raise
     return backends
+
+
+def _device_type(device: str) -> str | None:
+    """The device type a one-process run on ``device`` asks for: ``cpu`` -> "cpu"; ``auto``, ``cuda`` and
+    ``cuda:N`` -> "cuda" (``auto`` tries the GPU first); None for anything else (torch's parsing reports it)."""
+    return "cpu" if device == "cpu" else "cuda" if _cuda_index(device) is not None else None
 
 
 def _cuda_index(device: str) -> int | None:
@@ -390,19 +406,30 @@ def _cuda_index(device: str) -> int | None:
 
 def prewarm_device(config: ConvertConfig) -> None:
     """Start the device in the background now, while the source is planned: a one-process CUDA run's
-    GPU (driver, kernel library, context), a CPU run's kernel. Imports nothing heavy; a machine without
-    a GPU costs nothing. The model card's library is imported on a thread too (the card is the run's
-    last step)."""
+    GPU (driver, kernel library, context), a CPU run's kernel, when the backend the run will take (by
+    name, or the torch-free default for the device) says so (``Backend.prewarm``). Imports nothing heavy
+    (the backend's facts are read from its source); a machine without a GPU costs nothing. The model
+    card's library is imported on a thread too (the card is the run's last step)."""
     from fp4convert.output.card import preload
+    from fp4convert.quantizer.backend import auto_backends, backend_facts, backend_names
 
     preload()
-    if config.device == "cpu" and config.backend in (None, "cpu", "cpu-native"):
+    device_type = _device_type(config.device)
+    if device_type is None or config.backend not in (None, *backend_names()):  # an unknown one: refused later
+        return
+    if config.backend:
+        facts = backend_facts(config.backend)
+    else:
+        facts = next(iter(auto_backends(device_type, needs_torch=False)), None)
+    if facts is None or not facts.prewarm or device_type not in facts.devices:
+        return
+    if device_type == "cpu":
         from fp4convert.kernels import cpu_lib as cpu_kernel
 
         cpu_kernel.prepare()  # the CPU kernel's one-time build (or load) overlaps the planning
         return
     index = _cuda_index(config.device)
-    if index is None or World.from_env().distributed or config.backend not in (None, "cuda"):
+    if index is None or World.from_env().distributed:
         return
     from fp4convert.kernels.cuda.runtime import prewarm
 

@@ -5,7 +5,7 @@ a tqdm bar on a terminal, one line every :data:`PROGRESS_ENV` seconds (10 by def
 pipe, nothing when not shown. Every display is a :class:`Bar` (``total``, ``update(n)`` in bytes) used
 as a context manager. The run loop (:mod:`fp4convert.run.runner`) updates it once per finished unit, in
 plan order, by that unit's input bytes. Hidden progress is a :class:`NoProgress`, whose ``update`` is the
-documented place to observe a run's progress without a display (tests/test_convert.py patches it).
+documented place to observe a run's progress without a display (tests/run/test_convert.py patches it).
 """
 
 from __future__ import annotations

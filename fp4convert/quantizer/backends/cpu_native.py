@@ -8,7 +8,7 @@ whole conversion there), and every shape group of a batch is one call of the CPU
 on) straight on the reader's buffer. Everything else (stacked experts, FP8 / MXFP4 inputs,
 torchrun, or no C++ compiler to build the kernel) runs on the torch ``cpu`` backend, which calls the
 same kernel (:mod:`fp4convert.kernels.cpu`) where it can; the bytes are the same either way
-(tests/test_backend_cpu_native.py).
+(tests/quantizer/test_backend_cpu_native.py).
 
 Per batch (the reader filled one anonymous-memory buffer with its members, each shape group back to
 back): pass 1, one amax call per shape group; each unit's amax on the host (``backend.two_passes``);
@@ -106,6 +106,10 @@ class CpuNativeBackend:
     batch_units: ClassVar[int] = 128
     batch_bytes: ClassVar[int] = 64 << 20
     auto_lanes: ClassVar[int] = 2  # two shards written side by side; the kernel runs one threaded call at a time
+    needs_torch: ClassVar[bool] = False
+    auto_rank: ClassVar[int] = 1  # --device cpu's default for the plans it supports
+    prewarm: ClassVar[bool] = True  # the CPU kernel's one-time build (or load)
+    input_weighted: ClassVar[bool] = False  # the CPU kernel has no input-weighted search
 
     def __init__(self, settings: Settings, lib: ctypes.CDLL, threads: int, pool: _HostPool, owner: bool) -> None:
         self.s, self.lib, self.threads, self.pool, self.owner = settings, lib, threads, pool, owner

@@ -5,7 +5,7 @@ checkpoint) runs here, on :mod:`fp4convert.kernels.cuda.runtime` and the kernel 
 one process and the device is CUDA. It never imports torch, whose import alone took 4 s on the H100
 machine, as long as `cp -r` of a 5.6 GB checkpoint. Everything else (stacked experts, FP8 / MXFP4
 inputs, torchrun) runs on the ``stacked`` backend; the bytes are the same either way
-(tests/test_direct.py compares them on the GPU).
+(tests/quantizer/test_backend_cuda.py compares them on the GPU).
 
 Per batch (the reader filled one pinned buffer with its members, each shape group back to back),
 on one stream: one host-to-device copy of the whole buffer; pass 1 (amax of every matrix, one
@@ -53,6 +53,10 @@ class CudaBackend:
     batch_units: ClassVar[int] = 128
     batch_bytes: ClassVar[int] = 64 << 20
     auto_lanes: ClassVar[int] = 2  # several shards written side by side (fp4convert.run.runner)
+    needs_torch: ClassVar[bool] = False
+    auto_rank: ClassVar[int] = 1  # the default on a GPU (--device auto or cuda[:N]) for the plans it supports
+    prewarm: ClassVar[bool] = True  # the GPU's driver, kernel library and context start while the source is planned
+    input_weighted: ClassVar[bool] = True
 
     def __init__(self, settings: Settings, rt: Runtime, owner: bool) -> None:
         self.s, self.rt, self.owner = settings, rt, owner

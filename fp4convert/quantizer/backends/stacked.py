@@ -45,6 +45,10 @@ class StackedBackend:
     batch_units: ClassVar[int] = 128
     batch_bytes: ClassVar[int] = 256 << 20
     auto_lanes: ClassVar[int] = 1
+    needs_torch: ClassVar[bool] = True
+    auto_rank: ClassVar[int] = 1  # torch's default on a GPU (on the CPU ``cpu`` ranks higher)
+    prewarm: ClassVar[bool] = False  # torch starts its own device
+    input_weighted: ClassVar[bool] = True
 
     def __init__(self, settings: Settings, device: torch.device) -> None:
         self.s = settings
