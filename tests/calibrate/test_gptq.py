@@ -15,7 +15,7 @@ from fp4convert.cli.main import main
 from fp4convert.config import ConvertConfig
 from fp4convert.errors import ConfigError
 from tests import tiny_configs, zoo
-from tests.test_calibrate import TEXT, add_tokenizer
+from tests.calibrate.test_calibrate import TEXT, add_tokenizer
 
 
 def cli(*args):
