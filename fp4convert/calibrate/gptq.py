@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from fp4convert import stages
 from fp4convert.calibrate.stats import Observers
 from fp4convert.calibrate.store import Store
 from fp4convert.plan.types import QUANTIZE
@@ -89,16 +90,26 @@ class GPTQ:
 
     def run(self, tokens: torch.Tensor, observers: Observers, head: bool, micro_batch: int, progress: bool) -> None:
         """The sequential pass over every block (observers must keep Hessians)."""
-        for visit in self.lm.blocks(tokens, observers, head=head, micro_batch=micro_batch, progress=progress,
-                                    desc="gptq: blocks"):
-            decisions = self.by_block.get(visit.index, [])
-            if decisions:
-                replaced = self.quantize_block(visit.index, decisions, observers)
-                self.lm.reload_block(visit, replaced)
-            names = [n for n in list(observers) if n.startswith(visit.prefix)]
-            for n in names:  # the W4A4 amax stays; the Hessians of a quantized block are not needed again
-                o = observers[n]
-                o.xtx = None
+        self.lm.keep_block_reads = True  # the block's weights as read, for the sweep (no second read)
+        try:
+            for visit in self.lm.blocks(tokens, observers, head=head, micro_batch=micro_batch, progress=progress,
+                                        desc="gptq: blocks"):
+                decisions = self.by_block.get(visit.index, [])
+                if decisions:
+                    replaced = self.quantize_block(visit.index, decisions, observers)
+                    self.lm.kept = {}
+                    with stages.timed("gptq_reload"):
+                        self.lm.reload_block(visit, replaced)
+                self.lm.kept = {}
+                self._drop_hessians(observers, visit.prefix)
+        finally:
+            self.lm.keep_block_reads = False
+            self.lm.kept = {}
+
+    @staticmethod
+    def _drop_hessians(observers: Observers, prefix: str) -> None:
+        for n in [n for n in list(observers) if n.startswith(prefix)]:
+            observers[n].xtx = None  # the W4A4 amax stays; the Hessians of a quantized block are not needed again
 
     def quantize_block(self, index: int, decisions: list[Decision], observers: Observers) -> dict[str, torch.Tensor]:
         """GPTQ of every quantized matrix of block ``index``; returns the on-disk tensors with their
@@ -109,7 +120,9 @@ class GPTQ:
         from fp4convert.numerics import reference as ref
 
         rotate = self.config.rotate
-        disk = {d.info.name: self.lm.read_fp32(d.info.name) for d in decisions}
+        kept = self.lm.kept
+        disk = {d.info.name: kept[d.info.name].clone() if d.info.name in kept else self.lm.read_fp32(d.info.name)
+                for d in decisions}
         mats: list[tuple[Decision, Matrix, torch.Tensor]] = []
         for d in decisions:
             for m in d.matrices:
@@ -132,22 +145,25 @@ class GPTQ:
                 continue
             p = prepared.get(id(obs))
             if p is None:
-                p = prepared[id(obs)] = gptq.prepare(
-                    h, self.config.gptq_damp, self.scheme.block_size if self.config.act_order else None)
+                with stages.timed("gptq_prepare"):
+                    p = prepared[id(obs)] = gptq.prepare(
+                        h, self.config.gptq_damp, self.scheme.block_size if self.config.act_order else None)
             if p.damp != self.config.gptq_damp:
                 self.damped[m.module] = p.damp
             group_amax = amax[m.group or d.group or m.module]
             try:
-                res = gptq.quantize(w, p, self.scheme.name, self.rule,
-                                    group_amax if self.scheme.global_scale else None,
-                                    self.config.gptq_block, sweep)
+                with stages.timed("gptq_sweep"):
+                    res = gptq.quantize(w, p, self.scheme.name, self.rule,
+                                        group_amax if self.scheme.global_scale else None,
+                                        self.config.gptq_block, sweep)
             except Exception as exc:
                 raise type(exc)(f"{m.module} (GPTQ, block {index}): {exc}") from exc
             made.append((m.module, res, group_amax))
             deq = ref.inverse_had16(res.dequantized) if rotate == "had16" else res.dequantized
             matrix_view(disk[d.info.name], m).copy_(deq)
-        self.store.add_block(index, [(name, res.packed, res.scale, res.gs, a if self.scheme.global_scale else None)
-                                     for name, res, a in made])
+        with stages.timed("gptq_store"):
+            self.store.add_block(index, [(name, res.packed, res.scale, res.gs, a if self.scheme.global_scale else None)
+                                         for name, res, a in made])
         return disk
 
     def record(self) -> dict:
@@ -156,5 +172,5 @@ class GPTQ:
                 "block": self.config.gptq_block, "act_order": self.config.act_order,
                 "device": "cuda" if self.lm.device.type == "cuda" else "cpu",
                 "quantized": len(self.store.index), "damp_raised": dict(sorted(self.damped.items())),
-                "rtn": sorted(self.unseen), "sha256": self.store.digest()}
+                "rtn": sorted(self.unseen)}
 

@@ -35,6 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fp4convert import stages
 from fp4convert.calibrate.capture import ExpertTap, block_calls, block_output, is_expert_stack, replace_hidden
 from fp4convert.calibrate.diagnose import WAYS_OUT, Said, model_errors
 from fp4convert.errors import PlanError, StopForward
@@ -212,6 +213,9 @@ class LayerwiseModel:
         self.peak_loaded = 0
         self._ahead: dict = {}  # checkpoint key -> Future of its bytes (the next block's, read ahead)
         self._replaced: dict = {}  # checkpoint key -> tensor loaded instead (reload_block)
+        self.keep_block_reads = False  # keep each loaded block's checkpoint tensors (fp32, on the device) in .kept
+        self.kept: dict = {}  # checkpoint key -> its tensor as read for the block loaded last (keep_block_reads)
+        self._keeping = False
         self._reader: ThreadPoolExecutor | None = None
 
     # -- checkpoint names -> parameters (transformers' own conversion) ------------------------------
@@ -252,7 +256,10 @@ class LayerwiseModel:
         ahead = self._ahead.pop(name, None)
         buf = ahead.result() if ahead is not None else self._bytes(name)
         t = torch.frombuffer(buf, dtype=torch_dtypes()[info.dtype]).reshape(info.shape)
-        return t.to(self.device).float() if self.device.type == "cuda" else t.to(self.device, torch.float32)
+        t = t.to(self.device).float() if self.device.type == "cuda" else t.to(self.device, torch.float32)
+        if self._keeping:
+            self.kept[name] = t
+        return t
 
     def _bytes(self, name: str) -> bytearray:
         info = self.infos[name]
@@ -356,7 +363,11 @@ class LayerwiseModel:
 
     def load_block(self, i: int) -> None:
         prefix = f"{self.layers_name}.{i}."
-        self._load_keys(self._keys_under(prefix))
+        self._keeping = self.keep_block_reads
+        try:
+            self._load_keys(self._keys_under(prefix))
+        finally:
+            self._keeping = False
         self._check_loaded(self.layers[i], prefix)
 
     def free_block(self, i: int) -> None:
@@ -424,14 +435,16 @@ class LayerwiseModel:
 
         self.check_tokens(tokens)
         batches = [tokens[s: s + micro_batch].to(self.device) for s in range(0, tokens.shape[0], micro_batch)]
-        calls = self.capture(batches)
+        with stages.timed("calibrate_capture"):
+            calls = self.capture(batches)
         hs = [self._hidden_of(0, *calls[0][k]) for k in range(len(batches))]
         try:
             bar = progress_bar(len(self.layers), desc, progress)
             never: list[str] = []
             for i, block in enumerate(self.layers):
                 prefix = f"{self.layers_name}.{i}."
-                self.load_block(i)
+                with stages.timed("calibrate_load"):
+                    self.load_block(i)
                 self.read_ahead(i + 1)
                 handles = []
                 taps = []
@@ -473,12 +486,16 @@ class LayerwiseModel:
             self._observe_head(batches, hs, observers)
 
     def _run_block(self, i: int, block, calls: list, hs: list) -> list:
+        import torch
+
         outs = []
-        with fast_matmul(self.device):
+        with stages.timed("calibrate_forward"), fast_matmul(self.device):
             for k in range(len(hs)):
                 a, kw = calls[k]
                 args, kw = replace_hidden(block, a, kw, hs[k])
                 outs.append(self.run_layer(i, args, kw))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # (the time above is the GPU's, not the launches')
         return outs
 
     def block_keys(self, i: int) -> list[str]:

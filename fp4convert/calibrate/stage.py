@@ -19,6 +19,7 @@ from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fp4convert import stages
 from fp4convert.calibrate.checks import check_runnable, config_vocab, model_errors, quantized_modules, share, vocab_size, what_runs
 from fp4convert.calibrate.runner import MICRO_BATCH, LayerwiseModel
 from fp4convert.calibrate.samples import file_tokens, generate, random_tokens, tokenizer_digest
@@ -180,7 +181,7 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
             tokens = file_tokens(tok, data, samples, seq_len)
             data_record: dict[str, object] = {"source": "file", "name": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
         else:
-            with running():
+            with running(), stages.timed("calibrate_generate"):
                 tokens = generate(lm, tok, samples, seq_len, config.calibration_seed)
             data_record = {"source": "self-generated", "start_token": int(tokens[0, 0])}
         if config.method == "gptq":

@@ -10,7 +10,6 @@ codes would otherwise stay resident until written (4.5 GB for 8B parameters).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,11 +26,9 @@ INDEX = "index.json"
 class Store:
     """A folder of quantized matrices, by module name."""
 
-    def __init__(self, root: Path, index: dict[str, str] | None = None, sha256: str | None = None) -> None:
+    def __init__(self, root: Path, index: dict[str, str] | None = None) -> None:
         self.root = Path(root)
         self.index: dict[str, str] = dict(index or {})  # module -> file name
-        self._hash = hashlib.sha256()
-        self._digest = sha256
         self._open: dict[str, object] = {}
         self._lock = threading.Lock()
 
@@ -48,13 +45,12 @@ class Store:
     def load(cls, root: Path) -> Store | None:
         """The complete store in ``root``, or None (missing, or interrupted before its index)."""
         try:
-            obj = json.loads((Path(root) / INDEX).read_text())
-            index, sha = obj["matrices"], obj["sha256"]
+            index = json.loads((Path(root) / INDEX).read_text())["matrices"]
         except (OSError, ValueError, KeyError, TypeError):
             return None
         if not isinstance(index, dict) or not all((Path(root) / f).is_file() for f in set(index.values())):
             return None
-        return cls(Path(root), index, sha)
+        return cls(Path(root), index)
 
     def add_block(self, index: int, matrices: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                             torch.Tensor | None]]) -> None:
@@ -71,8 +67,6 @@ class Store:
             tensors[f"{module}.scale"] = scale.contiguous().view(torch.uint8).cpu()
             if amax is not None:
                 tensors[f"{module}.amax"] = amax.reshape(1).float().cpu().clone()
-        for key in sorted(tensors):
-            self._hash.update(key.encode() + b"\0" + tensors[key].numpy().tobytes())
         tmp = self.root / (name + ".partial")
         save_file(tensors, str(tmp))
         os.replace(tmp, self.root / name)
@@ -81,9 +75,8 @@ class Store:
 
     def finish(self) -> None:
         """Mark the pass complete (the index is what :meth:`load` reads)."""
-        self._digest = self._hash.hexdigest()
         tmp = self.root / (INDEX + ".partial")
-        tmp.write_text(json.dumps({"matrices": self.index, "sha256": self._digest}, sort_keys=True))
+        tmp.write_text(json.dumps({"matrices": self.index}, sort_keys=True))
         os.replace(tmp, self.root / INDEX)
 
     def __contains__(self, module: object) -> bool:
@@ -103,11 +96,6 @@ class Store:
             scale = f.get_tensor(f"{module}.scale")  # type: ignore[attr-defined]
             amax = float(f.get_tensor(f"{module}.amax")[0]) if f"{module}.amax" in keys else None  # type: ignore[attr-defined]
         return packed, scale, amax
-
-    def digest(self) -> str:
-        """sha256 over every matrix's stored tensors, block by block in order, names sorted within a
-        block (the manifest records it; ``--resume`` reads it from the index)."""
-        return self._digest if self._digest is not None else self._hash.hexdigest()
 
     def close(self) -> None:
         with self._lock:

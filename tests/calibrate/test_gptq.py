@@ -141,7 +141,7 @@ def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, mo
 
     monkeypatch.setattr(gptq_mod.GPTQ, "run", no_model)
     resumed = quantize(src, tmp_path / "out", text, "--method", "gptq", "--max-shard-size", "20KB", "--resume")
-    assert resumed["method"]["sha256"] == clean["method"]["sha256"]
+    assert resumed["method"] == clean["method"]
     shards = {f: v["chunked_sha256"] for f, v in clean["files"].items() if f.endswith(".safetensors")}
     assert len(shards) > 1
     assert {f: resumed["files"][f]["chunked_sha256"] for f in shards} == shards
@@ -195,7 +195,9 @@ def test_gptq_on_the_gpu_is_deterministic_and_matches_the_cpu_at_the_model_level
         return json.loads((tmp_path / dst / "fp4convert.json").read_text())
 
     a, b, c = run("gpu1", "cuda"), run("gpu2", "cuda"), run("cpu", "cpu")
-    assert a["method"]["device"] == "cuda" and a["method"]["sha256"] == b["method"]["sha256"]
+    assert a["method"]["device"] == "cuda"
+    assert {f: v for f, v in a["files"].items() if f.endswith(".safetensors")} == \
+        {f: v for f, v in b["files"].items() if f.endswith(".safetensors")}
     quantize(src, tmp_path / "rtn", text, "--format", "compressed-tensors", "--scale-rule", "mse")
     import transformers as tf
 
