@@ -411,6 +411,7 @@ def _summary(source: Source, layout: CheckpointLayout, globals_: dict[str, float
             "scale_rule"),
         # Input-weighted scale rules: what the weights were measured on (the manifest's identity; None: unweighted).
         "input_weights": _input_weights(layout.manifest),
+        "method": _method(layout.manifest),
         # W4A4 (None: weight-only): the activations' scheme, how their scales were had, the calibration.
         "activations": activations if layout.quantized else None,
         "quantized": len(layout.modules),
@@ -424,6 +425,16 @@ def _summary(source: Source, layout: CheckpointLayout, globals_: dict[str, float
         "layers": dict(sorted(layers.items(), key=lambda kv: _natural(kv[0]))),
         "global_scales": globals_,
     }
+
+
+def _method(manifest: dict | None) -> dict | None:
+    """``--method gptq``: its manifest record and settings, as the report shows them (None: round-to-nearest)."""
+    rec = (manifest or {}).get("method")
+    if not isinstance(rec, dict) or rec.get("method") != "gptq":
+        return None
+    keep = ("method", "scale_rule", "damp", "block", "act_order", "device", "quantized", "rtn", "damp_raised",
+            "calibration")
+    return {k: rec[k] for k in keep if k in rec}
 
 
 def _input_weights(manifest: dict | None) -> dict | None:

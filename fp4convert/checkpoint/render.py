@@ -6,7 +6,7 @@ from __future__ import annotations
 from fp4convert.checkpoint.inspect import describe_input_weights
 from fp4convert.checkpoint.verify import NOT_QUANTIZED, OK
 from fp4convert.config import human_bytes
-from fp4convert.output.describe import describe_activations
+from fp4convert.output.describe import describe_activations, describe_method
 
 
 def render(r: dict) -> list[str]:
@@ -19,6 +19,8 @@ def render(r: dict) -> list[str]:
         lines.append(f"{r['path']}: format {r['format']}, scheme {r['scheme']}, rotation {r['rotate'] or 'none'}"
                      + (f", scale rule {r['scale_rule']}" if r.get("scale_rule") else ""))
         lines.append(f"  activations: {describe_activations(r.get('activations'))}")
+        if r.get("method"):
+            lines.append(f"  weights: {describe_method({'method': r['method']})}")
         if r.get("input_weights"):
             lines.append(f"  input weights: {describe_input_weights(r['input_weights'])}")
         acts = f", {r['activation_scales']} activation scales" if r.get("activation_scales") else ""

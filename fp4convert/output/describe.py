@@ -49,7 +49,15 @@ def describe_activations(a: dict | None) -> str:
 
 
 def describe_method(manifest: dict | None) -> str:
-    """How the weights' scales were chosen, as far as data goes: data-free, or measured input weights."""
+    """How the weights were rounded and their scales chosen, as far as data goes: data-free, measured input
+    weights, or GPTQ on calibration data (the manifest's ``method`` record, ``--method gptq``)."""
+    g = (manifest or {}).get("method")
+    if isinstance(g, dict) and g.get("method") == "gptq":
+        cal = g.get("calibration") if isinstance(g.get("calibration"), dict) else {}
+        order = ", act-order" if g.get("act_order") else ""
+        return (f"GPTQ (each column's rounding error compensated on {cal.get('samples', '?')} x "
+                f"{cal.get('seq_len', '?')} calibration tokens, {_data(cal.get('data'))}; dampening "
+                f"{g.get('damp', '?')}{order}; run on {g.get('device', '?')})")
     rec = ((manifest or {}).get("identity") or {}).get("input_weights")
     if not isinstance(rec, dict):
         return "data-free (no calibration set)"
