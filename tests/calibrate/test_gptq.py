@@ -208,3 +208,34 @@ def test_gptq_on_the_gpu_is_deterministic_and_matches_the_cpu_at_the_model_level
     assert k_gpu < k_rtn and k_cpu < k_rtn
     assert abs(k_gpu - k_cpu) <= 0.25 * k_cpu
     assert c["method"]["device"] == "cpu"
+
+
+def test_w4a4_with_a_rotation_calibrates_the_rotated_inputs(tmp_path, text):
+    """MR-GPTQ for W4A4: the engine rotates a linear's input before quantizing it, so its static scale
+    comes from max|x H|, not max|x| (the input-weight statistics of a weight-only rotation keep max|x|)."""
+    from fp4convert.calibrate.stats import Observers
+    from fp4convert.numerics.reference import had16
+
+    x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(0))
+    x[0, 0, 5] = 40.0  # one outlier channel: the rotation spreads it over its 16-block
+    rot, plain = Observers(rotate="had16", rotated_amax=True), Observers(rotate="had16", squares=True)
+    rot.add("a", x)
+    plain.add("a", x)
+    assert torch.equal(rot["a"].amax, had16(x).abs().amax().float())
+    assert torch.equal(plain["a"].amax, x.abs().amax().float())
+    assert rot["a"].amax < plain["a"].amax
+    src = add_tokenizer(zoo.build("llama", tmp_path / "llama"))
+    m = quantize(src, tmp_path / "mr", text, "--method", "gptq", "--rotate", "had16", "--activations", "nvfp4",
+                 "--format", "compressed-tensors")
+    qc = json.loads((tmp_path / "mr" / "config.json").read_text())["quantization_config"]
+    assert qc["transform_config"] and qc["config_groups"]["group_0"]["input_activations"]["num_bits"] == 4
+    assert m["method"]["rtn"] == [] and m["activations"]["calibration"]["amax"]
+
+
+def test_resume_refuses_another_method(tmp_path, text):
+    """--method is part of what the bytes depend on: resuming a round-to-nearest run with gptq (or back) is refused."""
+    src = add_tokenizer(zoo.build("llama", tmp_path / "llama"))
+    quantize(src, tmp_path / "out", text)
+    r = cli("quantize", src, tmp_path / "out", "--device", "cpu", "--calibration-data", text, "--calibration-samples", 4,
+            "--calibration-seq-len", 48, "-q", "--method", "gptq", "--resume")
+    assert r.exit_code != 0 and "method" in r.output
