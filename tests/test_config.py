@@ -49,14 +49,17 @@ def test_the_recipe_is_the_identity_and_run_options_never_change_it() -> None:
                       "ignore": (("x",),), "only": (("y",),), "max_shard_size": (10**6,), "revision": ("main",),
                       "base_model": ("org/name",), "kept_dtype": ("bf16",), "input_weights": ("random",),
                       "calibration_samples": (4,), "calibration_seq_len": (8,), "calibration_seed": (1,),
-                      "activations": ("nvfp4",), "activation_scale": ("constant",), "calibration_data": ("c.txt",)}
+                      "activations": ("nvfp4",), "activation_scale": ("constant",), "calibration_data": ("c.txt",),
+                      "method": ("gptq",), "gptq_damp": (0.05,), "gptq_block": (256,), "act_order": (True,)}
     assert set(recipe_changes) == {f.name for f in fields(Recipe)}
     # fields that only count with others on (W4A4 NVFP4 with calibration / input weights) are changed with them
     w4a4 = replace(base, activations="nvfp4", format="compressed-tensors")
     iw = replace(base, input_weights="random")
+    gptq = replace(base, method="gptq")
     for name, (value,) in recipe_changes.items():
         start = w4a4 if name in ("activation_scale", "calibration_data") else \
-            iw if name in ("calibration_samples", "calibration_seq_len", "calibration_seed") else base
+            iw if name in ("calibration_samples", "calibration_seq_len", "calibration_seed") else \
+            gptq if name in ("gptq_damp", "gptq_block", "act_order") else base
         if name == "activations":
             start, changed = replace(base, format="compressed-tensors"), w4a4
         else:
