@@ -223,8 +223,12 @@ def _gptq_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, tokens: to
     obs = Observers(hessian=True, rotate=config.rotate,
                     rotated_amax=bool(config.rotate) and config.activations != "none")
     g = GPTQ(lm, plan, config, inputs, store)
-    g.run(tokens, obs, head="lm_head" in wanted, micro_batch=MICRO_BATCH, progress=True)
-    store.finish()
+    try:
+        g.run(tokens, obs, head="lm_head" in wanted, micro_batch=MICRO_BATCH, progress=True)
+        store.finish()
+    except BaseException:
+        store.remove()  # an interrupted pass keeps nothing (its index would be missing anyway)
+        raise
     out.gptq, out.gptq_record = store, g.record()
     if g.unseen:
         log.warning("%d quantized matrices of the blocks (e.g. %s) had no observed input: rounded to nearest "

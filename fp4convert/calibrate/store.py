@@ -31,6 +31,8 @@ class Store:
         self.index: dict[str, str] = dict(index or {})  # module -> file name
         self._open: dict[str, object] = {}
         self._lock = threading.Lock()
+        self._writer = None  # a thread writing block files while the next block runs
+        self._writing: list = []
 
     @classmethod
     def create(cls, root: Path) -> Store:
@@ -54,9 +56,10 @@ class Store:
 
     def add_block(self, index: int, matrices: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                             torch.Tensor | None]]) -> None:
-        """Write one block's matrices: (module, packed, scale, gs or None, amax or None) each."""
+        """Write one block's matrices: (module, packed, scale, gs or None, amax or None) each. The bytes
+        come to the host now; the file is written on a thread while the next block runs (:meth:`finish`
+        waits for it, and raises its error)."""
         import torch
-        from safetensors.torch import save_file
 
         if not matrices:
             return
@@ -67,14 +70,35 @@ class Store:
             tensors[f"{module}.scale"] = scale.contiguous().view(torch.uint8).cpu()
             if amax is not None:
                 tensors[f"{module}.amax"] = amax.reshape(1).float().cpu().clone()
-        tmp = self.root / (name + ".partial")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, self.root / name)
+        if self._writer is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="fp4convert-gptq-store")
+        self._writing.append(self._writer.submit(self._save, name, tensors))
         for module, *_ in matrices:
             self.index[module] = name
 
+    def _save(self, name: str, tensors: dict) -> None:
+        from safetensors.torch import save_file
+
+        tmp = self.root / (name + ".partial")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, self.root / name)
+
+    def wait(self) -> None:
+        """Every block file written (the first write error raised)."""
+        pending, self._writing = self._writing, []
+        try:
+            for f in pending:
+                f.result()
+        finally:
+            if self._writer is not None and not self._writing:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+
     def finish(self) -> None:
-        """Mark the pass complete (the index is what :meth:`load` reads)."""
+        """Mark the pass complete (the index is what :meth:`load` reads), once every block file is written."""
+        self.wait()
         tmp = self.root / (INDEX + ".partial")
         tmp.write_text(json.dumps({"matrices": self.index}, sort_keys=True))
         os.replace(tmp, self.root / INDEX)
@@ -102,7 +126,11 @@ class Store:
             self._open.clear()
 
     def remove(self) -> None:
-        """Delete the folder (once the conversion has written every matrix)."""
+        """Delete the folder (once the conversion has written every matrix, or when the pass failed)."""
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - removing anyway
+            pass
         self.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
