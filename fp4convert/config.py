@@ -26,10 +26,10 @@ RANDOM_SHAPE = (16, 256)  # samples x tokens of random token ids (--input-weight
 # "Kept tensors". F16 stays F16 (BF16 has 3 fewer mantissa bits, and both are 2 bytes: nothing to gain),
 # BF16 stays, and non-float tensors (ints, bool, U8, FP8, F4) are never changed.
 KEPT_DTYPES = ("source", "bf16")
-# --method (docs/numerics.md "GPTQ"): how the weights are rounded. rtn: each block on its own (data-free
-# unless a model run measures input weights or activation scales); gptq: column by column on the
-# calibration samples, each column's error pushed onto the columns not yet quantized.
-METHODS = ("rtn", "gptq")
+# --method: how the weights are rounded. rtn: each block on its own (data-free unless a model run
+# measures input weights or activation scales); any other name is a calibrated method of
+# fp4convert/calibrate/methods/ (gptq: docs/numerics.md "GPTQ"), which owns the list of names.
+RTN = "rtn"
 GPTQ_DAMP = 0.01  # (mirrors fp4convert/numerics/gptq.py DAMP and BLOCK, which import torch)
 GPTQ_BLOCK = 128
 KEPT_TO_BF16 = ("F32", "F64")
@@ -70,9 +70,9 @@ class Recipe:
     # How kept tensors are stored (KEPT_DTYPES). Part of the identity only when not "source" (outputs,
     # manifests and resumes of default runs unchanged).
     kept_dtype: str = "source"
-    # How the weights are rounded (METHODS) and GPTQ's settings. Part of the identity only for gptq
-    # (rtn outputs, manifests and resumes unchanged).
-    method: str = "rtn"
+    # How the weights are rounded (RTN, or a method of fp4convert/calibrate/methods/) and GPTQ's settings.
+    # Part of the identity only for a calibrated method (rtn outputs, manifests and resumes unchanged).
+    method: str = RTN
     gptq_damp: float = GPTQ_DAMP
     gptq_block: int = GPTQ_BLOCK
     act_order: bool = False
@@ -160,15 +160,19 @@ class ConvertConfig(RunOptions, Recipe):
                               f"only (the engines' W4A4 conventions), not --format {self.format}")
 
     def _check_method(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"--method {self.method!r}: choose one of {', '.join(METHODS)}")
-        if self.method != "gptq":
-            if self.act_order or self.gptq_damp != GPTQ_DAMP or self.gptq_block != GPTQ_BLOCK:
-                raise ConfigError("--act-order, --gptq-damp and --gptq-block apply to --method gptq only")
+        if not (isinstance(self.method, str) and re.fullmatch(r"[a-z][a-z0-9-]*", self.method)):
+            # a name only: which methods exist is the calibration stage's registry, checked while planning
+            raise ConfigError(f"--method {self.method!r} is not a method name (rtn, or see --help for the choices)")
+        if self.method != "gptq" and (self.act_order or self.gptq_damp != GPTQ_DAMP or self.gptq_block != GPTQ_BLOCK):
+            raise ConfigError("--act-order, --gptq-damp and --gptq-block apply to --method gptq only")
+        if self.method == RTN:
             return
         if self.input_weights not in ("auto", "none"):
-            raise ConfigError(f"--input-weights {self.input_weights} does not apply to --method gptq: GPTQ weights the "
-                              "search rules' block error by its own Hessian's diagonal (drop --input-weights)")
+            raise ConfigError(f"--input-weights {self.input_weights} does not apply to --method {self.method}: it weights "
+                              "the search rules' block error by its own statistics (GPTQ: its Hessian's diagonal); "
+                              "drop --input-weights")
+        if self.method != "gptq":
+            return
         if not (0.0 < self.gptq_damp <= 10.0):
             raise ConfigError(f"--gptq-damp {self.gptq_damp!r}: give a fraction of the Hessian's mean diagonal in (0, 10]")
         if self.gptq_block < 32 or self.gptq_block % 32:
@@ -192,8 +196,8 @@ class ConvertConfig(RunOptions, Recipe):
         unless the rule asked for has no search."""
         if self.input_weights != "auto":
             return self.input_weights
-        if self.method == "gptq":
-            return "none"  # GPTQ's search rules are weighted by its Hessian's diagonal
+        if self.method != RTN:
+            return "none"  # a calibrated method weights the search rules itself (GPTQ: its Hessian's diagonal)
         if (self.activations == "nvfp4" and self.activation_scale == "calibrate"
                 and self._rule_searches()):
             return "calibration"
@@ -213,7 +217,7 @@ class ConvertConfig(RunOptions, Recipe):
     def rule(self) -> str:
         """The scale rule in effect: the one asked for, else ``mse`` when input weights are on (the best
         measured with them; GPTQ's are its Hessian's diagonal), else the scheme's default."""
-        if self.scale_rule is None and (self.input_weight_source != "none" or self.method == "gptq"):
+        if self.scale_rule is None and (self.input_weight_source != "none" or self.method != RTN):
             return SCHEMES[self.scheme].check_rule(WEIGHTED_RULE)
         return SCHEMES[self.scheme].check_rule(self.scale_rule)
 
@@ -251,11 +255,12 @@ class ConvertConfig(RunOptions, Recipe):
         return out
 
     def method_identity(self) -> dict:
-        """GPTQ's settings in the identity ({} for rtn: identities of earlier runs unchanged)."""
-        if self.method == "rtn":
+        """A calibrated method's settings in the identity ({} for rtn: identities of earlier runs unchanged)."""
+        if self.method == RTN:
             return {}
-        return {"method": {"name": self.method, "damp": self.gptq_damp, "block": self.gptq_block,
-                           "act_order": self.act_order, "calibration": self._calibration_identity()}}
+        own = {"damp": self.gptq_damp, "block": self.gptq_block, "act_order": self.act_order} \
+            if self.method == "gptq" else {}
+        return {"method": {"name": self.method, **own, "calibration": self._calibration_identity()}}
 
     def _calibration_identity(self) -> dict:
         samples, seq_len = self.calibration_shape

@@ -167,7 +167,7 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
     mean_square: dict[str, torch.Tensor] = {}
     described: dict = {}
     rotated_amax = bool(config.rotate) and config.activations != "none"
-    if amax_pass or iw == "calibration" or config.method == "gptq":
+    if amax_pass or iw == "calibration" or config.method != "rtn":
         import transformers as tf
 
         try:
@@ -184,9 +184,9 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
             with running(), stages.timed("calibrate_generate"):
                 tokens = generate(lm, tok, samples, seq_len, config.calibration_seed)
             data_record = {"source": "self-generated", "start_token": int(tokens[0, 0])}
-        if config.method == "gptq":
+        if config.method != "rtn":
             with running():
-                raw = by_module(_gptq_pass(lm, plan, config, tokens, inputs, set(modules), store_dir, out))
+                raw = by_module(_method_pass(lm, plan, config, tokens, inputs, set(modules), store_dir, out))
         else:
             with running():
                 raw = by_module(layerwise_amax(lm, tokens, set(modules), mean_square=mean_square if iw == "calibration"
@@ -212,29 +212,30 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
     return out
 
 
-def _gptq_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, tokens: torch.Tensor, inputs: dict[str, str],
-               wanted: set[str], store_dir: Path, out: Statistics) -> dict[str, torch.Tensor]:
-    """GPTQ over every block (:mod:`fp4convert.calibrate.gptq`); the matrices go to a store in ``store_dir``
-    (``out.gptq``), and the inputs' amax (taken in the same pass, for W4A4) is returned by runner name."""
-    from fp4convert.calibrate.gptq import GPTQ
+def _method_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, tokens: torch.Tensor, inputs: dict[str, str],
+                 wanted: set[str], store_dir: Path, out: Statistics) -> dict[str, torch.Tensor]:
+    """The calibrated method's pass over every block (``--method``, :mod:`fp4convert.calibrate.methods`):
+    the matrices it quantizes go to a store in ``store_dir`` (``out.gptq``); the inputs' amax, taken in
+    the same pass (W4A4), is returned by runner name."""
+    from fp4convert.calibrate.methods import get_method
     from fp4convert.calibrate.store import Store
 
+    cls = get_method(config.method)
     store = Store.create(store_dir)
-    obs = Observers(hessian=True, rotate=config.rotate,
+    obs = Observers(squares=cls.squares, hessian=cls.hessian, rotate=config.rotate,
                     rotated_amax=bool(config.rotate) and config.activations != "none")
-    g = GPTQ(lm, plan, config, inputs, store)
+    method = cls(lm, plan, config, inputs, store)
     try:
-        g.run(tokens, obs, head="lm_head" in wanted, micro_batch=MICRO_BATCH, progress=True)
+        method.run(tokens, obs, head="lm_head" in wanted, micro_batch=MICRO_BATCH, progress=True)
         store.finish()
     except BaseException:
         store.remove()  # an interrupted pass keeps nothing (its index would be missing anyway)
         raise
-    out.gptq, out.gptq_record = store, g.record()
-    if g.unseen:
+    out.gptq, out.gptq_record = store, method.record()
+    if method.unseen:
         log.warning("%d quantized matrices of the blocks (e.g. %s) had no observed input: rounded to nearest "
-                    "(data-free) instead of GPTQ", len(g.unseen), g.unseen[0])
-    log.info("gptq: %d matrices quantized%s", len(store.index),
-             f"; dampening raised for {len(g.damped)}" if g.damped else "")
+                    "(data-free) instead of %s", len(method.unseen), method.unseen[0], cls.name)
+    log.info("%s: %d matrices quantized", cls.name, len(store.index))
     return obs.amax()
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
 INDEX = "index.json"
@@ -31,7 +33,7 @@ class Store:
         self.index: dict[str, str] = dict(index or {})  # module -> file name
         self._open: dict[str, object] = {}
         self._lock = threading.Lock()
-        self._writer = None  # a thread writing block files while the next block runs
+        self._writer: ThreadPoolExecutor | None = None  # writes block files while the next block runs
         self._writing: list = []
 
     @classmethod

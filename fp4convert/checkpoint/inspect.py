@@ -428,13 +428,11 @@ def _summary(source: Source, layout: CheckpointLayout, globals_: dict[str, float
 
 
 def _method(manifest: dict | None) -> dict | None:
-    """``--method gptq``: its manifest record and settings, as the report shows them (None: round-to-nearest)."""
+    """A calibrated method's manifest record, as the report shows it (None: round-to-nearest)."""
     rec = (manifest or {}).get("method")
-    if not isinstance(rec, dict) or rec.get("method") != "gptq":
+    if not isinstance(rec, dict) or not isinstance(rec.get("method"), str):
         return None
-    keep = ("method", "scale_rule", "damp", "block", "act_order", "device", "quantized", "rtn", "damp_raised",
-            "calibration")
-    return {k: rec[k] for k in keep if k in rec}
+    return {k: v for k, v in rec.items() if not isinstance(v, (dict, list)) or k in ("calibration", "rtn", "damp_raised")}
 
 
 def _input_weights(manifest: dict | None) -> dict | None:

@@ -8,6 +8,7 @@ from functools import wraps
 
 import click
 
+from fp4convert.calibrate.methods import method_names
 from fp4convert.config import (
     CALIBRATION_SHAPE,
     DEFAULT_MAX_SHARD,
@@ -15,8 +16,8 @@ from fp4convert.config import (
     GPTQ_DAMP,
     INPUT_WEIGHTS,
     KEPT_DTYPES,
-    METHODS,
     RANDOM_SHAPE,
+    RTN,
     WEIGHTED_RULE,
 )
 from fp4convert.errors import EXIT_CODES
@@ -103,7 +104,7 @@ EXIT_CODE_HELP = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code
 def method_options(fn: Callable) -> Callable:
     """--method and GPTQ's settings, gathered into one ``rounding`` dict of ConvertConfig fields."""
     opts = [
-        click.option("--method", type=click.Choice(list(METHODS)), default="rtn", show_default=True,
+        click.option("--method", type=click.Choice([RTN, *method_names()]), default=RTN, show_default=True,
                      help="How weights are rounded. rtn: each block on its own (data-free). gptq: GPTQ on "
                           "calibration samples (--calibration-data, else self-generated), block by block on the "
                           "model (the GPU when there is one), each column's rounding error pushed onto the columns "

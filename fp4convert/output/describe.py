@@ -50,14 +50,15 @@ def describe_activations(a: dict | None) -> str:
 
 def describe_method(manifest: dict | None) -> str:
     """How the weights were rounded and their scales chosen, as far as data goes: data-free, measured input
-    weights, or GPTQ on calibration data (the manifest's ``method`` record, ``--method gptq``)."""
+    weights, or a calibrated method (the manifest's ``method`` record: its own description and the
+    calibration data it ran on)."""
     g = (manifest or {}).get("method")
-    if isinstance(g, dict) and g.get("method") == "gptq":
-        cal = g.get("calibration") if isinstance(g.get("calibration"), dict) else {}
-        order = ", act-order" if g.get("act_order") else ""
-        return (f"GPTQ (each column's rounding error compensated on {cal.get('samples', '?')} x "
-                f"{cal.get('seq_len', '?')} calibration tokens, {_data(cal.get('data'))}; dampening "
-                f"{g.get('damp', '?')}{order}; run on {g.get('device', '?')})")
+    if isinstance(g, dict) and isinstance(g.get("description"), str):
+        cal: dict = g["calibration"] if isinstance(g.get("calibration"), dict) else {}
+        return (f"{g['description']}, on {cal.get('samples', '?')} x {cal.get('seq_len', '?')} calibration tokens "
+                f"({_data(cal.get('data'))})")
+    if isinstance(g, dict) and isinstance(g.get("method"), str):
+        return f"calibrated method {g['method']}"
     rec = ((manifest or {}).get("identity") or {}).get("input_weights")
     if not isinstance(rec, dict):
         return "data-free (no calibration set)"

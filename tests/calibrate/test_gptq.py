@@ -1,5 +1,5 @@
 """``--method gptq`` end to end: the sequential pass on the block runner, every architecture class, what
-the output and the manifest say, resume, refusals (fp4convert/calibrate/gptq.py, docs/numerics.md "GPTQ")."""
+the output and the manifest say, resume, refusals (fp4convert/calibrate/methods/gptq.py, docs/numerics.md "GPTQ")."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, mo
     """The pass's result (the quantized matrices) is kept: a Ctrl-C while writing, then --resume, writes
     the same bytes as an uninterrupted run, without running the model again; the kept matrices are
     removed once written."""
-    from fp4convert.calibrate import gptq as gptq_mod
+    from fp4convert.calibrate.methods import gptq as gptq_mod
     from fp4convert.calibrate.keep import keep_dir
     from fp4convert.run import work
 
@@ -153,7 +153,7 @@ def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, mo
     ({"method": "gptq", "input_weights": "random"}, "does not apply to --method gptq"),
     ({"method": "gptq", "gptq_block": 48}, "multiple of 32"),
     ({"method": "gptq", "gptq_damp": 0.0}, r"\(0, 10\]"),
-    ({"method": "awq"}, "choose one of rtn, gptq"),
+    ({"method": "GPTQ!"}, "not a method name"),
 ])
 def test_settings_that_cannot_apply_are_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):

@@ -67,6 +67,10 @@ def block_decisions(lm: LayerwiseModel, plan: Plan) -> dict[int, list[Decision]]
 class GPTQ:
     """The GPTQ pass of one conversion: settings, the plan's view of the runner, and what it made."""
 
+    name = "gptq"
+    hessian = True
+    squares = False
+
     def __init__(self, lm: LayerwiseModel, plan: Plan, config: ConvertConfig, inputs: dict[str, str],
                  store: Store) -> None:
         from fp4convert.numerics.scheme import SCHEMES
@@ -76,7 +80,11 @@ class GPTQ:
         self.rule = config.rule
         self.by_block = block_decisions(lm, plan)
         self.damped: dict[str, float] = {}  # module -> the dampening that factorized, where above --gptq-damp
-        self.unseen: list[str] = []  # quantized matrices of the blocks whose input the pass never saw
+        self._unseen: list[str] = []  # quantized matrices of the blocks whose input the pass never saw
+
+    @property
+    def unseen(self) -> list[str]:
+        return self._unseen
 
     def sweep_fn(self):
         """The in-batch sweep: the CUDA kernel on a GPU (same bytes as the reference there), else the reference."""
@@ -141,7 +149,7 @@ class GPTQ:
             obs = observers.get(self.inputs.get(m.module, ""))
             h = obs.hessian_matrix() if obs is not None else None
             if h is None:
-                self.unseen.append(m.module)
+                self._unseen.append(m.module)
                 continue
             p = prepared.get(id(obs))
             if p is None:
@@ -167,10 +175,17 @@ class GPTQ:
         return disk
 
     def record(self) -> dict:
-        """What the manifest says of the pass (its settings come from the recipe's identity)."""
+        """What the manifest says of the pass (its settings are also in the recipe's identity); the
+        statistics stage adds ``calibration`` (the data, samples, length, seed, tokenizer)."""
+        device = "cuda" if self.lm.device.type == "cuda" else "cpu"
+        order = ", act-order" if self.config.act_order else ""
         return {"method": "gptq", "scale_rule": self.rule, "damp": self.config.gptq_damp,
-                "block": self.config.gptq_block, "act_order": self.config.act_order,
-                "device": "cuda" if self.lm.device.type == "cuda" else "cpu",
+                "block": self.config.gptq_block, "act_order": self.config.act_order, "device": device,
                 "quantized": len(self.store.index), "damp_raised": dict(sorted(self.damped.items())),
-                "rtn": sorted(self.unseen)}
+                "rtn": sorted(self._unseen),
+                "description": f"GPTQ (each column's rounding error compensated on calibration tokens; dampening "
+                               f"{self.config.gptq_damp}{order}; run on {device})"}
+
+
+METHOD = GPTQ
 
