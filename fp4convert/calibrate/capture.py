@@ -37,18 +37,25 @@ def hidden_slot(block) -> str:
 
 def block_calls(model, blocks, run_prefix, n_batches: int) -> list[list[tuple[tuple, dict]]]:
     """``calls[i][b]``: (args, kwargs) block ``i`` receives for micro-batch ``b`` (``run_prefix(b)`` runs
-    the model's forward on micro-batch ``b``)."""
+    the model's forward on micro-batch ``b``). A recorder returns its hidden states in the form the
+    block returns them (:func:`output_like`: RWKV's ``(hidden, state, attentions)``, SqueezeBERT's
+    ``{"feature_map": ...}``), so the model's code between blocks runs as it does on real outputs."""
     calls: list[list[tuple[tuple, dict]]] = [[] for _ in blocks]
     last = len(blocks) - 1
+    slots = [hidden_slot(b) for b in blocks]
 
     def recorder(i: int, block):
-        slot = hidden_slot(block)
+        slot = slots[i]
+        form: list = []  # the block's output on meta, made at its first call
 
         def forward(*args, **kwargs):
             calls[i].append((args, dict(kwargs)))
             if i == last:
                 raise StopForward
-            return args[0] if args else kwargs[slot]
+            h = args[0] if args else kwargs[slot]
+            if not form:
+                form.append(output_like(block, args, kwargs))
+            return with_hidden(form[0], h)
         return forward
 
     for i, b in enumerate(blocks):
@@ -66,10 +73,69 @@ def block_calls(model, blocks, run_prefix, n_batches: int) -> list[list[tuple[tu
                 missing = next(i for i, c in enumerate(calls) if len(c) != k + 1)
                 raise PlanError(f"the model's forward did not call block {missing} exactly once per forward; the "
                                 "layer-by-layer run cannot feed its blocks")
+            for i in range(1, len(blocks)):
+                carried = _meta_argument(slots[i], *calls[i][k])
+                if carried is not None:
+                    raise PlanError(f"block {i} ({type(blocks[i]).__name__}) takes {carried} from the block before it "
+                                    "besides the hidden states (a recurrent state); the layer-by-layer run carries "
+                                    "only the hidden states")
     finally:
         for b in blocks:
             del b.forward
     return calls
+
+
+def output_like(block, args: tuple, kwargs: dict):
+    """What ``block`` returns, computed on ``meta`` (no weights: they are not loaded while the calls are
+    recorded); None when its forward cannot run there (a data-dependent step, such as a MoE's routing):
+    the recorder then returns the bare hidden states, which is what most blocks return."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def meta(x):
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+    real = [(m, n, b) for m in block.modules() for n, b in m._buffers.items() if b is not None]
+    try:
+        for m, n, b in real:
+            m._buffers[n] = b.to("meta")
+        with torch.no_grad():
+            return type(block).forward(block, *tree_map(meta, args), **tree_map(meta, kwargs))
+    except Exception:  # noqa: BLE001 - any failure on meta: fall back to the bare hidden states
+        return None
+    finally:
+        for m, n, b in real:
+            m._buffers[n] = b
+
+
+def with_hidden(form, h):
+    """``form`` (a block's output on meta, or None) with ``h`` in its hidden-states slot (the slot
+    :func:`block_output` reads)."""
+    import torch
+
+    if form is None or isinstance(form, torch.Tensor):
+        return h
+    if isinstance(form, dict) and form:  # a ModelOutput is a dict too: keep its class
+        first = next(iter(form))
+        out = type(form)(form) if not hasattr(form, "to_tuple") else type(form)(**form)
+        out[first] = h
+        return out
+    if isinstance(form, (tuple, list)) and form:
+        return type(form)([h, *form[1:]])
+    return h
+
+
+def _meta_argument(slot: str, args: tuple, kwargs: dict) -> str | None:
+    """The name of an argument of a recorded call (other than the hidden states) that holds a ``meta``
+    tensor: a value the block before computed and the recorder could not (None: none)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    named = [(f"argument {j}", a) for j, a in enumerate(args[1:], 1)] + [(k, v) for k, v in kwargs.items() if k != slot]
+    for name, value in named:
+        if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in tree_leaves(value)):
+            return name
+    return None
 
 
 def replace_hidden(block, args: tuple, kwargs: dict, h) -> tuple[tuple, dict]:
@@ -88,6 +154,8 @@ def block_output(out: Any):
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
+    if isinstance(out, dict) and out and isinstance(next(iter(out.values())), torch.Tensor):
+        return next(iter(out.values()))  # a dict of outputs, hidden states first (SqueezeBERT's feature_map)
     first = getattr(out, "to_tuple", None)
     if first is not None:
         return out.to_tuple()[0]
