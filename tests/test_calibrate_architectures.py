@@ -5,7 +5,7 @@ found it failing on, each fixed for its class rather than for the model type:
   xpath embedding tables outweighed its encoder layers);
 - tied parameters are one tensor (ProphetNet's decoder reads the word embeddings its parent holds);
 - a block's output is carried in the form the block returns it (RWKV's ``(hidden, state, attentions)``,
-  SqueezeBERT's ``{"feature_map": ...}``), and a block that takes a state computed by the block before
+  SqueezeBERT's ``{"feature_map": ...}``), and a block that uses a state computed by the block before
   it is refused naming it;
 - a sub-model whose first parameter is a tower's (never loaded) still says it is on the run's device
   (Idefics3 moves its token embeddings to ``self.device``);
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from fp4convert import calibrate
-from fp4convert.calibrate.capture import block_calls, block_output
+from fp4convert.calibrate.capture import block_calls, block_output, run_block
 from fp4convert.source.open import open_source
 from tests import tiny_configs
 from tests.test_calibrate_runner import _cli, compare
@@ -140,10 +140,18 @@ def test_recorder_returns_the_blocks_own_form():
 
 
 def test_a_state_carried_between_blocks_is_refused_naming_it():
+    """The state block 0 computes is recorded on meta for block 1 (the recorder cannot compute it); block 1
+    uses it, and that is a refusal naming it, not a device error."""
     model = _StateModel().to("meta")
     h = torch.randn(2, 5, 4)
-    with pytest.raises(calibrate.PlanError, match="block 1 .* takes state from the block before it"):
-        block_calls(model, list(model.layers), lambda k: model(h), 1)
+    calls = block_calls(model, list(model.layers), lambda k: model(h), 1)
+    (args, kw), = calls[1]
+    assert kw["state"].device.type == "meta" and args[0].device.type == "cpu"
+    real = _StateModel()
+    out = run_block(real.layers[0], 0, *calls[0][0])  # block 0 takes no carried state: it runs
+    assert torch.equal(block_output(out), real.layers[0](h)[0])
+    with pytest.raises(calibrate.PlanError, match=r"block 1 \(_StateBlock\) uses state, computed by the block before"):
+        run_block(real.layers[1], 1, args, kw)
 
 
 # -- encoder-decoders: refused while planning, before anything is written ---------------------------------
@@ -192,10 +200,9 @@ def test_calibration_progress_lines_on_a_log(monkeypatch, capsys, caplog):
     """Not a terminal, status lines shown (the CLI without --quiet): a line every interval with the
     count, the rate and the time left; nothing with --quiet (errors only)."""
     import logging
+    import time
 
     from fp4convert.calibrate.runner import PROGRESS_ENV, progress_bar
-
-    import time
 
     monkeypatch.setenv(PROGRESS_ENV, "0")  # a line at every update
     caplog.set_level(logging.INFO, logger="fp4convert.calibrate.runner")
@@ -215,10 +222,9 @@ def test_calibration_progress_lines_on_a_log(monkeypatch, capsys, caplog):
 
 
 def test_self_generated_w4a4_says_the_cost_and_shows_progress(tmp_path, monkeypatch):
-    from tests.test_calibrate import add_tokenizer
-    from tests import zoo
-
     from fp4convert.calibrate.runner import PROGRESS_ENV
+    from tests import zoo
+    from tests.test_calibrate import add_tokenizer
 
     monkeypatch.setenv(PROGRESS_ENV, "0")
     src = add_tokenizer(zoo.build("llama", tmp_path / "llama"))

@@ -39,7 +39,8 @@ def block_calls(model, blocks, run_prefix, n_batches: int) -> list[list[tuple[tu
     """``calls[i][b]``: (args, kwargs) block ``i`` receives for micro-batch ``b`` (``run_prefix(b)`` runs
     the model's forward on micro-batch ``b``). A recorder returns its hidden states in the form the
     block returns them (:func:`output_like`: RWKV's ``(hidden, state, attentions)``, SqueezeBERT's
-    ``{"feature_map": ...}``), so the model's code between blocks runs as it does on real outputs."""
+    ``{"feature_map": ...}``), so the model's code between blocks runs as it does on real outputs; what
+    else it returns stays on ``meta`` (:func:`run_block` refuses a block that uses it)."""
     calls: list[list[tuple[tuple, dict]]] = [[] for _ in blocks]
     last = len(blocks) - 1
     slots = [hidden_slot(b) for b in blocks]
@@ -73,12 +74,6 @@ def block_calls(model, blocks, run_prefix, n_batches: int) -> list[list[tuple[tu
                 missing = next(i for i, c in enumerate(calls) if len(c) != k + 1)
                 raise PlanError(f"the model's forward did not call block {missing} exactly once per forward; the "
                                 "layer-by-layer run cannot feed its blocks")
-            for i in range(1, len(blocks)):
-                carried = _meta_argument(slots[i], *calls[i][k])
-                if carried is not None:
-                    raise PlanError(f"block {i} ({type(blocks[i]).__name__}) takes {carried} from the block before it "
-                                    "besides the hidden states (a recurrent state); the layer-by-layer run carries "
-                                    "only the hidden states")
     finally:
         for b in blocks:
             del b.forward
@@ -123,6 +118,21 @@ def with_hidden(form, h):
     if isinstance(form, (tuple, list)) and form:
         return type(form)([h, *form[1:]])
     return h
+
+
+def run_block(block, i: int, args: tuple, kwargs: dict):
+    """Block ``i`` (``block``) on one recorded call. An argument the block before it computed besides the
+    hidden states (a recurrent state, HY-V4's shared top-k indices) was recorded on ``meta``: a block
+    that ignores it runs; one that uses it fails there, and that is refused naming the argument."""
+    try:
+        return block(*args, **kwargs)
+    except Exception as exc:
+        carried = _meta_argument(hidden_slot(block), args, kwargs)
+        if carried is None:
+            raise
+        raise PlanError(f"block {i} ({type(block).__name__}) uses {carried}, computed by the block before it besides "
+                        "the hidden states (a carried state); the layer-by-layer run carries only the hidden "
+                        "states") from exc
 
 
 def _meta_argument(slot: str, args: tuple, kwargs: dict) -> str | None:

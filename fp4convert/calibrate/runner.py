@@ -34,7 +34,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fp4convert.calibrate.capture import ExpertTap, block_calls, block_output, is_expert_stack, replace_hidden
+from fp4convert.calibrate.capture import ExpertTap, block_calls, block_output, is_expert_stack, replace_hidden, run_block
 from fp4convert.calibrate.diagnose import WAYS_OUT, Said, model_errors
 from fp4convert.errors import PlanError, StopForward
 
@@ -427,7 +427,7 @@ class LayerwiseModel:
         import torch
 
         with torch.no_grad():
-            return block_output(self.layers[i](*args, **kwargs))
+            return block_output(run_block(self.layers[i], i, args, kwargs))
 
     def observe(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
                 micro_batch: int = MICRO_BATCH, progress: bool = True) -> None:
