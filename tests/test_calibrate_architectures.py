@@ -179,17 +179,19 @@ def test_self_generation_says_its_cost_and_offers_the_smaller_setting(caplog):
     from fp4convert.calibrate import samples as smp
 
     share = 0.75
-    assert smp.cost(0.5, 128, 512, 128, share) == pytest.approx(0.5 * 511 * 1.75)
-    assert smp.cost(0.5, 32, 256, 128, share) == pytest.approx(0.5 / 4 * 255 * 1.75)
+    assert smp.cost(0.5, 128, 512, 128, share) == pytest.approx((0.5 * 511, 0.5 * 511 * share))
+    assert smp.cost(0.5, 32, 256, 128, share) == pytest.approx((0.5 / 4 * 255, 0.5 / 4 * 255 * share))
+    assert smp.smaller(128, 512) == (64, 256) and smp.smaller(1, 2) == (1, 2)
     with caplog.at_level(logging.INFO, logger="fp4convert.calibrate.samples"):
-        smp.tell_cost(0.5, 128, 512, "cpu", share)  # about 7 min: slow, the smaller setting is offered
+        smp.tell_cost(0.5, 128, 512, "cpu", share)  # about 4 + 3 min: slow, a smaller setting is offered
     slow = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(slow) == 1, caplog.text
     msg = slow[0].getMessage()
-    assert "128 samples x 512 tokens on cpu" in msg and "256 tokens/s" in msg and "about 7 min" in msg
-    small = smp.cost(0.5, *smp.SMALLER, 128, share)
-    assert f"--calibration-samples {smp.SMALLER[0]} --calibration-seq-len {smp.SMALLER[1]}" in msg
-    assert f"about {small:.0f} s" in msg or f"about {small / 60:.0f} min" in msg
+    assert "128 samples x 512 tokens on cpu, 256 tokens/s measured" in msg, msg
+    assert "about 4 min to generate them, then at most 3 min" in msg, msg
+    gen, run = smp.cost(0.5, 64, 256, 128, share)
+    assert f"--calibration-samples 64 --calibration-seq-len 256 takes about {gen:.0f} s and at most {run:.0f} s" \
+        in msg, msg
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fp4convert.calibrate.samples"):
         smp.tell_cost(0.01, 16, 64, "cpu", share)  # seconds: said, nothing offered
@@ -212,8 +214,15 @@ def test_calibration_progress_lines_on_a_log(monkeypatch, capsys, caplog):
         bar.update(4)
     bar.close()
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 11 and lines[-1].startswith("calibrate: generating 4 samples x 11 tokens: 40 of 40 tokens (100%)")
+    assert len(lines) == 10 and lines[-1].startswith("calibrate: generating 4 samples x 11 tokens: 40 of 40 tokens (100%)")
     assert "36 of 40 tokens (90%)" in lines[8] and "s left" in lines[8] and "left" not in lines[-1], lines
+    monkeypatch.setenv(PROGRESS_ENV, "1000")  # no line before the interval: the last one at the end
+    bar = progress_bar(3, "calibrate: blocks", True)
+    bar.update(1)
+    bar.update(2)
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("calibrate: blocks: 3 of 3 blocks (100%)"), lines
     caplog.set_level(logging.ERROR, logger="fp4convert.calibrate.runner")  # --quiet
     bar = progress_bar(3, "calibrate: blocks", True)
     bar.update(3)

@@ -617,7 +617,7 @@ class LineProgress:
 
     def __init__(self, total: int, desc: str, unit: str, interval: float | None) -> None:
         self.total, self.desc, self.unit, self.interval = total, desc, unit, interval
-        self.n = 0
+        self.n = self._shown = 0
         self._t0 = self._last = time.monotonic()
 
     def line(self) -> str:
@@ -634,16 +634,16 @@ class LineProgress:
         self.n += n
         now = time.monotonic()
         if self.interval is not None and now - self._last >= self.interval:
-            self._last = now
+            self._last, self._shown = now, self.n
             print(self.line(), file=sys.stderr, flush=True)
 
     def close(self) -> None:
         """The last line (the total and the time it took) when lines are shown."""
         import sys
 
-        if self.interval is not None:
+        if self.interval is not None and self._shown != self.n:
             print(self.line(), file=sys.stderr, flush=True)
-            self.interval = None
+        self.interval = None
 
 
 @contextmanager

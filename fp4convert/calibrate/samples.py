@@ -180,9 +180,8 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
     return tokens
 
 
-SLOW_SECONDS = 120.0  # a run projected longer than this says so as a warning, with the smaller setting's cost
+SLOW_SECONDS = 120.0  # a run projected longer than this says so as a warning, with a smaller setting's cost
 ESTIMATE_STEPS = 4  # token steps timed (after the first) for the up-front estimate
-SMALLER = (32, 256)  # the smaller setting a slow self-generation offers (samples, tokens)
 
 
 def block_share(lm: LayerwiseModel) -> float:
@@ -195,31 +194,42 @@ def block_share(lm: LayerwiseModel) -> float:
     return inside / total if total else 1.0
 
 
-def cost(per_step: float, samples: int, seq_len: int, measured_samples: int, share: float) -> float:
-    """Seconds of a self-generated calibration of ``samples x seq_len`` tokens: the generation's
-    ``seq_len - 1`` steps, ``per_step`` seconds each as measured with ``measured_samples`` per step
-    (a step's matmuls grow with the samples it carries), then the calibration pass, the same tokens
-    through the blocks only (``share`` of the weights)."""
-    step = per_step * samples / measured_samples
-    return step * (seq_len - 1) * (1 + share)
+def cost(per_step: float, samples: int, seq_len: int, measured_samples: int, share: float) -> tuple[float, float]:
+    """(seconds to generate, at most seconds for the calibration pass) of a self-generated calibration
+    of ``samples x seq_len`` tokens: ``seq_len - 1`` steps of ``per_step`` seconds as measured with
+    ``measured_samples`` per step (a step's matmuls grow with the samples it carries; fewer samples than
+    measured is a little dearer per sample than this says), then the same tokens through the blocks
+    (``share`` of the weights), at most a step's time per token: its matmuls are larger (a sample's
+    tokens at once), about 3x faster per token than the steps on a 2-core CPU (BENCHMARKS.md)."""
+    generate = per_step * samples / measured_samples * (seq_len - 1)
+    return generate, generate * share
+
+
+def smaller(samples: int, seq_len: int) -> tuple[int, int]:
+    """The setting offered when self-generation is slow: half the samples, half the length (a quarter
+    of the tokens: coarser statistics)."""
+    return max(1, samples // 2), max(2, seq_len // 2)
 
 
 def tell_cost(per_step: float, samples: int, seq_len: int, device, share: float) -> None:
     """After the first steps: what the self-generated calibration will cost (from the measured step
-    time), and, when that is long, what the smaller setting and a calibration file cost."""
+    time), and, when that is long, what a smaller setting costs and that a calibration file needs no
+    generation."""
     import torch
 
-    total = cost(per_step, samples, seq_len, samples, share)
+    gen, run = cost(per_step, samples, seq_len, samples, share)
     rate = samples / per_step if per_step > 0 else float("inf")
-    small = (min(samples, SMALLER[0]), min(seq_len, SMALLER[1]))
     text = (f"self-generated calibration ({samples} samples x {seq_len} tokens on {torch.device(device).type}, "
-            f"{rate:.0f} tokens/s measured): about {_minutes(total)} to generate and run them")
-    if total < SLOW_SECONDS or small == (samples, seq_len):
+            f"{rate:.0f} tokens/s measured): about {_minutes(gen)} to generate them, then at most {_minutes(run)} "
+            "to run them through the blocks")
+    small = smaller(samples, seq_len)
+    if gen + run < SLOW_SECONDS or small == (samples, seq_len):
         log.info("%s", text)
         return
-    part = cost(per_step, small[0], small[1], samples, share)
-    log.warning("%s; --calibration-samples %d --calibration-seq-len %d takes about %s, a --calibration-data "
-                "file skips the generation (about half)", text, small[0], small[1], _minutes(part))
+    sgen, srun = cost(per_step, *small, samples, share)
+    log.warning("%s; --calibration-samples %d --calibration-seq-len %d takes about %s and at most %s; a "
+                "--calibration-data file needs no generation", text, small[0], small[1], _minutes(sgen),
+                _minutes(srun))
 
 
 def _minutes(seconds: float) -> str:
