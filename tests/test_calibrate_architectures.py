@@ -10,7 +10,9 @@ found it failing on, each fixed for its class rather than for the model type:
 - a sub-model whose first parameter is a tower's (never loaded) still says it is on the run's device
   (Idefics3 moves its token embeddings to ``self.device``);
 - buffers made from parameters (I-BERT's ``weight_integer``) are loaded from the checkpoint with their
-  block and released with it.
+  block and released with it; integer buffers (position ids, DeepSeek-V4's token-to-expert table) are
+  read as they are, not refused as non-float weights;
+- a list of lists is not the blocks (Evolla's).
 
 Encoder-decoders are refused before anything is written, naming why.
 """
@@ -36,10 +38,11 @@ def _tiny(model_type: str, tmp_path: Path) -> Path:
     return Path(out.path)
 
 
-@pytest.mark.parametrize("model_type", ["markuplm", "prophetnet", "rwkv", "idefics3"])
+@pytest.mark.parametrize("model_type", ["markuplm", "prophetnet", "rwkv", "idefics3", "mra", "evolla"])
 def test_runner_statistics_equal_the_whole_model(tmp_path, model_type):
     """Embedding lists beside the layers, tied embeddings, tuple-of-state outputs, a VLM whose tower
-    stays on meta: the runner's statistics equal the whole model's (amax torch.equal)."""
+    stays on meta, integer buffers in the checkpoint (MRA's I64 position ids), a list of lists beside
+    the layers (Evolla): the runner's statistics equal the whole model's (amax torch.equal)."""
     amax = compare(_tiny(model_type, tmp_path), vocab=tiny_configs.VOCAB)
     assert amax
 

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 MICRO_BATCH = 8  # samples per forward (bounds the intermediates; the statistics do not depend on it)
 _TOWER_RX = re.compile(r"Vision|Visual|Audio|Speech|Image|Video|Siglip|Clip", re.IGNORECASE)
 _EXPERT_INDEX = re.compile(r"\.(\d+)\.[^.]+$")
+_FLOAT = ("F32", "F16", "BF16")  # weights the run widens to fp32
+_INTEGER = ("I64", "I32", "I16", "I8", "U8", "BOOL")  # buffers it loads as they are
 
 
 def model_class(tf, config, archs: list[str]):
@@ -126,7 +128,8 @@ def find_blocks(model) -> tuple[str, list]:
     towers = [n for n, m in model.named_modules() if n and _is_tower(model, m)]
     best, size = None, 0
     for m in root.modules():
-        if not isinstance(m, torch.nn.ModuleList) or len(m) == 0:
+        if not isinstance(m, torch.nn.ModuleList) or len(m) == 0 or \
+                isinstance(m[0], (torch.nn.ModuleList, torch.nn.ModuleDict)):  # a list of lists: no block forward
             continue
         n = names[id(m)]
         if any(n == t or n.startswith(t + ".") for t in towers):
@@ -232,6 +235,7 @@ class LayerwiseModel:
         meta = dict(self.model.named_parameters(remove_duplicate=False))
         meta.update(dict(self.model.named_buffers(remove_duplicate=False)))
         self.targets = meta
+        self._buffer_names = set(dict(self.model.named_buffers(remove_duplicate=False)))
         self.keymap: dict[str, tuple[str, str | None]] = {}
         for name in sorted(self.infos, key=dot_natural_key):
             target, pattern = rename_source_key(name, self._renamings, converters, self.model.base_model_prefix, meta)
@@ -256,12 +260,21 @@ class LayerwiseModel:
         from fp4convert.storage.safetensors import torch_dtypes
 
         info = self.infos[name]
-        if info.dtype not in ("F32", "F16", "BF16"):
+        if not self._readable(name):
             raise PlanError(f"{name}: dtype {info.dtype}; the layer-by-layer run reads F32/F16/BF16 checkpoints")
         ahead = self._ahead.pop(name, None)
         buf = ahead.result() if ahead is not None else self._bytes(name)
         t = torch.frombuffer(buf, dtype=torch_dtypes()[info.dtype]).reshape(info.shape)
-        return t.to(self.device, torch.float32)
+        return t.to(self.device, torch.float32) if info.dtype in _FLOAT else t.to(self.device)
+
+    def _readable(self, name: str) -> bool:
+        """A floating-point tensor, or an integer/bool one loading into a buffer (position ids, DeepSeek-V4's
+        token-to-expert table), kept as it is."""
+        dtype = self.infos[name].dtype
+        if dtype in _FLOAT:
+            return True
+        target = self.keymap.get(name, ("", None))[0]
+        return dtype in _INTEGER and target in self._buffer_names
 
     def _bytes(self, name: str) -> bytearray:
         info = self.infos[name]
@@ -279,7 +292,7 @@ class LayerwiseModel:
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="fp4convert-calibrate-read")
         for k in self._keys_under(f"{self.layers_name}.{i}."):
-            if k not in self._ahead and self.infos[k].dtype in ("F32", "F16", "BF16"):
+            if k not in self._ahead and self._readable(k):
                 self._ahead[k] = self._reader.submit(self._bytes, k)
 
     def close(self) -> None:

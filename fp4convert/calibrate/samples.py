@@ -187,10 +187,11 @@ ESTIMATE_STEPS = 4  # token steps timed (after the first) for the up-front estim
 def block_share(lm: LayerwiseModel) -> float:
     """The share of the model's weights inside its repeated blocks: the calibration pass runs those
     (no output head), a generation step runs all of them."""
-    from fp4convert.calibrate.runner import _numel
+    import math
 
     total = lm.total_bytes()
-    inside = sum(4 * _numel(lm.infos[k]) for k, (t, _) in lm.keymap.items() if t.startswith(lm.layers_name + "."))
+    inside = sum(4 * math.prod(int(d) for d in lm.infos[k].shape) for k, (t, _) in lm.keymap.items()
+                 if t.startswith(lm.layers_name + "."))
     return inside / total if total else 1.0
 
 
