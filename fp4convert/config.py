@@ -19,7 +19,10 @@ ACTIVATION_SCALES = ("calibrate", "constant")
 # the search rules' block error come from. auto: the W4A4 calibration pass's own when it runs, else none.
 INPUT_WEIGHTS = ("auto", "none", "random", "calibration")
 WEIGHTED_RULE = "mse"  # the default rule when input weights are on: the best measured with them (BENCHMARKS.md)
-CALIBRATION_SHAPE = (128, 512)  # samples x tokens of a calibration pass (text file or self-generated)
+# samples x tokens of a calibration pass (text file or self-generated). SmolLM2-135M W4A4 (BENCHMARKS.md, issue 30
+# "The calibration default"): 64 x 512 file tokens (8x) lowered the KL by 3% for 3.8x the conversion time;
+# self-generated, 128 x 512 ran past 24 minutes on the 2-core machine where 16 x 256 takes minutes.
+CALIBRATION_SHAPE = (16, 256)
 RANDOM_SHAPE = (16, 256)  # samples x tokens of random token ids (--input-weights random): cheap, data-free
 # --kept-dtype: how the tensors the plan keeps (norms, embeddings, biases, lm_head, ...) are stored. source:
 # their source bytes, unchanged; bf16: F32 and F64 ones rounded to BF16 (nearest even), docs/formats.md

@@ -37,18 +37,26 @@ def hidden_slot(block) -> str:
 
 def block_calls(model, blocks, run_prefix, n_batches: int) -> list[list[tuple[tuple, dict]]]:
     """``calls[i][b]``: (args, kwargs) block ``i`` receives for micro-batch ``b`` (``run_prefix(b)`` runs
-    the model's forward on micro-batch ``b``)."""
+    the model's forward on micro-batch ``b``). A recorder returns its hidden states in the form the
+    block returns them (:func:`output_like`: RWKV's ``(hidden, state, attentions)``, SqueezeBERT's
+    ``{"feature_map": ...}``), so the model's code between blocks runs as it does on real outputs; what
+    else it returns stays on ``meta`` (:func:`run_block` refuses a block that uses it)."""
     calls: list[list[tuple[tuple, dict]]] = [[] for _ in blocks]
     last = len(blocks) - 1
+    slots = [hidden_slot(b) for b in blocks]
 
     def recorder(i: int, block):
-        slot = hidden_slot(block)
+        slot = slots[i]
+        form: list = []  # the block's output on meta, made at its first call
 
         def forward(*args, **kwargs):
             calls[i].append((args, dict(kwargs)))
             if i == last:
                 raise StopForward
-            return args[0] if args else kwargs[slot]
+            h = args[0] if args else kwargs[slot]
+            if not form:
+                form.append(output_like(block, args, kwargs))
+            return with_hidden(form[0], h)
         return forward
 
     for i, b in enumerate(blocks):
@@ -72,6 +80,74 @@ def block_calls(model, blocks, run_prefix, n_batches: int) -> list[list[tuple[tu
     return calls
 
 
+def output_like(block, args: tuple, kwargs: dict):
+    """What ``block`` returns, computed on ``meta`` (no weights: they are not loaded while the calls are
+    recorded); None when its forward cannot run there (a data-dependent step, such as a MoE's routing):
+    the recorder then returns the bare hidden states, which is what most blocks return."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def meta(x):
+        return x.to("meta") if isinstance(x, torch.Tensor) else x
+
+    real = [(m, n, b) for m in block.modules() for n, b in m._buffers.items() if b is not None]
+    try:
+        for m, n, b in real:
+            m._buffers[n] = b.to("meta")
+        with torch.no_grad():
+            return type(block).forward(block, *tree_map(meta, args), **tree_map(meta, kwargs))
+    except Exception:  # noqa: BLE001 - any failure on meta: fall back to the bare hidden states
+        return None
+    finally:
+        for m, n, b in real:
+            m._buffers[n] = b
+
+
+def with_hidden(form, h):
+    """``form`` (a block's output on meta, or None) with ``h`` in its hidden-states slot (the slot
+    :func:`block_output` reads)."""
+    import torch
+
+    if form is None or isinstance(form, torch.Tensor):
+        return h
+    if isinstance(form, dict) and form:  # a ModelOutput is a dict too: keep its class
+        first = next(iter(form))
+        out = type(form)(form) if not hasattr(form, "to_tuple") else type(form)(**form)
+        out[first] = h
+        return out
+    if isinstance(form, (tuple, list)) and form:
+        return type(form)([h, *form[1:]])
+    return h
+
+
+def run_block(block, i: int, args: tuple, kwargs: dict):
+    """Block ``i`` (``block``) on one recorded call. An argument the block before it computed besides the
+    hidden states (a recurrent state, HY-V4's shared top-k indices) was recorded on ``meta``: a block
+    that ignores it runs; one that uses it fails there, and that is refused naming the argument."""
+    try:
+        return block(*args, **kwargs)
+    except Exception as exc:
+        carried = _meta_argument(hidden_slot(block), args, kwargs)
+        if carried is None:
+            raise
+        raise PlanError(f"block {i} ({type(block).__name__}) uses {carried}, computed by the block before it besides "
+                        "the hidden states (a carried state); the layer-by-layer run carries only the hidden "
+                        "states") from exc
+
+
+def _meta_argument(slot: str, args: tuple, kwargs: dict) -> str | None:
+    """The name of an argument of a recorded call (other than the hidden states) that holds a ``meta``
+    tensor: a value the block before computed and the recorder could not (None: none)."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    named = [(f"argument {j}", a) for j, a in enumerate(args[1:], 1)] + [(k, v) for k, v in kwargs.items() if k != slot]
+    for name, value in named:
+        if any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in tree_leaves(value)):
+            return name
+    return None
+
+
 def replace_hidden(block, args: tuple, kwargs: dict, h) -> tuple[tuple, dict]:
     """The recorded call of ``block`` with ``h`` as its hidden states."""
     if args:
@@ -88,6 +164,8 @@ def block_output(out: Any):
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
+    if isinstance(out, dict) and out and isinstance(next(iter(out.values())), torch.Tensor):
+        return next(iter(out.values()))  # a dict of outputs, hidden states first (SqueezeBERT's feature_map)
     first = getattr(out, "to_tuple", None)
     if first is not None:
         return out.to_tuple()[0]

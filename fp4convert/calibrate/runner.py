@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp4convert import stages
-from fp4convert.calibrate.capture import ExpertTap, block_calls, block_output, is_expert_stack, replace_hidden
+from fp4convert.calibrate.capture import ExpertTap, block_calls, block_output, is_expert_stack, replace_hidden, run_block
 from fp4convert.calibrate.diagnose import WAYS_OUT, Said, model_errors
 from fp4convert.errors import PlanError, StopForward
 
@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 MICRO_BATCH = 8  # samples per forward (bounds the intermediates; the statistics do not depend on it)
 _TOWER_RX = re.compile(r"Vision|Visual|Audio|Speech|Image|Video|Siglip|Clip", re.IGNORECASE)
 _EXPERT_INDEX = re.compile(r"\.(\d+)\.[^.]+$")
+_FLOAT = ("F32", "F16", "BF16")  # weights the run widens to fp32
+_INTEGER = ("I64", "I32", "I16", "I8", "U8", "BOOL")  # buffers it loads as they are
 
 
 def model_class(tf, config, archs: list[str]):
@@ -128,17 +130,31 @@ def find_blocks(model) -> tuple[str, list]:
     towers = [n for n, m in model.named_modules() if n and _is_tower(model, m)]
     best, size = None, 0
     for m in root.modules():
-        if not isinstance(m, torch.nn.ModuleList) or len(m) == 0:
+        if not isinstance(m, torch.nn.ModuleList) or len(m) == 0 or \
+                isinstance(m[0], (torch.nn.ModuleList, torch.nn.ModuleDict)):  # a list of lists: no block forward
             continue
         n = names[id(m)]
         if any(n == t or n.startswith(t + ".") for t in towers):
             continue
-        count = sum(p.numel() for p in m.parameters())
+        count = _block_weights(m)
         if count > size:
             best, size = m, count
     if best is None:
         return "", []
     return names[id(best)], list(best)
+
+
+def _block_weights(blocks) -> int:
+    """Parameters inside ``blocks`` outside embedding tables: the layers are the list holding the most,
+    not a list of embeddings (MarkupLM's 50 xpath embedding tables outweigh its encoder layers)."""
+    import torch
+
+    count = 0
+    for m in blocks.modules():
+        if isinstance(m, torch.nn.Embedding) or "Embedding" in type(m).__name__:
+            continue
+        count += sum(p.numel() for p in m._parameters.values() if p is not None)
+    return count
 
 
 def _is_tower(model, m) -> bool:
@@ -204,9 +220,12 @@ class LayerwiseModel:
         self.towers = [n for n, m in self.model.named_modules() if n and _is_tower(self.model, m)]
         emb = self.model.get_input_embeddings()
         self.embed_name = self.names.get(id(emb), "")
-        for m in self.model.modules():  # computed buffers to the device (parameters stay on meta until loaded)
+        self._meta_buffers: set[str] = set()  # buffers made from parameters (on meta): loaded like them
+        for mn, m in self.model.named_modules(remove_duplicate=False):  # computed buffers to the device
             for n, b in list(m._buffers.items()):
-                if b is not None:
+                if b is not None and b.device.type == "meta":
+                    self._meta_buffers.add(f"{mn}.{n}" if mn else n)
+                elif b is not None:
                     m._buffers[n] = b.to(self.device)
         self._key_map()
         self.loaded = 0  # parameter bytes materialized now, and the most at once (tests check it is flat)
@@ -231,6 +250,7 @@ class LayerwiseModel:
         meta = dict(self.model.named_parameters(remove_duplicate=False))
         meta.update(dict(self.model.named_buffers(remove_duplicate=False)))
         self.targets = meta
+        self._buffer_names = set(dict(self.model.named_buffers(remove_duplicate=False)))
         self.keymap: dict[str, tuple[str, str | None]] = {}
         for name in sorted(self.infos, key=dot_natural_key):
             target, pattern = rename_source_key(name, self._renamings, converters, self.model.base_model_prefix, meta)
@@ -239,6 +259,13 @@ class LayerwiseModel:
             if target in meta:
                 self.keymap[name] = (target, pattern)
         self.disk_of = {t: k for k, (t, _) in self.keymap.items()}  # (the last source of a merged target)
+        # tied parameters (transformers' {target: source}; the meta build does not share them): one tensor
+        self.tied: dict[str, set[str]] = {}
+        for target, src in (getattr(self.model, "all_tied_weights_keys", None) or {}).items():
+            if target in meta and src in meta:
+                group = self.tied.get(target, {target}) | self.tied.get(src, {src})
+                for name in group:
+                    self.tied[name] = group
 
     def _read(self, name: str) -> torch.Tensor:
         """One checkpoint tensor, read with plain reads at its header offsets (no mmap: pages of
@@ -251,15 +278,26 @@ class LayerwiseModel:
         got = self._replaced.get(name)
         if got is not None:
             return got.to(self.device, torch.float32)
-        if info.dtype not in ("F32", "F16", "BF16"):
+        if not self._readable(name):
             raise PlanError(f"{name}: dtype {info.dtype}; the layer-by-layer run reads F32/F16/BF16 checkpoints")
         ahead = self._ahead.pop(name, None)
         buf = ahead.result() if ahead is not None else self._bytes(name)
         t = torch.frombuffer(buf, dtype=torch_dtypes()[info.dtype]).reshape(info.shape)
+        if info.dtype not in _FLOAT:
+            return t.to(self.device)
         t = t.to(self.device).float() if self.device.type == "cuda" else t.to(self.device, torch.float32)
         if self._keeping:
             self.kept[name] = t
         return t
+
+    def _readable(self, name: str) -> bool:
+        """A floating-point tensor, or an integer/bool one loading into a buffer (position ids, DeepSeek-V4's
+        token-to-expert table), kept as it is."""
+        dtype = self.infos[name].dtype
+        if dtype in _FLOAT:
+            return True
+        target = self.keymap.get(name, ("", None))[0]
+        return dtype in _INTEGER and target in self._buffer_names
 
     def _bytes(self, name: str) -> bytearray:
         info = self.infos[name]
@@ -277,7 +315,7 @@ class LayerwiseModel:
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="fp4convert-calibrate-read")
         for k in self._keys_under(f"{self.layers_name}.{i}."):
-            if k not in self._ahead and self.infos[k].dtype in ("F32", "F16", "BF16"):
+            if k not in self._ahead and self._readable(k):
                 self._ahead[k] = self._reader.submit(self._bytes, k)
 
     def close(self) -> None:
@@ -336,14 +374,18 @@ class LayerwiseModel:
             if tuple(t.shape) != want:
                 raise PlanError(f"{self.root}: {self.disk_of.get(name, name)} loads as {list(t.shape)} but the model "
                                 f"config.json describes has {name} {list(want)}; fix config.json, {self.other}")
-            owner._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
+            param = torch.nn.Parameter(t, requires_grad=False)
+            for alias in self.tied.get(name, {name}):  # tied parameters are one tensor, as when loaded
+                o, lf = _owner(self.model, alias)
+                o._parameters[lf] = param
             self.loaded += t.numel() * t.element_size()
             self.peak_loaded = max(self.peak_loaded, self.loaded)
         else:
             owner._buffers[leaf] = t.to(owner._buffers[leaf].dtype)
 
     def _check_loaded(self, module, prefix: str) -> None:
-        for n, p in module.named_parameters():
+        meta_buffers = [(n, b) for n, b in module.named_buffers() if prefix + n in self._meta_buffers]
+        for n, p in [*module.named_parameters(), *meta_buffers]:
             if p.device.type == "meta":
                 raise PlanError(f"{self.root}: no checkpoint tensor loads {prefix}{n} (its names differ from the "
                                 f"transformers model's); the layer-by-layer run cannot load it ({self.other})")
@@ -353,12 +395,20 @@ class LayerwiseModel:
 
         for name, p in params:
             owner, leaf = _owner(self.model, name)
+            if leaf in owner._buffers:  # a buffer made from parameters: back to meta, as built
+                b = owner._buffers[leaf]
+                if b is not None and name in self._meta_buffers:
+                    owner._buffers[leaf] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+                continue
             q = owner._parameters.get(leaf)
             if q is None or q.device.type == "meta":
                 continue
             self.loaded -= q.numel() * q.element_size()
-            owner._parameters[leaf] = torch.nn.Parameter(torch.empty(q.shape, dtype=q.dtype, device="meta"),
-                                                         requires_grad=False)
+            empty = torch.nn.Parameter(torch.empty(q.shape, dtype=q.dtype, device="meta"), requires_grad=False)
+            for alias in self.tied.get(name, {name}):
+                o, lf = _owner(self.model, alias)
+                if o._parameters.get(lf) is q:
+                    o._parameters[lf] = empty
         _trim_heap()
 
     def load_block(self, i: int) -> None:
@@ -372,14 +422,16 @@ class LayerwiseModel:
 
     def free_block(self, i: int) -> None:
         prefix = f"{self.layers_name}.{i}."
-        self._free_params([(prefix + n, p) for n, p in self.layers[i].named_parameters()])
+        self._free_params([(prefix + n, p) for n, p in [*self.layers[i].named_parameters(),
+                                                        *self.layers[i].named_buffers()]])
 
     def load_outside(self) -> None:
         self._load_keys(self._keys_under(None))
 
     def free_outside(self) -> None:
         inside = [self.layers_name + ".", *(h + "." for h in self.heads)]
-        self._free_params([(n, p) for n, p in self.model.named_parameters()
+        self._free_params([(n, p) for n, p in [*self.model.named_parameters(remove_duplicate=False),
+                                               *self.model.named_buffers()]
                            if not any(n.startswith(s) for s in inside)])
 
     # -- running ------------------------------------------------------------------------------------
@@ -396,7 +448,8 @@ class LayerwiseModel:
                             f"or the tokenizer, {self.other}")
 
     def _forward(self, ids: torch.Tensor, **kw):
-        return self.model(input_ids=ids, use_cache=False, **kw)
+        with _reports_device(self.model, self.device):
+            return self.model(input_ids=ids, use_cache=False, **kw)
 
     def capture(self, batches: list[torch.Tensor]) -> list[list[tuple[tuple, dict]]]:
         """Every block's call per micro-batch (:func:`~fp4convert.calibrate.capture.block_calls`)."""
@@ -414,7 +467,7 @@ class LayerwiseModel:
         import torch
 
         with torch.no_grad():
-            return block_output(self.layers[i](*args, **kwargs))
+            return block_output(run_block(self.layers[i], i, args, kwargs))
 
     def observe(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
                 micro_batch: int = MICRO_BATCH, progress: bool = True) -> None:
@@ -598,7 +651,8 @@ class LayerwiseModel:
                 handles.append(b.register_forward_pre_hook(lambda _m, _a, _i=i: self.load_block(_i)))
                 handles.append(b.register_forward_hook(lambda _m, _a, _o, _i=i: self.free_block(_i)))
         try:
-            yield self.model
+            with _reports_device(self.model, self.device):
+                yield self.model
         finally:
             for hd in handles:
                 hd.remove()
@@ -639,21 +693,91 @@ def _numel(info) -> int:
     return n
 
 
-def progress_bar(total: int, desc: str, enabled: bool):
-    """A tqdm bar (blocks done, time left) on a terminal; a silent stand-in elsewhere."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm comes with transformers
-        enabled = False
-    if not enabled:
-        class _Null:
-            def update(self, n: int = 1) -> None:
-                pass
+PROGRESS_ENV = "FP4CONVERT_PROGRESS_INTERVAL"  # the run's own progress setting (run/progress.py): seconds between lines
 
-            def close(self) -> None:
-                pass
-        return _Null()
-    return tqdm(total=total, desc=desc, unit="block", disable=None, leave=False)
+
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "block"):
+    """The calibration's progress (blocks done, tokens generated; the time left): a tqdm bar on a
+    terminal (hidden by ``--quiet``), a line every ``FP4CONVERT_PROGRESS_INTERVAL`` seconds (10) on a log
+    or a pipe where the run shows its status lines (the CLI without ``--quiet``/``--json``), a silent
+    stand-in elsewhere. ``update(n)`` counts ``n`` units."""
+    import os
+    import sys
+
+    if enabled and sys.stderr.isatty() and log.isEnabledFor(logging.WARNING):
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:  # pragma: no cover - tqdm comes with transformers
+            pass
+        else:
+            return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit != "block", leave=False, file=sys.stderr)
+    if enabled and not sys.stderr.isatty() and log.isEnabledFor(logging.INFO):
+        try:
+            interval = max(float(os.environ.get(PROGRESS_ENV, "10")), 0.0)
+        except ValueError:
+            interval = 10.0
+        return LineProgress(total, desc, unit, interval)
+    return LineProgress(total, desc, unit, None)
+
+
+class LineProgress:
+    """Progress for logs and pipes: ``desc: done of total unit (pct), elapsed, rate, time left``, printed
+    on an update once ``interval`` seconds passed since the last line, and at the end (None: never)."""
+
+    def __init__(self, total: int, desc: str, unit: str, interval: float | None) -> None:
+        self.total, self.desc, self.unit, self.interval = total, desc, unit, interval
+        self.n = self._shown = 0
+        self._t0 = self._last = time.monotonic()
+
+    def line(self) -> str:
+        spent = time.monotonic() - self._t0
+        rate = self.n / spent if spent > 0 else 0.0
+        left = f", about {(self.total - self.n) / rate:.0f} s left" if rate > 0 and self.n < self.total else ""
+        pct = 100 * self.n / self.total if self.total else 100.0
+        return (f"{self.desc}: {self.n} of {self.total} {self.unit}s ({pct:.0f}%), {spent:.0f} s, "
+                f"{rate:.3g} {self.unit}s/s{left}")
+
+    def update(self, n: int = 1) -> None:
+        import sys
+
+        self.n += n
+        now = time.monotonic()
+        if self.interval is not None and now - self._last >= self.interval:
+            self._last, self._shown = now, self.n
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """The last line (the total and the time it took) when lines are shown."""
+        import sys
+
+        if self.interval is not None and self._shown != self.n:
+            print(self.line(), file=sys.stderr, flush=True)
+        self.interval = None
+
+
+@contextmanager
+def _reports_device(model, device):
+    """Every sub-model of ``model`` says it is on ``device`` (transformers' ``PreTrainedModel.device`` is
+    its first parameter's: ``meta`` where that is a tower's, never loaded; Idefics3 moves its token
+    embeddings there)."""
+    from transformers import PreTrainedModel
+
+    ours = {id(m) for m in model.modules() if isinstance(m, PreTrainedModel)}
+    klass = next((k for k in PreTrainedModel.__mro__ if "device" in vars(k)), None)
+    prop = vars(klass).get("device") if klass is not None else None
+    if not isinstance(prop, property) or prop.fget is None:
+        yield
+        return
+    fget = prop.fget
+
+    def where(self):
+        return device if id(self) in ours else fget(self)
+
+    setattr(klass, "device", property(where))
+    try:
+        yield
+    finally:
+        setattr(klass, "device", prop)
 
 
 def _owner(module, name: str):

@@ -155,11 +155,13 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
                     "--calibration-data, or fewer/shorter samples (--calibration-samples, --calibration-seq-len)",
                     total / 1e9, resident_bytes / 1e9, seq_len - 1, total / 2 * (seq_len - 1) / 1e9)
     t0 = time.perf_counter()
-    bar = progress_bar(seq_len - 1, "calibrate: generating samples", True)
+    bar = progress_bar(samples * (seq_len - 1), f"calibrate: generating {samples} samples x {seq_len} tokens", True,
+                       unit="token")
     cache = None
+    first = None  # when the first step ended (it pays the start-up; the estimate times the steps after it)
     with lm.whole(resident) as model, torch.no_grad():
         key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        for _ in range(seq_len - 1):
+        for step in range(1, seq_len):
             ids = tokens[:, -1:].to(lm.device) if cache is not None else tokens.to(lm.device)
             out = model(input_ids=ids, use_cache=True, **{key: cache})
             cache = getattr(out, "past_key_values", None) if getattr(out, "cache", None) is None else out.cache
@@ -168,25 +170,68 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
             probs = torch.softmax(logits[:, :vocab], dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen)
             tokens = torch.cat([tokens, nxt], dim=1)
-            bar.update(1)
-            if tokens.shape[1] == 5 and seq_len > 5:
-                _tell_cost(time.perf_counter() - t0, 4, samples, seq_len, lm.device)
+            bar.update(samples)
+            if first is None:
+                first = time.perf_counter()
+            elif step == ESTIMATE_STEPS + 1 and seq_len - 1 > step:
+                tell_cost((time.perf_counter() - first) / ESTIMATE_STEPS, samples, seq_len, lm.device, block_share(lm))
     bar.close()
     log.info("self-generated %d x %d calibration tokens in %.1f s", samples, seq_len, time.perf_counter() - t0)
     return tokens
 
 
-SLOW_SECONDS = 120.0  # a self-generation projected longer than this says what a smaller setting costs
+SLOW_SECONDS = 120.0  # a run projected longer than this says so as a warning, with a smaller setting's cost
+ESTIMATE_STEPS = 4  # token steps timed (after the first) for the up-front estimate
 
 
-def _tell_cost(spent: float, steps: int, samples: int, seq_len: int, device) -> None:
-    """After the first steps: the projected time of the whole generation, and of a smaller setting."""
-    total = spent / steps * (seq_len - 1)
-    if total < SLOW_SECONDS:
+def block_share(lm: LayerwiseModel) -> float:
+    """The share of the model's weights inside its repeated blocks: the calibration pass runs those
+    (no output head), a generation step runs all of them."""
+    import math
+
+    total = lm.total_bytes()
+    inside = sum(4 * math.prod(int(d) for d in lm.infos[k].shape) for k, (t, _) in lm.keymap.items()
+                 if t.startswith(lm.layers_name + "."))
+    return inside / total if total else 1.0
+
+
+def cost(per_step: float, samples: int, seq_len: int, measured_samples: int, share: float) -> tuple[float, float]:
+    """(seconds to generate, at most seconds for the calibration pass) of a self-generated calibration
+    of ``samples x seq_len`` tokens: ``seq_len - 1`` steps of ``per_step`` seconds as measured with
+    ``measured_samples`` per step (a step's matmuls grow with the samples it carries; fewer samples than
+    measured is a little dearer per sample than this says), then the same tokens through the blocks
+    (``share`` of the weights), at most a step's time per token: its matmuls are larger (a sample's
+    tokens at once), about 3x faster per token than the steps on a 2-core CPU (BENCHMARKS.md)."""
+    generate = per_step * samples / measured_samples * (seq_len - 1)
+    return generate, generate * share
+
+
+def smaller(samples: int, seq_len: int) -> tuple[int, int]:
+    """The setting offered when self-generation is slow: half the samples, half the length (a quarter
+    of the tokens: coarser statistics)."""
+    return max(1, samples // 2), max(2, seq_len // 2)
+
+
+def tell_cost(per_step: float, samples: int, seq_len: int, device, share: float) -> None:
+    """After the first steps: what the self-generated calibration will cost (from the measured step
+    time), and, when that is long, what a smaller setting costs and that a calibration file needs no
+    generation."""
+    import torch
+
+    gen, run = cost(per_step, samples, seq_len, samples, share)
+    rate = samples / per_step if per_step > 0 else float("inf")
+    text = (f"self-generated calibration ({samples} samples x {seq_len} tokens on {torch.device(device).type}, "
+            f"{rate:.0f} tokens/s measured): about {_minutes(gen)} to generate them, then at most {_minutes(run)} "
+            "to run them through the blocks")
+    small = smaller(samples, seq_len)
+    if gen + run < SLOW_SECONDS or small == (samples, seq_len):
+        log.info("%s", text)
         return
-    small = (min(samples, 32), min(seq_len, 256))
-    part = total * (small[0] / samples) * (small[1] - 1) / (seq_len - 1)
-    log.warning("self-generating %d x %d calibration tokens on %s: about %.0f min; --calibration-samples %d "
-                "--calibration-seq-len %d takes about %.1f min, a --calibration-data file needs no generation",
-                samples, seq_len, device, total / 60, small[0], small[1], part / 60)
+    sgen, srun = cost(per_step, *small, samples, share)
+    log.warning("%s; --calibration-samples %d --calibration-seq-len %d takes about %s and at most %s; a "
+                "--calibration-data file needs no generation", text, small[0], small[1], _minutes(sgen),
+                _minutes(srun))
 
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
