@@ -7,7 +7,12 @@ ran / refused (the runner's own one-line reason) / failed (an exception the runn
 into a refusal: a bug or a gap). The model types come from benchmarks/results/model_sweep.json
 (those the sweep built), else every model_type transformers knows.
 
-    PYTHONPATH=. python3 benchmarks/calibration_sweep.py OUT.json [--root DIR] [TYPES...]
+``--method gptq``: instead of observing, the GPTQ pass itself (``fp4convert.calibrate.methods.gptq``,
+NVFP4 at the default rule, on the plan of a default conversion) on the same token ids; a row that ran
+also says how many of the plan's quantized matrices inside the blocks GPTQ quantized (``gptq``) and
+how many it never saw an input of (``unseen``, left to round-to-nearest).
+
+    PYTHONPATH=. python3 benchmarks/calibration_sweep.py OUT.json [--root DIR] [--method gptq] [TYPES...]
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def one(model_type: str, root: Path, timeout: int) -> dict:
+def one(model_type: str, root: Path, timeout: int, method: str = "observe") -> dict:
     import torch
 
     from fp4convert import calibrate
@@ -43,11 +48,15 @@ def one(model_type: str, root: Path, timeout: int) -> dict:
     signal.alarm(timeout)
     t0 = time.perf_counter()
     try:
-        lm = calibrate.LayerwiseModel(open_source(built.path), torch.device("cpu"))
-        obs = calibrate.Observers()
-        lm.observe(torch.randint(3, 60, (2, 16), generator=torch.Generator().manual_seed(0)), obs, progress=False)
-        out.update(outcome="ran", blocks=len(lm.layers), observed=len(obs),
-                   experts=sum(1 for n in obs if ":down:" in n))
+        tokens = torch.randint(3, 60, (2, 16), generator=torch.Generator().manual_seed(0))
+        if method == "gptq":
+            out.update(gptq_pass(built.path, tokens, root / "stores" / model_type))
+        else:
+            lm = calibrate.LayerwiseModel(open_source(built.path), torch.device("cpu"))
+            obs = calibrate.Observers()
+            lm.observe(tokens, obs, progress=False)
+            out.update(outcome="ran", blocks=len(lm.layers), observed=len(obs),
+                       experts=sum(1 for n in obs if ":down:" in n))
     except calibrate.PlanError as exc:
         out.update(outcome="refused", why=str(exc).split(": ", 1)[-1][:300])
     except BaseException as exc:  # noqa: BLE001 - recorded, the sweep goes on
@@ -62,6 +71,31 @@ def one(model_type: str, root: Path, timeout: int) -> dict:
         signal.signal(signal.SIGALRM, old)
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
+
+
+def gptq_pass(path: str, tokens, store_dir: Path) -> dict:
+    """The GPTQ pass on a default conversion's plan: (outcome, blocks, matrices quantized, unseen)."""
+    import torch
+
+    from fp4convert import calibrate
+    from fp4convert.calibrate.methods.gptq import GPTQ, block_decisions
+    from fp4convert.calibrate.store import Store
+    from fp4convert.config import ConvertConfig
+    from fp4convert.run.convert import plan_conversion
+
+    config = ConvertConfig(method="gptq", device="cpu", allow_no_config=True)
+    source, plan, _ = plan_conversion(path, config)
+    lm = calibrate.LayerwiseModel(source, torch.device("cpu"))
+    store = Store.create(store_dir)
+    try:
+        g = GPTQ(lm, plan, config, calibrate.plan_inputs(lm, plan), store)
+        g.run(tokens, calibrate.Observers(hessian=True), head=False, micro_batch=8, progress=False)
+        store.finish()
+        in_blocks = sum(len(d.matrices) for ds in block_decisions(lm, plan).values() for d in ds)
+        return {"outcome": "ran", "blocks": len(lm.layers), "in_blocks": in_blocks, "gptq": len(store.index),
+                "unseen": len(g.unseen), "unseen_e.g.": g.unseen[:2]}
+    finally:
+        store.remove()
 
 
 def whole_model_fails(path: str) -> str | None:
@@ -87,6 +121,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--root", default="/tmp/fp4convert_calibration_sweep")
     ap.add_argument("--timeout", type=int, default=60)
+    ap.add_argument("--method", choices=["observe", "gptq"], default="observe")
     ap.add_argument("types", nargs="*")
     args = ap.parse_args()
     types = args.types
@@ -101,7 +136,7 @@ def main() -> None:
             types = model_types()
     rows = []
     for t in types:
-        r = one(t, Path(args.root), args.timeout)
+        r = one(t, Path(args.root), args.timeout, args.method)
         rows.append(r)
         print(json.dumps(r), flush=True)
         Path(args.out).write_text(json.dumps({"counts": Counter(x["outcome"] for x in rows), "rows": rows}, indent=1))
