@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cpu-repeats", type=int, default=None, help="repeats of the cpu rows (default: --repeats)")
     ap.add_argument("--rows", nargs="+", default=["none", "random"], choices=list(ROWS))
+    ap.add_argument("--warmup", action="store_true",
+                    help="one untimed run of the first row and of --input-weights random first (kernel build, the "
+                         "imports' bytecode caches: what an installed package already has)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     src = args.work / "src"
@@ -69,6 +72,13 @@ def main() -> None:
     e2e_vs_copy.warm(src)
     runs = []
     rows = [(d, iw) for d in args.device for iw in args.rows]
+    if args.warmup:
+        for d in args.device:
+            for row in (args.rows[0], "random"):
+                out = args.work / "out"
+                shutil.rmtree(out, ignore_errors=True)
+                subprocess.run([sys.executable, "-m", "fp4convert", "quantize", str(src), str(out), "--device", d, "-q",
+                                *ROWS[row]], capture_output=True)
     for rep in range(args.repeats):
         for dev, iw in rows:
             if dev == "cpu" and args.cpu_repeats is not None and rep >= args.cpu_repeats:
