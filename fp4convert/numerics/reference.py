@@ -100,9 +100,15 @@ def e2m1_encode(y: torch.Tensor) -> torch.Tensor:
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes -> fp32 values (exact)."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=_F32, device=codes.device)
-    table[8] = -0.0
+    table = _E2M1_TABLES.get(codes.device)
+    if table is None:  # made once per device (GPTQ's sweep decodes one column at a time)
+        table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=_F32, device=codes.device)
+        table[8] = -0.0
+        _E2M1_TABLES[codes.device] = table
     return table[codes.long()]
+
+
+_E2M1_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
