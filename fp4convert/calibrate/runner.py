@@ -259,10 +259,11 @@ class LayerwiseModel:
             if target in meta:
                 self.keymap[name] = (target, pattern)
         self.disk_of = {t: k for k, (t, _) in self.keymap.items()}  # (the last source of a merged target)
-        # tied parameters (transformers' {target: source}; the meta build does not share them): one tensor
+        # tied parameters (transformers' {target: source}; the meta build does not share them): one tensor,
+        # unless the checkpoint holds both (transformers then leaves them untied)
         self.tied: dict[str, set[str]] = {}
         for target, src in (getattr(self.model, "all_tied_weights_keys", None) or {}).items():
-            if target in meta and src in meta:
+            if target in meta and src in meta and not (target in self.disk_of and src in self.disk_of):
                 group = self.tied.get(target, {target}) | self.tied.get(src, {src})
                 for name in group:
                     self.tied[name] = group

@@ -84,6 +84,25 @@ def test_tied_parameters_load_and_free_as_one(tmp_path):
     assert all(params[n].device.type == "meta" for n in group) and lm.loaded == 0
 
 
+def test_tied_parameters_both_in_the_checkpoint_stay_apart(tmp_path):
+    """As transformers loads it: when the checkpoint holds both tied names, each loads its own tensor."""
+    from safetensors.torch import load_file, save_file
+
+    src = _tiny("prophetnet", tmp_path)
+    f = next(src.glob("*.safetensors"))
+    t = load_file(str(f))
+    t["prophetnet.decoder.word_embeddings.weight"] = t["prophetnet.word_embeddings.weight"] * 2
+    save_file(t, str(f), metadata={"format": "pt"})
+    lm = calibrate.LayerwiseModel(open_source(str(src)), torch.device("cpu"))
+    assert "prophetnet.decoder.word_embeddings.weight" not in lm.tied
+    lm.load_outside()
+    params = dict(lm.model.named_parameters(remove_duplicate=False))
+    dec, top = params["prophetnet.decoder.word_embeddings.weight"], params["prophetnet.word_embeddings.weight"]
+    assert torch.equal(dec, top.float() * 2)
+    lm.free_outside()
+    assert lm.loaded == 0
+
+
 # -- the recorder, on toy models: what the model's code between the blocks gets ----------------------
 
 class _Lin(torch.nn.Module):
