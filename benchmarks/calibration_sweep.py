@@ -103,7 +103,7 @@ def whole_model_fails(path: str) -> str | None:
     import torch
     import transformers as tf
 
-    from fp4convert.calibrate.runner import model_class
+    from fp4convert.calibrate.model import model_class
 
     try:
         cfg = tf.AutoConfig.from_pretrained(path)

@@ -1,7 +1,10 @@
 """Calibration: what W4A4 activation scales and input-weighted scale rules measure on the model.
 
 - :mod:`~fp4convert.calibrate.runner`: the block-by-block runner (any model transformers builds; one
-  block's weights resident at a time).
+  block's weights resident at a time: :mod:`~fp4convert.calibrate.weights`; the model on ``meta`` and its
+  blocks: :mod:`~fp4convert.calibrate.model`; progress: :mod:`~fp4convert.calibrate.progress`).
+- :mod:`~fp4convert.calibrate.methods`: calibrated rounding methods (``--method gptq``), their results kept
+  in a :mod:`~fp4convert.calibrate.store` until written.
 - :mod:`~fp4convert.calibrate.capture`: each block's arguments from the model's own forward; the
   experts' inputs of 3-D expert stacks.
 - :mod:`~fp4convert.calibrate.stats`: amax / mean-square / ``X^T X`` accumulators, on the device.
@@ -27,7 +30,8 @@ from fp4convert.calibrate.checks import (
     sharing_groups,
     vocab_size,
 )
-from fp4convert.calibrate.runner import MICRO_BATCH, LayerwiseModel, build_meta, find_blocks, structure_problem
+from fp4convert.calibrate.model import build_meta, find_blocks, structure_problem
+from fp4convert.calibrate.runner import MICRO_BATCH, LayerwiseModel
 from fp4convert.calibrate.samples import TOKENIZER_FILES, file_tokens, generate, random_tokens, read_texts, start_token, tokenizer_digest
 from fp4convert.calibrate.stage import Statistics, activation_amax, bf16_ceil, input_weights_for, layerwise_amax, plan_inputs, statistics
 from fp4convert.calibrate.stats import Observer, Observers

@@ -3,7 +3,7 @@
 Which modules share one activation scale (fused groups, a MoE layer's experts); whether the model can
 run at all (a local folder, config.json that transformers reads and builds, weights whose shapes
 agree with it, a tokenizer where text is tokenized, an architecture the block runner can run:
-:func:`fp4convert.calibrate.runner.structure_problem`), and every failure of transformers as one
+:func:`fp4convert.calibrate.model.structure_problem`), and every failure of transformers as one
 ``Error:`` line naming the folder and, where it can be told, the config.json key.
 """
 
@@ -167,7 +167,7 @@ def check_definition(source: Source, cfg: dict, other: str, vocab: int | None = 
     transformers cannot read or build, or one that disagrees with the weights, is refused here, while
     planning, rather than failing mid-run (``vocab``: random ids are drawn below it, so the embedding
     must have that many rows)."""
-    from fp4convert.calibrate.runner import build_meta, structure_problem
+    from fp4convert.calibrate.model import build_meta, structure_problem
     from fp4convert.errors import DefinitionUnknown
     from fp4convert.plan.model_build import check_sizes
 

@@ -1,191 +1,46 @@
 """The block-by-block runner: any model transformers builds, one block's weights at a time.
 
-The model is built from ``config.json`` on ``meta`` (parameters there, computed buffers such as RoPE
-frequencies made for real); its repeated blocks are found from the definition (the largest
-``ModuleList`` of the text decoder: ``get_decoder()`` where the model has one, so a VLM's or an audio
-LM's language model, never a vision/audio tower); checkpoint names are mapped to parameters with
-transformers' own key conversion (the renames and per-expert merges its loader applies, as
-``fp4convert/modeldef.py`` does for the plan). Then:
+The model and its weights are :class:`~fp4convert.calibrate.weights.BlockWeights` (built on ``meta`` from
+config.json, blocks found from the definition, checkpoint tensors read one block at a time). Then:
 
 1. the weights outside the blocks that the forward needs before block 0 (embeddings, rotary tables,
    norms; never the heads nor the towers) are read, and the model's forward runs once per micro-batch
    with recorders in place of the blocks (:func:`~fp4convert.calibrate.capture.block_calls`): each
    block's exact arguments (masks, position embeddings; no cache); those weights are released;
-2. for each block: its weights are read from the checkpoint (through the converters where transformers
-   merges or renames them), it runs on every micro-batch, every ``nn.Linear`` / GPT-2 ``Conv1D``
-   input and every 3-D expert stack's inputs are observed (all tokens through every expert for the
-   statistics, the router's choice for the output), its outputs become the next block's inputs, and
-   its weights go back to ``meta``.
+2. for each block: its weights are read from the checkpoint, it runs on every micro-batch, every
+   ``nn.Linear`` / GPT-2 ``Conv1D`` input and every 3-D expert stack's inputs are observed (all tokens
+   through every expert for the statistics, the router's choice for the output), a calibrated method
+   may quantize the block and load it again (:meth:`LayerwiseModel.blocks`), its outputs become the next
+   block's inputs, and its weights go back to ``meta``.
 
 One block's weights are resident at a time: memory does not grow with depth. Everything runs in
-fp32 on the given device (the GPU when there is one). An architecture this cannot run (an
-encoder-decoder, no repeated blocks) is refused by :func:`structure_problem` while planning.
+fp32 on the given device (the GPU when there is one; matmuls in TF32 there). An architecture this
+cannot run (an encoder-decoder, no repeated blocks) is refused by
+:func:`~fp4convert.calibrate.model.structure_problem` while planning.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-import re
-import time
 from contextlib import contextmanager
-from copy import deepcopy
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp4convert import stages
 from fp4convert.calibrate.capture import ExpertTap, block_calls, block_output, is_expert_stack, replace_hidden, run_block
-from fp4convert.calibrate.diagnose import WAYS_OUT, Said, model_errors
+from fp4convert.calibrate.model import reports_device
+from fp4convert.calibrate.progress import progress_bar
+from fp4convert.calibrate.weights import BlockWeights
 from fp4convert.errors import PlanError, StopForward
 
 if TYPE_CHECKING:
-    from concurrent.futures import ThreadPoolExecutor
-
     import torch
 
     from fp4convert.calibrate.stats import Observers
-    from fp4convert.source.source import Source
 
 log = logging.getLogger(__name__)
 
 MICRO_BATCH = 8  # samples per forward (bounds the intermediates; the statistics do not depend on it)
-_TOWER_RX = re.compile(r"Vision|Visual|Audio|Speech|Image|Video|Siglip|Clip", re.IGNORECASE)
-_EXPERT_INDEX = re.compile(r"\.(\d+)\.[^.]+$")
-_FLOAT = ("F32", "F16", "BF16")  # weights the run widens to fp32
-_INTEGER = ("I64", "I32", "I16", "I8", "U8", "BOOL")  # buffers it loads as they are
-
-
-def model_class(tf, config, archs: list[str]):
-    """The class config.json names (``architectures``), else the causal-LM / base class of its config."""
-    from transformers import PreTrainedModel
-
-    for a in archs:
-        c = getattr(tf, a, None)
-        if isinstance(c, type) and issubclass(c, PreTrainedModel):
-            return c
-    for auto in ("MODEL_FOR_CAUSAL_LM_MAPPING", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING", "MODEL_MAPPING"):
-        mapping = getattr(tf, auto, None)
-        try:
-            return mapping[type(config)] if mapping is not None else None
-        except KeyError:
-            continue
-    return None
-
-
-def build_meta(root: Path, raw: dict, other: str, buffers_real: bool = True):
-    """(transformers config, model with parameters on ``meta``) from ``root``'s config.json; any failure
-    of transformers is a one-line refusal naming the key (:func:`~fp4convert.calibrate.checks.model_errors`)."""
-    import torch
-    import transformers as tf
-
-    said = Said()
-    with model_errors(root, raw, "read", other, said):
-        cfg = tf.AutoConfig.from_pretrained(str(root), local_files_only=True)
-    with model_errors(root, raw, "build the model of", other, said), \
-            (_parameters_on_meta() if buffers_real else torch.device("meta")):
-        cls = model_class(tf, cfg, list(raw.get("architectures") or []))
-        if cls is None:
-            raise PlanError(f"{root}: transformers {tf.__version__} has no model class for "
-                            f"{raw.get('architectures') or raw.get('model_type')!r}; {other}")
-        model = cls._from_config(cfg, dtype=torch.float32)
-        if buffers_real:
-            _init_buffers(model)
-    model.eval()
-    return cfg, model
-
-
-def _init_buffers(model) -> None:
-    """Computed buffers as a loaded model has them: transformers' loader runs ``_init_weights`` on modules
-    whose buffers no checkpoint holds (CodeGen's sin/cos table is filled there, not in ``__init__``);
-    the parameters are on ``meta``, where the same initializers do nothing."""
-    import torch
-
-    init = getattr(model, "_init_weights", None)
-    if init is None:
-        return
-    for m in model.modules():
-        if any(b is not None for b in m._buffers.values()):
-            try:
-                with torch.no_grad():
-                    init(m)
-            except Exception:  # noqa: BLE001 - an initializer that needs real parameters: keep __init__'s buffers
-                log.debug("_init_weights(%s) failed on meta; its buffers stay as built", type(m).__name__)
-
-
-def find_blocks(model) -> tuple[str, list]:
-    """(name, blocks) of the model's repeated blocks: the ``ModuleList`` holding the most parameters in
-    the text decoder (``get_decoder()``) or, without one, in the model outside its towers."""
-    import torch
-
-    names = {id(m): n for n, m in model.named_modules()}
-    root = model
-    try:
-        dec = model.get_decoder()
-        if isinstance(dec, torch.nn.Module) and id(dec) in names:
-            root = dec
-    except (AttributeError, NotImplementedError, TypeError, ValueError):
-        pass
-    towers = [n for n, m in model.named_modules() if n and _is_tower(model, m)]
-    best, size = None, 0
-    for m in root.modules():
-        if not isinstance(m, torch.nn.ModuleList) or len(m) == 0 or \
-                isinstance(m[0], (torch.nn.ModuleList, torch.nn.ModuleDict)):  # a list of lists: no block forward
-            continue
-        n = names[id(m)]
-        if any(n == t or n.startswith(t + ".") for t in towers):
-            continue
-        count = _block_weights(m)
-        if count > size:
-            best, size = m, count
-    if best is None:
-        return "", []
-    return names[id(best)], list(best)
-
-
-def _block_weights(blocks) -> int:
-    """Parameters inside ``blocks`` outside embedding tables: the layers are the list holding the most,
-    not a list of embeddings (MarkupLM's 50 xpath embedding tables outweigh its encoder layers)."""
-    import torch
-
-    count = 0
-    for m in blocks.modules():
-        if isinstance(m, torch.nn.Embedding) or "Embedding" in type(m).__name__:
-            continue
-        count += sum(p.numel() for p in m._parameters.values() if p is not None)
-    return count
-
-
-def _is_tower(model, m) -> bool:
-    from transformers import PreTrainedModel
-
-    return m is not model and isinstance(m, PreTrainedModel) and bool(_TOWER_RX.search(type(m).__name__)) \
-        and m is not getattr(model, model.base_model_prefix, None)
-
-
-def structure_problem(model, cfg) -> str | None:
-    """Why the block runner cannot run this model (None: it can)."""
-    if getattr(cfg, "is_encoder_decoder", False):
-        return ("an encoder-decoder (its decoder blocks take the encoder's output, which the block-by-block run "
-                "does not carry)")
-    name, blocks = find_blocks(model)
-    if not blocks:
-        return "no repeated blocks (a ModuleList of layers) in the model definition"
-    try:
-        emb = model.get_input_embeddings()
-    except (NotImplementedError, AttributeError):
-        emb = None
-    if emb is None:
-        return "no token embedding (calibration runs token ids; a vision/audio/other-input model)"
-    params = inspect.signature(model.forward).parameters
-    if "input_ids" not in params:
-        return "its forward takes no input_ids"
-    needs = [n for n, p in params.items() if n != "input_ids" and p.default is p.empty
-             and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if needs:
-        return f"its forward requires {', '.join(needs)} besides token ids"
-    return None
 
 
 @dataclass
@@ -197,245 +52,8 @@ class Visit:
     reloaded: bool = False
 
 
-class LayerwiseModel:
-    """A model built on ``meta``; weights materialized from the source one block at a time."""
-
-    def __init__(self, source: Source, device: torch.device, other: str = WAYS_OUT) -> None:
-        import torch
-
-        self.root = Path(source.root)
-        self.device = torch.device(device)
-        self.other = other
-        self.infos = {t.name: t for t in source.tensors()}
-        self.raw = source.config()
-        self.cfg, self.model = build_meta(self.root, self.raw, other)
-        why = structure_problem(self.model, self.cfg)
-        if why is not None:
-            raise PlanError(f"{self.root}: the layer-by-layer run cannot run this model: {why}; {other}")
-        self.layers_name, self.layers = find_blocks(self.model)
-        self.modules = dict(self.model.named_modules(remove_duplicate=False))
-        self.names = {id(m): n for n, m in self.model.named_modules()}
-        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-        self.heads = [self.names[id(head)]] if head is not None and id(head) in self.names else []
-        self.towers = [n for n, m in self.model.named_modules() if n and _is_tower(self.model, m)]
-        emb = self.model.get_input_embeddings()
-        self.embed_name = self.names.get(id(emb), "")
-        self._meta_buffers: set[str] = set()  # buffers made from parameters (on meta): loaded like them
-        for mn, m in self.model.named_modules(remove_duplicate=False):  # computed buffers to the device
-            for n, b in list(m._buffers.items()):
-                if b is not None and b.device.type == "meta":
-                    self._meta_buffers.add(f"{mn}.{n}" if mn else n)
-                elif b is not None:
-                    m._buffers[n] = b.to(self.device)
-        self._key_map()
-        self.loaded = 0  # parameter bytes materialized now, and the most at once (tests check it is flat)
-        self.peak_loaded = 0
-        self._ahead: dict = {}  # checkpoint key -> Future of its bytes (the next block's, read ahead)
-        self._replaced: dict = {}  # checkpoint key -> tensor loaded instead (reload_block)
-        self.keep_block_reads = False  # keep each loaded block's checkpoint tensors (fp32, on the device) in .kept
-        self.kept: dict = {}  # checkpoint key -> its tensor as read for the block loaded last (keep_block_reads)
-        self._keeping = False
-        self._reader: ThreadPoolExecutor | None = None
-
-    # -- checkpoint names -> parameters (transformers' own conversion) ------------------------------
-
-    def _key_map(self) -> None:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
-
-        conversions = get_model_conversion_mapping(self.model)
-        self._renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
-        converters = [c for c in conversions if isinstance(c, WeightConverter)]
-        self._converter_of = {p: c for c in converters for p in c.source_patterns}
-        meta = dict(self.model.named_parameters(remove_duplicate=False))
-        meta.update(dict(self.model.named_buffers(remove_duplicate=False)))
-        self.targets = meta
-        self._buffer_names = set(dict(self.model.named_buffers(remove_duplicate=False)))
-        self.keymap: dict[str, tuple[str, str | None]] = {}
-        for name in sorted(self.infos, key=dot_natural_key):
-            target, pattern = rename_source_key(name, self._renamings, converters, self.model.base_model_prefix, meta)
-            if target not in meta and name in meta:
-                target, pattern = name, None
-            if target in meta:
-                self.keymap[name] = (target, pattern)
-        self.disk_of = {t: k for k, (t, _) in self.keymap.items()}  # (the last source of a merged target)
-        # tied parameters (transformers' {target: source}; the meta build does not share them): one tensor,
-        # unless the checkpoint holds both (transformers then leaves them untied)
-        self.tied: dict[str, set[str]] = {}
-        for target, src in (getattr(self.model, "all_tied_weights_keys", None) or {}).items():
-            if target in meta and src in meta and not (target in self.disk_of and src in self.disk_of):
-                group = self.tied.get(target, {target}) | self.tied.get(src, {src})
-                for name in group:
-                    self.tied[name] = group
-
-    def _read(self, name: str) -> torch.Tensor:
-        """One checkpoint tensor, read with plain reads at its header offsets (no mmap: pages of
-        blocks already done are not kept mapped, so resident memory stays one block's)."""
-        import torch
-
-        from fp4convert.storage.safetensors import torch_dtypes
-
-        info = self.infos[name]
-        got = self._replaced.get(name)
-        if got is not None:
-            return got.to(self.device, torch.float32)
-        if not self._readable(name):
-            raise PlanError(f"{name}: dtype {info.dtype}; the layer-by-layer run reads F32/F16/BF16 checkpoints")
-        ahead = self._ahead.pop(name, None)
-        buf = ahead.result() if ahead is not None else self._bytes(name)
-        t = torch.frombuffer(buf, dtype=torch_dtypes()[info.dtype]).reshape(info.shape)
-        if info.dtype not in _FLOAT:
-            return t.to(self.device)
-        t = t.to(self.device).float() if self.device.type == "cuda" else t.to(self.device, torch.float32)
-        if self._keeping:
-            self.kept[name] = t
-        return t
-
-    def _readable(self, name: str) -> bool:
-        """A floating-point tensor, or an integer/bool one loading into a buffer (position ids, DeepSeek-V4's
-        token-to-expert table), kept as it is."""
-        dtype = self.infos[name].dtype
-        if dtype in _FLOAT:
-            return True
-        target = self.keymap.get(name, ("", None))[0]
-        return dtype in _INTEGER and target in self._buffer_names
-
-    def _bytes(self, name: str) -> bytearray:
-        info = self.infos[name]
-        with open(self.root / info.file, "rb") as f:
-            f.seek(info.begin)
-            return bytearray(f.read(info.nbytes))
-
-    def read_ahead(self, i: int) -> None:
-        """Start reading block ``i``'s checkpoint bytes on a thread (file reads release the GIL), so the
-        next block's weights arrive while this one runs; at most one block is read ahead."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        if i >= len(self.layers):
-            return
-        if self._reader is None:
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix="fp4convert-calibrate-read")
-        for k in self._keys_under(f"{self.layers_name}.{i}."):
-            if k not in self._ahead and self._readable(k):
-                self._ahead[k] = self._reader.submit(self._bytes, k)
-
-    def close(self) -> None:
-        """Drop what was read ahead and stop the reader thread."""
-        for fut in self._ahead.values():
-            fut.cancel()
-        self._ahead.clear()
-        if self._reader is not None:
-            self._reader.shutdown(wait=True)
-            self._reader = None
-
-    def _keys_under(self, prefix: str | None) -> list[str]:
-        """Checkpoint keys loading into parameters under ``prefix`` (None: those outside the blocks,
-        the heads and the towers)."""
-        out = []
-        skip = [self.layers_name + ".", *(h + "." for h in self.heads), *(t + "." for t in self.towers)]
-        for k, (target, _) in self.keymap.items():
-            if prefix is not None:
-                if target.startswith(prefix):
-                    out.append(k)
-            elif not any(target.startswith(s) for s in skip):
-                out.append(k)
-        return out
-
-    def _load_keys(self, keys: list[str]) -> None:
-        """Materialize the parameters ``keys`` load into: plain renames read directly, merged/converted
-        ones through a fresh copy of transformers' converter (as its loader does, one per target)."""
-        import torch
-
-        groups: dict[str, object] = {}
-        for k in keys:
-            target, pattern = self.keymap[k]
-            if pattern is None:
-                self._set(target, self._read(k))
-            else:
-                conv = groups.get(target)
-                if conv is None:
-                    conv = groups[target] = deepcopy(self._converter_of[pattern])
-                conv.add_tensor(target, k, pattern, partial(self._read, k))  # type: ignore[attr-defined]
-        for target, conv in groups.items():
-            with torch.no_grad():
-                made = conv.convert(target, model=self.model, config=self.model.config)  # type: ignore[attr-defined]
-            for name, value in made.items():
-                value = value[0] if isinstance(value, list) else value
-                if name not in self.targets:
-                    raise PlanError(f"{self.root}: transformers' conversion of {target} made {name}, not a parameter "
-                                    f"of the model; the layer-by-layer run cannot load it ({self.other})")
-                self._set(name, value.to(self.device, torch.float32))
-
-    def _set(self, name: str, t: torch.Tensor) -> None:
-        import torch
-
-        owner, leaf = _owner(self.model, name)
-        if leaf in owner._parameters:
-            want = tuple(owner._parameters[leaf].shape)
-            if tuple(t.shape) != want:
-                raise PlanError(f"{self.root}: {self.disk_of.get(name, name)} loads as {list(t.shape)} but the model "
-                                f"config.json describes has {name} {list(want)}; fix config.json, {self.other}")
-            param = torch.nn.Parameter(t, requires_grad=False)
-            for alias in self.tied.get(name, {name}):  # tied parameters are one tensor, as when loaded
-                o, lf = _owner(self.model, alias)
-                o._parameters[lf] = param
-            self.loaded += t.numel() * t.element_size()
-            self.peak_loaded = max(self.peak_loaded, self.loaded)
-        else:
-            owner._buffers[leaf] = t.to(owner._buffers[leaf].dtype)
-
-    def _check_loaded(self, module, prefix: str) -> None:
-        meta_buffers = [(n, b) for n, b in module.named_buffers() if prefix + n in self._meta_buffers]
-        for n, p in [*module.named_parameters(), *meta_buffers]:
-            if p.device.type == "meta":
-                raise PlanError(f"{self.root}: no checkpoint tensor loads {prefix}{n} (its names differ from the "
-                                f"transformers model's); the layer-by-layer run cannot load it ({self.other})")
-
-    def _free_params(self, params: list[tuple[str, object]]) -> None:
-        import torch
-
-        for name, p in params:
-            owner, leaf = _owner(self.model, name)
-            if leaf in owner._buffers:  # a buffer made from parameters: back to meta, as built
-                b = owner._buffers[leaf]
-                if b is not None and name in self._meta_buffers:
-                    owner._buffers[leaf] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-                continue
-            q = owner._parameters.get(leaf)
-            if q is None or q.device.type == "meta":
-                continue
-            self.loaded -= q.numel() * q.element_size()
-            empty = torch.nn.Parameter(torch.empty(q.shape, dtype=q.dtype, device="meta"), requires_grad=False)
-            for alias in self.tied.get(name, {name}):
-                o, lf = _owner(self.model, alias)
-                if o._parameters.get(lf) is q:
-                    o._parameters[lf] = empty
-        _trim_heap()
-
-    def load_block(self, i: int) -> None:
-        prefix = f"{self.layers_name}.{i}."
-        self._keeping = self.keep_block_reads
-        try:
-            self._load_keys(self._keys_under(prefix))
-        finally:
-            self._keeping = False
-        self._check_loaded(self.layers[i], prefix)
-
-    def free_block(self, i: int) -> None:
-        prefix = f"{self.layers_name}.{i}."
-        self._free_params([(prefix + n, p) for n, p in [*self.layers[i].named_parameters(),
-                                                        *self.layers[i].named_buffers()]])
-
-    def load_outside(self) -> None:
-        self._load_keys(self._keys_under(None))
-
-    def free_outside(self) -> None:
-        inside = [self.layers_name + ".", *(h + "." for h in self.heads)]
-        self._free_params([(n, p) for n, p in [*self.model.named_parameters(remove_duplicate=False),
-                                               *self.model.named_buffers()]
-                           if not any(n.startswith(s) for s in inside)])
-
-    # -- running ------------------------------------------------------------------------------------
+class LayerwiseModel(BlockWeights):
+    """A model built on ``meta`` that runs block by block on calibration tokens (its weights: :class:`BlockWeights`)."""
 
     def check_tokens(self, tokens: torch.Tensor) -> None:
         """Token ids must be rows of the embedding (an IndexError mid-run, a device assert on CUDA)."""
@@ -449,7 +67,7 @@ class LayerwiseModel:
                             f"or the tokenizer, {self.other}")
 
     def _forward(self, ids: torch.Tensor, **kw):
-        with _reports_device(self.model, self.device):
+        with reports_device(self.model, self.device):
             return self.model(input_ids=ids, use_cache=False, **kw)
 
     def capture(self, batches: list[torch.Tensor]) -> list[list[tuple[tuple, dict]]]:
@@ -552,20 +170,6 @@ class LayerwiseModel:
                 torch.cuda.synchronize(self.device)  # (the time above is the GPU's, not the launches')
         return outs
 
-    def block_keys(self, i: int) -> list[str]:
-        """The checkpoint keys that load block ``i``."""
-        return self._keys_under(f"{self.layers_name}.{i}.")
-
-    def read_fp32(self, name: str) -> torch.Tensor:
-        """Checkpoint tensor ``name`` as fp32 on the run's device (a plain read; not read ahead)."""
-        import torch
-
-        from fp4convert.storage.safetensors import torch_dtypes
-
-        info = self.infos[name]
-        t = torch.frombuffer(self._bytes(name), dtype=torch_dtypes()[info.dtype]).reshape(info.shape)
-        return t.to(self.device).float() if self.device.type == "cuda" else t.to(self.device, torch.float32)
-
     def reload_block(self, visit: Visit, replaced: dict[str, torch.Tensor]) -> None:
         """Load the visited block again with some checkpoint tensors replaced (``replaced``: key -> the
         tensor in its on-disk shape, e.g. the quantized weights dequantized): through transformers'
@@ -623,10 +227,6 @@ class LayerwiseModel:
 
     # -- generation (self-generated samples) ----------------------------------------------------------
 
-    def total_bytes(self) -> int:
-        """The fp32 bytes of every weight the model loads (what :meth:`whole` holds when resident)."""
-        return sum(4 * _numel(self.infos[k]) for k in self.keymap)
-
     @contextmanager
     def whole(self, resident: bool):
         """The whole model runnable: every weight resident (``resident``), or each block loaded before its
@@ -652,7 +252,7 @@ class LayerwiseModel:
                 handles.append(b.register_forward_pre_hook(lambda _m, _a, _i=i: self.load_block(_i)))
                 handles.append(b.register_forward_hook(lambda _m, _a, _o, _i=i: self.free_block(_i)))
         try:
-            with _reports_device(self.model, self.device):
+            with reports_device(self.model, self.device):
                 yield self.model
         finally:
             for hd in handles:
@@ -685,152 +285,3 @@ def fast_matmul(device):
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-def _numel(info) -> int:
-    n = 1
-    for s in info.shape:
-        n *= int(s)
-    return n
-
-
-PROGRESS_ENV = "FP4CONVERT_PROGRESS_INTERVAL"  # the run's own progress setting (run/progress.py): seconds between lines
-
-
-def progress_bar(total: int, desc: str, enabled: bool, unit: str = "block"):
-    """The calibration's progress (blocks done, tokens generated; the time left): a tqdm bar on a
-    terminal (hidden by ``--quiet``), a line every ``FP4CONVERT_PROGRESS_INTERVAL`` seconds (10) on a log
-    or a pipe where the run shows its status lines (the CLI without ``--quiet``/``--json``), a silent
-    stand-in elsewhere. ``update(n)`` counts ``n`` units."""
-    import os
-    import sys
-
-    if enabled and sys.stderr.isatty() and log.isEnabledFor(logging.WARNING):
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:  # pragma: no cover - tqdm comes with transformers
-            pass
-        else:
-            return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit != "block", leave=False, file=sys.stderr)
-    if enabled and not sys.stderr.isatty() and log.isEnabledFor(logging.INFO):
-        try:
-            interval = max(float(os.environ.get(PROGRESS_ENV, "10")), 0.0)
-        except ValueError:
-            interval = 10.0
-        return LineProgress(total, desc, unit, interval)
-    return LineProgress(total, desc, unit, None)
-
-
-class LineProgress:
-    """Progress for logs and pipes: ``desc: done of total unit (pct), elapsed, rate, time left``, printed
-    on an update once ``interval`` seconds passed since the last line, and at the end (None: never)."""
-
-    def __init__(self, total: int, desc: str, unit: str, interval: float | None) -> None:
-        self.total, self.desc, self.unit, self.interval = total, desc, unit, interval
-        self.n = self._shown = 0
-        self._t0 = self._last = time.monotonic()
-
-    def line(self) -> str:
-        spent = time.monotonic() - self._t0
-        rate = self.n / spent if spent > 0 else 0.0
-        left = f", about {(self.total - self.n) / rate:.0f} s left" if rate > 0 and self.n < self.total else ""
-        pct = 100 * self.n / self.total if self.total else 100.0
-        return (f"{self.desc}: {self.n} of {self.total} {self.unit}s ({pct:.0f}%), {spent:.0f} s, "
-                f"{rate:.3g} {self.unit}s/s{left}")
-
-    def update(self, n: int = 1) -> None:
-        import sys
-
-        self.n += n
-        now = time.monotonic()
-        if self.interval is not None and now - self._last >= self.interval:
-            self._last, self._shown = now, self.n
-            print(self.line(), file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        """The last line (the total and the time it took) when lines are shown."""
-        import sys
-
-        if self.interval is not None and self._shown != self.n:
-            print(self.line(), file=sys.stderr, flush=True)
-        self.interval = None
-
-
-@contextmanager
-def _reports_device(model, device):
-    """Every sub-model of ``model`` says it is on ``device`` (transformers' ``PreTrainedModel.device`` is
-    its first parameter's: ``meta`` where that is a tower's, never loaded; Idefics3 moves its token
-    embeddings there)."""
-    from transformers import PreTrainedModel
-
-    ours = {id(m) for m in model.modules() if isinstance(m, PreTrainedModel)}
-    klass = next((k for k in PreTrainedModel.__mro__ if "device" in vars(k)), None)
-    prop = vars(klass).get("device") if klass is not None else None
-    if not isinstance(prop, property) or prop.fget is None:
-        yield
-        return
-    fget = prop.fget
-
-    def where(self):
-        return device if id(self) in ours else fget(self)
-
-    setattr(klass, "device", property(where))
-    try:
-        yield
-    finally:
-        setattr(klass, "device", prop)
-
-
-def _owner(module, name: str):
-    """(the submodule holding parameter/buffer ``name``, its last name part)."""
-    *path, leaf = name.split(".")
-    for part in path:
-        module = getattr(module, part)
-    return module, leaf
-
-
-@contextmanager
-def _parameters_on_meta():
-    """Every parameter registered inside goes to ``meta``; buffers stay where they are made.
-
-    ``torch.device("meta")`` would put the buffers there too, and those are computed at init, not
-    loaded (RoPE frequencies, a scaled embedding's factor): they would be lost.
-    """
-    import torch
-
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None:
-            p = module._parameters[name]
-            module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-
-    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
-
-
-def _trim_heap() -> None:
-    """Give freed heap pages back to the OS (glibc): a freed block's tensors below malloc's mmap
-    threshold otherwise stay resident as fragments, and resident memory creeps up block by block."""
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM:
-        _MALLOC_TRIM(0)  # type: ignore[operator]
-
-
-_MALLOC_TRIM: object = None
-
-
-def elapsed(t0: float) -> str:
-    return f"{time.perf_counter() - t0:.1f} s"

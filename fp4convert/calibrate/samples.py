@@ -141,7 +141,7 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
     """
     import torch
 
-    from fp4convert.calibrate.runner import progress_bar
+    from fp4convert.calibrate.progress import progress_bar
 
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.full((samples, 1), start_token(tokenizer), dtype=torch.long)

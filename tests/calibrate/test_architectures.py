@@ -226,10 +226,10 @@ def test_calibration_progress_lines_on_a_log(monkeypatch, capsys, caplog):
     import logging
     import time
 
-    from fp4convert.calibrate.runner import PROGRESS_ENV, progress_bar
+    from fp4convert.calibrate.progress import PROGRESS_ENV, progress_bar
 
     monkeypatch.setenv(PROGRESS_ENV, "0")  # a line at every update
-    caplog.set_level(logging.INFO, logger="fp4convert.calibrate.runner")
+    caplog.set_level(logging.INFO, logger="fp4convert.calibrate.progress")
     bar = progress_bar(40, "calibrate: generating 4 samples x 11 tokens", True, unit="token")
     for _ in range(10):
         time.sleep(0.002)
@@ -245,7 +245,7 @@ def test_calibration_progress_lines_on_a_log(monkeypatch, capsys, caplog):
     bar.close()
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("calibrate: blocks: 3 of 3 blocks (100%)"), lines
-    caplog.set_level(logging.ERROR, logger="fp4convert.calibrate.runner")  # --quiet
+    caplog.set_level(logging.ERROR, logger="fp4convert.calibrate.progress")  # --quiet
     bar = progress_bar(3, "calibrate: blocks", True)
     bar.update(3)
     bar.close()
@@ -253,7 +253,7 @@ def test_calibration_progress_lines_on_a_log(monkeypatch, capsys, caplog):
 
 
 def test_self_generated_w4a4_says_the_cost_and_shows_progress(tmp_path, monkeypatch):
-    from fp4convert.calibrate.runner import PROGRESS_ENV
+    from fp4convert.calibrate.progress import PROGRESS_ENV
     from tests import zoo
     from tests.calibrate.test_calibrate import add_tokenizer
 

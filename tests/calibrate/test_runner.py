@@ -16,7 +16,7 @@ import torch
 
 from fp4convert import calibrate
 from fp4convert.calibrate.capture import ExpertTap, is_expert_stack
-from fp4convert.calibrate.runner import model_class, find_blocks
+from fp4convert.calibrate.model import find_blocks, model_class
 from fp4convert.source.open import open_source
 from tests import tiny_configs, zoo
 

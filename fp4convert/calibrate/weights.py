@@ -1,0 +1,326 @@
+"""The meta model's weights, read from the checkpoint one block at a time (the block runner's memory bound).
+
+Checkpoint names map to parameters with transformers' own key conversion (the renames and per-expert
+merges its loader applies, as :mod:`fp4convert.plan.model_build` does for the plan): plain renames are read
+directly, merged ones through a fresh copy of transformers' converter. Reads are plain reads at the
+header offsets (no mmap: pages of blocks already done are not kept mapped), the next block's read ahead
+on a thread; a freed block's parameters go back to ``meta`` and the heap is trimmed, so resident memory
+stays one block's. A block can be loaded again with some tensors replaced (GPTQ's quantized weights).
+"""
+
+from __future__ import annotations
+
+import logging
+from copy import deepcopy
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fp4convert.calibrate.diagnose import WAYS_OUT
+from fp4convert.calibrate.model import build_meta, find_blocks, is_tower, structure_problem
+from fp4convert.errors import PlanError
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from fp4convert.source.source import Source
+
+log = logging.getLogger(__name__)
+
+_FLOAT = ("F32", "F16", "BF16")  # weights the run widens to fp32
+_INTEGER = ("I64", "I32", "I16", "I8", "U8", "BOOL")  # buffers it loads as they are
+
+
+class BlockWeights:
+    """A model built on ``meta``; weights materialized from the source one block at a time."""
+
+    def __init__(self, source: Source, device: torch.device, other: str = WAYS_OUT) -> None:
+        import torch
+
+        self.root = Path(source.root)
+        self.device = torch.device(device)
+        self.other = other
+        self.infos = {t.name: t for t in source.tensors()}
+        self.raw = source.config()
+        self.cfg, self.model = build_meta(self.root, self.raw, other)
+        why = structure_problem(self.model, self.cfg)
+        if why is not None:
+            raise PlanError(f"{self.root}: the layer-by-layer run cannot run this model: {why}; {other}")
+        self.layers_name, self.layers = find_blocks(self.model)
+        self.modules = dict(self.model.named_modules(remove_duplicate=False))
+        self.names = {id(m): n for n, m in self.model.named_modules()}
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        self.heads = [self.names[id(head)]] if head is not None and id(head) in self.names else []
+        self.towers = [n for n, m in self.model.named_modules() if n and is_tower(self.model, m)]
+        emb = self.model.get_input_embeddings()
+        self.embed_name = self.names.get(id(emb), "")
+        self._meta_buffers: set[str] = set()  # buffers made from parameters (on meta): loaded like them
+        for mn, m in self.model.named_modules(remove_duplicate=False):  # computed buffers to the device
+            for n, b in list(m._buffers.items()):
+                if b is not None and b.device.type == "meta":
+                    self._meta_buffers.add(f"{mn}.{n}" if mn else n)
+                elif b is not None:
+                    m._buffers[n] = b.to(self.device)
+        self._key_map()
+        self.loaded = 0  # parameter bytes materialized now, and the most at once (tests check it is flat)
+        self.peak_loaded = 0
+        self._ahead: dict = {}  # checkpoint key -> Future of its bytes (the next block's, read ahead)
+        self._replaced: dict = {}  # checkpoint key -> tensor loaded instead (reload_block)
+        self.keep_block_reads = False  # keep each loaded block's checkpoint tensors (fp32, on the device) in .kept
+        self.kept: dict = {}  # checkpoint key -> its tensor as read for the block loaded last (keep_block_reads)
+        self._keeping = False
+        self._reader: ThreadPoolExecutor | None = None
+
+    # -- checkpoint names -> parameters (transformers' own conversion) ------------------------------
+
+    def _key_map(self) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
+
+        conversions = get_model_conversion_mapping(self.model)
+        self._renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
+        converters = [c for c in conversions if isinstance(c, WeightConverter)]
+        self._converter_of = {p: c for c in converters for p in c.source_patterns}
+        meta = dict(self.model.named_parameters(remove_duplicate=False))
+        meta.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        self.targets = meta
+        self._buffer_names = set(dict(self.model.named_buffers(remove_duplicate=False)))
+        self.keymap: dict[str, tuple[str, str | None]] = {}
+        for name in sorted(self.infos, key=dot_natural_key):
+            target, pattern = rename_source_key(name, self._renamings, converters, self.model.base_model_prefix, meta)
+            if target not in meta and name in meta:
+                target, pattern = name, None
+            if target in meta:
+                self.keymap[name] = (target, pattern)
+        self.disk_of = {t: k for k, (t, _) in self.keymap.items()}  # (the last source of a merged target)
+        # tied parameters (transformers' {target: source}; the meta build does not share them): one tensor,
+        # unless the checkpoint holds both (transformers then leaves them untied)
+        self.tied: dict[str, set[str]] = {}
+        for target, src in (getattr(self.model, "all_tied_weights_keys", None) or {}).items():
+            if target in meta and src in meta and not (target in self.disk_of and src in self.disk_of):
+                group = self.tied.get(target, {target}) | self.tied.get(src, {src})
+                for name in group:
+                    self.tied[name] = group
+
+    def _read(self, name: str) -> torch.Tensor:
+        """One checkpoint tensor, read with plain reads at its header offsets (no mmap: pages of
+        blocks already done are not kept mapped, so resident memory stays one block's)."""
+        import torch
+
+        from fp4convert.storage.safetensors import torch_dtypes
+
+        info = self.infos[name]
+        got = self._replaced.get(name)
+        if got is not None:
+            return got.to(self.device, torch.float32)
+        if not self._readable(name):
+            raise PlanError(f"{name}: dtype {info.dtype}; the layer-by-layer run reads F32/F16/BF16 checkpoints")
+        ahead = self._ahead.pop(name, None)
+        buf = ahead.result() if ahead is not None else self._bytes(name)
+        t = torch.frombuffer(buf, dtype=torch_dtypes()[info.dtype]).reshape(info.shape)
+        if info.dtype not in _FLOAT:
+            return t.to(self.device)
+        t = t.to(self.device).float() if self.device.type == "cuda" else t.to(self.device, torch.float32)
+        if self._keeping:
+            self.kept[name] = t
+        return t
+
+    def _readable(self, name: str) -> bool:
+        """A floating-point tensor, or an integer/bool one loading into a buffer (position ids, DeepSeek-V4's
+        token-to-expert table), kept as it is."""
+        dtype = self.infos[name].dtype
+        if dtype in _FLOAT:
+            return True
+        target = self.keymap.get(name, ("", None))[0]
+        return dtype in _INTEGER and target in self._buffer_names
+
+    def _bytes(self, name: str) -> bytearray:
+        info = self.infos[name]
+        with open(self.root / info.file, "rb") as f:
+            f.seek(info.begin)
+            return bytearray(f.read(info.nbytes))
+
+    def read_ahead(self, i: int) -> None:
+        """Start reading block ``i``'s checkpoint bytes on a thread (file reads release the GIL), so the
+        next block's weights arrive while this one runs; at most one block is read ahead."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if i >= len(self.layers):
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="fp4convert-calibrate-read")
+        for k in self._keys_under(f"{self.layers_name}.{i}."):
+            if k not in self._ahead and self._readable(k):
+                self._ahead[k] = self._reader.submit(self._bytes, k)
+
+    def close(self) -> None:
+        """Drop what was read ahead and stop the reader thread."""
+        for fut in self._ahead.values():
+            fut.cancel()
+        self._ahead.clear()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
+
+    def _keys_under(self, prefix: str | None) -> list[str]:
+        """Checkpoint keys loading into parameters under ``prefix`` (None: those outside the blocks,
+        the heads and the towers)."""
+        out = []
+        skip = [self.layers_name + ".", *(h + "." for h in self.heads), *(t + "." for t in self.towers)]
+        for k, (target, _) in self.keymap.items():
+            if prefix is not None:
+                if target.startswith(prefix):
+                    out.append(k)
+            elif not any(target.startswith(s) for s in skip):
+                out.append(k)
+        return out
+
+    def _load_keys(self, keys: list[str]) -> None:
+        """Materialize the parameters ``keys`` load into: plain renames read directly, merged/converted
+        ones through a fresh copy of transformers' converter (as its loader does, one per target)."""
+        import torch
+
+        groups: dict[str, object] = {}
+        for k in keys:
+            target, pattern = self.keymap[k]
+            if pattern is None:
+                self._set(target, self._read(k))
+            else:
+                conv = groups.get(target)
+                if conv is None:
+                    conv = groups[target] = deepcopy(self._converter_of[pattern])
+                conv.add_tensor(target, k, pattern, partial(self._read, k))  # type: ignore[attr-defined]
+        for target, conv in groups.items():
+            with torch.no_grad():
+                made = conv.convert(target, model=self.model, config=self.model.config)  # type: ignore[attr-defined]
+            for name, value in made.items():
+                value = value[0] if isinstance(value, list) else value
+                if name not in self.targets:
+                    raise PlanError(f"{self.root}: transformers' conversion of {target} made {name}, not a parameter "
+                                    f"of the model; the layer-by-layer run cannot load it ({self.other})")
+                self._set(name, value.to(self.device, torch.float32))
+
+    def _set(self, name: str, t: torch.Tensor) -> None:
+        import torch
+
+        owner, leaf = _owner(self.model, name)
+        if leaf in owner._parameters:
+            want = tuple(owner._parameters[leaf].shape)
+            if tuple(t.shape) != want:
+                raise PlanError(f"{self.root}: {self.disk_of.get(name, name)} loads as {list(t.shape)} but the model "
+                                f"config.json describes has {name} {list(want)}; fix config.json, {self.other}")
+            param = torch.nn.Parameter(t, requires_grad=False)
+            for alias in self.tied.get(name, {name}):  # tied parameters are one tensor, as when loaded
+                o, lf = _owner(self.model, alias)
+                o._parameters[lf] = param
+            self.loaded += t.numel() * t.element_size()
+            self.peak_loaded = max(self.peak_loaded, self.loaded)
+        else:
+            owner._buffers[leaf] = t.to(owner._buffers[leaf].dtype)
+
+    def _check_loaded(self, module, prefix: str) -> None:
+        meta_buffers = [(n, b) for n, b in module.named_buffers() if prefix + n in self._meta_buffers]
+        for n, p in [*module.named_parameters(), *meta_buffers]:
+            if p.device.type == "meta":
+                raise PlanError(f"{self.root}: no checkpoint tensor loads {prefix}{n} (its names differ from the "
+                                f"transformers model's); the layer-by-layer run cannot load it ({self.other})")
+
+    def _free_params(self, params: list[tuple[str, object]]) -> None:
+        import torch
+
+        for name, p in params:
+            owner, leaf = _owner(self.model, name)
+            if leaf in owner._buffers:  # a buffer made from parameters: back to meta, as built
+                b = owner._buffers[leaf]
+                if b is not None and name in self._meta_buffers:
+                    owner._buffers[leaf] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+                continue
+            q = owner._parameters.get(leaf)
+            if q is None or q.device.type == "meta":
+                continue
+            self.loaded -= q.numel() * q.element_size()
+            empty = torch.nn.Parameter(torch.empty(q.shape, dtype=q.dtype, device="meta"), requires_grad=False)
+            for alias in self.tied.get(name, {name}):
+                o, lf = _owner(self.model, alias)
+                if o._parameters.get(lf) is q:
+                    o._parameters[lf] = empty
+        _trim_heap()
+
+    def load_block(self, i: int) -> None:
+        prefix = f"{self.layers_name}.{i}."
+        self._keeping = self.keep_block_reads
+        try:
+            self._load_keys(self._keys_under(prefix))
+        finally:
+            self._keeping = False
+        self._check_loaded(self.layers[i], prefix)
+
+    def free_block(self, i: int) -> None:
+        prefix = f"{self.layers_name}.{i}."
+        self._free_params([(prefix + n, p) for n, p in [*self.layers[i].named_parameters(),
+                                                        *self.layers[i].named_buffers()]])
+
+    def load_outside(self) -> None:
+        self._load_keys(self._keys_under(None))
+
+    def free_outside(self) -> None:
+        inside = [self.layers_name + ".", *(h + "." for h in self.heads)]
+        self._free_params([(n, p) for n, p in [*self.model.named_parameters(remove_duplicate=False),
+                                               *self.model.named_buffers()]
+                           if not any(n.startswith(s) for s in inside)])
+
+    # -- running ------------------------------------------------------------------------------------
+
+    def block_keys(self, i: int) -> list[str]:
+        """The checkpoint keys that load block ``i``."""
+        return self._keys_under(f"{self.layers_name}.{i}.")
+
+    def read_fp32(self, name: str) -> torch.Tensor:
+        """Checkpoint tensor ``name`` as fp32 on the run's device (a plain read; not read ahead)."""
+        import torch
+
+        from fp4convert.storage.safetensors import torch_dtypes
+
+        info = self.infos[name]
+        t = torch.frombuffer(self._bytes(name), dtype=torch_dtypes()[info.dtype]).reshape(info.shape)
+        return t.to(self.device).float() if self.device.type == "cuda" else t.to(self.device, torch.float32)
+
+    def total_bytes(self) -> int:
+        """The fp32 bytes of every weight the model loads (what :meth:`whole` holds when resident)."""
+        return sum(4 * numel(self.infos[k]) for k in self.keymap)
+
+
+def numel(info) -> int:
+    n = 1
+    for s in info.shape:
+        n *= int(s)
+    return n
+
+
+def _owner(module, name: str):
+    """(the submodule holding parameter/buffer ``name``, its last name part)."""
+    *path, leaf = name.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, leaf
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc): a freed block's tensors below malloc's mmap
+    threshold otherwise stay resident as fragments, and resident memory creeps up block by block."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)  # type: ignore[operator]
+
+
+_MALLOC_TRIM: object = None
