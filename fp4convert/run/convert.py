@@ -17,6 +17,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -223,13 +224,13 @@ def convert(
     except BaseException:
         source.stop_prefetch()  # a Hub source may be fetching since planning: nothing more is downloaded
         raise
-    with shown as bar:
-        return _convert(source, plan_, fmt, dst, config, world, bar, release, t0)
+    return _convert(source, plan_, fmt, dst, config, world, shown, release, t0)
 
 
 def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: ConvertConfig, world: World,
-             bar: Bar, release: ShardReleaser | None, t0: float) -> ConvertResult:
-    """The conversion once planned: statistics, backends, the run loop (which tells ``bar`` and ``release``)."""
+             shown: AbstractContextManager[Bar], release: ShardReleaser | None, t0: float) -> ConvertResult:
+    """The conversion once planned: statistics, backends, the run loop (which tells ``release`` and the
+    progress display ``shown``, started once the statistics are measured: a calibration shows its own)."""
     from fp4convert.calibrate import check_destination, runs_model
     from fp4convert.numerics.scheme import get_scheme
     from fp4convert.output.record import run_identity
@@ -258,7 +259,8 @@ def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: 
         record = measured.input_weight_record
         identity = run_identity(config, source, **({"input_weights": record} if record else {}))
         job = Job(source, plan_, fmt, dst, config, identity, others, release, measured.calibration, measured.method)
-        done = run(job, world, works, bar)
+        with shown as bar:
+            done = run(job, world, works, bar)
     except BaseException:
         source.stop_prefetch()
         _close_all([b.close for b in reversed(backends)], raising=False)  # the run's own error is the one to report
