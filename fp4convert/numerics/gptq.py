@@ -157,29 +157,31 @@ Sweep = Callable[[torch.Tensor, torch.Tensor, str, str, "torch.Tensor | None", "
 
 def sweep_batch(w1: torch.Tensor, u1: torch.Tensor, scheme: str, rule: str, amax: torch.Tensor | None,
                 iw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step 3 inside one column batch (reference form: one column at a time, vectorized over rows)."""
+    """Step 3 inside one column batch (reference form: one column at a time, vectorized over rows). The
+    batch is held transposed (a column is contiguous); every value is the one step 3 states."""
     n, b = w1.shape
     bs = ref.NVFP4_BLOCK if scheme == "nvfp4" else ref.MXFP4_BLOCK
-    codes = torch.empty(n, b, dtype=torch.uint8, device=w1.device)
-    values = torch.empty(n, b, dtype=_F32, device=w1.device)
-    errors = torch.empty(n, b, dtype=_F32, device=w1.device)
+    wt = w1.T.contiguous()  # [B, N]
+    codes = torch.empty(b, n, dtype=torch.uint8, device=w1.device)
+    values = torch.empty(b, n, dtype=_F32, device=w1.device)
+    errors = torch.empty(b, n, dtype=_F32, device=w1.device)
     bytes_ = torch.empty(n, b // bs, dtype=torch.uint8, device=w1.device)
     s: Scales | None = None
     for i in range(b):
         if i % bs == 0:
-            s = choose_scales(scheme, w1[:, i:i + bs], rule, amax, None if iw is None else iw[i:i + bs])
+            s = choose_scales(scheme, wt[i:i + bs].T, rule, amax, None if iw is None else iw[i:i + bs])
             bytes_[:, i // bs] = s.byte
         assert s is not None
-        w = w1[:, i]
+        w = wt[i]
         c = ref.e2m1_encode(w * s.r)
         q = ref.e2m1_decode(c) * s.d
         e = (w - q) / u1[i, i]
         if i + 1 < b:
-            w1[:, i + 1:] = w1[:, i + 1:] - e[:, None] * u1[i, i + 1:][None, :]
-        codes[:, i] = c
-        values[:, i] = q
-        errors[:, i] = e
-    return codes, bytes_, values, errors
+            wt[i + 1:] -= u1[i, i + 1:][:, None] * e[None, :]  # (one multiply, then one subtract)
+        codes[i] = c
+        values[i] = q
+        errors[i] = e
+    return codes.T, bytes_, values.T, errors.T
 
 
 def quantize(w: torch.Tensor, prepared: Prepared, scheme: str, rule: str | None = None,
