@@ -145,6 +145,35 @@ __device__ __forceinline__ void store_codes(uint8_t* op, bool full, const uint32
   }
 }
 
+// One group g of matrix b with the linear scale layout (raw data not yet loaded; full: all 32 elements,
+// else only the first 16): load, encode, store its codes and scale bytes. quantize_kernel's body, also
+// compiled on its own by benchmarks/sass_count.py (with full = true) to count the hot path.
+template <int DT, int FMT, bool ROT, int RULE>
+__device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, int64_t g, bool full, float gs,
+                                               const float2* rd) {
+  Raw<DT> raw;
+  const uint8_t* p = a.x + (b * a.n + g * GROUP) * Elem<DT>::size;
+#pragma unroll
+  for (int j = 0; j < Raw<DT>::NV; ++j)
+    if (j < Raw<DT>::NV / 2 || full) raw.q[j] = ldg16(p + 16 * j);
+  uint32_t codes[4], sb[2];
+  const float* iw0 = nullptr;
+  const float* iw1 = nullptr;
+  if (RULE != RULE_PLAIN && a.iw) {  // a 32-group may straddle two rows when K % 32 == 16 (NVFP4)
+    iw0 = a.iw + (g * GROUP) % a.K;
+    iw1 = a.iw + (g * GROUP + 16) % a.K;
+  }
+  if (encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb, iw0, iw1)) *(volatile int*)(a.flag + b) = 1;
+  uint8_t* sp = a.so.base + b * a.so.mstride;
+  if constexpr (FMT == FMT_NVFP4) {
+    sp[2 * g] = (uint8_t)sb[0];
+    if (full) sp[2 * g + 1] = (uint8_t)sb[1];
+  } else {
+    sp[g] = (uint8_t)sb[0];
+  }
+  store_codes(a.packed + (b * a.n + g * GROUP) / 2, full, codes);
+}
+
 // Linear scale layout: one group per thread, a CTA per 256 groups; the hardware block scheduler
 // balances the tail. A matrix is a flat run of groups; group g's scales are bytes 2g, 2g+1 (NVFP4)
 // or g (MXFP4) of the matrix's row-major scale array.
@@ -158,25 +187,7 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_kernel(const QuantArgs a) {
     const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, g == 0);
     fill_candidates<FMT, RULE>(rd, gs);
     if (TABLE && g >= a.groups) continue;
-    Raw<DT> raw;
-    load_group<DT>(a.x + b * a.n * Elem<DT>::size, g, a.n, raw);
-    const bool full = g * GROUP + GROUP <= a.n;  // else only the first 16 (NVFP4, n % 32 == 16)
-    uint32_t codes[4], sb[2];
-    const float* iw0 = nullptr;
-    const float* iw1 = nullptr;
-    if (RULE != RULE_PLAIN && a.iw) {  // a 32-group may straddle two rows when K % 32 == 16 (NVFP4)
-      iw0 = a.iw + (g * GROUP) % a.K;
-      iw1 = a.iw + (g * GROUP + 16) % a.K;
-    }
-    if (encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb, iw0, iw1)) *(volatile int*)(a.flag + b) = 1;
-    uint8_t* sp = a.so.base + b * a.so.mstride;
-    if constexpr (FMT == FMT_NVFP4) {
-      sp[2 * g] = (uint8_t)sb[0];
-      if (full) sp[2 * g + 1] = (uint8_t)sb[1];
-    } else {
-      sp[g] = (uint8_t)sb[0];
-    }
-    store_codes(a.packed + (b * a.n + g * GROUP) / 2, full, codes);
+    quantize_group<DT, FMT, ROT, RULE>(a, b, g, g * GROUP + GROUP <= a.n, gs, rd);
   }
 }
 
