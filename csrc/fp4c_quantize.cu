@@ -64,9 +64,10 @@ __device__ __forceinline__ void fill_candidates(float2* rd, float gs) {
 // One group (raw data loaded): its two 16-element chunks (one if !full), rotated if ROT, scaled and
 // encoded. Out: codes[4] (16 bytes), the scale byte(s) (NVFP4: one per chunk; MXFP4: sb[0]).
 // Returns true when a block held NaN/Inf.
-// iw0 / iw1: the input weights of the group's first / second 16 elements (MXFP4: iw0, all 32), null
-// for the unweighted error; only the search rules read them.
-template <int DT, int FMT, bool ROT, int RULE>
+// iw0 / iw1: the input weights of the group's first / second 16 elements (MXFP4: iw0, all 32), read
+// by the search rules only where IW (the caller tests the pointer once per group, so the unweighted
+// path has no per-element test).
+template <int DT, int FMT, bool ROT, int RULE, bool IW = false>
 __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, float gs, const float2* rd,
                                              uint32_t codes[4], uint32_t sb[2], const float* iw0 = nullptr,
                                              const float* iw1 = nullptr) {
@@ -77,7 +78,7 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
       if (c == 1 && !full) break;
       float v[16];
       uint32_t mb;
-      decode16<DT>(raw, c, v, mb);
+      decode16<DT, RULE != RULE_PLAIN>(raw, c, v, mb);
       if constexpr (ROT) {
         butterflies16(v);
         mb = amax16_rotated(v);
@@ -93,14 +94,14 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
         codes[2 * c + 1] = encode8(v + 8, r);
       } else {
         if constexpr (ROT) scale16(v, 0.25f);  // the errors need v = RN(0.25 u) itself
-        nvfp4_block_search<RULE>(v, gs, mb, rd, codes + 2 * c, sb[c], c == 0 ? iw0 : iw1);
+        nvfp4_block_search_iw<RULE, IW>(v, gs, mb, rd, codes + 2 * c, sb[c], c == 0 ? iw0 : iw1);
       }
     }
   } else {
     float v[32];
     uint32_t m0, m1;
-    decode16<DT>(raw, 0, v, m0);
-    decode16<DT>(raw, 1, v + 16, m1);
+    decode16<DT, RULE != RULE_PLAIN>(raw, 0, v, m0);
+    decode16<DT, RULE != RULE_PLAIN>(raw, 1, v + 16, m1);
     if constexpr (ROT) {
       butterflies16(v);
       butterflies16(v + 16);
@@ -114,7 +115,7 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
         scale16(v, 0.25f);
         scale16(v + 16, 0.25f);
       }
-      mxfp4_block_mse<RULE == RULE_WMSE>(v, mb, codes, sb[0], iw0);
+      mxfp4_block_mse_iw<RULE == RULE_WMSE, IW>(v, mb, codes, sb[0], iw0);
     } else {
       float r = mxfp4_scale(mb, sb[0]);
       if constexpr (RULE == RULE_ALT) {  // rceil: the exponent up where the block would saturate
@@ -163,7 +164,9 @@ __device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, in
     iw0 = a.iw + (g * GROUP) % a.K;
     iw1 = a.iw + (g * GROUP + 16) % a.K;
   }
-  if (encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb, iw0, iw1)) *(volatile int*)(a.flag + b) = 1;
+  const bool bad = iw0 ? encode_group<DT, FMT, ROT, RULE, true>(raw, full, gs, rd, codes, sb, iw0, iw1)
+                       : encode_group<DT, FMT, ROT, RULE, false>(raw, full, gs, rd, codes, sb);
+  if (bad) *(volatile int*)(a.flag + b) = 1;
   uint8_t* sp = a.so.base + b * a.so.mstride;
   if constexpr (FMT == FMT_NVFP4) {
     sp[2 * g] = (uint8_t)sb[0];
@@ -238,7 +241,8 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs 
           if (j < Raw<DT>::NV / 2 || full) raw.q[j] = ldg16(p + 16 * j);
         uint32_t codes[4], sb[2] = {0, 0};
         const float* iw0 = RULE != RULE_PLAIN && a.iw ? a.iw + kb * BS : nullptr;
-        bad |= encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb, iw0, iw0 ? iw0 + 16 : nullptr);
+        bad |= iw0 ? encode_group<DT, FMT, ROT, RULE, true>(raw, full, gs, rd, codes, sb, iw0, iw0 + 16)
+                   : encode_group<DT, FMT, ROT, RULE, false>(raw, full, gs, rd, codes, sb);
         if constexpr (FMT == FMT_NVFP4) {
           s2[0] = sb[0];
           s2[1] = full ? sb[1] : 0u;
