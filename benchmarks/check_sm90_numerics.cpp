@@ -7,7 +7,10 @@
 //   2. the scaled chain e2m1_p_from_cs(ys, e2m1_cs(ys)), ys = RN(y * 2^-104), has the bits idx(y) << 22
 //      (idx = the predicate sum) for every fp32 y in [0, 7);
 //   3. MXFP4: the clamped chain of e (min at 6 * 2^-126) for every y in [0, 8), and the chain of e + 1
-//      (cs = max(cs, 2S)) = 2 * value(E2M1(y / 2)) * 2^-126 for every y in [0, 8);
+//      (e2m1_p_half_from_cs) has the bits idx(y / 2) << 22 for every y in [0, 8);
+//   5. the unmasked chain (e2m1_p_unmasked) is wrong exactly at the four listed y of [0, 7);
+//   6. nvfp4_unmasked_safe: over sampled global scales (some built so that an input hits a listed y) and
+//      every E4M3 byte, no bf16 or fp16 input value (all of them are tried) hits one where it says safe;
 // and, by random sampling with targeted edge cases (E2M1 ties, binade edges, r near 2^-22, d near 4,
 // subnormal d), the per-element error terms of block_err_codes_scaled / mxfp4_block_mse_iw against the
 // reference's e = RN(RN(value * d) - x), f = RN(e * x), s = RN(f * f) (the block sums add these in the same
@@ -43,6 +46,45 @@ static float e2m1_p_from_cs(float ys, float cs) {
   const float t = fmaf_(cs, 4194304.0f, ys);
   return fmaf_(t, 0x1p-22f, -cs);
 }
+static float e2m1_p_half_from_cs(float ys, float cs) {
+  const int32_t hb = (int32_t)u(cs) - 0x00800000, sb = (int32_t)u(0x1p-104f);
+  const float ch = f((uint32_t)(hb > sb ? hb : sb));
+  const float t = fmaf_(ch, 8388608.0f, ys);
+  return fmaf_(t, 0x1p-23f, -ch);
+}
+
+static float e2m1_p_unmasked(float ys) {
+  const float m = std::fmax(ys, 0x1p-104f);
+  const float t = fmaf_(m, 4194304.0f, ys);
+  return fmaf_(t, 0x1p-22f, -m);
+}
+static const float UNMASKED_BAD[4] = {0x1.fffffap+0f, 0x1.fffffep+0f, 0x1.fffffap+1f, 0x1.fffffep+1f};
+// RN to bf16 / fp16 and back (the device's cvt.rn; inputs here are finite and non-negative).
+static float rn_bf16(float x) {
+  uint32_t b = u(x);
+  b += 0x7FFFu + ((b >> 16) & 1u);
+  return f(b & 0xFFFF0000u);
+}
+static float rn_f16(float x) {  // via the exact decomposition: fp16 has 11 significant bits, min normal 2^-14
+  if (!(x < 65520.0f)) return INFINITY;
+  const int e = x >= 0x1p-14f ? std::ilogb(x) : -14;
+  return std::nearbyint(std::ldexp(x, 10 - e)) * std::ldexp(1.0f, e - 10);  // ties to even (default mode)
+}
+static bool unmasked_safe(float r, float d, bool bf16) {  // csrc: nvfp4_unmasked_safe
+  if (!(r < 0x1p100f && d >= 0x1p-100f)) return r == 0.0f;
+  bool safe = true;
+  for (float y : UNMASKED_BAD) {
+    const float z = y * d;
+    const float x = bf16 ? rn_bf16(z) : rn_f16(z);
+    safe &= x * r != y;
+  }
+  return safe;
+}
+// E4M3 byte -> value (bytes 0..126)
+static float e4m3_value(uint32_t b) {
+  const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+  return e ? std::ldexp(1.0f + m / 8.0f, (int)e - 7) : std::ldexp(m / 8.0f, -6);
+}
 
 static unsigned long long bad = 0;
 static void fail(const char* what, uint32_t a, uint32_t b, uint32_t c) {
@@ -68,12 +110,64 @@ int main() {
     if (y < 7.0f && p * 0x1p126f != VALUES[id]) fail("chain value", b, u(p), id);
     const float p0 = std::fmin(p, 0x1.8p-124f);
     if (u(p0) != id << 22) fail("mx e chain", b, u(p0), id);
-    const float p1x = e2m1_p_from_cs(ys, std::fmax(cs, 0x1p-103f));
+    const float p1 = e2m1_p_half_from_cs(ys, cs);
     const uint32_t id1 = idx_spec(y * 0.5f);
-    if (p1x * 0x1p126f != 2.0f * VALUES[id1]) fail("mx e+1 chain", b, u(p1x), id1);
-    if (u(p1x * 0.5f) != id1 << 22) fail("mx e+1 code", b, u(p1x * 0.5f), id1);
+    if (u(p1) != id1 << 22) fail("mx e+1 chain", b, u(p1), id1);
   }
   std::printf("2-3. chains: %llu mismatches over every y in [0, 8)\n", bad - before2);
+  // 5. the unmasked chain: wrong exactly at the four UNMASKED_BAD values of y in [0, 7)
+  const unsigned long long before5 = bad;
+  int nbad = 0;
+  for (uint32_t b = 0; b < 0x40E00000u; ++b) {
+    const float y = f(b);
+    const bool wrong = u(e2m1_p_unmasked(y * 0x1p-104f)) != idx_spec(y) << 22;
+    const bool listed = y == UNMASKED_BAD[0] || y == UNMASKED_BAD[1] || y == UNMASKED_BAD[2] || y == UNMASKED_BAD[3];
+    nbad += wrong;
+    if (wrong != listed) fail("unmasked", b, wrong, listed);
+  }
+  std::printf("5. unmasked chain: wrong on %d values of y in [0, 7), %llu not the listed four\n", nbad,
+              bad - before5);
+  // 6. nvfp4_unmasked_safe against every bf16 and fp16 value x, for (r, d) = nvfp4_candidate(gs, byte)
+  //    over random global scales and every byte, plus scales built so that some x hits a listed y
+  const unsigned long long before6 = bad;
+  std::mt19937_64 rng6(777);
+  long nsafe = 0, nunsafe = 0, ntab = 0;
+  for (int it = 0; it < 300; ++it) {
+    float gs;
+    if (it % 3 == 0) {  // aim: a random 16-bit x and a listed y: gs such that x * gs / sf = y for some byte
+      const bool bf = rng6() % 2;
+      const uint32_t xb = 0x3000u + (uint32_t)(rng6() % 0x1F00u);
+      const float x = bf ? f(xb << 16) : (float)std::ldexp(1.0 + (xb & 0x3FF) / 1024.0, (int)((xb >> 10) & 31) - 15);
+      const float sf = e4m3_value(1 + (uint32_t)(rng6() % 126));
+      gs = UNMASKED_BAD[rng6() % 4] / x * sf;
+      gs = f(u(gs) + (uint32_t)(rng6() % 5) - 2u);
+    } else {
+      gs = std::ldexp(1.0f + (float)(rng6() % 1000000) / 1e6f, (int)(rng6() % 80) - 30);
+    }
+    for (uint32_t byte = 0; byte < 127; ++byte) {
+      const float sf = e4m3_value(byte);
+      const float r = sf > 0.0f ? std::fmin(gs / sf, FLT_MAX) : 0.0f, d = sf / gs;
+      for (int bf = 0; bf < 2; ++bf) {
+        bool hit = false;
+        for (uint32_t xb = 0; xb < 0x7F80u && !hit; ++xb) {  // every finite non-negative value of the type
+          float x;
+          if (bf) x = f(xb << 16);
+          else if (xb < 0x7C00u) x = (float)std::ldexp((xb >> 10) ? 1.0 + (xb & 0x3FF) / 1024.0 : (xb & 0x3FF) / 1024.0,
+                                                      (int)((xb >> 10) ? (xb >> 10) : 1) - 15);
+          else break;
+          const float y = x * r;
+          hit = y == UNMASKED_BAD[0] || y == UNMASKED_BAD[1] || y == UNMASKED_BAD[2] || y == UNMASKED_BAD[3];
+        }
+        const bool safe = unmasked_safe(r, d, bf);
+        ++ntab;
+        nsafe += safe;
+        nunsafe += hit;
+        if (safe && hit) fail("unmasked_safe", u(gs), byte, (uint32_t)bf);
+      }
+    }
+  }
+  std::printf("6. unmasked_safe: %llu unsafe bytes called safe, over %ld (gs, byte, type): %ld safe, %ld with a "
+              "hitting x\n", bad - before6, ntab, nsafe, nunsafe);
   // 4. per-element error terms, sampled
   const unsigned long long before4 = bad;
   std::mt19937_64 rng(12345);
@@ -121,8 +215,8 @@ int main() {
     const float s2 = e2 * e2, fw2 = e2 * a, sw2 = fw2 * fw2;
     if (u(p) != id << 22) fail("nv code", u(x), u(r), u(d));
     if (u(s2) != u(s) || u(sw2) != u(sw)) fail("nv err", u(x), u(r), u(d));
-    // MXFP4: e in [0, 128], both candidates from one chain
-    const int ee = (int)(rng() % 129);
+    // MXFP4: e in [0, 127], both candidates from one chain
+    const int ee = (int)(rng() % 128);
     const float r0 = std::ldexp(1.0f, 127 - ee), d0 = std::ldexp(1.0f, ee - 127);
     const float r1 = std::ldexp(1.0f, 126 - ee), d1 = std::ldexp(1.0f, ee - 126);
     float xm = rnd_f(1e-38f, 8.0f * d0);
@@ -134,9 +228,9 @@ int main() {
     const float rsm = std::ldexp(1.0f, 23 - ee), ddm = std::ldexp(1.0f, ee - 1);
     const float ysm = xm * rsm, cs0 = e2m1_cs(ysm);
     const float p0 = std::fmin(e2m1_p_from_cs(ysm, cs0), 0x1.8p-124f);
-    const float p1x = e2m1_p_from_cs(ysm, std::fmax(cs0, 0x1p-103f));
-    const float g0 = fmaf_(p0, ddm, -xm), g1 = fmaf_(p1x, ddm, -xm);
-    if (u(p0) != i0 << 22 || u(p1x * 0.5f) != i1 << 22) fail("mx code", u(xm), (uint32_t)ee, 0);
+    const float p1 = e2m1_p_half_from_cs(ysm, cs0);
+    const float g0 = fmaf_(p0, ddm, -xm), g1 = fmaf_(p1, ddm * 2.0f, -xm);
+    if (u(p0) != i0 << 22 || u(p1) != i1 << 22) fail("mx code", u(xm), (uint32_t)ee, 0);
     if (u(g0 * g0) != u(m0 * m0) || u(g1 * g1) != u(m1 * m1)) fail("mx err", u(xm), (uint32_t)ee, 1);
     const float w0 = g0 * xm, w1 = g1 * xm, v0 = m0 * xm, v1 = m1 * xm;
     if (u(w0 * w0) != u(v0 * v0) || u(w1 * w1) != u(v1 * v1)) fail("mx werr", u(xm), (uint32_t)ee, 2);

@@ -5,17 +5,18 @@ Compute: 84-86% of issue slots busy), so their time follows the instructions eac
 counts them from the compiled code, so a change can be judged before it reaches a GPU.
 
 How: a probe kernel per (dtype, format, rotation, rule) runs one group exactly as quantize_kernel does
-(csrc/fp4c_quantize.cu is included, so the probe calls the kernel's own ``quantize_group``) for one full
-32-element group of one matrix; the input weight is the kernel's runtime pointer (its null case is the one
+(csrc/fp4c_quantize.cu is included, so the probe calls the kernel's own ``quantize_group``) for one
+thread's full 32-element groups of one matrix; the input weight is the kernel's runtime pointer (its null case is the one
 on the path). It is compiled
 with the library's flags (fp4convert/kernels/cuda/build.py) for sm_90 and disassembled; the count is the
 shortest path through its control-flow graph from the entry to EXIT (callees counted to their RET), which
 is the common path: the rare branches (the clamp at 6, a large block's general path, the IEEE division's
-slow path, a non-finite block) are the longer ones. Per element = path / 32. The per-matrix (r, d) table
-fill (threads < 128 of each CTA) is off that path and amortized over a CTA's 8192 elements.
+slow path, a non-finite block) are the longer ones. Per element = path / (32 x groups per thread). The
+per-matrix (r, d) table fill (threads < 128 of each CTA) is off that path and amortized over a CTA's
+elements (8192 x groups per thread).
 
     python benchmarks/sass_count.py [--rules nvfp4:4over6 mxfp4:wmse ...] [--dtypes bf16] [--rotate]
-                                    [--csrc DIR] [--arch 90] [--keep DIR] [--json out.json]
+                                    [--csrc DIR] [--arch 90] [--keep DIR] [--json out.json] [--explain]
 
 Needs nvcc and cuobjdump (CUDA toolkit; cuobjdump also comes as the nvidia-cuda-cuobjdump wheel:
 ``--cuobjdump PATH`` or $CUOBJDUMP).
@@ -44,16 +45,20 @@ FLAGS = ["-O3", "-std=c++17", "-fmad=false"]
 PROBE = r"""
 #include "fp4c_quantize.cu"
 namespace {
-// quantize_kernel for one full group of matrix 0: the kernel's own quantize_group with full = true.
+// quantize_kernel for one thread's full groups of matrix 0: the kernel's own quantize_group with
+// full = true, groups_per_thread times (unrolled here; the kernel keeps a loop of a few instructions).
 template <int DT, int FMT, bool ROT, int RULE>
 __global__ void FP4C_QUANT_BOUNDS(RULE) sass_probe(const QuantArgs a) {
-  const int64_t g = (int64_t)blockIdx.x * THREADS + threadIdx.x;
+  constexpr int GPT = groups_per_thread<RULE>();
+  const int64_t g0 = (int64_t)blockIdx.x * THREADS * GPT + threadIdx.x;
   constexpr bool TABLE = FMT == FMT_NVFP4 && RULE != RULE_PLAIN;
   __shared__ float2 rd[TABLE ? 128 : 1];
-  const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, 0, g == 0);
-  fill_candidates<FMT, RULE>(rd, gs);
-  quantize_group<DT, FMT, ROT, RULE>(a, 0, g, true, gs, rd);
+  const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, 0, g0 == 0);
+  fill_candidates<FMT, RULE, DT, ROT>(rd, gs);
+#pragma unroll
+  for (int k = 0; k < GPT; ++k) quantize_group<DT, FMT, ROT, RULE>(a, 0, g0 + k * THREADS, true, gs, rd);
 }
+
 }  // namespace
 """
 
@@ -127,10 +132,12 @@ def blocks_of(ins: list[str]) -> dict[int, Block]:
 
 
 def shortest(blocks: dict[int, Block], ins: list[str], src: int, want_ret: bool,
-             _memo: dict[int, int] | None = None) -> int:
-    """Fewest instructions from block src to an EXIT (or to a RET for a callee), callees included."""
+             _memo: dict[int, int] | None = None, path: list[int] | None = None) -> int:
+    """Fewest instructions from block src to an EXIT (or to a RET for a callee), callees included;
+    path (if given) receives the blocks on it."""
     memo = {} if _memo is None else _memo
     dist = {src: 0}
+    prev: dict[int, int] = {}
     heap = [(0, src)]
     while heap:
         d, b = heapq.heappop(heap)
@@ -145,11 +152,16 @@ def shortest(blocks: dict[int, Block], ins: list[str], src: int, want_ret: bool,
         last = _op(ins[blk.end - 1])
         done = (want_ret and last.startswith("RET")) or (not want_ret and blk.exits)
         if done:
+            if path is not None:
+                path[:] = [b]
+                while path[0] in prev:
+                    path.insert(0, prev[path[0]])
             return d + cost
         for s in blk.succ:
             nd = d + cost
             if nd < dist.get(s, 1 << 60):
                 dist[s] = nd
+                prev[s] = b
                 heapq.heappush(heap, (nd, s))
     raise RuntimeError("no path to EXIT/RET")
 
@@ -172,6 +184,7 @@ def main() -> None:
     ap.add_argument("--cuobjdump", default=None)
     ap.add_argument("--keep", default=None, help="keep the probe, cubin and SASS in this directory")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--explain", action="store_true", help="print each path's blocks (address:instructions)")
     args = ap.parse_args()
     nvcc, cuobjdump = tool("nvcc", args.nvcc), tool("cuobjdump", args.cuobjdump)
     work = Path(args.keep or tempfile.mkdtemp(prefix="sass_count_"))
@@ -196,16 +209,25 @@ def main() -> None:
     res = subprocess.run([cuobjdump, "-res-usage", str(cubin)], check=True, capture_output=True, text=True).stdout
     regs = {m.group(1): int(m.group(2)) for m in re.finditer(r"Function (\S+):\s*\n\s*REG:(\d+)", res)}
     funcs = parse_sass(sass)
+    # groups per thread (csrc/fp4c_quantize.cu's groups_per_thread): the probe's elements per thread
+    m = re.search(r"return RULE == RULE_PLAIN \? (\d+) : (\d+);", (Path(args.csrc) / "fp4c_quantize.cu").read_text())
+    gpt = (int(m.group(1)), int(m.group(2))) if m else (1, 1)
     rows = []
     for d, f, r, u in combos:
         tag = f"ILi{DTYPES[d]}ELi{FMTS[f]}ELb{int(r)}ELi{RULES[f].index(u)}E"
         name = next(k for k in funcs if "sass_probe" in k and tag in k)
         ins = funcs[name]
         blocks = blocks_of(ins)
-        path = shortest(blocks, ins, 0, False)
-        rows.append({"dtype": d, "format": f, "rotate": r, "rule": u, "path": path, "per_element": path / 32,
+        on: list[int] = []
+        path = shortest(blocks, ins, 0, False, path=on)
+        if args.explain:
+            print(f"{d} {f} {'had16 ' if r else ''}{u}: " + " ".join(
+                f"{16 * b:x}:{blocks[b].n}" for b in on))
+        elems = 32 * (gpt[0] if RULES[f].index(u) == 0 else gpt[1])
+        rows.append({"dtype": d, "format": f, "rotate": r, "rule": u, "path": path, "per_element": path / elems,
                      "static": sum(1 for t in ins if _op(t) != "NOP"), "regs": regs.get(name)})
-    print(f"sm_{args.arch}, {nvcc}: hot-path SASS instructions of one 32-element group (probe in {work})")
+    print(f"sm_{args.arch}, {nvcc}: hot-path SASS instructions of one thread (groups per thread {gpt[0]} plain, "
+          f"{gpt[1]} search; probe in {work})")
     print("| dtype | format | had16 | rule | path | per element | static | regs |")
     print("|---|---|---|---|---|---|---|---|")
     for x in rows:

@@ -143,7 +143,7 @@ __device__ __forceinline__ void decode16(const Raw<DT>& r, int c, float v[16], u
     if constexpr (FAST_MAX) {
       const uint32_t m = absmax_x2<DT>(absmax_x2<DT>(absmax_x2<DT>(w[0], w[1]), absmax_x2<DT>(w[2], w[3])),
                                        absmax_x2<DT>(absmax_x2<DT>(w[4], w[5]), absmax_x2<DT>(w[6], w[7])));
-      h = absmax_x2<DT>(m, m >> 16) & 0x7FFFu;
+      h = (absmax_x2<DT>(m, m << 16) >> 16) & 0x7FFFu;  // (bf16: shifted back below; one mask)
     } else
 #endif
     {

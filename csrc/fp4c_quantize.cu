@@ -49,14 +49,29 @@ __device__ __forceinline__ float matrix_gs(const float* amax, float* gs_out, int
   }
 }
 
+// Whether the NVFP4 search of this kernel may take the unmasked chain (nvfp4_candidate_err's FLAGS):
+// software E2M1, and inputs of a 16-bit type unrotated (nvfp4_unmasked_safe reasons about their grid).
+template <int DT, bool ROT>
+__host__ __device__ constexpr bool unmasked_flags() {
+  return !FP4C_HW_E2M1 && (DT == DT_BF16 || DT == DT_F16) && !ROT;
+}
+
 // NVFP4 search rules: the (r, d) of every E4M3 byte for this matrix's gs, in shared memory (see
-// nvfp4_candidate). Every thread of the CTA must call it (two barriers); a no-op for other rules.
-template <int FMT, int RULE>
+// nvfp4_candidate); with unmasked_flags, d's sign bit set where nvfp4_unmasked_safe holds. Every
+// thread of the CTA must call it (two barriers); a no-op for other rules.
+template <int FMT, int RULE, int DT, bool ROT>
 __device__ __forceinline__ void fill_candidates(float2* rd, float gs) {
   if constexpr (FMT == FMT_NVFP4 && RULE != RULE_PLAIN) {
     static_assert(THREADS >= 128, "one thread per E4M3 byte");
     __syncthreads();  // the previous matrix's table is no longer read
-    if (threadIdx.x < 128) rd[threadIdx.x] = nvfp4_candidate(gs, threadIdx.x);
+    if (threadIdx.x < 128) {
+      float2 k = nvfp4_candidate(gs, threadIdx.x);
+#if !FP4C_HW_E2M1
+      if constexpr (unmasked_flags<DT, ROT>())
+        if (nvfp4_unmasked_safe<DT == DT_BF16>(k.x, k.y)) k.y = __uint_as_float(__float_as_uint(k.y) | 0x80000000u);
+#endif
+      rd[threadIdx.x] = k;
+    }
     __syncthreads();
   }
 }
@@ -94,7 +109,11 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
         codes[2 * c + 1] = encode8(v + 8, r);
       } else {
         if constexpr (ROT) scale16(v, 0.25f);  // the errors need v = RN(0.25 u) itself
-        nvfp4_block_search_iw<RULE, IW>(v, gs, mb, rd, codes + 2 * c, sb[c], c == 0 ? iw0 : iw1);
+        // bf16 without rotation: the signs from the raw words (the group's 16 words, 8 per chunk)
+        const uint32_t* w = nullptr;
+        if constexpr (DT == DT_BF16 && !ROT) w = reinterpret_cast<const uint32_t*>(raw.q + 2 * c);
+        nvfp4_block_search_iw<RULE, IW, unmasked_flags<DT, ROT>()>(v, gs, mb, rd, codes + 2 * c, sb[c],
+                                                                     c == 0 ? iw0 : iw1, w);
       }
     }
   } else {
@@ -115,7 +134,9 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
         scale16(v, 0.25f);
         scale16(v + 16, 0.25f);
       }
-      mxfp4_block_mse_iw<RULE == RULE_WMSE, IW>(v, mb, codes, sb[0], iw0);
+      const uint32_t* w = nullptr;
+      if constexpr (DT == DT_BF16 && !ROT) w = reinterpret_cast<const uint32_t*>(raw.q);
+      mxfp4_block_mse_iw<RULE == RULE_WMSE, IW>(v, mb, codes, sb[0], iw0, w);
     } else {
       float r = mxfp4_scale(mb, sb[0]);
       if constexpr (RULE == RULE_ALT) {  // rceil: the exponent up where the block would saturate
@@ -177,20 +198,33 @@ __device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, in
   store_codes(a.packed + (b * a.n + g * GROUP) / 2, full, codes);
 }
 
-// Linear scale layout: one group per thread, a CTA per 256 groups; the hardware block scheduler
-// balances the tail. A matrix is a flat run of groups; group g's scales are bytes 2g, 2g+1 (NVFP4)
-// or g (MXFP4) of the matrix's row-major scale array.
+// Groups per thread of the linear kernel: 2 for the search rules, so each thread's per-matrix work
+// (the global scale's division, the (r, d) table's share, the setup) is spread over 64 elements
+// (those rules are issue bound on sm_90); 1 for the plain rules, whose time is the memory's.
+template <int RULE>
+__host__ __device__ constexpr int groups_per_thread() {
+  return RULE == RULE_PLAIN ? 1 : 2;
+}
+
+// Linear scale layout: groups_per_thread groups per thread (g0, g0 + 256, ...), a CTA per 256 of
+// them; the hardware block scheduler balances the tail. A matrix is a flat run of groups; group g's
+// scales are bytes 2g, 2g+1 (NVFP4) or g (MXFP4) of the matrix's row-major scale array.
 template <int DT, int FMT, bool ROT, int RULE>
 __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_kernel(const QuantArgs a) {
-  const int64_t g = (int64_t)blockIdx.x * THREADS + threadIdx.x;
+  constexpr int GPT = groups_per_thread<RULE>();
+  const int64_t g0 = (int64_t)blockIdx.x * THREADS * GPT + threadIdx.x;
   constexpr bool TABLE = FMT == FMT_NVFP4 && RULE != RULE_PLAIN;
   __shared__ float2 rd[TABLE ? 128 : 1];
-  if (!TABLE && g >= a.groups) return;  // (with a table every thread takes part in its barriers)
+  if (!TABLE && g0 >= a.groups) return;  // (with a table every thread takes part in its barriers)
   for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
-    const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, g == 0);
-    fill_candidates<FMT, RULE>(rd, gs);
-    if (TABLE && g >= a.groups) continue;
-    quantize_group<DT, FMT, ROT, RULE>(a, b, g, g * GROUP + GROUP <= a.n, gs, rd);
+    const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, g0 == 0);
+    fill_candidates<FMT, RULE, DT, ROT>(rd, gs);
+#pragma unroll 1
+    for (int k = 0; k < GPT; ++k) {
+      const int64_t g = g0 + k * THREADS;
+      if (g >= a.groups) break;
+      quantize_group<DT, FMT, ROT, RULE>(a, b, g, g * GROUP + GROUP <= a.n, gs, rd);
+    }
   }
 }
 
@@ -224,7 +258,7 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs 
   for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
     const uint8_t* xb = a.x + b * n * Elem<DT>::size;
     const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, blockIdx.x == 0 && threadIdx.x == 0);
-    fill_candidates<FMT, RULE>(rd, gs);
+    fill_candidates<FMT, RULE, DT, ROT>(rd, gs);
     uint32_t s2[2] = {0, 0};
     bool bad = false;
     constexpr int NG = FMT == FMT_NVFP4 ? 1 : 2;  // groups per thread
@@ -264,7 +298,8 @@ void launch_one(const QuantArgs& a, const TileArgs& t, int swizzle, cudaStream_t
     const dim3 grid((unsigned)(t.mstride / 512), (unsigned)(t.B < 65535 ? t.B : 65535));
     quantize_swizzled_kernel<DT, FMT, ROT, RULE><<<grid, THREADS, 0, st>>>(t);
   } else {
-    const dim3 grid((unsigned)((a.groups + THREADS - 1) / THREADS), (unsigned)(a.B < 65535 ? a.B : 65535));
+    constexpr int64_t per_cta = (int64_t)THREADS * groups_per_thread<RULE>();
+    const dim3 grid((unsigned)((a.groups + per_cta - 1) / per_cta), (unsigned)(a.B < 65535 ? a.B : 65535));
     quantize_kernel<DT, FMT, ROT, RULE><<<grid, THREADS, 0, st>>>(a);
   }
 }
