@@ -9,6 +9,8 @@
 //   3. MXFP4: the clamped chain of e (min at 6 * 2^-126) for every y in [0, 8), and the chain of e + 1
 //      (e2m1_p_half_from_cs) has the bits idx(y / 2) << 22 for every y in [0, 8);
 //   5. the unmasked chain (e2m1_p_unmasked) is wrong exactly at the four listed y of [0, 7);
+//   7. MXFP4: both chains started from the unmasked m are wrong only at y with more than 11 significant
+//      bits, which bf16/fp16 inputs (y = x * 2^k) never have;
 //   6. nvfp4_unmasked_safe: over sampled global scales (some built so that an input hits a listed y) and
 //      every E4M3 byte, no bf16 or fp16 input value (all of them are tried) hits one where it says safe;
 // and, by random sampling with targeted edge cases (E2M1 ties, binade edges, r near 2^-22, d near 4,
@@ -127,6 +129,20 @@ int main() {
   }
   std::printf("5. unmasked chain: wrong on %d values of y in [0, 7), %llu not the listed four\n", nbad,
               bad - before5);
+  // 7. MXFP4 with short inputs (bf16/fp16 unrotated, y = x * 2^k): both chains from the unmasked m are
+  //    wrong only where y has more than 11 significant bits
+  const unsigned long long before7 = bad;
+  int nwrong7 = 0;
+  for (uint32_t b = 0; b < 0x41000000u; ++b) {
+    const float y = f(b);
+    const float ys = y * 0x1p-104f, m = std::fmax(ys, 0x1p-104f);
+    const float p0 = std::fmin(e2m1_p_from_cs(ys, m), 0x1.8p-124f), p1 = e2m1_p_half_from_cs(ys, m);
+    const bool wrong = u(p0) != idx_spec(y) << 22 || u(p1) != idx_spec(y * 0.5f) << 22;
+    nwrong7 += wrong;
+    if (wrong && (b & 0x1FFFu) == 0) fail("mx unmasked", b, u(p0), u(p1));
+  }
+  std::printf("7. MXFP4 unmasked chains: wrong on %d values of y in [0, 8), %llu of them with <= 11 significant "
+              "bits\n", nwrong7, bad - before7);
   // 6. nvfp4_unmasked_safe against every bf16 and fp16 value x, for (r, d) = nvfp4_candidate(gs, byte)
   //    over random global scales and every byte, plus scales built so that some x hits a listed y
   const unsigned long long before6 = bad;

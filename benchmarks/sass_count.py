@@ -48,17 +48,35 @@ namespace {
 // quantize_kernel for one thread's full groups of matrix 0: the kernel's own quantize_group with
 // full = true, groups_per_thread times (unrolled here; the kernel keeps a loop of a few instructions).
 template <int DT, int FMT, bool ROT, int RULE>
-__global__ void FP4C_QUANT_BOUNDS(RULE) sass_probe(const QuantArgs a) {
-  constexpr int GPT = groups_per_thread<RULE>();
+__global__ void FP4C_QUANT_BOUNDS(FMT, RULE, false) sass_probe(const QuantArgs a) {
+  constexpr int GPT = groups_per_thread<FMT, RULE>();
   const int64_t g0 = (int64_t)blockIdx.x * THREADS * GPT + threadIdx.x;
   constexpr bool TABLE = FMT == FMT_NVFP4 && RULE != RULE_PLAIN;
   __shared__ float2 rd[TABLE ? 128 : 1];
   const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, 0, g0 == 0);
   fill_candidates<FMT, RULE, DT, ROT>(rd, gs);
 #pragma unroll
-  for (int k = 0; k < GPT; ++k) quantize_group<DT, FMT, ROT, RULE>(a, 0, g0 + k * THREADS, true, gs, rd);
+  for (int k = 0; k < GPT; ++k) quantize_group<DT, FMT, ROT, RULE, false>(a, 0, g0 + k * THREADS, true, gs, rd);
 }
 
+}  // namespace
+"""
+
+
+# The probe for a csrc/ from before the input-weighted kernels and groups_per_thread (commit f182f55,
+# the measurement's "before"): one group per thread, the input weight as the kernel's runtime pointer.
+PROBE_V1 = r"""
+#include "fp4c_quantize.cu"
+namespace {
+template <int DT, int FMT, bool ROT, int RULE>
+__global__ void FP4C_QUANT_BOUNDS(RULE) sass_probe(const QuantArgs a) {
+  const int64_t g = (int64_t)blockIdx.x * THREADS + threadIdx.x;
+  constexpr bool TABLE = FMT == FMT_NVFP4 && RULE != RULE_PLAIN;
+  __shared__ float2 rd[TABLE ? 128 : 1];
+  const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, 0, g == 0);
+  fill_candidates<FMT, RULE>(rd, gs);
+  quantize_group<DT, FMT, ROT, RULE>(a, 0, g, true, gs, rd);
+}
 }  // namespace
 """
 
@@ -185,6 +203,7 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="keep the probe, cubin and SASS in this directory")
     ap.add_argument("--json", default=None)
     ap.add_argument("--explain", action="store_true", help="print each path's blocks (address:instructions)")
+    ap.add_argument("-D", dest="defines", action="append", default=[], help="a macro for nvcc, e.g. -D NAME=1")
     args = ap.parse_args()
     nvcc, cuobjdump = tool("nvcc", args.nvcc), tool("cuobjdump", args.cuobjdump)
     work = Path(args.keep or tempfile.mkdtemp(prefix="sass_count_"))
@@ -198,10 +217,12 @@ def main() -> None:
     inst = "\n".join(
         f"template __global__ void sass_probe<{DTYPES[d]}, {FMTS[f]}, {'true' if r else 'false'}, "
         f"{RULES[f].index(u)}>(const QuantArgs);" for d, f, r, u in combos)
-    src = PROBE.replace("}  // namespace\n", inst + "\n}  // namespace\n")
+    qsrc = (Path(args.csrc) / "fp4c_quantize.cu").read_text()
+    legacy = "groups_per_thread" not in qsrc
+    src = (PROBE_V1 if legacy else PROBE).replace("}  // namespace\n", inst + "\n}  // namespace\n")
     (work / "probe.cu").write_text(src)
     cubin = work / "probe.cubin"
-    cmd = [nvcc, *FLAGS, f"-I{args.csrc}", "-gencode", f"arch=compute_{args.arch},code=sm_{args.arch}", "-cubin",
+    cmd = [nvcc, *FLAGS, *(f"-D{d}" for d in args.defines), "-Xptxas", "-warn-spills", f"-I{args.csrc}", "-gencode", f"arch=compute_{args.arch},code=sm_{args.arch}", "-cubin",
            "-o", str(cubin), str(work / "probe.cu")]
     subprocess.run(cmd, check=True)
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
@@ -210,8 +231,11 @@ def main() -> None:
     regs = {m.group(1): int(m.group(2)) for m in re.finditer(r"Function (\S+):\s*\n\s*REG:(\d+)", res)}
     funcs = parse_sass(sass)
     # groups per thread (csrc/fp4c_quantize.cu's groups_per_thread): the probe's elements per thread
-    m = re.search(r"return RULE == RULE_PLAIN \? (\d+) : (\d+);", (Path(args.csrc) / "fp4c_quantize.cu").read_text())
-    gpt = (int(m.group(1)), int(m.group(2))) if m else (1, 1)
+    m = re.search(r"#define FP4C_SEARCH_GPT (\d+)", qsrc)
+    gpt = (1, int(m.group(1)) if m else 1)
+    for d in args.defines:
+        if d.startswith("FP4C_SEARCH_GPT="):
+            gpt = (1, int(d.split("=")[1]))
     rows = []
     for d, f, r, u in combos:
         tag = f"ILi{DTYPES[d]}ELi{FMTS[f]}ELb{int(r)}ELi{RULES[f].index(u)}E"
@@ -223,7 +247,8 @@ def main() -> None:
         if args.explain:
             print(f"{d} {f} {'had16 ' if r else ''}{u}: " + " ".join(
                 f"{16 * b:x}:{blocks[b].n}" for b in on))
-        elems = 32 * (gpt[0] if RULES[f].index(u) == 0 else gpt[1])
+        search = u in ("mse", "wmse", "4over6")
+        elems = 32 * (gpt[1] if search else gpt[0])
         rows.append({"dtype": d, "format": f, "rotate": r, "rule": u, "path": path, "per_element": path / elems,
                      "static": sum(1 for t in ins if _op(t) != "NOP"), "regs": regs.get(name)})
     print(f"sm_{args.arch}, {nvcc}: hot-path SASS instructions of one thread (groups per thread {gpt[0]} plain, "

@@ -253,7 +253,9 @@ __device__ __forceinline__ float e2m1_p_from_cs(float ys, float cs) {
 }
 // The MXFP4 candidate e + 1 from e's cs: its c is max(c, 2) in the units of e, so with ch = max(cs, 2S)
 // / 2 = max(cs / 2, S) (one integer add-and-max on the bits: cs is a normal power of 2) the same chain
-// with 2^23 and 2^-23 ends at value(E2M1(y / 2)) * 2^-126, the packed form of e + 1's own code.
+// with 2^23 and 2^-23 ends at value(E2M1(y / 2)) * 2^-126, the packed form of e + 1's own code. It
+// also takes the unmasked m = max(ys, S) of e2m1_p_unmasked for cs (halving m is exact), with that
+// chain's exceptions at y / 2 (benchmarks/check_sm90_numerics.cpp).
 __device__ __forceinline__ float e2m1_p_half_from_cs(float ys, float cs) {
   const float ch = __int_as_float(max(__float_as_int(cs) - 0x00800000, __float_as_int(0x1p-104f)));
   const float t = __fmaf_rn(ch, 8388608.0f, ys);
@@ -478,15 +480,26 @@ __device__ __forceinline__ uint32_t search_signs8(const float* v) {
 #endif
 }
 
-// search_signs8 ored into codes, from the bf16 raw words w when given (w[j]: elements 2j, 2j + 1),
-// else from the fp32 values v.
-__device__ __forceinline__ uint32_t or_search_signs8(uint32_t codes, const float* v, const uint32_t* w) {
+// search_signs8 ored into codes: the precomputed sign word *sg when given (see signs8_raw), else from
+// the fp32 values v.
+__device__ __forceinline__ uint32_t or_search_signs8(uint32_t codes, const float* v, const uint32_t* sg) {
 #if FP4C_HW_E2M1
   (void)v;
-  (void)w;
+  (void)sg;
   return codes;
 #else
-  return w ? or_signs8_bf16(codes, w) : codes | e2m1_signs8(v);
+  return sg ? codes | *sg : codes | e2m1_signs8(v);
+#endif
+}
+
+// search_signs8 of eight bf16 elements from their raw words, taken where the words are loaded so that
+// only the sign word stays live through the candidates (or_search_signs8 ors it in).
+__device__ __forceinline__ uint32_t signs8_raw(const uint32_t* w) {
+#if FP4C_HW_E2M1
+  (void)w;
+  return 0u;
+#else
+  return or_signs8_bf16(0u, w);
 #endif
 }
 
@@ -528,11 +541,11 @@ __device__ __forceinline__ float nvfp4_candidate_err(const float v[16], float bm
 
 // nvfp4_block_search with the input weight's presence known at compile time (IW: c is the block's 16
 // weights; !IW: c is ignored), so the unweighted path carries no per-element weight test.
-// w (may be null): the block's 8 bf16 raw words, for the sign bits (or_search_signs8).
+// sg (may be null): the block's two sign words (signs8_raw), else the signs come from v.
 template <int RULE, bool IW, bool FLAGS = false>
 __device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float gs, uint32_t bmax_bits,
                                                       const float2* rd, uint32_t codes[2], uint32_t& byte,
-                                                      const float* c, const uint32_t* w = nullptr) {
+                                                      const float* c, const uint32_t* sg = nullptr) {
   const float bmax = __uint_as_float(bmax_bits);
   const float gb = fminf(__fmul_rn(gs, bmax), FLT_MAX);  // inf / 6 and FLT_MAX / 6 both saturate to 448
   const uint32_t b6 = e4m3_from_f32_x2(div6_rn(gb));
@@ -553,8 +566,8 @@ __device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float g
   } else {
     if (err4 < err6) best = b4, k0 = c4[0], k1 = c4[1];  // ties keep the /6 scale
   }
-  codes[0] = or_search_signs8(k0, v, w);
-  codes[1] = or_search_signs8(k1, v + 8, w ? w + 4 : nullptr);
+  codes[0] = or_search_signs8(k0, v, sg);
+  codes[1] = or_search_signs8(k1, v + 8, sg ? sg + 1 : nullptr);
   byte = best;
 }
 
@@ -572,7 +585,11 @@ __device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, 
   else nvfp4_block_search_iw<RULE, false>(v, gs, bmax_bits, rd, codes, byte, nullptr);
 }
 
-// mxfp4_block_mse with the input weight's presence known at compile time (see nvfp4_block_search_iw).
+// mxfp4_block_mse with the input weight's presence known at compile time (see nvfp4_block_search_iw);
+// sg (may be null): the block's four sign words (signs8_raw).
+// SHORT: every input has at most 11 significant bits (bf16 or fp16, unrotated), so y = x 2^(127 - e)
+// has too, and never is one of the unmasked chain's exceptions (24-bit significands: 2 - 3 * 2^-23 and
+// the like, at y and at y / 2): both chains may then start from m = max(ys, S) unmasked.
 //   Software path, e <= 127 (block max below 8): both candidates from one product per element.
 // r and d are powers of 2, so y = x * 2^(127 - e) is exact (or below 2^-22, where both codes are 0),
 // value * d is exact and e_i = RN(value * d - x) is one FMA (p * d * 2^126, d * 2^126 finite for e <=
@@ -580,9 +597,9 @@ __device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, 
 // its chain reuses e's cs (e2m1_p_half_from_cs). The clamp at 6 of e is a min on its packed value
 // (the grid rounding is monotone, and y < 8). The general path (larger blocks, and the hardware
 // targets) scores each candidate with block_err_codes.
-template <bool W, bool IW>
+template <bool W, bool IW, bool SHORT = false>
 __device__ __forceinline__ void mxfp4_block_mse_iw(const float v[32], uint32_t bmax_bits, uint32_t codes[4],
-                                                   uint32_t& byte, const float* c, const uint32_t* sw = nullptr) {
+                                                   uint32_t& byte, const float* c, const uint32_t* sg = nullptr) {
   uint32_t e;
   const float r0 = mxfp4_scale(bmax_bits, e);
 #if !FP4C_HW_E2M1
@@ -595,7 +612,7 @@ __device__ __forceinline__ void mxfp4_block_mse_iw(const float v[32], uint32_t b
     for (int i = 0; i < 32; ++i) {
       const float a = fabsf(v[i]);
       const float ys = __fmul_rn(a, rs);
-      const float cs0 = e2m1_cs(ys);
+      const float cs0 = SHORT ? fmaxf(ys, 0x1p-104f) : e2m1_cs(ys);
       const float p0 = fminf(e2m1_p_from_cs(ys, cs0), 0x1.8p-124f);  // value <= 6
       const float p1 = e2m1_p_half_from_cs(ys, cs0);                 // e + 1's value, <= 4
       pack_idx22(k0, i, p0);
@@ -616,7 +633,7 @@ __device__ __forceinline__ void mxfp4_block_mse_iw(const float v[32], uint32_t b
     }
     const bool up = err1 < err0;
 #pragma unroll
-    for (int w = 0; w < 4; ++w) codes[w] = or_search_signs8(up ? k1[w] : k0[w], v + 8 * w, sw ? sw + 4 * w : nullptr);
+    for (int w = 0; w < 4; ++w) codes[w] = or_search_signs8(up ? k1[w] : k0[w], v + 8 * w, sg ? sg + w : nullptr);
     byte = up ? e + 1u : e;
     return;
   }
@@ -631,7 +648,7 @@ __device__ __forceinline__ void mxfp4_block_mse_iw(const float v[32], uint32_t b
   const float err1 = block_err_codes<32, false, W>(v, r1, pow2i((int)e1 - 127), k1, cw);
   const bool up = e1 != e && err1 < err0;
 #pragma unroll
-  for (int w = 0; w < 4; ++w) codes[w] = or_search_signs8(up ? k1[w] : k0[w], v + 8 * w, sw ? sw + 4 * w : nullptr);
+  for (int w = 0; w < 4; ++w) codes[w] = or_search_signs8(up ? k1[w] : k0[w], v + 8 * w, sg ? sg + w : nullptr);
   byte = up ? e1 : e;
 }
 

@@ -11,11 +11,22 @@ using namespace fp4c;
 namespace {
 
 // Blackwell's ptxas (sm_100a, sm_120a) otherwise caps a 256-thread kernel at 64 registers, and the
-// search rules (three candidates' codes held at once) spill.
+// search rules (three candidates' codes held at once) spill. On sm_90 the search rules without input
+// weights are held to FP4C_SM90_SEARCH_CTAS CTAs per SM (3: 80 registers; their fast paths spill at
+// 64): left free, ptxas schedules the unrolled chains into up to 128 registers (2 CTAs), and the
+// occupancy lost can cost more time than the instructions save (BENCHMARKS.md, issue 33). The
+// input-weighted variants are separate kernels (IW) held to 2 CTAs (128 registers): their weights
+// would otherwise set the registers of the common kernels.
+#ifndef FP4C_SM90_SEARCH_CTAS
+#define FP4C_SM90_SEARCH_CTAS 3
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-#define FP4C_QUANT_BOUNDS(RULE) __launch_bounds__(THREADS, (RULE) == RULE_PLAIN ? 4 : 1)
+#define FP4C_QUANT_BOUNDS(FMT, RULE, IW) __launch_bounds__(THREADS, (RULE) == RULE_PLAIN ? 4 : 1)
 #else
-#define FP4C_QUANT_BOUNDS(RULE) __launch_bounds__(THREADS)
+#define FP4C_QUANT_BOUNDS(FMT, RULE, IW)                                                      \
+  __launch_bounds__(THREADS, (RULE) == RULE_PLAIN || ((FMT) == FMT_MXFP4 && (RULE) == RULE_ALT) \
+                                 ? 0                                                         \
+                                 : ((IW) ? 2 : FP4C_SM90_SEARCH_CTAS))
 #endif
 
 struct QuantArgs {
@@ -110,10 +121,15 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
       } else {
         if constexpr (ROT) scale16(v, 0.25f);  // the errors need v = RN(0.25 u) itself
         // bf16 without rotation: the signs from the raw words (the group's 16 words, 8 per chunk)
-        const uint32_t* w = nullptr;
-        if constexpr (DT == DT_BF16 && !ROT) w = reinterpret_cast<const uint32_t*>(raw.q + 2 * c);
+        uint32_t sg[2] = {0u, 0u};
+        if constexpr (DT == DT_BF16 && !ROT) {
+          const uint32_t* w = reinterpret_cast<const uint32_t*>(raw.q + 2 * c);
+          sg[0] = signs8_raw(w);
+          sg[1] = signs8_raw(w + 4);
+        }
         nvfp4_block_search_iw<RULE, IW, unmasked_flags<DT, ROT>()>(v, gs, mb, rd, codes + 2 * c, sb[c],
-                                                                     c == 0 ? iw0 : iw1, w);
+                                                                     c == 0 ? iw0 : iw1,
+                                                                     DT == DT_BF16 && !ROT ? sg : nullptr);
       }
     }
   } else {
@@ -134,9 +150,13 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
         scale16(v, 0.25f);
         scale16(v + 16, 0.25f);
       }
-      const uint32_t* w = nullptr;
-      if constexpr (DT == DT_BF16 && !ROT) w = reinterpret_cast<const uint32_t*>(raw.q);
-      mxfp4_block_mse_iw<RULE == RULE_WMSE, IW>(v, mb, codes, sb[0], iw0, w);
+      uint32_t sg[4] = {0u, 0u, 0u, 0u};
+      if constexpr (DT == DT_BF16 && !ROT) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) sg[w] = signs8_raw(reinterpret_cast<const uint32_t*>(raw.q) + 4 * w);
+      }
+      mxfp4_block_mse_iw<RULE == RULE_WMSE, IW, unmasked_flags<DT, ROT>()>(v, mb, codes, sb[0], iw0,
+                                                                           DT == DT_BF16 && !ROT ? sg : nullptr);
     } else {
       float r = mxfp4_scale(mb, sb[0]);
       if constexpr (RULE == RULE_ALT) {  // rceil: the exponent up where the block would saturate
@@ -169,8 +189,9 @@ __device__ __forceinline__ void store_codes(uint8_t* op, bool full, const uint32
 
 // One group g of matrix b with the linear scale layout (raw data not yet loaded; full: all 32 elements,
 // else only the first 16): load, encode, store its codes and scale bytes. quantize_kernel's body, also
-// compiled on its own by benchmarks/sass_count.py (with full = true) to count the hot path.
-template <int DT, int FMT, bool ROT, int RULE>
+// compiled on its own by benchmarks/sass_count.py (with full = true) to count the hot path. IW: the
+// search rules' input weights a.iw (non-null) are read.
+template <int DT, int FMT, bool ROT, int RULE, bool IW>
 __device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, int64_t g, bool full, float gs,
                                                const float2* rd) {
   Raw<DT> raw;
@@ -181,13 +202,11 @@ __device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, in
   uint32_t codes[4], sb[2];
   const float* iw0 = nullptr;
   const float* iw1 = nullptr;
-  if (RULE != RULE_PLAIN && a.iw) {  // a 32-group may straddle two rows when K % 32 == 16 (NVFP4)
+  if constexpr (IW) {  // a 32-group may straddle two rows when K % 32 == 16 (NVFP4)
     iw0 = a.iw + (g * GROUP) % a.K;
     iw1 = a.iw + (g * GROUP + 16) % a.K;
   }
-  const bool bad = iw0 ? encode_group<DT, FMT, ROT, RULE, true>(raw, full, gs, rd, codes, sb, iw0, iw1)
-                       : encode_group<DT, FMT, ROT, RULE, false>(raw, full, gs, rd, codes, sb);
-  if (bad) *(volatile int*)(a.flag + b) = 1;
+  if (encode_group<DT, FMT, ROT, RULE, IW>(raw, full, gs, rd, codes, sb, iw0, iw1)) *(volatile int*)(a.flag + b) = 1;
   uint8_t* sp = a.so.base + b * a.so.mstride;
   if constexpr (FMT == FMT_NVFP4) {
     sp[2 * g] = (uint8_t)sb[0];
@@ -198,20 +217,25 @@ __device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, in
   store_codes(a.packed + (b * a.n + g * GROUP) / 2, full, codes);
 }
 
-// Groups per thread of the linear kernel: 2 for the search rules, so each thread's per-matrix work
-// (the global scale's division, the (r, d) table's share, the setup) is spread over 64 elements
-// (those rules are issue bound on sm_90); 1 for the plain rules, whose time is the memory's.
-template <int RULE>
+// Groups per thread of the linear kernel: SEARCH_GPT for the search rules (NVFP4 4over6 / mse / wmse,
+// MXFP4 mse / wmse), so each thread's per-matrix work (the global scale's division, the (r, d)
+// table's share, the setup) is spread over more elements (those rules are issue bound on sm_90); 1 for
+// the others, whose time is the memory's.
+#ifndef FP4C_SEARCH_GPT
+#define FP4C_SEARCH_GPT 2
+#endif
+constexpr int SEARCH_GPT = FP4C_SEARCH_GPT;
+template <int FMT, int RULE>
 __host__ __device__ constexpr int groups_per_thread() {
-  return RULE == RULE_PLAIN ? 1 : 2;
+  return RULE == RULE_MSE || RULE == RULE_WMSE || (FMT == FMT_NVFP4 && RULE == RULE_ALT) ? SEARCH_GPT : 1;
 }
 
 // Linear scale layout: groups_per_thread groups per thread (g0, g0 + 256, ...), a CTA per 256 of
 // them; the hardware block scheduler balances the tail. A matrix is a flat run of groups; group g's
 // scales are bytes 2g, 2g+1 (NVFP4) or g (MXFP4) of the matrix's row-major scale array.
-template <int DT, int FMT, bool ROT, int RULE>
-__global__ void FP4C_QUANT_BOUNDS(RULE) quantize_kernel(const QuantArgs a) {
-  constexpr int GPT = groups_per_thread<RULE>();
+template <int DT, int FMT, bool ROT, int RULE, bool IW>
+__global__ void FP4C_QUANT_BOUNDS(FMT, RULE, IW) quantize_kernel(const QuantArgs a) {
+  constexpr int GPT = groups_per_thread<FMT, RULE>();
   const int64_t g0 = (int64_t)blockIdx.x * THREADS * GPT + threadIdx.x;
   constexpr bool TABLE = FMT == FMT_NVFP4 && RULE != RULE_PLAIN;
   __shared__ float2 rd[TABLE ? 128 : 1];
@@ -223,7 +247,7 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_kernel(const QuantArgs a) {
     for (int k = 0; k < GPT; ++k) {
       const int64_t g = g0 + k * THREADS;
       if (g >= a.groups) break;
-      quantize_group<DT, FMT, ROT, RULE>(a, b, g, g * GROUP + GROUP <= a.n, gs, rd);
+      quantize_group<DT, FMT, ROT, RULE, IW>(a, b, g, g * GROUP + GROUP <= a.n, gs, rd);
     }
   }
 }
@@ -244,8 +268,8 @@ struct TileArgs {
   const float* iw;  // input_weight fp32 [K], or null
 };
 
-template <int DT, int FMT, bool ROT, int RULE>
-__global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs a) {
+template <int DT, int FMT, bool ROT, int RULE, bool IW>
+__global__ void FP4C_QUANT_BOUNDS(FMT, RULE, IW) quantize_swizzled_kernel(const TileArgs a) {
   constexpr int BS = FMT == FMT_NVFP4 ? 16 : 32;
   const int64_t tiles_k = a.nbp / 4;
   const int64_t mt = blockIdx.x / tiles_k, kt = blockIdx.x - mt * tiles_k;
@@ -274,9 +298,8 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs 
         for (int j = 0; j < Raw<DT>::NV; ++j)
           if (j < Raw<DT>::NV / 2 || full) raw.q[j] = ldg16(p + 16 * j);
         uint32_t codes[4], sb[2] = {0, 0};
-        const float* iw0 = RULE != RULE_PLAIN && a.iw ? a.iw + kb * BS : nullptr;
-        bad |= iw0 ? encode_group<DT, FMT, ROT, RULE, true>(raw, full, gs, rd, codes, sb, iw0, iw0 + 16)
-                   : encode_group<DT, FMT, ROT, RULE, false>(raw, full, gs, rd, codes, sb);
+        const float* iw0 = IW ? a.iw + kb * BS : nullptr;
+        bad |= encode_group<DT, FMT, ROT, RULE, IW>(raw, full, gs, rd, codes, sb, iw0, IW ? iw0 + 16 : nullptr);
         if constexpr (FMT == FMT_NVFP4) {
           s2[0] = sb[0];
           s2[1] = full ? sb[1] : 0u;
@@ -292,16 +315,25 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs 
   }
 }
 
-template <int DT, int FMT, bool ROT, int RULE>
-void launch_one(const QuantArgs& a, const TileArgs& t, int swizzle, cudaStream_t st) {
+template <int DT, int FMT, bool ROT, int RULE, bool IW>
+void launch_iw(const QuantArgs& a, const TileArgs& t, int swizzle, cudaStream_t st) {
   if (swizzle) {
     const dim3 grid((unsigned)(t.mstride / 512), (unsigned)(t.B < 65535 ? t.B : 65535));
-    quantize_swizzled_kernel<DT, FMT, ROT, RULE><<<grid, THREADS, 0, st>>>(t);
+    quantize_swizzled_kernel<DT, FMT, ROT, RULE, IW><<<grid, THREADS, 0, st>>>(t);
   } else {
-    constexpr int64_t per_cta = (int64_t)THREADS * groups_per_thread<RULE>();
+    constexpr int64_t per_cta = (int64_t)THREADS * groups_per_thread<FMT, RULE>();
     const dim3 grid((unsigned)((a.groups + per_cta - 1) / per_cta), (unsigned)(a.B < 65535 ? a.B : 65535));
-    quantize_kernel<DT, FMT, ROT, RULE><<<grid, THREADS, 0, st>>>(a);
+    quantize_kernel<DT, FMT, ROT, RULE, IW><<<grid, THREADS, 0, st>>>(a);
   }
+}
+
+// The input-weighted kernels only where a search rule has input weights (the plain rules ignore them).
+template <int DT, int FMT, bool ROT, int RULE>
+void launch_one(const QuantArgs& a, const TileArgs& t, int swizzle, cudaStream_t st) {
+  if constexpr (RULE != RULE_PLAIN && !(FMT == FMT_MXFP4 && RULE == RULE_ALT)) {
+    if (a.iw) return launch_iw<DT, FMT, ROT, RULE, true>(a, t, swizzle, st);
+  }
+  launch_iw<DT, FMT, ROT, RULE, false>(a, t, swizzle, st);
 }
 
 template <int DT, int FMT, bool ROT>
