@@ -4,19 +4,20 @@ Why: on Hopper (sm_90, software E2M1) the searching scale rules are instruction-
 Compute: 84-86% of issue slots busy), so their time follows the instructions each element costs. This
 counts them from the compiled code, so a change can be judged before it reaches a GPU.
 
-How: a probe kernel per (dtype, format, rotation, rule) runs one group exactly as quantize_kernel does
-(csrc/fp4c_quantize.cu is included, so the probe calls the kernel's own ``quantize_group``) for one
-thread's full 32-element groups of one matrix; the input weight is the kernel's runtime pointer (its null case is the one
-on the path). It is compiled
+How: a probe kernel per (dtype, format, rotation, rule) runs a thread's groups exactly as quantize_kernel
+does (csrc/fp4c_quantize.cu is included, so the probe calls the kernel's own ``quantize_group``): full
+32-element groups of one matrix, no input weight (the input-weighted kernels are separate). It is compiled
 with the library's flags (fp4convert/kernels/cuda/build.py) for sm_90 and disassembled; the count is the
 shortest path through its control-flow graph from the entry to EXIT (callees counted to their RET), which
 is the common path: the rare branches (the clamp at 6, a large block's general path, the IEEE division's
 slow path, a non-finite block) are the longer ones. Per element = path / (32 x groups per thread). The
 per-matrix (r, d) table fill (threads < 128 of each CTA) is off that path and amortized over a CTA's
-elements (8192 x groups per thread).
+elements (8192 x groups per thread). --csrc may name an older tree (before the per-group body took its
+input-weight flag: one group per thread, the weight as a runtime pointer), for before/after tables. The
+registers column is the linear kernel's own (unweighted variant), from cuobjdump -res-usage.
 
     python benchmarks/sass_count.py [--rules nvfp4:4over6 mxfp4:wmse ...] [--dtypes bf16] [--rotate]
-                                    [--csrc DIR] [--arch 90] [--keep DIR] [--json out.json] [--explain]
+                                    [--csrc DIR] [--arch 90] [--keep DIR] [--json out.json] [--explain] [-D MACRO=1]
 
 Needs nvcc and cuobjdump (CUDA toolkit; cuobjdump also comes as the nvidia-cuda-cuobjdump wheel:
 ``--cuobjdump PATH`` or $CUOBJDUMP).
@@ -222,8 +223,8 @@ def main() -> None:
     src = (PROBE_V1 if legacy else PROBE).replace("}  // namespace\n", inst + "\n}  // namespace\n")
     (work / "probe.cu").write_text(src)
     cubin = work / "probe.cubin"
-    cmd = [nvcc, *FLAGS, *(f"-D{d}" for d in args.defines), "-Xptxas", "-warn-spills", f"-I{args.csrc}", "-gencode", f"arch=compute_{args.arch},code=sm_{args.arch}", "-cubin",
-           "-o", str(cubin), str(work / "probe.cu")]
+    cmd = [nvcc, *FLAGS, *(f"-D{d}" for d in args.defines), "-Xptxas", "-warn-spills", f"-I{args.csrc}",
+           "-gencode", f"arch=compute_{args.arch},code=sm_{args.arch}", "-cubin", "-o", str(cubin), str(work / "probe.cu")]
     subprocess.run(cmd, check=True)
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
     (work / "probe.sass").write_text(sass)
@@ -249,11 +250,13 @@ def main() -> None:
                 f"{16 * b:x}:{blocks[b].n}" for b in on))
         search = u in ("mse", "wmse", "4over6")
         elems = 32 * (gpt[1] if search else gpt[0])
+        # registers: the kernel's own (quantize_kernel, the unweighted variant), not the probe's
+        kname = next((k for k in regs if "quantize_kernel" in k and (tag + ("EE" if legacy else "Lb0EE")) in k), None)
         rows.append({"dtype": d, "format": f, "rotate": r, "rule": u, "path": path, "per_element": path / elems,
-                     "static": sum(1 for t in ins if _op(t) != "NOP"), "regs": regs.get(name)})
+                     "static": sum(1 for t in ins if _op(t) != "NOP"), "regs": regs.get(kname or name)})
     print(f"sm_{args.arch}, {nvcc}: hot-path SASS instructions of one thread (groups per thread {gpt[0]} plain, "
           f"{gpt[1]} search; probe in {work})")
-    print("| dtype | format | had16 | rule | path | per element | static | regs |")
+    print("| dtype | format | had16 | rule | path | per element | probe static | kernel registers |")
     print("|---|---|---|---|---|---|---|---|")
     for x in rows:
         print(f"| {x['dtype']} | {x['format']} | {'yes' if x['rotate'] else 'no'} | {x['rule']} | {x['path']} | "
