@@ -106,9 +106,21 @@ __device__ __forceinline__ void load_group(const uint8_t* xb, int64_t g, int64_t
   }
 }
 
-// 16 elements (chunk c of a group) as fp32 (exact), plus the bit pattern of max|x| (NaN/Inf
-// propagate as large patterns).
+// max(|a|, |b|) per 16-bit half (bf16 or fp16 pairs), NaN if either is NaN, sign bits meaningless
+// (xorsign): one instruction (HMNMX2) where the integer form takes a mask and a max per word.
 template <int DT>
+__device__ __forceinline__ uint32_t absmax_x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  if constexpr (DT == DT_BF16) asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// 16 elements (chunk c of a group) as fp32 (exact), plus the bit pattern of max|x| (NaN/Inf
+// propagate as large patterns). FAST_MAX (bf16/fp16, sm_90+): the max by absmax_x2, the same bits
+// for finite data; a NaN comes out as the canonical NaN (still >= 0x7F800000, so flagged alike), which
+// is why the amax kernel (whose NaN result is reported) keeps the integer form.
+template <int DT, bool FAST_MAX = false>
 __device__ __forceinline__ void decode16(const Raw<DT>& r, int c, float v[16], uint32_t& amax_bits) {
   if constexpr (DT == DT_F32) {
     uint32_t m = 0;
@@ -126,10 +138,20 @@ __device__ __forceinline__ void decode16(const Raw<DT>& r, int c, float v[16], u
   } else {
     const uint4 u0 = r.q[2 * c], u1 = r.q[2 * c + 1];
     const uint32_t w[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-    uint32_t m = w[0] & 0x7FFF7FFFu;
+    uint32_t h;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if constexpr (FAST_MAX) {
+      const uint32_t m = absmax_x2<DT>(absmax_x2<DT>(absmax_x2<DT>(w[0], w[1]), absmax_x2<DT>(w[2], w[3])),
+                                       absmax_x2<DT>(absmax_x2<DT>(w[4], w[5]), absmax_x2<DT>(w[6], w[7])));
+      h = (absmax_x2<DT>(m, m << 16) >> 16) & 0x7FFFu;  // (bf16: shifted back below; one mask)
+    } else
+#endif
+    {
+      uint32_t m = w[0] & 0x7FFF7FFFu;
 #pragma unroll
-    for (int i = 1; i < 8; ++i) m = vmax_u16x2(m, w[i] & 0x7FFF7FFFu);
-    const uint32_t h = max(m & 0xFFFFu, m >> 16);
+      for (int i = 1; i < 8; ++i) m = vmax_u16x2(m, w[i] & 0x7FFF7FFFu);
+      h = max(m & 0xFFFFu, m >> 16);
+    }
     if constexpr (DT == DT_BF16) {
       amax_bits = h << 16;
 #pragma unroll

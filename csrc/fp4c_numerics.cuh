@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 #include <stdint.h>
 #include <float.h>
 
@@ -44,6 +45,14 @@ __device__ __forceinline__ uint32_t e4m3_from_f32(float s) {
   unsigned short d;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(0.0f), "f"(s));
   return d & 0xFFu;
+}
+
+// e4m3_from_f32 without the final mask: the conversion's other half is E4M3(0) = 0, so the 16-bit
+// result already is the byte; as a 16-bit value the compiler indexes a table with it without masking.
+__device__ __forceinline__ uint32_t e4m3_from_f32_x2(float s) {
+  unsigned short d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(0.0f), "f"(s));
+  return d;
 }
 
 // reference.e4m3_decode: E4M3 byte -> fp32 (exact; every E4M3 value is an fp16 value).
@@ -86,6 +95,18 @@ __device__ __forceinline__ float nvfp4_scale(float gs, uint32_t bmax_bits, uint3
 // exact as a multiply by 0.25: both are RN of the same real).
 __device__ __forceinline__ uint32_t nvfp4_byte4(float gs, uint32_t bmax_bits) {
   return e4m3_from_f32(__fmul_rn(__fmul_rn(gs, __uint_as_float(bmax_bits)), 0.25f));
+}
+
+// RN(p / 6) for p in [0, FLT_MAX] without the IEEE division's slow path: q0 = RN(p * RN(1/6)), the
+// exact residual p - 6 q0 (one FMA), then one correction FMA (Markstein's sequence). Equal to
+// __fdiv_rn(p, 6) on every fp32 p in [6 * 2^-126, FLT_MAX]; below, both are < 2^-125, so the E4M3 byte
+// (the only use) is 0 either way (benchmarks/check_sm90_numerics.cpp checks every p in [0, FLT_MAX]).
+// Callers clamp p to FLT_MAX first (inf / 6 = inf and FLT_MAX / 6 both saturate E4M3 at 448).
+__device__ __forceinline__ float div6_rn(float p) {
+  const float y = 0.16666667163372039795f;  // RN(1/6)
+  const float q0 = __fmul_rn(p, y);
+  const float rem = __fmaf_rn(-q0, 6.0f, p);
+  return __fmaf_rn(rem, y, q0);
 }
 
 // docs/numerics.md "Scale rules", a candidate E4M3 byte c -> (r, d): sf = decode(c); r = sf > 0 ? min(gs / sf,
@@ -214,6 +235,109 @@ __device__ __forceinline__ float e2m1_value_of(float y) {
   const float t = __fmaf_rn(c, 4194304.0f, y);
   return __fmaf_rn(c, -4194304.0f, t);
 }
+
+// e2m1_value_of<false>'s chain in the domain scaled by S = 2^-104, ending at the packed form:
+// for ys = y * S with 0 <= y < 7 (y = RN(x r), ys = RN(x (r S)): the same rounding while y >= 2^-22,
+// and both give code 0 below), returns value(E2M1(y)) * 2^-126, whose bits are idx << 22 (see
+// block_err_codes). cs = c S is the exponent bits of max(ys, S); t = RN(cs 2^22 + ys) is S times
+// e2m1_value_of's t (all terms normal, so scaling by S commutes with rounding); t 2^-22 - cs is
+// value * 2^-126 exactly, so the FMA returns it: one FP32 operation fewer than the value and then
+// its packed form. CS_MIN: the lower bound of cs (S, or 2S for the MXFP4 candidate e + 1, whose
+// grid in the units of e is E2M1's scaled by 2: c = max(c, 2)).
+__device__ __forceinline__ float e2m1_cs(float ys) {
+  return __uint_as_float(__float_as_uint(fmaxf(ys, 0x1p-104f)) & 0x7F800000u);
+}
+__device__ __forceinline__ float e2m1_p_from_cs(float ys, float cs) {
+  const float t = __fmaf_rn(cs, 4194304.0f, ys);
+  return __fmaf_rn(t, 0x1p-22f, -cs);
+}
+// The MXFP4 candidate e + 1 from e's cs: its c is max(c, 2) in the units of e, so with ch = max(cs, 2S)
+// / 2 = max(cs / 2, S) (one integer add-and-max on the bits: cs is a normal power of 2) the same chain
+// with 2^23 and 2^-23 ends at value(E2M1(y / 2)) * 2^-126, the packed form of e + 1's own code. It
+// also takes the unmasked m = max(ys, S) of e2m1_p_unmasked for cs (halving m is exact), with that
+// chain's exceptions at y / 2 (benchmarks/check_sm90_numerics.cpp).
+__device__ __forceinline__ float e2m1_p_half_from_cs(float ys, float cs) {
+  const float ch = __int_as_float(max(__float_as_int(cs) - 0x00800000, __float_as_int(0x1p-104f)));
+  const float t = __fmaf_rn(ch, 8388608.0f, ys);
+  return __fmaf_rn(t, 0x1p-23f, -ch);
+}
+
+// The packing step of block_err_codes: code word w += p's bits (idx << 22) moved to nibble i % 8.
+__device__ __forceinline__ void pack_idx22(uint32_t* codes, int i, float p) {
+  const uint32_t b = __float_as_uint(p);
+  const int j = 4 * (i % 8);
+  codes[i / 8] += j <= 22 ? b >> (22 - j) : b << (j - 22);
+}
+
+// The same chain with m = max(ys, S) itself in place of its exponent bits cs (one instruction fewer):
+// t = RN(m 2^22 + ys) still rounds ys to the grid of m's binade (m 2^22 is a multiple of its half
+// step; a tie y has a short significand, so m = y or S is even there), except where m 2^22 + ys
+// overflows into the next binade: exactly y in E2M1_UNMASKED_BAD (benchmarks/check_sm90_numerics.cpp
+// enumerates every y in [0, 7)). nvfp4_unmasked_safe tells the candidates that no input can hit.
+__device__ __forceinline__ float e2m1_p_unmasked(float ys) {
+  const float m = fmaxf(ys, 0x1p-104f);
+  const float t = __fmaf_rn(m, 4194304.0f, ys);
+  return __fmaf_rn(t, 0x1p-22f, -m);
+}
+// Whether no input value x of bf16 (BF16) or fp16 gives RN(x r) in E2M1_UNMASKED_BAD (the four y in
+// [0, 7) where e2m1_p_unmasked differs: 2 - 3 * 2^-23, 2 - 2^-23, 4 - 3 * 2^-22, 4 - 2^-22), for the
+// NVFP4 candidate (r, d) = nvfp4_candidate(gs, byte). RN(x r) = Y needs x within ~2^-24 (relative) of
+// Y / r, and values of DT are >= 2^-11 apart (relative), so only the one nearest Y / r can; Y d is
+// within ~3 * 2^-24 of Y / r (r and d are RN of reciprocal quotients), so that one is RN_DT(Y d), and
+// the test of it is exact. Bytes with r >= 2^100 or d < 2^-100 (where r may be clamped or d inexact)
+// are reported unsafe.
+template <bool BF16>
+__device__ __forceinline__ bool nvfp4_unmasked_safe(float r, float d) {
+  if (!(r < 0x1p100f && d >= 0x1p-100f)) return r == 0.0f;
+  constexpr float E2M1_UNMASKED_BAD[4] = {0x1.fffffap+0f, 0x1.fffffep+0f, 0x1.fffffap+1f, 0x1.fffffep+1f};
+  bool safe = true;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float y = E2M1_UNMASKED_BAD[k];
+    const float z = __fmul_rn(y, d);
+    float x;
+    if constexpr (BF16) x = __bfloat162float(__float2bfloat16_rn(z));
+    else x = __half2float(__float2half_rn(z));
+    safe &= __fmul_rn(x, r) != y;
+  }
+  return safe;
+}
+
+// block_err_codes<N, false, WEIGHTED> (same error bits, same codes without signs) on the scaled
+// chain above, for a candidate whose every y = RN(x_i r) is below 7, with rs = r * 2^-104 and
+// dd = d * 2^126 both exact (nvfp4_fast_ok): value * d = p * dd exactly, so RN(value * d) is one
+// multiply of p. IW: c holds the N input weights. MASKED: the exponent-bits chain; !MASKED: the
+// unmasked one, only where nvfp4_unmasked_safe holds for the input's type. 10 instructions per
+// element (9 unmasked; one more each weighted).
+template <int N, bool WEIGHTED, bool IW, bool MASKED = true>
+__device__ __forceinline__ float block_err_codes_scaled(const float* v, float rs, float dd, uint32_t* codes,
+                                                        const float* c) {
+  float err = 0.0f;
+#pragma unroll
+  for (int w = 0; w < N / 8; ++w) codes[w] = 0u;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float a = fabsf(v[i]);
+    const float ys = __fmul_rn(a, rs);
+    const float p = MASKED ? e2m1_p_from_cs(ys, e2m1_cs(ys)) : e2m1_p_unmasked(ys);
+    pack_idx22(codes, i, p);
+    float e = __fsub_rn(__fmul_rn(p, dd), a);
+    if constexpr (WEIGHTED) e = __fmul_rn(e, a);
+    float sq = __fmul_rn(e, e);
+    if constexpr (IW) sq = __fmul_rn(sq, c[i]);
+    err = i == 0 ? sq : __fadd_rn(err, sq);
+  }
+  return err;
+}
+
+// When block_err_codes_scaled gives block_err_codes' result for the NVFP4 candidate (r, d) =
+// nvfp4_candidate(gs, byte) of a block with max bmax: every RN(x r) < 7 (RN is monotone: RN(bmax r) <
+// 7), d * 2^126 finite (d < 4) and r * 2^-104 exact (r == 0 or r >= 2^-22), which d < 4 implies: d =
+// RN(sf / gs) < 4 means sf / gs < 4, so r = RN(gs / sf) >= 0.25 (or sf = 0 and r = d = 0). Real
+// weights always qualify; a block that does not takes the general clamped path.
+__device__ __forceinline__ bool nvfp4_fast_ok(float bmax, float r, float d) {
+  return __fmul_rn(bmax, r) < 7.0f && d < 4.0f;
+}
 #endif
 
 // Sign bits of eight fp32 values as E2M1 sign bits (bit 3 of nibble i), from their bit patterns:
@@ -338,6 +462,14 @@ __device__ __forceinline__ float block_err_codes(const float* v, float r, float 
   return err;
 }
 
+// e2m1_signs8 of eight bf16 elements from their four raw words (element 2j in the low half of w[j]):
+// sign-replicated bytes of two words per prmt, then the even and odd elements gathered, ored into
+// codes under their masks: six instructions per eight elements (e2m1_signs8 on the fp32 values: eight).
+__device__ __forceinline__ uint32_t or_signs8_bf16(uint32_t codes, const uint32_t* w) {
+  const uint32_t a = prmt(w[0], w[1], 0xFDB9u), b = prmt(w[2], w[3], 0xFDB9u);
+  return (codes | (prmt(a, b, 0x7531u) & 0x80808080u)) | (prmt(a, b, 0x6420u) & 0x08080808u);
+}
+
 // The sign bits to or into block_err_codes' codes: none on the hardware path (its codes carry them).
 __device__ __forceinline__ uint32_t search_signs8(const float* v) {
 #if FP4C_HW_E2M1
@@ -345,6 +477,29 @@ __device__ __forceinline__ uint32_t search_signs8(const float* v) {
   return 0u;
 #else
   return e2m1_signs8(v);
+#endif
+}
+
+// search_signs8 ored into codes: the precomputed sign word *sg when given (see signs8_raw), else from
+// the fp32 values v.
+__device__ __forceinline__ uint32_t or_search_signs8(uint32_t codes, const float* v, const uint32_t* sg) {
+#if FP4C_HW_E2M1
+  (void)v;
+  (void)sg;
+  return codes;
+#else
+  return sg ? codes | *sg : codes | e2m1_signs8(v);
+#endif
+}
+
+// search_signs8 of eight bf16 elements from their raw words, taken where the words are loaded so that
+// only the sign word stays live through the candidates (or_search_signs8 ors it in).
+__device__ __forceinline__ uint32_t signs8_raw(const uint32_t* w) {
+#if FP4C_HW_E2M1
+  (void)w;
+  return 0u;
+#else
+  return or_signs8_bf16(0u, w);
 #endif
 }
 
@@ -362,43 +517,139 @@ __device__ __forceinline__ float2 nvfp4_candidate(float gs, uint32_t byte) {
   return make_float2(sf > 0.0f ? fminf(__fdiv_rn(gs, sf), FLT_MAX) : 0.0f, __fdiv_rn(sf, gs));
 }
 
-// NVFP4 4over6 / mse / wmse for one block of 16; rd: the (r, d) table above. 4over6: b6 unless b4
-// has a strictly lower error. mse: the lowest error among {b6, b4, b6 - 1} (b6 - 1 of byte 0 is 0),
-// ties to the larger byte; wmse: the same with the weighted error.
-// c: the block's 16 input-channel weights (input_weight), or null.
-template <int RULE>
-__device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, uint32_t bmax_bits,
-                                                   const float2* rd, uint32_t codes[2], uint32_t& byte,
-                                                   const float* c = nullptr) {
-  const uint32_t b6 = e4m3_from_f32(__fdiv_rn(__fmul_rn(gs, __uint_as_float(bmax_bits)), 6.0f));
-  const uint32_t b4 = nvfp4_byte4(gs, bmax_bits);
-  const float2 k6 = rd[b6], k4 = rd[b4];
-  // The clamp only where a value can reach 7: y_max = RN(bmax * r) >= 7 (RN is monotone). With the
-  // matrix's own amax that is rare for b6 (subnormal scales) and never happens for b4; a given
-  // group amax below the matrix's own saturates at 448 and needs it. b6 - 1 often needs it (about
-  // 1 block in 40 on real weights, so most warps would take both paths): always clamped.
-  constexpr bool W = RULE == RULE_WMSE;
+// One NVFP4 candidate (r, d) = k of a block with max bmax: its block error and codes (no signs), on
+// the scaled software path where nvfp4_fast_ok allows, else block_err_codes with the clamp.
+// FLAGS: the table's d carries a flag in its sign bit (fill_candidates of the quantize kernel):
+// set = nvfp4_unmasked_safe for this kernel's input type, so the unmasked chain may score it. A table
+// of nvfp4_candidate (d >= 0) never takes that chain.
+template <bool W, bool IW, bool FLAGS = false>
+__device__ __forceinline__ float nvfp4_candidate_err(const float v[16], float bmax, float2 k, uint32_t cw[2],
+                                                     const float* c) {
+#if FP4C_HW_E2M1
+  (void)bmax;
+  return block_err_codes<16, true, W>(v, k.x, k.y, cw, IW ? c : nullptr);
+#else
+  const float d = FLAGS ? fabsf(k.y) : k.y;
+  if (nvfp4_fast_ok(bmax, k.x, d)) {
+    const float rs = __fmul_rn(k.x, 0x1p-104f), dd = __fmul_rn(d, 0x1p126f);
+    if (FLAGS && (__float_as_uint(k.y) >> 31)) return block_err_codes_scaled<16, W, IW, false>(v, rs, dd, cw, c);
+    return block_err_codes_scaled<16, W, IW>(v, rs, dd, cw, c);
+  }
+  return block_err_codes<16, true, W>(v, k.x, d, cw, IW ? c : nullptr);
+#endif
+}
+
+// nvfp4_block_search with the input weight's presence known at compile time (IW: c is the block's 16
+// weights; !IW: c is ignored), so the unweighted path carries no per-element weight test.
+// sg (may be null): the block's two sign words (signs8_raw), else the signs come from v.
+template <int RULE, bool IW, bool FLAGS = false>
+__device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float gs, uint32_t bmax_bits,
+                                                      const float2* rd, uint32_t codes[2], uint32_t& byte,
+                                                      const float* c, const uint32_t* sg = nullptr) {
   const float bmax = __uint_as_float(bmax_bits);
+  const float gb = fminf(__fmul_rn(gs, bmax), FLT_MAX);  // inf / 6 and FLT_MAX / 6 both saturate to 448
+  const uint32_t b6 = e4m3_from_f32_x2(div6_rn(gb));
+  const uint32_t b4 = e4m3_from_f32_x2(__fmul_rn(gb, 0.25f));
+  const float2 k6 = rd[b6], k4 = rd[b4];
+  constexpr bool W = RULE == RULE_WMSE;
   uint32_t c6[2], c4[2];
-  const float err6 = __fmul_rn(bmax, k6.x) >= 7.0f ? block_err_codes<16, true, W>(v, k6.x, k6.y, c6, c)
-                                                    : block_err_codes<16, false, W>(v, k6.x, k6.y, c6, c);
-  const float err4 = __fmul_rn(bmax, k4.x) >= 7.0f ? block_err_codes<16, true, W>(v, k4.x, k4.y, c4, c)
-                                                    : block_err_codes<16, false, W>(v, k4.x, k4.y, c4, c);
+  const float err6 = nvfp4_candidate_err<W, IW, FLAGS>(v, bmax, k6, c6, c);
+  const float err4 = nvfp4_candidate_err<W, IW, FLAGS>(v, bmax, k4, c4, c);
   uint32_t best = b6, k0 = c6[0], k1 = c6[1];
   if constexpr (RULE == RULE_MSE || RULE == RULE_WMSE) {
     float best_err = err6;
     if (err4 <= best_err) best = b4, k0 = c4[0], k1 = c4[1], best_err = err4;  // a tie: the larger byte
     const uint32_t bm = b6 > 0u ? b6 - 1u : 0u;
-    const float2 km = rd[bm];
     uint32_t cm[2];
-    const float errm = block_err_codes<16, true, W>(v, km.x, km.y, cm, c);
+    const float errm = nvfp4_candidate_err<W, IW, FLAGS>(v, bmax, rd[bm], cm, c);
     if (errm < best_err || (errm == best_err && bm > best)) best = bm, k0 = cm[0], k1 = cm[1];
   } else {
     if (err4 < err6) best = b4, k0 = c4[0], k1 = c4[1];  // ties keep the /6 scale
   }
-  codes[0] = k0 | search_signs8(v);
-  codes[1] = k1 | search_signs8(v + 8);
+  codes[0] = or_search_signs8(k0, v, sg);
+  codes[1] = or_search_signs8(k1, v + 8, sg ? sg + 1 : nullptr);
   byte = best;
+}
+
+// NVFP4 4over6 / mse / wmse for one block of 16; rd: the (r, d) table above. 4over6: b6 unless b4
+// has a strictly lower error. mse: the lowest error among {b6, b4, b6 - 1} (b6 - 1 of byte 0 is 0),
+// ties to the larger byte; wmse: the same with the weighted error.
+// c: the block's 16 input-channel weights (input_weight), or null.
+//   b6 = E4M3(RN(RN(gs * bmax) / 6)) with gs * bmax clamped to FLT_MAX first (the same byte: the
+// quotient of inf and of FLT_MAX both saturate at 448); each candidate as nvfp4_candidate_err.
+template <int RULE>
+__device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, uint32_t bmax_bits,
+                                                   const float2* rd, uint32_t codes[2], uint32_t& byte,
+                                                   const float* c = nullptr) {
+  if (c) nvfp4_block_search_iw<RULE, true>(v, gs, bmax_bits, rd, codes, byte, c);
+  else nvfp4_block_search_iw<RULE, false>(v, gs, bmax_bits, rd, codes, byte, nullptr);
+}
+
+// mxfp4_block_mse with the input weight's presence known at compile time (see nvfp4_block_search_iw);
+// sg (may be null): the block's four sign words (signs8_raw).
+// SHORT: every input has at most 11 significant bits (bf16 or fp16, unrotated), so y = x 2^(127 - e)
+// has too, and never is one of the unmasked chain's exceptions (24-bit significands: 2 - 3 * 2^-23 and
+// the like, at y and at y / 2): both chains may then start from m = max(ys, S) unmasked.
+//   Software path, e <= 127 (block max below 8): both candidates from one product per element.
+// r and d are powers of 2, so y = x * 2^(127 - e) is exact (or below 2^-22, where both codes are 0),
+// value * d is exact and e_i = RN(value * d - x) is one FMA (p * d * 2^126, d * 2^126 finite for e <=
+// 127). Candidate e + 1 scores y / 2, whose E2M1 grid in the units of e is E2M1's with c = max(c, 2):
+// its chain reuses e's cs (e2m1_p_half_from_cs). The clamp at 6 of e is a min on its packed value
+// (the grid rounding is monotone, and y < 8). The general path (larger blocks, and the hardware
+// targets) scores each candidate with block_err_codes.
+template <bool W, bool IW, bool SHORT = false>
+__device__ __forceinline__ void mxfp4_block_mse_iw(const float v[32], uint32_t bmax_bits, uint32_t codes[4],
+                                                   uint32_t& byte, const float* c, const uint32_t* sg = nullptr) {
+  uint32_t e;
+  const float r0 = mxfp4_scale(bmax_bits, e);
+#if !FP4C_HW_E2M1
+  if (e <= 127u) {
+    const float rs = pow2i(23 - (int)e);  // r * 2^-104
+    const float dd = pow2i((int)e - 1);   // d * 2^126 (e + 1: 2 dd)
+    float err0 = 0.0f, err1 = 0.0f;
+    uint32_t k0[4] = {0u, 0u, 0u, 0u}, k1[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const float a = fabsf(v[i]);
+      const float ys = __fmul_rn(a, rs);
+      const float cs0 = SHORT ? fmaxf(ys, 0x1p-104f) : e2m1_cs(ys);
+      const float p0 = fminf(e2m1_p_from_cs(ys, cs0), 0x1.8p-124f);  // value <= 6
+      const float p1 = e2m1_p_half_from_cs(ys, cs0);                 // e + 1's value, <= 4
+      pack_idx22(k0, i, p0);
+      pack_idx22(k1, i, p1);
+      float e0 = __fmaf_rn(p0, dd, -a);
+      float e1 = __fmaf_rn(p1, __fmul_rn(dd, 2.0f), -a);
+      if constexpr (W) {
+        e0 = __fmul_rn(e0, a);
+        e1 = __fmul_rn(e1, a);
+      }
+      float s0 = __fmul_rn(e0, e0), s1 = __fmul_rn(e1, e1);
+      if constexpr (IW) {
+        s0 = __fmul_rn(s0, c[i]);
+        s1 = __fmul_rn(s1, c[i]);
+      }
+      err0 = i == 0 ? s0 : __fadd_rn(err0, s0);
+      err1 = i == 0 ? s1 : __fadd_rn(err1, s1);
+    }
+    const bool up = err1 < err0;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) codes[w] = or_search_signs8(up ? k1[w] : k0[w], v + 8 * w, sg ? sg + w : nullptr);
+    byte = up ? e + 1u : e;
+    return;
+  }
+#endif
+  const uint32_t e1 = min(e + 1u, 254u);
+  const float r1 = pow2i(127 - (int)e1);
+  const float* cw = IW ? c : nullptr;
+  uint32_t k0[4], k1[4];
+  const float err0 = block_err_codes<32, true, W>(v, r0, pow2i((int)e - 127), k0, cw);
+  // e + 1 keeps every value below 4 (bmax * 2^(127 - e) < 8); e == 254 has no e + 1 (same candidate:
+  // kept, whatever its unclamped score; scored anyway, so the common path has no branch around it)
+  const float err1 = block_err_codes<32, false, W>(v, r1, pow2i((int)e1 - 127), k1, cw);
+  const bool up = e1 != e && err1 < err0;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) codes[w] = or_search_signs8(up ? k1[w] : k0[w], v + 8 * w, sg ? sg + w : nullptr);
+  byte = up ? e1 : e;
 }
 
 // MXFP4 mse (wmse: W, the weighted error) for one block of 32: e (floor) against min(e + 1, 254),
@@ -406,18 +657,8 @@ __device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, 
 template <bool W>
 __device__ __forceinline__ void mxfp4_block_mse(const float v[32], uint32_t bmax_bits, uint32_t codes[4],
                                                 uint32_t& byte, const float* c = nullptr) {
-  uint32_t e;
-  const float r0 = mxfp4_scale(bmax_bits, e);
-  const uint32_t e1 = min(e + 1u, 254u);
-  const float r1 = pow2i(127 - (int)e1);
-  uint32_t k0[4], k1[4];
-  const float err0 = block_err_codes<32, true, W>(v, r0, pow2i((int)e - 127), k0, c);
-  // e + 1 keeps every value below 4 (bmax * 2^(127 - e) < 8); e == 254 has no e + 1 (same candidate)
-  const float err1 = e1 == e ? err0 : block_err_codes<32, false, W>(v, r1, pow2i((int)e1 - 127), k1, c);
-  const bool up = err1 < err0;
-#pragma unroll
-  for (int w = 0; w < 4; ++w) codes[w] = (up ? k1[w] : k0[w]) | search_signs8(v + 8 * w);
-  byte = up ? e1 : e;
+  if (c) mxfp4_block_mse_iw<W, true>(v, bmax_bits, codes, byte, c);
+  else mxfp4_block_mse_iw<W, false>(v, bmax_bits, codes, byte, nullptr);
 }
 
 }  // namespace fp4c

@@ -11,11 +11,22 @@ using namespace fp4c;
 namespace {
 
 // Blackwell's ptxas (sm_100a, sm_120a) otherwise caps a 256-thread kernel at 64 registers, and the
-// search rules (three candidates' codes held at once) spill.
+// search rules (three candidates' codes held at once) spill. On sm_90 the search rules without input
+// weights are held to FP4C_SM90_SEARCH_CTAS CTAs per SM (3: 80 registers; their fast paths spill at
+// 64): left free, ptxas schedules the unrolled chains into up to 128 registers (2 CTAs), and the
+// occupancy lost can cost more time than the instructions save (BENCHMARKS.md, issue 33). The
+// input-weighted variants are separate kernels (IW) held to 2 CTAs (128 registers): their weights
+// would otherwise set the registers of the common kernels.
+#ifndef FP4C_SM90_SEARCH_CTAS
+#define FP4C_SM90_SEARCH_CTAS 3
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
-#define FP4C_QUANT_BOUNDS(RULE) __launch_bounds__(THREADS, (RULE) == RULE_PLAIN ? 4 : 1)
+#define FP4C_QUANT_BOUNDS(FMT, RULE, IW) __launch_bounds__(THREADS, (RULE) == RULE_PLAIN ? 4 : 1)
 #else
-#define FP4C_QUANT_BOUNDS(RULE) __launch_bounds__(THREADS)
+#define FP4C_QUANT_BOUNDS(FMT, RULE, IW)                                                      \
+  __launch_bounds__(THREADS, (RULE) == RULE_PLAIN || ((FMT) == FMT_MXFP4 && (RULE) == RULE_ALT) \
+                                 ? 0                                                         \
+                                 : ((IW) ? 2 : FP4C_SM90_SEARCH_CTAS))
 #endif
 
 struct QuantArgs {
@@ -49,14 +60,29 @@ __device__ __forceinline__ float matrix_gs(const float* amax, float* gs_out, int
   }
 }
 
+// Whether the NVFP4 search of this kernel may take the unmasked chain (nvfp4_candidate_err's FLAGS):
+// software E2M1, and inputs of a 16-bit type unrotated (nvfp4_unmasked_safe reasons about their grid).
+template <int DT, bool ROT>
+__host__ __device__ constexpr bool unmasked_flags() {
+  return !FP4C_HW_E2M1 && (DT == DT_BF16 || DT == DT_F16) && !ROT;
+}
+
 // NVFP4 search rules: the (r, d) of every E4M3 byte for this matrix's gs, in shared memory (see
-// nvfp4_candidate). Every thread of the CTA must call it (two barriers); a no-op for other rules.
-template <int FMT, int RULE>
+// nvfp4_candidate); with unmasked_flags, d's sign bit set where nvfp4_unmasked_safe holds. Every
+// thread of the CTA must call it (two barriers); a no-op for other rules.
+template <int FMT, int RULE, int DT, bool ROT>
 __device__ __forceinline__ void fill_candidates(float2* rd, float gs) {
   if constexpr (FMT == FMT_NVFP4 && RULE != RULE_PLAIN) {
     static_assert(THREADS >= 128, "one thread per E4M3 byte");
     __syncthreads();  // the previous matrix's table is no longer read
-    if (threadIdx.x < 128) rd[threadIdx.x] = nvfp4_candidate(gs, threadIdx.x);
+    if (threadIdx.x < 128) {
+      float2 k = nvfp4_candidate(gs, threadIdx.x);
+#if !FP4C_HW_E2M1
+      if constexpr (unmasked_flags<DT, ROT>())
+        if (nvfp4_unmasked_safe<DT == DT_BF16>(k.x, k.y)) k.y = __uint_as_float(__float_as_uint(k.y) | 0x80000000u);
+#endif
+      rd[threadIdx.x] = k;
+    }
     __syncthreads();
   }
 }
@@ -64,9 +90,10 @@ __device__ __forceinline__ void fill_candidates(float2* rd, float gs) {
 // One group (raw data loaded): its two 16-element chunks (one if !full), rotated if ROT, scaled and
 // encoded. Out: codes[4] (16 bytes), the scale byte(s) (NVFP4: one per chunk; MXFP4: sb[0]).
 // Returns true when a block held NaN/Inf.
-// iw0 / iw1: the input weights of the group's first / second 16 elements (MXFP4: iw0, all 32), null
-// for the unweighted error; only the search rules read them.
-template <int DT, int FMT, bool ROT, int RULE>
+// iw0 / iw1: the input weights of the group's first / second 16 elements (MXFP4: iw0, all 32), read
+// by the search rules only where IW (the caller tests the pointer once per group, so the unweighted
+// path has no per-element test).
+template <int DT, int FMT, bool ROT, int RULE, bool IW = false>
 __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, float gs, const float2* rd,
                                              uint32_t codes[4], uint32_t sb[2], const float* iw0 = nullptr,
                                              const float* iw1 = nullptr) {
@@ -77,7 +104,7 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
       if (c == 1 && !full) break;
       float v[16];
       uint32_t mb;
-      decode16<DT>(raw, c, v, mb);
+      decode16<DT, RULE != RULE_PLAIN>(raw, c, v, mb);
       if constexpr (ROT) {
         butterflies16(v);
         mb = amax16_rotated(v);
@@ -93,14 +120,23 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
         codes[2 * c + 1] = encode8(v + 8, r);
       } else {
         if constexpr (ROT) scale16(v, 0.25f);  // the errors need v = RN(0.25 u) itself
-        nvfp4_block_search<RULE>(v, gs, mb, rd, codes + 2 * c, sb[c], c == 0 ? iw0 : iw1);
+        // bf16 without rotation: the signs from the raw words (the group's 16 words, 8 per chunk)
+        uint32_t sg[2] = {0u, 0u};
+        if constexpr (DT == DT_BF16 && !ROT) {
+          const uint32_t* w = reinterpret_cast<const uint32_t*>(raw.q + 2 * c);
+          sg[0] = signs8_raw(w);
+          sg[1] = signs8_raw(w + 4);
+        }
+        nvfp4_block_search_iw<RULE, IW, unmasked_flags<DT, ROT>()>(v, gs, mb, rd, codes + 2 * c, sb[c],
+                                                                     c == 0 ? iw0 : iw1,
+                                                                     DT == DT_BF16 && !ROT ? sg : nullptr);
       }
     }
   } else {
     float v[32];
     uint32_t m0, m1;
-    decode16<DT>(raw, 0, v, m0);
-    decode16<DT>(raw, 1, v + 16, m1);
+    decode16<DT, RULE != RULE_PLAIN>(raw, 0, v, m0);
+    decode16<DT, RULE != RULE_PLAIN>(raw, 1, v + 16, m1);
     if constexpr (ROT) {
       butterflies16(v);
       butterflies16(v + 16);
@@ -114,7 +150,13 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
         scale16(v, 0.25f);
         scale16(v + 16, 0.25f);
       }
-      mxfp4_block_mse<RULE == RULE_WMSE>(v, mb, codes, sb[0], iw0);
+      uint32_t sg[4] = {0u, 0u, 0u, 0u};
+      if constexpr (DT == DT_BF16 && !ROT) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) sg[w] = signs8_raw(reinterpret_cast<const uint32_t*>(raw.q) + 4 * w);
+      }
+      mxfp4_block_mse_iw<RULE == RULE_WMSE, IW, unmasked_flags<DT, ROT>()>(v, mb, codes, sb[0], iw0,
+                                                                           DT == DT_BF16 && !ROT ? sg : nullptr);
     } else {
       float r = mxfp4_scale(mb, sb[0]);
       if constexpr (RULE == RULE_ALT) {  // rceil: the exponent up where the block would saturate
@@ -145,38 +187,68 @@ __device__ __forceinline__ void store_codes(uint8_t* op, bool full, const uint32
   }
 }
 
-// Linear scale layout: one group per thread, a CTA per 256 groups; the hardware block scheduler
-// balances the tail. A matrix is a flat run of groups; group g's scales are bytes 2g, 2g+1 (NVFP4)
-// or g (MXFP4) of the matrix's row-major scale array.
-template <int DT, int FMT, bool ROT, int RULE>
-__global__ void FP4C_QUANT_BOUNDS(RULE) quantize_kernel(const QuantArgs a) {
-  const int64_t g = (int64_t)blockIdx.x * THREADS + threadIdx.x;
+// One group g of matrix b with the linear scale layout (raw data not yet loaded; full: all 32 elements,
+// else only the first 16): load, encode, store its codes and scale bytes. quantize_kernel's body, also
+// compiled on its own by benchmarks/sass_count.py (with full = true) to count the hot path. IW: the
+// search rules' input weights a.iw (non-null) are read.
+template <int DT, int FMT, bool ROT, int RULE, bool IW>
+__device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, int64_t g, bool full, float gs,
+                                               const float2* rd) {
+  Raw<DT> raw;
+  const uint8_t* p = a.x + (b * a.n + g * GROUP) * Elem<DT>::size;
+#pragma unroll
+  for (int j = 0; j < Raw<DT>::NV; ++j)
+    if (j < Raw<DT>::NV / 2 || full) raw.q[j] = ldg16(p + 16 * j);
+  uint32_t codes[4], sb[2];
+  const float* iw0 = nullptr;
+  const float* iw1 = nullptr;
+  if constexpr (IW) {  // a 32-group may straddle two rows when K % 32 == 16 (NVFP4)
+    iw0 = a.iw + (g * GROUP) % a.K;
+    iw1 = a.iw + (g * GROUP + 16) % a.K;
+  }
+  if (encode_group<DT, FMT, ROT, RULE, IW>(raw, full, gs, rd, codes, sb, iw0, iw1)) *(volatile int*)(a.flag + b) = 1;
+  uint8_t* sp = a.so.base + b * a.so.mstride;
+  if constexpr (FMT == FMT_NVFP4) {
+    sp[2 * g] = (uint8_t)sb[0];
+    if (full) sp[2 * g + 1] = (uint8_t)sb[1];
+  } else {
+    sp[g] = (uint8_t)sb[0];
+  }
+  store_codes(a.packed + (b * a.n + g * GROUP) / 2, full, codes);
+}
+
+// Groups per thread of the linear kernel: SEARCH_GPT for the search rules (NVFP4 4over6 / mse / wmse,
+// MXFP4 mse / wmse), so each thread's per-matrix work (the global scale's division, the (r, d)
+// table's share, the setup) is spread over more elements (those rules are issue bound on sm_90); 1 for
+// the others, whose time is the memory's.
+#ifndef FP4C_SEARCH_GPT
+#define FP4C_SEARCH_GPT 2
+#endif
+constexpr int SEARCH_GPT = FP4C_SEARCH_GPT;
+template <int FMT, int RULE>
+__host__ __device__ constexpr int groups_per_thread() {
+  return RULE == RULE_MSE || RULE == RULE_WMSE || (FMT == FMT_NVFP4 && RULE == RULE_ALT) ? SEARCH_GPT : 1;
+}
+
+// Linear scale layout: groups_per_thread groups per thread (g0, g0 + 256, ...), a CTA per 256 of
+// them; the hardware block scheduler balances the tail. A matrix is a flat run of groups; group g's
+// scales are bytes 2g, 2g+1 (NVFP4) or g (MXFP4) of the matrix's row-major scale array.
+template <int DT, int FMT, bool ROT, int RULE, bool IW>
+__global__ void FP4C_QUANT_BOUNDS(FMT, RULE, IW) quantize_kernel(const QuantArgs a) {
+  constexpr int GPT = groups_per_thread<FMT, RULE>();
+  const int64_t g0 = (int64_t)blockIdx.x * THREADS * GPT + threadIdx.x;
   constexpr bool TABLE = FMT == FMT_NVFP4 && RULE != RULE_PLAIN;
   __shared__ float2 rd[TABLE ? 128 : 1];
-  if (!TABLE && g >= a.groups) return;  // (with a table every thread takes part in its barriers)
+  if (!TABLE && g0 >= a.groups) return;  // (with a table every thread takes part in its barriers)
   for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
-    const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, g == 0);
-    fill_candidates<FMT, RULE>(rd, gs);
-    if (TABLE && g >= a.groups) continue;
-    Raw<DT> raw;
-    load_group<DT>(a.x + b * a.n * Elem<DT>::size, g, a.n, raw);
-    const bool full = g * GROUP + GROUP <= a.n;  // else only the first 16 (NVFP4, n % 32 == 16)
-    uint32_t codes[4], sb[2];
-    const float* iw0 = nullptr;
-    const float* iw1 = nullptr;
-    if (RULE != RULE_PLAIN && a.iw) {  // a 32-group may straddle two rows when K % 32 == 16 (NVFP4)
-      iw0 = a.iw + (g * GROUP) % a.K;
-      iw1 = a.iw + (g * GROUP + 16) % a.K;
+    const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, g0 == 0);
+    fill_candidates<FMT, RULE, DT, ROT>(rd, gs);
+#pragma unroll 1
+    for (int k = 0; k < GPT; ++k) {
+      const int64_t g = g0 + k * THREADS;
+      if (g >= a.groups) break;
+      quantize_group<DT, FMT, ROT, RULE, IW>(a, b, g, g * GROUP + GROUP <= a.n, gs, rd);
     }
-    if (encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb, iw0, iw1)) *(volatile int*)(a.flag + b) = 1;
-    uint8_t* sp = a.so.base + b * a.so.mstride;
-    if constexpr (FMT == FMT_NVFP4) {
-      sp[2 * g] = (uint8_t)sb[0];
-      if (full) sp[2 * g + 1] = (uint8_t)sb[1];
-    } else {
-      sp[g] = (uint8_t)sb[0];
-    }
-    store_codes(a.packed + (b * a.n + g * GROUP) / 2, full, codes);
   }
 }
 
@@ -196,8 +268,8 @@ struct TileArgs {
   const float* iw;  // input_weight fp32 [K], or null
 };
 
-template <int DT, int FMT, bool ROT, int RULE>
-__global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs a) {
+template <int DT, int FMT, bool ROT, int RULE, bool IW>
+__global__ void FP4C_QUANT_BOUNDS(FMT, RULE, IW) quantize_swizzled_kernel(const TileArgs a) {
   constexpr int BS = FMT == FMT_NVFP4 ? 16 : 32;
   const int64_t tiles_k = a.nbp / 4;
   const int64_t mt = blockIdx.x / tiles_k, kt = blockIdx.x - mt * tiles_k;
@@ -210,7 +282,7 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs 
   for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
     const uint8_t* xb = a.x + b * n * Elem<DT>::size;
     const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, blockIdx.x == 0 && threadIdx.x == 0);
-    fill_candidates<FMT, RULE>(rd, gs);
+    fill_candidates<FMT, RULE, DT, ROT>(rd, gs);
     uint32_t s2[2] = {0, 0};
     bool bad = false;
     constexpr int NG = FMT == FMT_NVFP4 ? 1 : 2;  // groups per thread
@@ -226,8 +298,8 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs 
         for (int j = 0; j < Raw<DT>::NV; ++j)
           if (j < Raw<DT>::NV / 2 || full) raw.q[j] = ldg16(p + 16 * j);
         uint32_t codes[4], sb[2] = {0, 0};
-        const float* iw0 = RULE != RULE_PLAIN && a.iw ? a.iw + kb * BS : nullptr;
-        bad |= encode_group<DT, FMT, ROT, RULE>(raw, full, gs, rd, codes, sb, iw0, iw0 ? iw0 + 16 : nullptr);
+        const float* iw0 = IW ? a.iw + kb * BS : nullptr;
+        bad |= encode_group<DT, FMT, ROT, RULE, IW>(raw, full, gs, rd, codes, sb, iw0, IW ? iw0 + 16 : nullptr);
         if constexpr (FMT == FMT_NVFP4) {
           s2[0] = sb[0];
           s2[1] = full ? sb[1] : 0u;
@@ -243,15 +315,25 @@ __global__ void FP4C_QUANT_BOUNDS(RULE) quantize_swizzled_kernel(const TileArgs 
   }
 }
 
-template <int DT, int FMT, bool ROT, int RULE>
-void launch_one(const QuantArgs& a, const TileArgs& t, int swizzle, cudaStream_t st) {
+template <int DT, int FMT, bool ROT, int RULE, bool IW>
+void launch_iw(const QuantArgs& a, const TileArgs& t, int swizzle, cudaStream_t st) {
   if (swizzle) {
     const dim3 grid((unsigned)(t.mstride / 512), (unsigned)(t.B < 65535 ? t.B : 65535));
-    quantize_swizzled_kernel<DT, FMT, ROT, RULE><<<grid, THREADS, 0, st>>>(t);
+    quantize_swizzled_kernel<DT, FMT, ROT, RULE, IW><<<grid, THREADS, 0, st>>>(t);
   } else {
-    const dim3 grid((unsigned)((a.groups + THREADS - 1) / THREADS), (unsigned)(a.B < 65535 ? a.B : 65535));
-    quantize_kernel<DT, FMT, ROT, RULE><<<grid, THREADS, 0, st>>>(a);
+    constexpr int64_t per_cta = (int64_t)THREADS * groups_per_thread<FMT, RULE>();
+    const dim3 grid((unsigned)((a.groups + per_cta - 1) / per_cta), (unsigned)(a.B < 65535 ? a.B : 65535));
+    quantize_kernel<DT, FMT, ROT, RULE, IW><<<grid, THREADS, 0, st>>>(a);
   }
+}
+
+// The input-weighted kernels only where a search rule has input weights (the plain rules ignore them).
+template <int DT, int FMT, bool ROT, int RULE>
+void launch_one(const QuantArgs& a, const TileArgs& t, int swizzle, cudaStream_t st) {
+  if constexpr (RULE != RULE_PLAIN && !(FMT == FMT_MXFP4 && RULE == RULE_ALT)) {
+    if (a.iw) return launch_iw<DT, FMT, ROT, RULE, true>(a, t, swizzle, st);
+  }
+  launch_iw<DT, FMT, ROT, RULE, false>(a, t, swizzle, st);
 }
 
 template <int DT, int FMT, bool ROT>

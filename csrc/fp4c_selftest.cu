@@ -12,7 +12,8 @@ namespace {
 // codes = the predicate sum's; the search rules' codes and block error with r = d = 1 = those from
 // reference.E2M1_VALUES, with the clamp, and without it where every |v| < 7 (compared where finite:
 // a huge input's square overflows and would hide a wrong value, and its batch neighbours are
-// within ~1/32 octave).
+// within ~1/32 octave); on the software path also the scaled fast paths and div6_rn (see below;
+// benchmarks/check_sm90_numerics.cpp proves the same identities on the CPU).
 __global__ void e2m1_selftest_kernel(uint64_t start, uint64_t count, unsigned long long* mismatches) {
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   unsigned long long bad = 0;
@@ -46,6 +47,39 @@ __global__ void e2m1_selftest_kernel(uint64_t start, uint64_t count, unsigned lo
     bad += (got != want) + ((k | search_signs8(v)) != want) + (k_unclamped != want) +
            (check_err && __float_as_uint(err) != __float_as_uint(want_err)) +
            (check_err && __float_as_uint(err_unclamped) != __float_as_uint(want_err));
+#if !FP4C_HW_E2M1
+    // The scaled fast paths (r = d = 1, so rs = 2^-104 and dd = 2^126): NVFP4's block error and codes
+    // where every |v| < 7; per element, MXFP4's chain of e (clamped at 6) and of e + 1 (the code of v / 2)
+    // where |v| < 8 (also from the unmasked m where v has at most 11 significant bits), NVFP4's unmasked
+    // chain off its four exceptions, and div6_rn against the IEEE division on the same bit patterns.
+    if (vmax < 7.0f) {
+      uint32_t ks;
+      const float errs = block_err_codes_scaled<8, false, false>(v, 0x1p-104f, 0x1p126f, &ks, nullptr);
+      bad += ((ks | search_signs8(v)) != want) + (__float_as_uint(errs) != __float_as_uint(want_err));
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float a = fabsf(v[j]);
+      if (a < 8.0f) {
+        const float ys = __fmul_rn(a, 0x1p-104f), cs = e2m1_cs(ys);
+        const float p0 = fminf(e2m1_p_from_cs(ys, cs), 0x1.8p-124f);
+        const float p1 = e2m1_p_half_from_cs(ys, cs);
+        bad += (__float_as_uint(p0) != (e2m1_spec(a) << 22)) +
+               (__float_as_uint(p1) != (e2m1_spec(__fmul_rn(a, 0.5f)) << 22));
+        const uint32_t ab = __float_as_uint(a);
+        if ((ab & 0x1FFFu) == 0) {  // <= 11 significant bits (a bf16/fp16 input scaled by 2^k): unmasked m
+          const float m = fmaxf(ys, 0x1p-104f);
+          bad += (__float_as_uint(fminf(e2m1_p_from_cs(ys, m), 0x1.8p-124f)) != (e2m1_spec(a) << 22)) +
+                 (__float_as_uint(e2m1_p_half_from_cs(ys, m)) != (e2m1_spec(__fmul_rn(a, 0.5f)) << 22));
+        }
+        // NVFP4's unmasked chain, off its four listed exceptions
+        if (a < 7.0f && ab != 0x3FFFFFFDu && ab != 0x3FFFFFFFu && ab != 0x407FFFFDu && ab != 0x407FFFFFu)
+          bad += __float_as_uint(e2m1_p_unmasked(ys)) != (e2m1_spec(a) << 22);
+      }
+      if (v[j] >= 6.0f * 0x1p-126f && v[j] <= FLT_MAX)
+        bad += __float_as_uint(div6_rn(v[j])) != __float_as_uint(__fdiv_rn(v[j], 6.0f));
+    }
+#endif
   }
   if (bad) atomicAdd(mismatches, bad);
 }
