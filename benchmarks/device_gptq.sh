@@ -20,9 +20,13 @@ timeout "${TEST_S:-330}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests
     "tests/calibrate/test_gptq.py::test_gptq_on_the_gpu_is_deterministic_and_matches_the_cpu_at_the_model_level" \
     tests/kernels/test_cuda_kernels.py} 2>&1 | tail -n 40 | tee "$OUT/gpu_tests.txt"
 rc=${PIPESTATUS[0]}
-if [ "${KERNELS:-1}" = 1 ]; then
+if [ "${KERNELS:-1}" = 1 ]; then  # this tree's kernels, and (BEFORE=dir: a copy of an earlier tree) those before, in one run
     timeout "${KERNELS_S:-120}" python3 benchmarks/kernels.py --sizes 16384 --no-peers --json "$OUT/kernels.json" 2>&1 \
         | tail -n 40 | tee "$OUT/kernels.txt"
+    if [ -n "${BEFORE:-}" ] && [ -d "$BEFORE" ]; then
+        (cd "$BEFORE" && PYTHONPATH="$PWD:/tmp/site" timeout "${KERNELS_S:-120}" python3 benchmarks/kernels.py --sizes 16384 \
+            --no-peers --json "$OUT/kernels_before.json") 2>&1 | tail -n 40 | tee "$OUT/kernels_before.txt"
+    fi
 fi
 if [ "${BENCH:-1}" = 1 ]; then
     timeout "${BENCH_S:-300}" python3 benchmarks/iw_cost.py --work /tmp/iw_cost --layers 8 --device auto --warmup \
