@@ -50,7 +50,7 @@ def test_the_recipe_is_the_identity_and_run_options_never_change_it() -> None:
                       "base_model": ("org/name",), "kept_dtype": ("bf16",), "input_weights": ("random",),
                       "calibration_samples": (4,), "calibration_seq_len": (8,), "calibration_seed": (1,),
                       "activations": ("nvfp4",), "activation_scale": ("constant",), "calibration_data": ("c.txt",),
-                      "method": ("gptq",), "gptq_damp": (0.05,), "gptq_block": (256,), "act_order": (True,)}
+                      "method": ("gptq",), "gptq_damp": (0.05,), "gptq_block": (256,), "act_order": (False,)}
     assert set(recipe_changes) == {f.name for f in fields(Recipe)}
     # fields that only count with others on (W4A4 NVFP4 with calibration / input weights) are changed with them
     w4a4 = replace(base, activations="nvfp4", format="compressed-tensors")

@@ -57,7 +57,7 @@ def test_gptq_runs_every_architecture_class_and_says_what_it_quantized(tmp_path,
     m = quantize(src, tmp_path / "gptq", text, "--method", "gptq")
     rec = m["method"]
     assert rec["method"] == "gptq" and rec["rtn"] == [] and rec["device"] == "cpu"
-    assert m["settings"]["method"] == {"name": "gptq", "damp": 0.01, "block": 128, "act_order": False,
+    assert m["settings"]["method"] == {"name": "gptq", "damp": 0.01, "block": 128, "act_order": True,
                                        "calibration": {"data": str(text), "samples": 4, "seq_len": 48, "seed": 0}}
     assert rec["quantized"] >= len(block_matrices(m)) > 0
     assert rec["calibration"]["data"]["source"] == "file"
@@ -149,6 +149,7 @@ def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, mo
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"act_order": True}, "apply to --method gptq only"),
+    ({"act_order": False}, "apply to --method gptq only"),
     ({"gptq_damp": 0.1}, "apply to --method gptq only"),
     ({"method": "gptq", "input_weights": "random"}, "does not apply to --method gptq"),
     ({"method": "gptq", "gptq_block": 48}, "multiple of 32"),
@@ -165,7 +166,8 @@ def test_gptq_defaults_and_identity():
     defaults to mse (the search weighted by the Hessian's diagonal), and input weights stay off."""
     assert "method" not in ConvertConfig().identity()
     c = ConvertConfig(method="gptq")
-    assert c.input_weight_source == "none" and c.rule == "mse"
+    assert c.input_weight_source == "none" and c.rule == "mse" and c.gptq_act_order
+    assert not ConvertConfig(method="gptq", act_order=False).gptq_act_order
     assert c.identity()["method"]["name"] == "gptq"
     assert ConvertConfig(method="gptq", scale_rule="4over6").rule == "4over6"
 

@@ -155,7 +155,7 @@ class GPTQ:
             if p is None:
                 with stages.timed("gptq_prepare"):
                     p = prepared[id(obs)] = gptq.prepare(
-                        h, self.config.gptq_damp, self.scheme.block_size if self.config.act_order else None)
+                        h, self.config.gptq_damp, self.scheme.block_size if self.config.gptq_act_order else None)
             if p.damp != self.config.gptq_damp:
                 self.damped[m.module] = p.damp
             group_amax = amax[m.group or d.group or m.module]
@@ -178,9 +178,9 @@ class GPTQ:
         """What the manifest says of the pass (its settings are also in the recipe's identity); the
         statistics stage adds ``calibration`` (the data, samples, length, seed, tokenizer)."""
         device = "cuda" if self.lm.device.type == "cuda" else "cpu"
-        order = ", act-order" if self.config.act_order else ""
+        order = ", act-order" if self.config.gptq_act_order else ""
         return {"method": "gptq", "scale_rule": self.rule, "damp": self.config.gptq_damp,
-                "block": self.config.gptq_block, "act_order": self.config.act_order, "device": device,
+                "block": self.config.gptq_block, "act_order": self.config.gptq_act_order, "device": device,
                 "quantized": len(self.store.index), "damp_raised": dict(sorted(self.damped.items())),
                 "rtn": sorted(self._unseen),
                 "description": f"GPTQ (each column's rounding error compensated on calibration tokens; dampening "
