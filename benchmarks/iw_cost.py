@@ -1,11 +1,15 @@
-"""What ``--input-weights random`` costs end to end (issue 22 item 3: a default must not cost visibly).
+"""What the calibrated settings cost end to end against the data-free conversion.
 
 One checkpoint (``benchmarks/e2e_vs_copy.py``'s dense 8B-shaped layers, random bf16 weights, a real
-Llama config), converted at default settings with ``--input-weights none`` (today's default) and
-``random``, rows interleaved, ``sync`` after each, median of ``--repeats``; each command a fresh
-process, start-up included. Prints and writes (``--json``) every run and the medians.
+Llama config, plus a character-level tokenizer so samples can be self-generated), converted with each
+row's options, defaults otherwise: ``none`` (the data-free default), ``random`` (``--input-weights
+random``), ``w4a4`` (``--activations nvfp4 --format compressed-tensors``: calibration on self-generated
+samples at the default shape), ``gptq`` (``--method gptq``, self-generated samples at the default
+shape); rows interleaved, ``sync`` after each, median of ``--repeats``; each command a fresh process,
+start-up included. Prints and writes (``--json``) every run (wall time, peak host RSS and peak GPU
+memory from the CLI's ``--json``) and the medians as ratios of ``none``.
 
-    python benchmarks/iw_cost.py --layers 8 --device auto cpu --repeats 3 --json out.json
+    python benchmarks/iw_cost.py --layers 8 --device auto --rows none random w4a4 gptq --repeats 3 --json out.json
 """
 
 from __future__ import annotations
@@ -25,6 +29,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e_vs_copy  # noqa: E402
 
 
+ROWS = {
+    "none": [],
+    "random": ["--input-weights", "random"],
+    "w4a4": ["--activations", "nvfp4", "--format", "compressed-tensors"],
+    "gptq": ["--method", "gptq"],
+}
+
+
+def char_tokenizer(path: Path) -> None:
+    """A character-level tokenizer (ids < 128) beside the checkpoint: self-generation needs one."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)])}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(path))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=Path("/tmp/iw_cost"))
@@ -32,16 +56,19 @@ def main() -> None:
     ap.add_argument("--device", nargs="+", default=["auto"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cpu-repeats", type=int, default=None, help="repeats of the cpu rows (default: --repeats)")
+    ap.add_argument("--rows", nargs="+", default=["none", "random"], choices=list(ROWS))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     src = args.work / "src"
     if not (src / "config.json").exists():
         shutil.rmtree(src, ignore_errors=True)
         e2e_vs_copy.dense(src, args.layers)
+    if not (src / "tokenizer.json").exists():
+        char_tokenizer(src)
     size = sum(p.stat().st_size for p in src.iterdir())
     e2e_vs_copy.warm(src)
     runs = []
-    rows = [(d, iw) for d in args.device for iw in ("none", "random")]
+    rows = [(d, iw) for d in args.device for iw in args.rows]
     for rep in range(args.repeats):
         for dev, iw in rows:
             if dev == "cpu" and args.cpu_repeats is not None and rep >= args.cpu_repeats:
@@ -49,8 +76,8 @@ def main() -> None:
             out = args.work / "out"
             shutil.rmtree(out, ignore_errors=True)
             subprocess.run(["sync"])
-            cmd = [sys.executable, "-m", "fp4convert", "quantize", str(src), str(out), "--device", dev,
-                   "--input-weights", iw, "-q"]
+            cmd = [sys.executable, "-m", "fp4convert", "quantize", str(src), str(out), "--device", dev, "--json",
+                   *ROWS[iw]]
             t0 = time.perf_counter()
             r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             subprocess.run(["sync"])
@@ -58,16 +85,21 @@ def main() -> None:
             if r.returncode:
                 print(r.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{dev} {iw}: exit {r.returncode}")
-            runs.append({"device": dev, "input_weights": iw, "rep": rep, "wall_s": round(wall, 3)})
-            print(f"rep {rep} --device {dev:4} --input-weights {iw:6}: {wall:7.2f} s", flush=True)
+            res = json.loads(r.stdout)
+            rss = res.get("peak_rss_bytes", 0) / 1e9
+            gpu = res.get("counts", {}).get("gpu_peak_MB", 0) / 1e3
+            runs.append({"device": dev, "input_weights": iw, "rep": rep, "wall_s": round(wall, 3),
+                         "peak_rss_GB": round(rss, 2), "gpu_peak_GB": round(gpu, 2), "stages_s": res.get("stages_s")})
+            print(f"rep {rep} --device {dev:4} {iw:6}: {wall:7.2f} s  peak RSS {rss:.2f} GB  GPU {gpu:.2f} GB", flush=True)
     med = {f"{d} {iw}": statistics.median(r["wall_s"] for r in runs if (r["device"], r["input_weights"]) == (d, iw))
            for d, iw in rows}
     for k, v in med.items():
         base = med[k.split()[0] + " none"]
-        print(f"median {k:12}: {v:7.2f} s  ({v / base:.2f}x of input weights none)")
+        print(f"median {k:12}: {v:7.2f} s  ({v / base:.2f}x of the data-free run)")
     rec = {"benchmark": "iw_cost", "date": time.strftime("%Y-%m-%d"), "layers": args.layers, "bytes": size,
            "cpus": os.cpu_count(), "runs": runs, "median_s": med,
-           "command": "python -m fp4convert quantize SRC OUT --device D --input-weights IW -q (defaults otherwise)"}
+           "command": "python -m fp4convert quantize SRC OUT --device D --json ROW (defaults otherwise)",
+           "rows": {k: ROWS[k] for k in args.rows}}
     if args.json:
         args.json.write_text(json.dumps(rec, indent=1) + "\n")
 

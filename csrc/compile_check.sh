@@ -50,7 +50,7 @@ check 120a 1
     -o "$tmp/lib.so" "${SRCS[@]}"
 syms="$(nm -D "$tmp/lib.so")"  # (not piped into grep -q: with pipefail, nm's SIGPIPE would fail the check)
 for f in fp4c_abi_version fp4c_amax fp4c_quantize fp4c_dequantize fp4c_decode_fp8_block fp4c_decode_mxfp4_blocks \
-         fp4c_e2m1_selftest; do
+         fp4c_e2m1_selftest fp4c_gptq_sweep; do
     grep -q " T $f\$" <<< "$syms" || { echo "FAIL: library lacks $f"; exit 1; }
 done
 echo "compile check passed"

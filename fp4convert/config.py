@@ -26,6 +26,12 @@ RANDOM_SHAPE = (16, 256)  # samples x tokens of random token ids (--input-weight
 # "Kept tensors". F16 stays F16 (BF16 has 3 fewer mantissa bits, and both are 2 bytes: nothing to gain),
 # BF16 stays, and non-float tensors (ints, bool, U8, FP8, F4) are never changed.
 KEPT_DTYPES = ("source", "bf16")
+# --method (docs/numerics.md "GPTQ"): how the weights are rounded. rtn: each block on its own (data-free
+# unless a model run measures input weights or activation scales); gptq: column by column on the
+# calibration samples, each column's error pushed onto the columns not yet quantized.
+METHODS = ("rtn", "gptq")
+GPTQ_DAMP = 0.01  # (mirrors fp4convert/numerics/gptq.py DAMP and BLOCK, which import torch)
+GPTQ_BLOCK = 128
 KEPT_TO_BF16 = ("F32", "F64")
 
 
@@ -64,6 +70,12 @@ class Recipe:
     # How kept tensors are stored (KEPT_DTYPES). Part of the identity only when not "source" (outputs,
     # manifests and resumes of default runs unchanged).
     kept_dtype: str = "source"
+    # How the weights are rounded (METHODS) and GPTQ's settings. Part of the identity only for gptq
+    # (rtn outputs, manifests and resumes unchanged).
+    method: str = "rtn"
+    gptq_damp: float = GPTQ_DAMP
+    gptq_block: int = GPTQ_BLOCK
+    act_order: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,7 @@ class ConvertConfig(RunOptions, Recipe):
 
             if not valid_repo_id(self.base_model):
                 raise ConfigError(f"--base-model {self.base_model!r} is not a Hub model id (org/name)")
+        self._check_method()
         self._check_activations()
         if self.kept_dtype not in KEPT_DTYPES:
             raise ConfigError(f"--kept-dtype {self.kept_dtype!r}: choose one of {', '.join(KEPT_DTYPES)}")
@@ -141,13 +154,25 @@ class ConvertConfig(RunOptions, Recipe):
         if self.activations != self.scheme:
             raise ConfigError(f"--activations {self.activations} needs --scheme {self.activations} "
                               f"(weights and activations in one FP4 format), not --scheme {self.scheme}")
-        if self.rotate:
-            raise ConfigError("--activations cannot be combined with --rotate (the activation scales would have "
-                              "to be measured on rotated activations); drop one of them")
         allowed = [name for name in OUTPUT_FORMATS if self.activations in get_format(name).activation_modes]
         if self.format not in allowed:
             raise ConfigError(f"--activations {self.activations} is written for --format {' or '.join(allowed)} "
                               f"only (the engines' W4A4 conventions), not --format {self.format}")
+
+    def _check_method(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"--method {self.method!r}: choose one of {', '.join(METHODS)}")
+        if self.method != "gptq":
+            if self.act_order or self.gptq_damp != GPTQ_DAMP or self.gptq_block != GPTQ_BLOCK:
+                raise ConfigError("--act-order, --gptq-damp and --gptq-block apply to --method gptq only")
+            return
+        if self.input_weights not in ("auto", "none"):
+            raise ConfigError(f"--input-weights {self.input_weights} does not apply to --method gptq: GPTQ weights the "
+                              "search rules' block error by its own Hessian's diagonal (drop --input-weights)")
+        if not (0.0 < self.gptq_damp <= 10.0):
+            raise ConfigError(f"--gptq-damp {self.gptq_damp!r}: give a fraction of the Hessian's mean diagonal in (0, 10]")
+        if self.gptq_block < 32 or self.gptq_block % 32:
+            raise ConfigError(f"--gptq-block {self.gptq_block!r}: give a multiple of 32 (both schemes' blocks), e.g. 128")
 
     def _check_input_weights(self) -> None:
         if self.input_weights not in INPUT_WEIGHTS:
@@ -167,6 +192,8 @@ class ConvertConfig(RunOptions, Recipe):
         unless the rule asked for has no search."""
         if self.input_weights != "auto":
             return self.input_weights
+        if self.method == "gptq":
+            return "none"  # GPTQ's search rules are weighted by its Hessian's diagonal
         if (self.activations == "nvfp4" and self.activation_scale == "calibrate"
                 and self._rule_searches()):
             return "calibration"
@@ -185,8 +212,8 @@ class ConvertConfig(RunOptions, Recipe):
     @property
     def rule(self) -> str:
         """The scale rule in effect: the one asked for, else ``mse`` when input weights are on (the best
-        measured with them), else the scheme's default."""
-        if self.scale_rule is None and self.input_weight_source != "none":
+        measured with them; GPTQ's are its Hessian's diagonal), else the scheme's default."""
+        if self.scale_rule is None and (self.input_weight_source != "none" or self.method == "gptq"):
             return SCHEMES[self.scheme].check_rule(WEIGHTED_RULE)
         return SCHEMES[self.scheme].check_rule(self.scale_rule)
 
@@ -203,6 +230,7 @@ class ConvertConfig(RunOptions, Recipe):
             "revision": self.revision,
             **self.activation_identity(),
             **self.input_weight_identity(),
+            **self.method_identity(),
             **({"kept_dtype": self.kept_dtype} if self.kept_dtype != "source" else {}),
             **({"base_model": self.base_model} if self.base_model is not None else {}),
         }
@@ -221,6 +249,13 @@ class ConvertConfig(RunOptions, Recipe):
             if self.activation_scale == "calibrate":
                 out["calibration"] = self._calibration_identity()
         return out
+
+    def method_identity(self) -> dict:
+        """GPTQ's settings in the identity ({} for rtn: identities of earlier runs unchanged)."""
+        if self.method == "rtn":
+            return {}
+        return {"method": {"name": self.method, "damp": self.gptq_damp, "block": self.gptq_block,
+                           "act_order": self.act_order, "calibration": self._calibration_identity()}}
 
     def _calibration_identity(self) -> dict:
         samples, seq_len = self.calibration_shape

@@ -87,8 +87,8 @@ def share(amax: dict[str, float], plan: Plan) -> dict[str, float]:
 # -- refusing what cannot be calibrated, before anything is written ----------------------------
 
 def runs_model(config: ConvertConfig) -> bool:
-    """Does this conversion run the model (W4A4 NVFP4 activation calibration, or input weights)?"""
-    return activation_calibration(config) or config.input_weight_source != "none"
+    """Does this conversion run the model (W4A4 NVFP4 activation calibration, input weights, GPTQ)?"""
+    return activation_calibration(config) or config.input_weight_source != "none" or config.method == "gptq"
 
 
 def activation_calibration(config: ConvertConfig) -> bool:
@@ -97,6 +97,8 @@ def activation_calibration(config: ConvertConfig) -> bool:
 
 def what_runs(config: ConvertConfig) -> tuple[str, str]:
     """(what runs the model, the option that avoids it): the words of a refusal."""
+    if config.method == "gptq":
+        return "--method gptq", "or use --method rtn"
     if activation_calibration(config):
         return "activation calibration", "or use --activation-scale constant"
     return f"--input-weights {config.input_weight_source}", "or use --input-weights none"
@@ -121,7 +123,7 @@ def check_runnable(source: Source, config: ConvertConfig) -> None:
         import transformers  # noqa: F401
     except ImportError:
         raise PlanError(f"{what} needs transformers (pip install transformers), {other}") from None
-    text = activation_calibration(config) or iw == "calibration"
+    text = activation_calibration(config) or iw == "calibration" or config.method == "gptq"
     if text and not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise PlanError(f"{root}: no tokenizer (tokenizer.json / tokenizer.model / vocab.json); {what} needs one "
                         f"to tokenize or generate its samples ({other})")

@@ -50,16 +50,31 @@ def key(source: Source, config: ConvertConfig, modules: list[str], device: str |
     data = None
     if config.calibration_data is not None and Path(config.calibration_data).is_file():
         data = hashlib.sha256(Path(config.calibration_data).read_bytes()).hexdigest()
-    what = {"version": __version__, "root": str(root.resolve()), "files": files, "modules": modules,
+    what: dict[str, object] = {"version": __version__, "root": str(root.resolve()), "files": files, "modules": modules,
             "activations": config.activations, "activation_scale": config.activation_scale,
             "input_weights": config.input_weight_source, "data": data, "shape": list(config.calibration_shape),
             "random_shape": list(config.random_shape), "seed": config.calibration_seed, "rotate": config.rotate,
             "device": "cpu" if device in (None, "cpu") else "gpu"}
+    if config.method != "rtn":  # (keys of rtn passes unchanged)
+        what["method"] = config.method_identity()
+        what["scale_rule"] = config.rule
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def store_dir(k: str | None) -> Path:
+    """Where a pass keyed ``k`` keeps its quantized matrices (GPTQ); a fresh temporary folder beside the
+    cache for a pass that cannot be kept (a Hub source)."""
+    if k is not None:
+        return keep_dir() / f"{k}.gptq"
+    import tempfile
+
+    keep_dir().mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="unkept-", suffix=".gptq", dir=keep_dir()))
 
 
 def load(k: str | None) -> Statistics | None:
     from fp4convert.calibrate.stats import Statistics
+    from fp4convert.calibrate.store import Store
 
     if k is None:
         return None
@@ -68,6 +83,11 @@ def load(k: str | None) -> Statistics | None:
         obj = json.loads(p.read_text())
     except (OSError, ValueError):
         return None
+    store = None
+    if obj.get("gptq_record") is not None:
+        store = Store.load(store_dir(k))
+        if store is None:  # the quantized matrices are gone (written and removed, or never finished)
+            return None
     iw = obj.get("input_weights")
     made: dict[str, InputWeight] = {}
     weights = None
@@ -78,7 +98,8 @@ def load(k: str | None) -> Statistics | None:
                 made[src] = InputWeight(src, bytes.fromhex(hexdata))
             weights[m] = made[src]
     log.info("statistics from the interrupted run kept in %s (the model does not run again)", p)
-    return Statistics(obj.get("amax"), obj.get("calibration"), weights, obj.get("input_weight_record"))
+    return Statistics(obj.get("amax"), obj.get("calibration"), weights, obj.get("input_weight_record"), store,
+                      obj.get("gptq_record"))
 
 
 def save(k: str | None, st: Statistics) -> None:
@@ -86,6 +107,7 @@ def save(k: str | None, st: Statistics) -> None:
     if k is None:
         return
     obj = {"amax": st.amax, "calibration": st.calibration, "input_weight_record": st.input_weight_record,
+           "gptq_record": st.gptq_record,
            "input_weights": None if st.input_weights is None else
            {m: [w.key, w.data.hex()] for m, w in st.input_weights.items()}}
     d = keep_dir()

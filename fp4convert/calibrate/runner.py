@@ -30,6 +30,7 @@ import re
 import time
 from contextlib import contextmanager
 from copy import deepcopy
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -170,6 +171,15 @@ def structure_problem(model, cfg) -> str | None:
     return None
 
 
+@dataclass
+class Visit:
+    """One block of :meth:`LayerwiseModel.blocks`, observed and still loaded: its index and name prefix."""
+
+    index: int
+    prefix: str
+    reloaded: bool = False
+
+
 class LayerwiseModel:
     """A model built on ``meta``; weights materialized from the source one block at a time."""
 
@@ -201,6 +211,7 @@ class LayerwiseModel:
         self.loaded = 0  # parameter bytes materialized now, and the most at once (tests check it is flat)
         self.peak_loaded = 0
         self._ahead: dict = {}  # checkpoint key -> Future of its bytes (the next block's, read ahead)
+        self._replaced: dict = {}  # checkpoint key -> tensor loaded instead (reload_block)
         self._reader: ThreadPoolExecutor | None = None
 
     # -- checkpoint names -> parameters (transformers' own conversion) ------------------------------
@@ -233,6 +244,9 @@ class LayerwiseModel:
         from fp4convert.storage.safetensors import torch_dtypes
 
         info = self.infos[name]
+        got = self._replaced.get(name)
+        if got is not None:
+            return got.to(self.device, torch.float32)
         if info.dtype not in ("F32", "F16", "BF16"):
             raise PlanError(f"{name}: dtype {info.dtype}; the layer-by-layer run reads F32/F16/BF16 checkpoints")
         ahead = self._ahead.pop(name, None)
@@ -396,6 +410,15 @@ class LayerwiseModel:
         """Run the calibration tokens block by block, feeding ``observers`` with every linear's input
         (names: the module's; expert stacks ``{path}:in`` and ``{path}:down:{e}``; ``lm_head``'s input with
         ``head``). Raises PlanError when a block's output is not finite."""
+        for _ in self.blocks(tokens, observers, head=head, micro_batch=micro_batch, progress=progress):
+            pass
+
+    def blocks(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
+               micro_batch: int = MICRO_BATCH, progress: bool = True, desc: str = "calibrate: blocks"):
+        """:meth:`observe` as a generator: after block ``i`` has run on every micro-batch with its inputs
+        observed, it yields a :class:`Visit` while the block's weights are still loaded. The caller may
+        quantize them and :meth:`reload_block` the block with the quantized weights (GPTQ's sequential
+        pass); the block then runs again, so the next block's inputs are the quantized block's outputs."""
         import torch
         from transformers.pytorch_utils import Conv1D
 
@@ -404,7 +427,7 @@ class LayerwiseModel:
         calls = self.capture(batches)
         hs = [self._hidden_of(0, *calls[0][k]) for k in range(len(batches))]
         try:
-            bar = progress_bar(len(self.layers), "calibrate: blocks", progress)
+            bar = progress_bar(len(self.layers), desc, progress)
             never: list[str] = []
             for i, block in enumerate(self.layers):
                 prefix = f"{self.layers_name}.{i}."
@@ -419,11 +442,7 @@ class LayerwiseModel:
                     elif is_expert_stack(m):
                         taps.append(ExpertTap(prefix + n, m, observers))
                 try:
-                    outs = []
-                    for k in range(len(batches)):
-                        args, kw = replace_hidden(block, *calls[i][k], hs[k])
-                        outs.append(self.run_layer(i, args, kw))
-                    bad = not bool(torch.stack([torch.isfinite(o).all() for o in outs]).all())
+                    outs = self._run_block(i, block, calls[i], hs)
                 finally:
                     for hd in handles:
                         hd.remove()
@@ -432,6 +451,11 @@ class LayerwiseModel:
                 for t in taps:
                     if t.routed is not None:
                         never += [f"{t.name}.{e}" for e in (t.routed == 0).nonzero().flatten().tolist()]
+                visit = Visit(i, prefix)
+                yield visit
+                if visit.reloaded:
+                    outs = self._run_block(i, block, calls[i], hs)
+                bad = not bool(torch.stack([torch.isfinite(o).all() for o in outs]).all())
                 self.free_block(i)
                 if bad:
                     raise PlanError(f"{self.root}: block {i} ({prefix[:-1]}) produced NaN/Inf on the calibration input; "
@@ -447,6 +471,40 @@ class LayerwiseModel:
                         "statistics come from every token sent through them", len(never), never[0])
         if head and self.heads:
             self._observe_head(batches, hs, observers)
+
+    def _run_block(self, i: int, block, calls: list, hs: list) -> list:
+        outs = []
+        for k in range(len(hs)):
+            a, kw = calls[k]
+            args, kw = replace_hidden(block, a, kw, hs[k])
+            outs.append(self.run_layer(i, args, kw))
+        return outs
+
+    def block_keys(self, i: int) -> list[str]:
+        """The checkpoint keys that load block ``i``."""
+        return self._keys_under(f"{self.layers_name}.{i}.")
+
+    def read_fp32(self, name: str) -> torch.Tensor:
+        """Checkpoint tensor ``name`` as fp32 on the run's device (a plain read; not read ahead)."""
+        import torch
+
+        from fp4convert.storage.safetensors import torch_dtypes
+
+        info = self.infos[name]
+        t = torch.frombuffer(self._bytes(name), dtype=torch_dtypes()[info.dtype]).reshape(info.shape)
+        return t.to(self.device, torch.float32)
+
+    def reload_block(self, visit: Visit, replaced: dict[str, torch.Tensor]) -> None:
+        """Load the visited block again with some checkpoint tensors replaced (``replaced``: key -> the
+        tensor in its on-disk shape, e.g. the quantized weights dequantized): through transformers'
+        converters, as the checkpoint's own tensors load."""
+        self._replaced = replaced
+        try:
+            self.free_block(visit.index)
+            self.load_block(visit.index)
+        finally:
+            self._replaced = {}
+        visit.reloaded = True
 
     def _hidden_of(self, i: int, args: tuple, kwargs: dict):
         from fp4convert.calibrate.capture import hidden_slot

@@ -51,7 +51,7 @@ def bf16_ceil(x: float) -> float:
 def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | None = None,
                    micro_batch: int = MICRO_BATCH,
                    mean_square: dict[str, torch.Tensor] | None = None,
-                   rotate: str | None = None) -> dict[str, torch.Tensor]:
+                   rotate: str | None = None, rotated_amax: bool = False) -> dict[str, torch.Tensor]:
     """The fp32 amax of every observed input, by the runner's names (a linear's module name; expert
     stacks ``{path}:in`` / ``{path}:down:{e}``), block by block; also ``lm_head`` (the head's input)
     when ``wanted`` names it. Raw fp32 maxima (no rounding).
@@ -60,9 +60,9 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
     calibration token (fp64 sums, rounded to bf16 at the end), the ``input_weight`` that makes the
     weight scale rules' block error track the layer's output error (reference.block_error).
     ``rotate`` ("had16"): the mean squares are those of the rotated inputs ``x H``; the amax stays
-    that of the plain inputs.
+    that of the plain inputs unless ``rotated_amax`` (W4A4 with a rotation: the engine quantizes x H).
     """
-    obs = Observers(squares=mean_square is not None, rotate=rotate)
+    obs = Observers(squares=mean_square is not None, rotate=rotate, rotated_amax=rotated_amax)
     lm.observe(tokens, obs, head=bool(wanted and "lm_head" in wanted), micro_batch=micro_batch)
     if mean_square is not None:
         mean_square.update(obs.mean_squares())
@@ -116,7 +116,7 @@ def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Sta
         out.calibration = {"method": "constant", "amax": CONSTANT_AMAX}
         amax_pass = False
     iw = config.input_weight_source
-    if not amax_pass and iw == "none":
+    if not amax_pass and iw == "none" and config.method == "rtn":
         return out
 
     from fp4convert.calibrate import keep
@@ -128,7 +128,7 @@ def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Sta
         if kept is not None:
             return kept
     try:
-        measured = _measure(source, plan, config, device, out, modules, amax_pass, iw)
+        measured = _measure(source, plan, config, device, out, modules, amax_pass, iw, keep.store_dir(kept_key))
     except KeyboardInterrupt:
         from fp4convert.errors import Interrupted
 
@@ -139,11 +139,12 @@ def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Sta
 
 
 def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Statistics, modules: list[str],
-             amax_pass: bool, iw: str) -> Statistics:
+             amax_pass: bool, iw: str, store_dir: Path) -> Statistics:
     import torch
 
     if any(d.decode is not None for d in plan.decisions):
-        what = "activation calibration" if amax_pass else f"--input-weights {iw}"
+        what = ("--method gptq" if config.method == "gptq" else "activation calibration" if amax_pass
+                else f"--input-weights {iw}")
         raise PlanError(f"{what} runs the model on bf16/fp16/fp32 weights; this checkpoint's weights are quantized "
                         "(FP8/MXFP4) inputs" + (": use --activation-scale constant" if amax_pass else
                                                 ": use --input-weights none"))
@@ -164,7 +165,8 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
 
     mean_square: dict[str, torch.Tensor] = {}
     described: dict = {}
-    if amax_pass or iw == "calibration":
+    rotated_amax = bool(config.rotate) and config.activations != "none"
+    if amax_pass or iw == "calibration" or config.method == "gptq":
         import transformers as tf
 
         try:
@@ -181,13 +183,19 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
             with running():
                 tokens = generate(lm, tok, samples, seq_len, config.calibration_seed)
             data_record = {"source": "self-generated", "start_token": int(tokens[0, 0])}
-        with running():
-            raw = by_module(layerwise_amax(lm, tokens, set(modules), mean_square=mean_square if iw == "calibration"
-                                           else None, rotate=config.rotate))
+        if config.method == "gptq":
+            with running():
+                raw = by_module(_gptq_pass(lm, plan, config, tokens, inputs, set(modules), store_dir, out))
+        else:
+            with running():
+                raw = by_module(layerwise_amax(lm, tokens, set(modules), mean_square=mean_square if iw == "calibration"
+                                               else None, rotate=config.rotate, rotated_amax=rotated_amax))
         calibrated = {"data": data_record, "samples": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]),
                       "seed": config.calibration_seed, "tokenizer_sha256": tokenizer_digest(root)}
         if amax_pass:
             out.amax, out.calibration = _activation_record(raw, modules, plan, calibrated)
+        if out.gptq_record is not None:
+            out.gptq_record["calibration"] = calibrated
         described = {"source": "calibration", **calibrated}
     if iw == "random":
         samples, seq_len = config.random_shape
@@ -201,6 +209,28 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
         out.input_weights, out.input_weight_record = input_weights_for(plan, by_module(mean_square), described,
                                                                        config.rotate)
     return out
+
+
+def _gptq_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, tokens: torch.Tensor, inputs: dict[str, str],
+               wanted: set[str], store_dir: Path, out: Statistics) -> dict[str, torch.Tensor]:
+    """GPTQ over every block (:mod:`fp4convert.calibrate.gptq`); the matrices go to a store in ``store_dir``
+    (``out.gptq``), and the inputs' amax (taken in the same pass, for W4A4) is returned by runner name."""
+    from fp4convert.calibrate.gptq import GPTQ
+    from fp4convert.calibrate.store import Store
+
+    store = Store.create(store_dir)
+    obs = Observers(hessian=True, rotate=config.rotate,
+                    rotated_amax=bool(config.rotate) and config.activations != "none")
+    g = GPTQ(lm, plan, config, inputs, store)
+    g.run(tokens, obs, head="lm_head" in wanted, micro_batch=MICRO_BATCH, progress=True)
+    store.finish()
+    out.gptq, out.gptq_record = store, g.record()
+    if g.unseen:
+        log.warning("%d quantized matrices of the blocks (e.g. %s) had no observed input: rounded to nearest "
+                    "(data-free) instead of GPTQ", len(g.unseen), g.unseen[0])
+    log.info("gptq: %d matrices quantized%s", len(store.index),
+             f"; dampening raised for {len(g.damped)}" if g.damped else "")
+    return obs.amax()
 
 
 def _activation_record(raw: dict, modules: list[str], plan: Plan, calibrated: dict) -> tuple[dict[str, float], dict]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from fp4convert.calibrate.store import Store
     from fp4convert.quantizer.backend import InputWeight
 
 
@@ -23,13 +24,19 @@ class Observer:
     """Running statistics of one input: amax, per-channel sum of squares, token count, optional Hessian.
 
     ``rotate`` ("had16"): the squares (and Hessian) are those of the rotated input ``x H`` (the weights
-    are quantized as ``W H``); the amax stays that of the plain input, which is what the engine's
-    activation quantizer sees.
+    are quantized as ``W H``); the amax stays that of the plain input, unless ``rotated_amax``: W4A4
+    with a rotation, whose engine rotates the input before quantizing it.
+
+    The Hessian sum: each batch's ``X^T X`` is one fp64 matmul on the CPU; on a GPU one fp32 matmul
+    with TF32 allowed (an order of magnitude faster there than fp64 or strict fp32, and its rounding
+    is far below the 1% dampening GPTQ adds), summed in fp64. Its last bits depend on the device and
+    the GEMM library (docs/numerics.md "GPTQ").
     """
 
     squares: bool = False
     hessian: bool = False
     rotate: str | None = None
+    rotated_amax: bool = False
     amax: torch.Tensor | None = None
     sum_sq: torch.Tensor | None = None
     xtx: torch.Tensor | None = None
@@ -43,23 +50,37 @@ class Observer:
         x = x.detach()
         if x.numel() == 0:
             return  # no token reached this input in this call
-        a = x.abs().amax().float()
-        self.amax = a if self.amax is None else torch.maximum(self.amax, a)
         self.shapes.add(int(x.shape[-1]))
-        if not (self.squares or self.hessian):
-            return
-        if self.rotate == "had16":
+        rotated = None
+        if self.rotate == "had16" and (self.squares or self.hessian or self.rotated_amax):
             from fp4convert.numerics.reference import had16
 
-            x = had16(x)
-        x2 = x.reshape(-1, x.shape[-1]).double()
+            rotated = had16(x)
+        a = (rotated if self.rotated_amax and rotated is not None else x).abs().amax().float()
+        self.amax = a if self.amax is None else torch.maximum(self.amax, a)
+        if not (self.squares or self.hessian):
+            return
+        if rotated is not None:
+            x = rotated
+        flat = x.reshape(-1, x.shape[-1])
         if self.squares:
+            x2 = flat.double()
             sq = (x2 * x2).sum(0)
             self.sum_sq = sq if self.sum_sq is None else self.sum_sq + sq
         if self.hessian:
-            h = x2.T @ x2
-            self.xtx = h if self.xtx is None else self.xtx + h
-        self.count += x2.shape[0]
+            if flat.is_cuda:
+                f = flat.float()
+                saved = torch.backends.cuda.matmul.allow_tf32
+                torch.backends.cuda.matmul.allow_tf32 = True
+                try:
+                    h = (f.T @ f).double()
+                finally:
+                    torch.backends.cuda.matmul.allow_tf32 = saved
+            else:
+                f = flat.double()
+                h = f.T @ f
+            self.xtx = h if self.xtx is None else self.xtx.add_(h)
+        self.count += flat.shape[0]
 
     def mean_square(self) -> torch.Tensor | None:
         """E[x_j^2] per channel, rounded to bf16 (returned as fp32 on the CPU), or None if not kept."""
@@ -77,20 +98,45 @@ class Observer:
 
 
 class Observers(dict):
-    """name -> :class:`Observer`, made on first use with the same settings."""
+    """name -> :class:`Observer`, made on first use with the same settings.
 
-    def __init__(self, squares: bool = False, hessian: bool = False, rotate: str | None = None) -> None:
+    Inputs that are one tensor (q/k/v's, gate/up's: the pre-hooks receive the very same object) share
+    one Observer: its statistics are computed once (a Hessian is the costliest part of a block), and
+    both names map to it.
+    """
+
+    def __init__(self, squares: bool = False, hessian: bool = False, rotate: str | None = None,
+                 rotated_amax: bool = False) -> None:
         super().__init__()
-        self.squares, self.hessian, self.rotate = squares, hessian, rotate
+        self.squares, self.hessian, self.rotate, self.rotated_amax = squares, hessian, rotate, rotated_amax
         self.enabled = True
+        self._last: tuple[str, object] | None = None  # (name, tensor) of the latest add
+        self._alias: dict[str, str] = {}  # name -> the name whose Observer it shares
 
     def add(self, name: str, x: torch.Tensor) -> None:
         if not self.enabled:
             return
+        last = self._last
+        if name in self._alias:
+            if last is not None and last[1] is x and last[0] == self._alias[name]:
+                return  # the shared input, already added under its first name
+            raise RuntimeError(f"{name}: its input was shared with {self._alias[name]} and no longer is")
         obs = self.get(name)
         if obs is None:
-            obs = self[name] = Observer(self.squares, self.hessian, self.rotate)
+            if last is not None and last[1] is x and last[0] in self:
+                self._alias[name] = last[0]
+                self[name] = self[last[0]]
+                return
+            obs = self[name] = Observer(self.squares, self.hessian, self.rotate, self.rotated_amax)
         obs.add(x)
+        self._last = (name, x)
+
+    def drop(self, names) -> None:
+        """Forget these inputs' statistics (a block's Hessians, once its weights are quantized)."""
+        for n in names:
+            self.pop(n, None)
+            self._alias.pop(n, None)
+        self._last = None
 
     def amax(self) -> dict[str, torch.Tensor]:
         """name -> fp32 amax on the CPU (one sync at the end)."""
@@ -112,10 +158,14 @@ class Statistics:
     ``amax`` / ``calibration``: W4A4 NVFP4's activation amax per quantized module (fused and expert
     groups at their max) and its manifest record; ``input_weights``: each quantized matrix's input
     weight (module -> :class:`~fp4convert.backend.InputWeight`; fused members share one object) and
-    ``input_weight_record``, the identity entry that describes them (source, tokens, seed, digest).
+    ``input_weight_record``, the identity entry that describes them (source, tokens, seed, digest);
+    ``gptq``: the matrices GPTQ quantized (``--method gptq``) and ``gptq_record``, what the manifest says
+    of the pass.
     """
 
     amax: dict[str, float] | None = None
     calibration: dict | None = None
     input_weights: dict[str, InputWeight] | None = None
     input_weight_record: dict | None = None
+    gptq: Store | None = None
+    gptq_record: dict | None = None

@@ -8,7 +8,17 @@ from functools import wraps
 
 import click
 
-from fp4convert.config import CALIBRATION_SHAPE, DEFAULT_MAX_SHARD, INPUT_WEIGHTS, KEPT_DTYPES, RANDOM_SHAPE, WEIGHTED_RULE
+from fp4convert.config import (
+    CALIBRATION_SHAPE,
+    DEFAULT_MAX_SHARD,
+    GPTQ_BLOCK,
+    GPTQ_DAMP,
+    INPUT_WEIGHTS,
+    KEPT_DTYPES,
+    METHODS,
+    RANDOM_SHAPE,
+    WEIGHTED_RULE,
+)
 from fp4convert.errors import EXIT_CODES
 from fp4convert.numerics.scheme import SCHEMES
 from fp4convert.quantizer.backend import backend_names
@@ -88,6 +98,34 @@ def push_folder(dst, repo, private: bool, token, quiet: bool) -> None:
 
 
 EXIT_CODE_HELP = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code, text in EXIT_CODES.items())
+
+
+def method_options(fn: Callable) -> Callable:
+    """--method and GPTQ's settings, gathered into one ``rounding`` dict of ConvertConfig fields."""
+    opts = [
+        click.option("--method", type=click.Choice(list(METHODS)), default="rtn", show_default=True,
+                     help="How weights are rounded. rtn: each block on its own (data-free). gptq: GPTQ on "
+                          "calibration samples (--calibration-data, else self-generated), block by block on the "
+                          "model (the GPU when there is one), each column's rounding error pushed onto the columns "
+                          "not yet quantized; the most accurate, and it runs the model (see the README's table). "
+                          "With --rotate had16: MR-GPTQ."),
+        click.option("--act-order", is_flag=True,
+                     help="--method gptq: quantize the scale blocks with the largest input energy first."),
+        click.option("--gptq-damp", type=click.FloatRange(min=0.0, min_open=True, max=10.0), default=GPTQ_DAMP,
+                     show_default=True, help="--method gptq: dampening, a fraction of the Hessian's mean diagonal."),
+        click.option("--gptq-block", type=click.IntRange(min=32), default=GPTQ_BLOCK, show_default=True,
+                     help="--method gptq: columns per lazy batch update (a multiple of 32)."),
+    ]
+    keys = ("method", "act_order", "gptq_damp", "gptq_block")
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        kwargs["rounding"] = {k: kwargs.pop(k) for k in keys}
+        return fn(*args, **kwargs)
+
+    for opt in reversed(opts):
+        wrapper = opt(wrapper)
+    return wrapper
 
 
 def activation_options(fn: Callable) -> Callable:

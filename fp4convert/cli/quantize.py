@@ -14,6 +14,7 @@ from fp4convert.cli.options import (
     activation_options,
     backend_help,
     kept_dtype_option,
+    method_options,
     output_options,
     push_folder,
     push_options,
@@ -64,11 +65,13 @@ from fp4convert.quantizer.backend import backend_names
 @kept_dtype_option
 @output_options
 @push_options
+@method_options
 @activation_options
 @library_errors
 def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, max_shard_size, ignore, only,
              allow_nothing_quantized, allow_no_config, revision, cache_dir, delete_source_shards, dry_run, base_model,
-             kept_dtype, overwrite, resume, verify_source, quiet, as_json, push_repo, private, token, activation) -> None:
+             kept_dtype, overwrite, resume, verify_source, quiet, as_json, push_repo, private, token, rounding,
+             activation) -> None:
     """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST.
 
     \b
@@ -88,7 +91,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
         max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
         revision=revision, verify_source=verify_source, lanes=lanes, backend=backend,
         allow_no_config=allow_no_config, base_model=base_model, kept_dtype=kept_dtype,
-        **activation,
+        **activation, **rounding,
     )
     dry_run_out = True
     if rank() > 0:  # torchrun: one voice (rank 0); the others only report their own errors

@@ -31,14 +31,15 @@ _COPY_CHUNK = 16 << 20
 
 
 def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict, others: list[Path],
-           session: Session | None, calibration: dict | None = None) -> None:
+           session: Session | None, calibration: dict | None = None, method: dict | None = None) -> None:
     """Other files, the index, then the manifest (last: its presence means 'finished'); releases DST.
-    ``calibration``: W4A4 NVFP4, how the activation scales were calibrated (the manifest records it)."""
+    ``calibration``: W4A4 NVFP4, how the activation scales were calibrated; ``method``: ``--method gptq``,
+    what its pass did (the manifest and the card record both)."""
     from fp4convert.output.destination import planned_names
 
     try:
         with stages.timed("finish"):
-            _finish(source, plan, fmt, dst, identity, others, calibration)
+            _finish(source, plan, fmt, dst, identity, others, calibration, method)
     except BaseException as exc:
         for name in planned_names(plan, source, others) - {f for f, _ in plan.shards}:  # only our own temporary files
             try:
@@ -55,7 +56,7 @@ def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: d
 
 
 def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict, others: list[Path],
-            calibration: dict | None) -> None:
+            calibration: dict | None, method: dict | None = None) -> None:
     state = json.loads((dst / PROGRESS_NAME).read_text())
     rels = [p.relative_to(source.root).as_posix() for p in others]
     # Name every file finish writes in the record first: --overwrite then knows they are ours.
@@ -83,8 +84,8 @@ def _finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: 
         atomic_write(dst / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     step()
     with writing(dst / MANIFEST_NAME):
-        written = _write_model_card(source, plan, fmt, dst, identity, state, written, calibration)
-        manifest = build_manifest(plan, fmt, source, identity, state, dst, written, calibration)
+        written = _write_model_card(source, plan, fmt, dst, identity, state, written, calibration, method)
+        manifest = build_manifest(plan, fmt, source, identity, state, dst, written, calibration, method)
         atomic_write(dst / MANIFEST_NAME, manifest_text(manifest))
     step()
     with writing(dst / PROGRESS_NAME):
@@ -106,7 +107,7 @@ def _kept_dtype_config(dst: Path, plan: Plan) -> None:
 
 
 def _write_model_card(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: dict, state: dict,
-                      written: list[str], calibration: dict | None) -> list[str]:
+                      written: list[str], calibration: dict | None, method: dict | None = None) -> list[str]:
     """README.md: the generated card (from what the manifest will say) above the source's own card.
 
     The source card is read contained (:meth:`Source.read_card`); it counts as our own earlier card
@@ -119,7 +120,8 @@ def _write_model_card(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, 
     ours = bool(text and src_manifest is not None and own_card(text, src_manifest))
     origin = src_manifest.get("source") if ours and src_manifest and isinstance(src_manifest.get("source"), dict) \
         else None
-    draft = build_manifest(plan, fmt, source, identity, state, dst, [w for w in written if w != CARD_NAME], calibration)
+    draft = build_manifest(plan, fmt, source, identity, state, dst, [w for w in written if w != CARD_NAME], calibration,
+                           method)
     config = source.config()
     base = getattr(plan.config, "base_model", None) or default_base_model(
         origin or source.describe(), source.root, config, split_card(text)[0] if ours and text else None)

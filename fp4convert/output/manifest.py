@@ -28,7 +28,7 @@ MANIFEST_VERSION = 2  # 2: weight shards recorded with chunked_sha256 (docs/form
 
 
 def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict, state: dict, dst: Path,
-                   written: list[str], calibration: dict | None = None) -> dict:
+                   written: list[str], calibration: dict | None = None, method: dict | None = None) -> dict:
     """The manifest of a finished conversion.
 
     ``state`` holds the shards' checksums and scales; ``written`` names the other files this run wrote
@@ -75,6 +75,8 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
         "files": files,
     }
     out.update(activation_section(fmt, calibration))
+    if method is not None:  # --method gptq: how its pass went (its settings are in "settings")
+        out["method"] = method
     return out
 
 
@@ -200,6 +202,7 @@ SCHEMA = _Obj({
     "files": _MapOf(_FILE, key_check=_relative_file),
     "activations": _Missing(_Opt(_Obj({"scheme": _Missing(_Opt(str)), "input_scale_suffix": _Missing(_Opt(str)),
                                        "calibration": _Missing(_Opt(dict))}))),  # W4A4 (activation_section)
+    "method": _Missing(_Opt(_Obj({"method": str}))),  # --method gptq (build_manifest)
 })
 
 _KIND = {str: "a string", int: "an integer", float: "a number", bool: "true/false", dict: "an object", list: "an array"}

@@ -32,6 +32,7 @@ from fp4convert.run.runner import ConvertResult, Job, plan_warnings, run
 if TYPE_CHECKING:
     import torch
 
+    from fp4convert.calibrate.store import Store
     from fp4convert.formats.base import OutputFormat
     from fp4convert.plan.planner import Plan
     from fp4convert.quantizer.backend import Backend, InputWeight, Settings
@@ -144,6 +145,8 @@ class Measured:
     input_weight_record: dict | None = None  # their identity (digest included): --resume refuses others
     activation_amax: dict[str, float] | None = None  # W4A4 NVFP4: each quantized module's input amax
     calibration: dict | None = None  # W4A4 NVFP4: how the activation amax was found (the manifest records it)
+    quantized: Store | None = None  # --method gptq: the matrices it quantized (written instead of quantized again)
+    method: dict | None = None  # --method gptq: what the manifest says of the pass
 
 
 def _statistics(source: Source, plan: Plan, fmt: OutputFormat, config: ConvertConfig) -> Measured:
@@ -165,7 +168,7 @@ def _statistics(source: Source, plan: Plan, fmt: OutputFormat, config: ConvertCo
     if st.input_weights is not None:
         log.info("input weights (%s): %d matrices weighted", config.input_weight_source, len(st.input_weights))
     return Measured(st.input_weights, st.input_weight_record, st.amax if calibrate else None,
-                    st.calibration if calibrate else None)
+                    st.calibration if calibrate else None, st.gptq, st.gptq_record)
 
 
 def _advise_source(source: Source, plan: Plan, mine: set[str]) -> None:
@@ -248,23 +251,35 @@ def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: 
         raise
     stages.add("startup", time.perf_counter() - t_start)
     stages.count("lanes", len(backends))
-    works: list[Work] = [QuantizeWork(source, fmt, settings, b, measured.input_weights, measured.activation_amax)
-                         for b in backends]
+    works: list[Work] = [QuantizeWork(source, fmt, settings, b, measured.input_weights, measured.activation_amax,
+                                      measured.quantized) for b in backends]
     try:
         # what the input weights were measured as (digest included): --resume refuses other statistics
         record = measured.input_weight_record
         identity = run_identity(config, source, **({"input_weights": record} if record else {}))
-        job = Job(source, plan_, fmt, dst, config, identity, others, release, measured.calibration)
+        job = Job(source, plan_, fmt, dst, config, identity, others, release, measured.calibration, measured.method)
         done = run(job, world, works, bar)
     except BaseException:
         source.stop_prefetch()
         _close_all([b.close for b in reversed(backends)], raising=False)  # the run's own error is the one to report
         raise
     _close_all([b.close for b in reversed(backends)])
+    _gpu_peak()
+    if measured.quantized is not None and world.rank == 0:
+        measured.quantized.remove()  # written: the kept matrices are not needed again
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan_.shards))
     wait = sum(w.read_wait_s for w in works)
     return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, stages.snapshot(), stages.counts())
+
+
+def _gpu_peak() -> None:
+    """The run's peak GPU memory held by torch (calibration, GPTQ, the torch backends), when it used CUDA."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        stages.count("gpu_peak_MB", max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 2**20)
 
 
 def _close_all(closers: list[Callable[[], None]], raising: bool = True) -> None:

@@ -91,6 +91,7 @@ class Job:
     others: list[Path]  # the source's other files the finish copies (the one walk of the source folder)
     release: ShardReleaser | None = None  # --delete-source-shards: the Hub shards to let go of after their last unit
     calibration: dict | None = None  # W4A4 NVFP4: how the activation scales were calibrated (the manifest records it)
+    method: dict | None = None  # --method gptq: what the manifest says of the pass
 
 
 @dataclass(frozen=True)
@@ -335,4 +336,4 @@ def _merge_and_finish(job: Job, states: list[dict], session: Session | None) -> 
         if session is not None:
             session.fail()
         raise
-    finish(job.source, job.plan, job.fmt, job.dst, job.identity, job.others, session, job.calibration)
+    finish(job.source, job.plan, job.fmt, job.dst, job.identity, job.others, session, job.calibration, job.method)

@@ -19,13 +19,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from fp4convert import stages
+from fp4convert.plan.types import QUANTIZE
 from fp4convert.quantizer.backend import IN_USE, attach_input_weights, refuse_nonfinite
-from fp4convert.quantizer.items import is_kept_copy, make_items
+from fp4convert.quantizer.items import Complex, is_kept_copy, make_items
 from fp4convert.run.readahead import ReadAhead
 
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from fp4convert.calibrate.store import Store
     from fp4convert.formats.base import OutputFormat
     from fp4convert.output.shards import ShardSet
     from fp4convert.plan.types import Decision
@@ -139,12 +141,14 @@ class QuantizeWork:
 
     def __init__(self, source: Source, fmt: OutputFormat, settings: Settings, backend: Backend,
                  input_weights: dict[str, InputWeight] | None = None,
-                 activation_amax: dict[str, float] | None = None) -> None:
+                 activation_amax: dict[str, float] | None = None, quantized: Store | None = None) -> None:
         self.source, self.fmt, self.settings, self.backend = source, fmt, settings, backend
         self.input_weights = input_weights  # module -> its input weight (fp4convert.calibrate.statistics)
         self.activation_amax = activation_amax  # W4A4 NVFP4: module -> its calibrated input amax
+        self.quantized = quantized  # --method gptq: matrices quantized while calibrating, written as they are
         self.reader: ReadAhead | None = None
         self.item_of: dict[int, Item] = {}  # id(first unit) -> its item
+        self.stored: set[int] = set()  # id(unit) of the units the store holds whole
 
     @property
     def read_wait_s(self) -> float:
@@ -153,6 +157,11 @@ class QuantizeWork:
     def start(self, pending: list[list[Decision]]) -> None:
         """Batch the units this part will process and start reading them."""
         b = self.backend
+        q = self.quantized
+        if q is not None:  # units quantized while calibrating: nothing to read or quantize
+            whole = [u for u in pending if u[0].action == QUANTIZE and all(m.module in q for d in u for m in d.matrices)]
+            self.stored = {id(u) for u in whole}
+            pending = [u for u in pending if id(u) not in self.stored]
         items = make_items(pending, b.batch_units, b.batch_bytes)
         attach_input_weights(items, self.input_weights)
         self.item_of = {id(it.units[0]): it for it in items}
@@ -164,6 +173,14 @@ class QuantizeWork:
         if is_kept_copy(unit):
             path = self.source.local_path(d.info.file)
             return {d.name: {}}, _copy_jobs(d, path)
+        if id(unit) in self.stored:
+            from fp4convert.calibrate.store import stored_pending
+
+            assert self.quantized is not None
+            whole = Complex(unit)
+            records: dict[str, dict] = {m.name: {} for m in whole.members}
+            s = self.settings
+            return records, [WriteItem(whole, stored_pending(whole, self.quantized, s.swizzle, s.scheme.name), records)]
         item = self.item_of.get(id(unit))
         if item is None:
             return {}, []  # a later unit of a batch: quantized and queued with its first unit
@@ -174,8 +191,8 @@ class QuantizeWork:
         except BaseException:
             self.reader.release(number)  # only the first release counts
             raise
-        records: dict[str, dict] = {m.name: {} for m in item.members}  # the write job fills them in
-        return records, [WriteItem(item, pending, records)]
+        recs: dict[str, dict] = {m.name: {} for m in item.members}  # the write job fills them in
+        return recs, [WriteItem(item, pending, recs)]
 
     def write(self, job: WriteJob, shards: ShardSet) -> None:
         if isinstance(job, CopyPiece):

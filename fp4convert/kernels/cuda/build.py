@@ -135,6 +135,9 @@ def load_library(capability: tuple[int, int]) -> ctypes.CDLL:
     lib.fp4c_decode_fp8_block.argtypes = [c_ptr, c_ptr, c_i64, c_i64, c_i64, c_i64, c_i64, c_i64, c_ptr, c_ptr]
     lib.fp4c_decode_mxfp4_blocks.restype = c_int
     lib.fp4c_decode_mxfp4_blocks.argtypes = [c_ptr, c_ptr, c_i64, c_ptr, c_ptr]
+    lib.fp4c_gptq_sweep.restype = c_int
+    lib.fp4c_gptq_sweep.argtypes = [c_ptr, c_ptr, c_ptr, c_ptr, c_int, c_int, c_i64, c_int, c_ptr, c_ptr, c_ptr, c_ptr,
+                                    c_ptr]
     lib.fp4c_e2m1_selftest.restype = c_int
     lib.fp4c_e2m1_selftest.argtypes = [c_ptr, c_ptr]
     c_pp = ctypes.POINTER(c_ptr)

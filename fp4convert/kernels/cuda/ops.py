@@ -406,6 +406,30 @@ def dequantize(
     return out
 
 
+def gptq_sweep(w1: torch.Tensor, u1: torch.Tensor, scheme: str, rule: str, amax: torch.Tensor | None,
+               iw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's in-batch sweep on the GPU (``csrc/fp4c_gptq.cu``): the signature and the bytes of
+    :func:`fp4convert.numerics.gptq.sweep_batch` on the same device. ``w1`` is not changed."""
+    device = w1.device
+    n, b = w1.shape
+    bs = _BLOCK[scheme]
+    if w1.dtype != torch.float32 or u1.dtype != torch.float32 or tuple(u1.shape) != (b, b):
+        raise CUDAKernelError(f"gptq_sweep takes fp32 w1 [N, B] and u1 [B, B], got {w1.dtype} {tuple(w1.shape)}, "
+                              f"{u1.dtype} {tuple(u1.shape)}")
+    w = w1.contiguous()
+    u = u1.contiguous()
+    a = None if amax is None else amax.reshape(1).to(device, torch.float32).contiguous()
+    c = None if iw is None else iw.to(device, torch.float32).contiguous()
+    codes = torch.empty(n, b, dtype=torch.uint8, device=device)
+    scales = torch.empty(n, b // bs, dtype=torch.uint8, device=device)
+    values = torch.empty(n, b, dtype=torch.float32, device=device)
+    errors = torch.empty(n, b, dtype=torch.float32, device=device)
+    lib = _lib(device)
+    _check(lib, lib.fp4c_gptq_sweep(_ptr(w), _ptr(u), _ptr(c), _ptr(a), _FMTS[scheme], scale_rule_code(scheme, rule),
+                                    n, b, _ptr(codes), _ptr(scales), _ptr(values), _ptr(errors), _stream(device)))
+    return codes, scales, values, errors
+
+
 def e2m1_selftest(device: torch.device | str = "cuda") -> int:
     """Mismatches of this GPU's E2M1 path against the reference's predicate sum (docs/numerics.md "E2M1
     elements") over every fp32 input."""

@@ -1,0 +1,148 @@
+"""Quantized matrices made while calibrating (GPTQ), kept on disk until the quantize stage writes them.
+
+One safetensors file per block (``block-00012.safetensors``): for each matrix ``M`` (the plan's module
+name), ``M.packed`` (uint8 E2M1 codes [N, K/2]), ``M.scale`` (uint8 block scales [N, K/bs], linear
+layout: E4M3 or E8M0 bytes) and, for NVFP4, ``M.amax`` (fp32 [1], the fused group's amax its global
+scale 2688 / amax comes from). ``index.json`` lists every matrix's file once the pass is complete: a
+store without it is an interrupted one, never read. Files on disk rather than memory: a large model's
+codes would otherwise stay resident until written (4.5 GB for 8B parameters).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+INDEX = "index.json"
+
+
+class Store:
+    """A folder of quantized matrices, by module name."""
+
+    def __init__(self, root: Path, index: dict[str, str] | None = None, sha256: str | None = None) -> None:
+        self.root = Path(root)
+        self.index: dict[str, str] = dict(index or {})  # module -> file name
+        self._hash = hashlib.sha256()
+        self._digest = sha256
+        self._open: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, root: Path) -> Store:
+        """An empty store in ``root`` (whatever an interrupted pass left there is removed)."""
+        root = Path(root)
+        if root.exists():
+            shutil.rmtree(root)
+        root.mkdir(parents=True)
+        return cls(root)
+
+    @classmethod
+    def load(cls, root: Path) -> Store | None:
+        """The complete store in ``root``, or None (missing, or interrupted before its index)."""
+        try:
+            obj = json.loads((Path(root) / INDEX).read_text())
+            index, sha = obj["matrices"], obj["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not isinstance(index, dict) or not all((Path(root) / f).is_file() for f in set(index.values())):
+            return None
+        return cls(Path(root), index, sha)
+
+    def add_block(self, index: int, matrices: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                            torch.Tensor | None]]) -> None:
+        """Write one block's matrices: (module, packed, scale, gs or None, amax or None) each."""
+        import torch
+        from safetensors.torch import save_file
+
+        if not matrices:
+            return
+        name = f"block-{index:05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for module, packed, scale, _gs, amax in matrices:
+            tensors[f"{module}.packed"] = packed.contiguous().cpu()
+            tensors[f"{module}.scale"] = scale.contiguous().view(torch.uint8).cpu()
+            if amax is not None:
+                tensors[f"{module}.amax"] = amax.reshape(1).float().cpu().clone()
+        for key in sorted(tensors):
+            self._hash.update(key.encode() + b"\0" + tensors[key].numpy().tobytes())
+        tmp = self.root / (name + ".partial")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, self.root / name)
+        for module, *_ in matrices:
+            self.index[module] = name
+
+    def finish(self) -> None:
+        """Mark the pass complete (the index is what :meth:`load` reads)."""
+        self._digest = self._hash.hexdigest()
+        tmp = self.root / (INDEX + ".partial")
+        tmp.write_text(json.dumps({"matrices": self.index, "sha256": self._digest}, sort_keys=True))
+        os.replace(tmp, self.root / INDEX)
+
+    def __contains__(self, module: object) -> bool:
+        return module in self.index
+
+    def get(self, module: str) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+        """(packed uint8 [N, K/2], scale uint8 [N, K/bs] linear, amax or None) of ``module``."""
+        from safetensors import safe_open
+
+        name = self.index[module]
+        with self._lock:
+            f = self._open.get(name)
+            if f is None:
+                f = self._open[name] = safe_open(str(self.root / name), framework="pt")
+            keys = set(f.keys())  # type: ignore[attr-defined]
+            packed = f.get_tensor(f"{module}.packed")  # type: ignore[attr-defined]
+            scale = f.get_tensor(f"{module}.scale")  # type: ignore[attr-defined]
+            amax = float(f.get_tensor(f"{module}.amax")[0]) if f"{module}.amax" in keys else None  # type: ignore[attr-defined]
+        return packed, scale, amax
+
+    def digest(self) -> str:
+        """sha256 over every matrix's stored tensors, block by block in order, names sorted within a
+        block (the manifest records it; ``--resume`` reads it from the index)."""
+        return self._digest if self._digest is not None else self._hash.hexdigest()
+
+    def close(self) -> None:
+        with self._lock:
+            self._open.clear()
+
+    def remove(self) -> None:
+        """Delete the folder (once the conversion has written every matrix)."""
+        self.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def stored_pending(item, store: Store, swizzle: bool, scheme: str):
+    """A :class:`~fp4convert.quantizer.backend.Pending` whose result is the item's matrices read from
+    ``store`` (on the writer thread that waits for it): the bytes a backend returns, scales in the
+    format's layout. Every matrix of ``item`` must be in the store."""
+    from fp4convert.quantizer.backend import MatrixOut, Pending, Result
+
+    class Stored(Pending):
+        def result(self) -> Result:
+            import torch
+
+            from fp4convert.kernels.tensor import as_bytes
+            from fp4convert.numerics.reference import global_scale
+            from fp4convert.numerics.swizzle import swizzle_scales
+
+            outs: list[MatrixOut | None] = []
+            keep = []
+            for _, m in item.matrices:
+                packed, scale, amax = store.get(m.module)
+                if swizzle:
+                    s = scale.view(torch.float8_e4m3fn) if scheme == "nvfp4" else scale
+                    scale = swizzle_scales(s.unsqueeze(0))[0].view(torch.uint8)
+                gs = None if amax is None else float(global_scale(torch.tensor(amax, dtype=torch.float32)))
+                keep += [packed, scale]
+                outs.append(MatrixOut(as_bytes(packed), as_bytes(scale), gs, amax))
+            return Result(outs, [False] * len(outs), keep=keep)
+
+    return Stored(inputs_free=None)

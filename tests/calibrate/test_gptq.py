@@ -1,0 +1,208 @@
+"""``--method gptq`` end to end: the sequential pass on the block runner, every architecture class, what
+the output and the manifest say, resume, refusals (fp4convert/calibrate/gptq.py, docs/numerics.md "GPTQ")."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from fp4convert.cli.main import main
+from fp4convert.config import ConvertConfig
+from fp4convert.errors import ConfigError
+from tests import tiny_configs, zoo
+from tests.test_calibrate import TEXT, add_tokenizer
+
+
+def cli(*args):
+    r = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return r
+
+
+def quantize(src: Path, dst: Path, data: Path, *extra) -> dict:
+    r = cli("quantize", src, dst, "--device", "cpu", "--calibration-data", data, "--calibration-samples", 4,
+            "--calibration-seq-len", 48, "-q", *extra)
+    assert r.exit_code == 0, r.output
+    return json.loads((dst / "fp4convert.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("text") / "calibration.txt"
+    p.write_text(TEXT)
+    return p
+
+
+def block_matrices(manifest: dict) -> set[str]:
+    """The quantized matrices (plan modules) whose tensor sits in a repeated block (a numbered name part)."""
+    out = set()
+    for name, rec in manifest["tensors"].items():
+        if rec["action"] != "quantize" or not re.search(r"\.\d+\.", name):
+            continue
+        mats = rec.get("matrices")
+        out |= set(mats) if mats else {name[: -len(".weight")] if name.endswith(".weight") else name}
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gpt_oss", "gemma3", "bert"])
+def test_gptq_runs_every_architecture_class_and_says_what_it_quantized(tmp_path, text, family):
+    """dense, MoE routed per expert on disk, MoE stacked on disk (3-D experts), a VLM's text decoder, an
+    encoder: every quantized matrix of the blocks is GPTQ's (none left to round-to-nearest), the
+    manifest records the pass and its settings, and the bytes differ from the data-free run's."""
+    src = add_tokenizer(zoo.build(family, tmp_path / family))
+    m = quantize(src, tmp_path / "gptq", text, "--method", "gptq")
+    rec = m["method"]
+    assert rec["method"] == "gptq" and rec["rtn"] == [] and rec["device"] == "cpu"
+    assert m["settings"]["method"] == {"name": "gptq", "damp": 0.01, "block": 128, "act_order": False,
+                                       "calibration": {"data": str(text), "samples": 4, "seq_len": 48, "seed": 0}}
+    assert rec["quantized"] >= len(block_matrices(m)) > 0
+    assert rec["calibration"]["data"]["source"] == "file"
+    r = quantize(src, tmp_path / "rtn", text)
+    assert "method" not in r and "method" not in r["settings"]
+    differ = [f for f, v in m["files"].items() if f.endswith(".safetensors") and v["chunked_sha256"] != r["files"][f]["chunked_sha256"]]
+    assert differ
+
+
+@pytest.mark.parametrize("model_type", ["lfm2"])
+def test_gptq_runs_a_hybrid_attention_ssm_decoder(tmp_path, text, model_type):
+    out = tiny_configs.build(model_type, tmp_path)
+    if not out.ok:
+        pytest.skip(f"{model_type}: tiny build failed ({out.error})")
+    src = add_tokenizer(Path(out.path))
+    m = quantize(src, tmp_path / "gptq", text, "--method", "gptq")
+    assert m["method"]["rtn"] == [] and m["method"]["quantized"] > 0
+
+
+def logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    import transformers as tf
+
+    kw = {}
+    if (path / "fp4convert.json").exists():
+        kw["quantization_config"] = tf.CompressedTensorsConfig(dequantize=True)
+    model = tf.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def kl(base: torch.Tensor, q: torch.Tensor) -> float:
+    p = torch.log_softmax(base, -1)
+    return float((p.exp() * (p - torch.log_softmax(q, -1))).sum(-1).mean())
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
+def test_gptq_output_loads_in_transformers_and_is_closer_to_the_model_than_round_to_nearest(tmp_path, text, scheme):
+    """The real consumer (transformers + compressed-tensors) loads the GPTQ checkpoint, and on the
+    calibration text its next-token distribution is closer (mean KL) to the unquantized model's than the
+    data-free conversion's, at the same scale rule."""
+    src = add_tokenizer(zoo.build("llama", tmp_path / "llama", dtype=torch.float32))
+    common = ("--scheme", scheme, "--format", "compressed-tensors", "--scale-rule", "mse")
+    quantize(src, tmp_path / "gptq", text, "--method", "gptq", *common)
+    quantize(src, tmp_path / "rtn", text, *common)
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(src))
+    ids = tok(TEXT[:400], return_tensors="pt").input_ids[:, :96]
+    base = logits(src, ids)
+    assert kl(base, logits(tmp_path / "gptq", ids)) < kl(base, logits(tmp_path / "rtn", ids))
+
+
+def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, monkeypatch):
+    """The pass's result (the quantized matrices) is kept: a Ctrl-C while writing, then --resume, writes
+    the same bytes as an uninterrupted run, without running the model again; the kept matrices are
+    removed once written."""
+    from fp4convert.calibrate import gptq as gptq_mod
+    from fp4convert.calibrate.keep import keep_dir
+    from fp4convert.run import work
+
+    src = add_tokenizer(zoo.build("llama", tmp_path / "llama"))
+    clean = quantize(src, tmp_path / "clean", text, "--method", "gptq", "--max-shard-size", "20KB")
+    assert not list(keep_dir().glob("*.gptq"))  # written: removed
+    calls = {"n": 0}
+    real = work.write_result
+
+    def stop_once(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(work, "write_result", stop_once)
+    r = cli("quantize", src, tmp_path / "out", "--device", "cpu", "--calibration-data", text, "--calibration-samples", 4,
+            "--calibration-seq-len", 48, "-q", "--method", "gptq", "--max-shard-size", "20KB")
+    assert r.exit_code != 0
+    monkeypatch.setattr(work, "write_result", real)
+
+    def no_model(*a, **kw):
+        raise AssertionError("GPTQ ran again on --resume")
+
+    monkeypatch.setattr(gptq_mod.GPTQ, "run", no_model)
+    resumed = quantize(src, tmp_path / "out", text, "--method", "gptq", "--max-shard-size", "20KB", "--resume")
+    assert resumed["method"]["sha256"] == clean["method"]["sha256"]
+    shards = {f: v["chunked_sha256"] for f, v in clean["files"].items() if f.endswith(".safetensors")}
+    assert len(shards) > 1
+    assert {f: resumed["files"][f]["chunked_sha256"] for f in shards} == shards
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"act_order": True}, "apply to --method gptq only"),
+    ({"gptq_damp": 0.1}, "apply to --method gptq only"),
+    ({"method": "gptq", "input_weights": "random"}, "does not apply to --method gptq"),
+    ({"method": "gptq", "gptq_block": 48}, "multiple of 32"),
+    ({"method": "gptq", "gptq_damp": 0.0}, r"\(0, 10\]"),
+    ({"method": "awq"}, "choose one of rtn, gptq"),
+])
+def test_settings_that_cannot_apply_are_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        ConvertConfig(**kwargs)
+
+
+def test_gptq_defaults_and_identity():
+    """rtn's identity is unchanged (no method key); gptq's names its settings and calibration; the rule
+    defaults to mse (the search weighted by the Hessian's diagonal), and input weights stay off."""
+    assert "method" not in ConvertConfig().identity()
+    c = ConvertConfig(method="gptq")
+    assert c.input_weight_source == "none" and c.rule == "mse"
+    assert c.identity()["method"]["name"] == "gptq"
+    assert ConvertConfig(method="gptq", scale_rule="4over6").rule == "4over6"
+
+
+def _cuda() -> bool:
+    try:
+        from fp4convert.kernels.cuda import ops
+
+        return ops.available()
+    except Exception:  # noqa: BLE001 - no CUDA build of torch
+        return False
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (capability >= 8.9) and nvcc")
+def test_gptq_on_the_gpu_is_deterministic_and_matches_the_cpu_at_the_model_level(tmp_path, text):
+    """docs/numerics.md "GPTQ": the GPU run is deterministic (two runs, the same bytes); its float
+    arithmetic (TF32 Hessians, cuBLAS, the GPU Cholesky) differs from the CPU's, so the checkpoints
+    differ in bytes but not in quality: both beat round-to-nearest, and their KLs are within 25%."""
+    src = add_tokenizer(zoo.build("llama", tmp_path / "llama", dtype=torch.float32))
+    common = ("--format", "compressed-tensors", "--scale-rule", "mse", "--method", "gptq")
+
+    def run(dst: str, device: str) -> dict:
+        r = cli("quantize", src, tmp_path / dst, "--device", device, "--calibration-data", text,
+                "--calibration-samples", 4, "--calibration-seq-len", 48, "-q", *common)
+        assert r.exit_code == 0, r.output
+        return json.loads((tmp_path / dst / "fp4convert.json").read_text())
+
+    a, b, c = run("gpu1", "cuda"), run("gpu2", "cuda"), run("cpu", "cpu")
+    assert a["method"]["device"] == "cuda" and a["method"]["sha256"] == b["method"]["sha256"]
+    quantize(src, tmp_path / "rtn", text, "--format", "compressed-tensors", "--scale-rule", "mse")
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(src))
+    ids = tok(TEXT[:400], return_tensors="pt").input_ids[:, :96]
+    base = logits(src, ids)
+    k_gpu, k_cpu, k_rtn = (kl(base, logits(tmp_path / d, ids)) for d in ("gpu1", "cpu", "rtn"))
+    assert k_gpu < k_rtn and k_cpu < k_rtn
+    assert abs(k_gpu - k_cpu) <= 0.25 * k_cpu
+    assert c["method"]["device"] == "cpu"
