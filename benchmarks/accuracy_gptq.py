@@ -16,8 +16,8 @@ Every row is one *setting* x one *method*:
   NVFP4 under the input global scales of fp4convert's ``rtn`` W4A4 calibration on the same windows: its
   sequential pipeline calibrates with quantization disabled, so its W4A4 GPTQ weights are those of the
   weight-only run; only its static input scales would differ), ``llmc-rtn`` (its round-to-nearest:
-  ``model_free_ptq`` for the weight-only presets, as benchmarks/accuracy.py runs it; ``oneshot`` with ``QuantizationModifier`` for W4A4), ``rtn``
-  (``fp4convert quantize --method rtn``, the defaults) and ``gptq`` (``fp4convert quantize --method gptq``);
+  ``model_free_ptq`` for the weight-only presets, as benchmarks/accuracy.py runs it; ``oneshot`` with
+  ``QuantizationModifier`` for W4A4), ``rtn`` (``fp4convert quantize --method rtn``, the defaults) and ``gptq`` (``fp4convert quantize --method gptq``);
   fp4convert options per row: ``act-order``, ``had16`` (``--rotate had16``: MR-GPTQ with gptq),
   ``rule=R`` (``--scale-rule R``), ``damp=F`` / ``block=N`` (``--gptq-damp`` / ``--gptq-block``).
 
