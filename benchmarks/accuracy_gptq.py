@@ -17,9 +17,10 @@ Every row is one *setting* x one *method*:
   sequential pipeline calibrates with quantization disabled, so its W4A4 GPTQ weights are those of the
   weight-only run; only its static input scales would differ), ``llmc-rtn`` (its round-to-nearest:
   ``model_free_ptq`` for the weight-only presets, as benchmarks/accuracy.py runs it; ``oneshot`` with
-  ``QuantizationModifier`` for W4A4), ``rtn`` (``fp4convert quantize --method rtn``, the defaults) and ``gptq`` (``fp4convert quantize --method gptq``);
-  fp4convert options per row: ``act-order``, ``had16`` (``--rotate had16``: MR-GPTQ with gptq),
-  ``rule=R`` (``--scale-rule R``), ``damp=F`` / ``block=N`` (``--gptq-damp`` / ``--gptq-block``).
+  ``QuantizationModifier`` for W4A4), ``rtn`` (``fp4convert quantize --method rtn``, the defaults) and
+  ``gptq`` (``fp4convert quantize --method gptq``); fp4convert options per row: ``act-order``,
+  ``had16`` (``--rotate had16``: MR-GPTQ with gptq), ``rule=R`` (``--scale-rule R``), ``damp=F`` /
+  ``block=N`` (``--gptq-damp`` / ``--gptq-block``).
 
 Calibration: every calibrated row sees the same token windows: ``--samples`` x ``--calib-len`` (32 x
 256 by default, the setting issue 31 quotes) consecutive windows of the standard library's module
