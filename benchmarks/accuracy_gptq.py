@@ -243,11 +243,12 @@ def peer_folder(row: Row, checkpoint: Path, work: Path, tokens_path: Path, peer_
     return dst, json.loads(done.read_text())["convert_s"]
 
 
-def fp4convert_command(row: Row, checkpoint: Path, dst: Path, text: Path, samples: int, seq_len: int) -> list[str]:
+def fp4convert_command(row: Row, checkpoint: Path, dst: Path, text: Path, samples: int, seq_len: int,
+                       device: str = "cpu") -> list[str]:
     """The ``fp4convert quantize`` command line of the row."""
     s = SETTINGS[row.setting]
     cmd = ["fp4convert", "quantize", str(checkpoint), str(dst), "--scheme", s.scheme, "--format", "compressed-tensors",
-           "--device", "cpu", "--overwrite", "--quiet"]
+           "--device", device, "--overwrite", "--quiet"]
     if row.method == "gptq":
         cmd += ["--method", "gptq"]
         if row.opt("act-order") is not None:
@@ -327,7 +328,7 @@ def measure(row: Row, bench: acc.Bench, args: argparse.Namespace, work: Path, te
                           else f"model_free_ptq(scheme='{s.preset}', ignore=['lm_head', 're:.*embed_tokens.*'])")
     else:
         folder = work / f"fp4c-{row.spec.replace(':', '_').replace(',', '+').replace('=', '')}"
-        cmd = fp4convert_command(row, bench.checkpoint, folder, text, args.samples, args.calib_len)
+        cmd = fp4convert_command(row, bench.checkpoint, folder, text, args.samples, args.calib_len, args.device)
         out["command"] = " ".join(cmd)
         secs = run_fp4convert(cmd, work)
         manifest = json.loads((folder / "fp4convert.json").read_text())
@@ -453,7 +454,7 @@ def run(args: argparse.Namespace) -> dict:
                  "options": dict(row.opts), "error": f"{type(exc).__name__}: {exc}"}
             if not row.method.startswith("llmc"):
                 r["command"] = " ".join(fp4convert_command(row, bench.checkpoint, Path("DST"), text, args.samples,
-                                                           args.calib_len))
+                                                           args.calib_len, args.device))
         rows.append(r)
         log.info("%s", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
         save(False)
@@ -476,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers-only", action="store_true", help="only make llm-compressor's folders (cached)")
     p.add_argument("--make-peers", action="store_true",
                    help="run llm-compressor's oneshot for a row whose folder is not made yet (default: skip the row)")
+    p.add_argument("--device", default="cpu", help="fp4convert's --device (the GPTQ sweep runs there; the "
+                                                   "evaluation stays on the CPU)")
     p.add_argument("--cache", default=str(acc.DEFAULT_CACHE))
     p.add_argument("--threads", type=int)
     p.add_argument("--json")
