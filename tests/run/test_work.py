@@ -62,6 +62,7 @@ def test_a_failing_backend_still_frees_the_inputs(monkeypatch) -> None:
     w.reader = reader  # type: ignore[assignment]
     unit = [object()]
     w.item_of = {id(unit): object()}  # type: ignore[dict-item]
+    w.stored = set()  # no unit quantized while calibrating
     monkeypatch.setattr(work, "is_kept_copy", lambda u: False)
     reader.next = lambda: (("buffer", []), 3)  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError, match="a launch failed"):
