@@ -38,15 +38,12 @@ ROWS = {
 
 
 def char_tokenizer(path: Path) -> None:
-    """A character-level tokenizer (ids < 128) beside the checkpoint: self-generation needs one."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
+    """A character-level tokenizer (ids < 128) beside the checkpoint: self-generation needs one (the
+    tests' own, tests/calibrate/test_calibrate.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.calibrate.test_calibrate import add_tokenizer
 
-    specials = ["<unk>", "<s>", "</s>"]
-    vocab = {t: i for i, t in enumerate(specials + [chr(c) for c in range(32, 127)])}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(str(path))
+    add_tokenizer(path)
 
 
 def main() -> None:
