@@ -17,6 +17,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fp4convert.quantizer.backend import MatrixOut, Pending, Result
+
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -137,30 +139,30 @@ class Store:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def stored_pending(item, store: Store, swizzle: bool, scheme: str):
-    """A :class:`~fp4convert.quantizer.backend.Pending` whose result is the item's matrices read from
-    ``store`` (on the writer thread that waits for it): the bytes a backend returns, scales in the
-    format's layout. Every matrix of ``item`` must be in the store."""
-    from fp4convert.quantizer.backend import MatrixOut, Pending, Result
+class Stored(Pending):
+    """An item's matrices read from a :class:`Store` (on the writer thread that waits for them): the bytes a
+    backend returns, scales in the format's layout. Every matrix of the item must be in the store; its
+    inputs are never read, so they are free at once."""
 
-    class Stored(Pending):
-        def result(self) -> Result:
-            import torch
+    def __init__(self, item, store: Store, swizzle: bool, scheme: str) -> None:
+        super().__init__(inputs_free=None)
+        self.item, self.store, self.swizzle, self.scheme = item, store, swizzle, scheme
 
-            from fp4convert.kernels.tensor import as_bytes
-            from fp4convert.numerics.reference import global_scale
-            from fp4convert.numerics.swizzle import swizzle_scales
+    def result(self) -> Result:
+        import torch
 
-            outs: list[MatrixOut | None] = []
-            keep = []
-            for _, m in item.matrices:
-                packed, scale, amax = store.get(m.module)
-                if swizzle:
-                    s = scale.view(torch.float8_e4m3fn) if scheme == "nvfp4" else scale
-                    scale = swizzle_scales(s.unsqueeze(0))[0].view(torch.uint8)
-                gs = None if amax is None else float(global_scale(torch.tensor(amax, dtype=torch.float32)))
-                keep += [packed, scale]
-                outs.append(MatrixOut(as_bytes(packed), as_bytes(scale), gs, amax))
-            return Result(outs, [False] * len(outs), keep=keep)
+        from fp4convert.kernels.tensor import as_bytes
+        from fp4convert.numerics.reference import global_scale
+        from fp4convert.numerics.swizzle import swizzle_scales
 
-    return Stored(inputs_free=None)
+        outs: list[MatrixOut | None] = []
+        keep = []
+        for _, m in self.item.matrices:
+            packed, scale, amax = self.store.get(m.module)
+            if self.swizzle:
+                s = scale.view(torch.float8_e4m3fn) if self.scheme == "nvfp4" else scale
+                scale = swizzle_scales(s.unsqueeze(0))[0].view(torch.uint8)
+            gs = None if amax is None else float(global_scale(torch.tensor(amax, dtype=torch.float32)))
+            keep += [packed, scale]
+            outs.append(MatrixOut(as_bytes(packed), as_bytes(scale), gs, amax))
+        return Result(outs, [False] * len(outs), keep=keep)

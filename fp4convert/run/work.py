@@ -174,13 +174,13 @@ class QuantizeWork:
             path = self.source.local_path(d.info.file)
             return {d.name: {}}, _copy_jobs(d, path)
         if id(unit) in self.stored:
-            from fp4convert.calibrate.store import stored_pending
+            from fp4convert.calibrate.store import Stored
 
             assert self.quantized is not None
             whole = Complex(unit)
             records: dict[str, dict] = {m.name: {} for m in whole.members}
             s = self.settings
-            return records, [WriteItem(whole, stored_pending(whole, self.quantized, s.swizzle, s.scheme.name), records)]
+            return records, [WriteItem(whole, Stored(whole, self.quantized, s.swizzle, s.scheme.name), records)]
         item = self.item_of.get(id(unit))
         if item is None:
             return {}, []  # a later unit of a batch: quantized and queued with its first unit
