@@ -55,8 +55,8 @@ def main() -> None:
     ap.add_argument("--cpu-repeats", type=int, default=None, help="repeats of the cpu rows (default: --repeats)")
     ap.add_argument("--rows", nargs="+", default=["none", "random"], choices=list(ROWS))
     ap.add_argument("--warmup", action="store_true",
-                    help="one untimed run of the first row and of --input-weights random first (kernel build, the "
-                         "imports' bytecode caches: what an installed package already has)")
+                    help="one untimed run of every row first (kernel build, the imports' bytecode caches: what an "
+                         "installed package already has)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     src = args.work / "src"
@@ -71,7 +71,7 @@ def main() -> None:
     rows = [(d, iw) for d in args.device for iw in args.rows]
     if args.warmup:
         for d in args.device:
-            for row in (args.rows[0], "random"):
+            for row in dict.fromkeys([*args.rows, "random"]):  # every row's imports compiled once
                 out = args.work / "out"
                 shutil.rmtree(out, ignore_errors=True)
                 subprocess.run([sys.executable, "-m", "fp4convert", "quantize", str(src), str(out), "--device", d, "-q",
@@ -96,6 +96,7 @@ def main() -> None:
             rss = res.get("peak_rss_bytes", 0) / 1e9
             gpu = res.get("counts", {}).get("gpu_peak_MB", 0) / 1e3
             runs.append({"device": dev, "input_weights": iw, "rep": rep, "wall_s": round(wall, 3),
+                         "run_s": res.get("wall_s"),  # the conversion itself, without the process's start-up
                          "peak_rss_GB": round(rss, 2), "gpu_peak_GB": round(gpu, 2), "stages_s": res.get("stages_s")})
             print(f"rep {rep} --device {dev:4} {iw:6}: {wall:7.2f} s  peak RSS {rss:.2f} GB  GPU {gpu:.2f} GB", flush=True)
     med = {f"{d} {iw}": statistics.median(r["wall_s"] for r in runs if (r["device"], r["input_weights"]) == (d, iw))

@@ -22,6 +22,7 @@ cannot run (an encoder-decoder, no repeated blocks) is refused by
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -235,6 +236,7 @@ class LayerwiseModel(BlockWeights):
 
         handles = []
         tied = set()
+        t0 = time.perf_counter()
         self.load_outside()
         self._load_keys([k for h in self.heads for k in self._keys_under(h + ".")])
         for h in self.heads:
@@ -251,6 +253,7 @@ class LayerwiseModel(BlockWeights):
             for i, b in enumerate(self.layers):
                 handles.append(b.register_forward_pre_hook(lambda _m, _a, _i=i: self.load_block(_i)))
                 handles.append(b.register_forward_hook(lambda _m, _a, _o, _i=i: self.free_block(_i)))
+        stages.add("calibrate_generate_load", time.perf_counter() - t0)
         try:
             with reports_device(self.model, self.device):
                 yield self.model

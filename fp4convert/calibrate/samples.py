@@ -132,8 +132,10 @@ def random_tokens(vocab_size: int, samples: int, seq_len: int, seed: int = 0) ->
 def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: int,
              resident_bytes: int | None = None) -> torch.Tensor:
     """``[samples, seq_len]`` tokens the model samples itself from its start token: the model's own
-    forward with its own KV cache, every sample at once, one token per step (seeded; the next token is
-    drawn on the CPU from fp32 probabilities, so the same seed gives the same samples on every device).
+    forward with its own KV cache, every sample at once, one token per step (TF32 matmuls on a GPU,
+    as the calibration pass runs). The next token is drawn on the run's device from a generator seeded
+    with ``seed``: the same seed gives the same samples run to run on one device (the logits' last bits
+    differ between devices anyway); on a GPU nothing but the token ids crosses to the host per step.
 
     The weights stay resident when they fit in ``resident_bytes`` (fp32; default: half the device's
     free memory); otherwise each step reads every block again, one at a time (``seq_len`` passes over
@@ -142,9 +144,11 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
     import torch
 
     from fp4convert.calibrate.progress import progress_bar
+    from fp4convert.calibrate.runner import fast_matmul
 
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.full((samples, 1), start_token(tokenizer), dtype=torch.long)
+    gen = torch.Generator(lm.device).manual_seed(seed)
+    tokens = torch.full((samples, 1), start_token(tokenizer), dtype=torch.long, device=lm.device)
+    vocab = len(tokenizer)
     total = lm.total_bytes()
     if resident_bytes is None:
         resident_bytes = resident_budget(lm.device)
@@ -159,25 +163,33 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
                        unit="token")
     cache = None
     first = None  # when the first step ended (it pays the start-up; the estimate times the steps after it)
-    with lm.whole(resident) as model, torch.no_grad():
+    with lm.whole(resident) as model, torch.no_grad(), fast_matmul(lm.device):
         key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         for step in range(1, seq_len):
-            ids = tokens[:, -1:].to(lm.device) if cache is not None else tokens.to(lm.device)
+            ids = tokens[:, -1:] if cache is not None else tokens
             out = model(input_ids=ids, use_cache=True, **{key: cache})
             cache = getattr(out, "past_key_values", None) if getattr(out, "cache", None) is None else out.cache
-            logits = out.logits[:, -1].float().cpu()
-            vocab = min(logits.shape[-1], len(tokenizer))
-            probs = torch.softmax(logits[:, :vocab], dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=gen)
+            logits = out.logits[:, -1, :vocab].float()
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
             tokens = torch.cat([tokens, nxt], dim=1)
             bar.update(samples)
             if first is None:
-                first = time.perf_counter()
+                first = _synced(lm.device)
             elif step == ESTIMATE_STEPS + 1 and seq_len - 1 > step:
-                tell_cost((time.perf_counter() - first) / ESTIMATE_STEPS, samples, seq_len, lm.device, block_share(lm))
+                tell_cost((_synced(lm.device) - first) / ESTIMATE_STEPS, samples, seq_len, lm.device, block_share(lm))
+    tokens = tokens.cpu()
     bar.close()
     log.info("self-generated %d x %d calibration tokens in %.1f s", samples, seq_len, time.perf_counter() - t0)
     return tokens
+
+
+def _synced(device) -> float:
+    """The time once the device has finished what was queued (a step's time is the GPU's, not its launches')."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 SLOW_SECONDS = 120.0  # a run projected longer than this says so as a warning, with a smaller setting's cost

@@ -21,9 +21,13 @@ from fp4convert.source.open import open_source
 from tests import tiny_configs, zoo
 
 
-def whole_model_stats(path: Path, tokens: torch.Tensor, micro_batch: int) -> calibrate.Observers:
+def whole_model_stats(path: Path, tokens: torch.Tensor, micro_batch: int,
+                      device: str = "cpu") -> calibrate.Observers:
     """The reference: the whole model loaded by transformers (fp32), the runner's observers hooked on
-    every linear / expert stack of its blocks, one forward per micro-batch."""
+    every linear / expert stack of its blocks, one forward per micro-batch (on a GPU with the runner's
+    TF32 matmuls)."""
+    from fp4convert.calibrate.runner import fast_matmul
+
     import json
 
     import transformers as tf
@@ -32,7 +36,7 @@ def whole_model_stats(path: Path, tokens: torch.Tensor, micro_batch: int) -> cal
     raw = json.loads((path / "config.json").read_text())
     cfg = tf.AutoConfig.from_pretrained(str(path))
     cls = model_class(tf, cfg, raw.get("architectures") or [])
-    model = cls.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = cls.from_pretrained(str(path), dtype=torch.float32).eval().to(device)
     obs = calibrate.Observers(squares=True)
     name, blocks = find_blocks(model)
     for i, b in enumerate(blocks):
@@ -42,18 +46,18 @@ def whole_model_stats(path: Path, tokens: torch.Tensor, micro_batch: int) -> cal
                 m.register_forward_pre_hook(lambda _m, a, _n=full: obs.add(_n, a[0]))
             elif is_expert_stack(m):
                 ExpertTap(full, m, obs)
-    with torch.no_grad():
+    with torch.no_grad(), fast_matmul(torch.device(device)):
         for s in range(0, tokens.shape[0], micro_batch):
-            model(input_ids=tokens[s: s + micro_batch], use_cache=False)
+            model(input_ids=tokens[s: s + micro_batch].to(device), use_cache=False)
     return obs
 
 
-def compare(path: Path, vocab: int = 100) -> dict[str, torch.Tensor]:
+def compare(path: Path, vocab: int = 100, device: str = "cpu") -> dict[str, torch.Tensor]:
     tokens = torch.randint(3, vocab, (5, 24), generator=torch.Generator().manual_seed(1))
-    lm = calibrate.LayerwiseModel(open_source(str(path)), torch.device("cpu"))
+    lm = calibrate.LayerwiseModel(open_source(str(path)), torch.device(device))
     got = calibrate.Observers(squares=True)
     lm.observe(tokens, got, micro_batch=2)
-    want = whole_model_stats(path, tokens, micro_batch=2)
+    want = whole_model_stats(path, tokens, micro_batch=2, device=device)
     assert set(got) == set(want) and len(want) > 0
     for n in want:
         assert torch.equal(got[n].amax, want[n].amax), n
@@ -77,6 +81,44 @@ def test_runner_statistics_equal_the_whole_model(tmp_path, family):
         assert ins and downs  # every expert's down input, from every token
         layer0 = {n for n in downs if ".0." in n.split(":")[0]}
         assert len(layer0) == 4 or len(downs) % 4 == 0
+
+
+def _gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gpt_oss"])
+def test_runner_statistics_equal_the_whole_model_on_the_gpu(tmp_path, family):
+    """On a GPU (blocks read into the pinned buffers, the next block read ahead, TF32 forwards on both
+    sides): the same statistics as the whole model run there, every weight released."""
+    import json
+
+    src = zoo.build(family, tmp_path / family)
+    cfg = json.loads((src / "config.json").read_text())
+    key = next(k for k in ("num_hidden_layers", "n_layer", "num_layers") if k in cfg)
+    assert cfg[key] >= 2  # the read-ahead buffer is refilled at least once
+    compare(src, device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
+def test_self_generation_on_the_gpu_is_seeded_and_streams(tokenized):
+    """Samples drawn on the GPU: the same seed gives the same samples run to run, streaming one block at a
+    time gives the resident run's samples, another seed other samples; nothing stays loaded."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(tokenized))
+
+    def gen(seed, resident_bytes=None):
+        lm = calibrate.LayerwiseModel(open_source(str(tokenized)), torch.device("cuda"))
+        out = calibrate.generate(lm, tok, 3, 12, seed, resident_bytes=resident_bytes)
+        assert lm.loaded == 0 and out.device.type == "cpu" and out.shape == (3, 12)
+        return out
+
+    a, b, streamed, other = gen(0), gen(0), gen(0, resident_bytes=0), gen(1)
+    assert torch.equal(a, b) and torch.equal(a, streamed) and not torch.equal(a, other)
 
 
 @pytest.mark.parametrize("model_type", ["jamba", "lfm2"])
