@@ -150,7 +150,6 @@ class BlockWeights:
         buffer is pinned (the copies to the device then run at the link's speed) and reused: ``slot`` 1 is
         the read-ahead's (one block at a time, consumed before the next is read), 0 the direct reads'
         (each copied to the device before the next)."""
-        import torch
 
         from fp4convert.storage.reads import read_many
 
