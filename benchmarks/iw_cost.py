@@ -28,13 +28,69 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_vs_copy  # noqa: E402
 
-
 ROWS = {
     "none": [],
     "random": ["--input-weights", "random"],
     "w4a4": ["--activations", "nvfp4", "--format", "compressed-tensors"],
     "gptq": ["--method", "gptq"],
+    # GPTQ on a calibration file of the default shape (16 x 256 tokens): no generation, the tokens llm-compressor gets
+    "gptq_file": ["--method", "gptq", "--calibration-data", "{calibration}"],
+    # llm-compressor 0.14's oneshot + GPTQModifier (NVFP4A16, its defaults) on the same 16 x 256 tokens, the model
+    # loaded on the GPU in the checkpoint's dtype, saved compressed: a process of its own (--peer-python)
+    "llmc_gptq": [],
 }
+CALIBRATION = (16, 256)  # the converter's default calibration shape (samples, tokens)
+
+LLMC_SNIPPET = """
+import json, resource, sys, time, torch
+t0 = time.time()
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import GPTQModifier
+src, dst, tokens = sys.argv[1], sys.argv[2], torch.load(sys.argv[3])
+model = AutoModelForCausalLM.from_pretrained(src, dtype="auto", device_map="cuda")
+ds = Dataset.from_dict({"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()})
+oneshot(model=model, dataset=ds, recipe=GPTQModifier(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"]),
+        num_calibration_samples=tokens.shape[0], max_seq_length=tokens.shape[1])
+model.save_pretrained(dst, save_compressed=True)
+print(json.dumps({"wall_s": time.time() - t0, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "counts": {"gpu_peak_MB": torch.cuda.max_memory_allocated() / 1e6}}))
+"""
+
+
+def calibration_file(path: Path) -> Path:
+    """A calibration text for the character tokenizer: the docstrings of the standard library's modules
+    (ASCII), at least the default calibration's tokens."""
+    import importlib
+
+    parts = []
+    for name in sorted(sys.stdlib_module_names - {"antigravity", "this"}):
+        if name.startswith("_") or len(parts) >= 200:
+            continue
+        try:
+            doc = importlib.import_module(name).__doc__
+        except Exception:  # noqa: BLE001 (a module that does not import here has no text for us)
+            continue
+        if doc:
+            parts.append(doc.encode("ascii", "ignore").decode())
+    text = "\n\n".join(parts)
+    need = CALIBRATION[0] * CALIBRATION[1]
+    path.write_text((text + "\n\n") * (need // max(len(text), 1) + 1))
+    return path
+
+
+def calibration_tokens(src: Path, text: Path, out: Path) -> Path:
+    """The 16 x 256 token windows fp4convert cuts from ``text`` (its own ``file_tokens``), for the peer."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fp4convert.calibrate.samples import file_tokens
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(src))
+    torch.save(file_tokens(tok, text, *CALIBRATION), out)
+    return out
 
 
 def char_tokenizer(path: Path) -> None:
@@ -57,6 +113,7 @@ def main() -> None:
     ap.add_argument("--warmup", action="store_true",
                     help="one untimed run of every row first (kernel build, the imports' bytecode caches: what an "
                          "installed package already has)")
+    ap.add_argument("--peer-python", default=sys.executable, help="the python that has llmcompressor (row llmc_gptq)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     src = args.work / "src"
@@ -66,6 +123,18 @@ def main() -> None:
     if not (src / "tokenizer.json").exists():
         char_tokenizer(src)
     size = sum(p.stat().st_size for p in src.iterdir())
+    text = args.work / "calibration.txt"
+    if {"gptq_file", "llmc_gptq"} & set(args.rows):
+        calibration_file(text)
+    if "llmc_gptq" in args.rows:
+        calibration_tokens(src, text, args.work / "calibration_tokens.pt")
+
+    def command(dev: str, row: str, out: Path) -> list[str]:
+        if row == "llmc_gptq":
+            return [args.peer_python, "-c", LLMC_SNIPPET, str(src), str(out), str(args.work / "calibration_tokens.pt")]
+        return [sys.executable, "-m", "fp4convert", "quantize", str(src), str(out), "--device", dev, "--json",
+                *(a.format(calibration=text) for a in ROWS[row])]
+
     e2e_vs_copy.warm(src)
     runs = []
     rows = [(d, iw) for d in args.device for iw in args.rows]
@@ -74,8 +143,7 @@ def main() -> None:
             for row in dict.fromkeys([*args.rows, "random"]):  # every row's imports compiled once
                 out = args.work / "out"
                 shutil.rmtree(out, ignore_errors=True)
-                subprocess.run([sys.executable, "-m", "fp4convert", "quantize", str(src), str(out), "--device", d, "-q",
-                                *ROWS[row]], capture_output=True)
+                subprocess.run(command(d, row, out), capture_output=True)
     for rep in range(args.repeats):
         for dev, iw in rows:
             if dev == "cpu" and args.cpu_repeats is not None and rep >= args.cpu_repeats:
@@ -83,8 +151,7 @@ def main() -> None:
             out = args.work / "out"
             shutil.rmtree(out, ignore_errors=True)
             subprocess.run(["sync"])
-            cmd = [sys.executable, "-m", "fp4convert", "quantize", str(src), str(out), "--device", dev, "--json",
-                   *ROWS[iw]]
+            cmd = command(dev, iw, out)
             t0 = time.perf_counter()
             r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
             subprocess.run(["sync"])
@@ -92,7 +159,7 @@ def main() -> None:
             if r.returncode:
                 print(r.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{dev} {iw}: exit {r.returncode}")
-            res = json.loads(r.stdout)
+            res = json.loads(r.stdout.strip().splitlines()[-1])
             rss = res.get("peak_rss_bytes", 0) / 1e9
             gpu = res.get("counts", {}).get("gpu_peak_MB", 0) / 1e3
             runs.append({"device": dev, "input_weights": iw, "rep": rep, "wall_s": round(wall, 3),
@@ -107,7 +174,8 @@ def main() -> None:
     rec = {"benchmark": "iw_cost", "date": time.strftime("%Y-%m-%d"), "layers": args.layers, "bytes": size,
            "cpus": os.cpu_count(), "runs": runs, "median_s": med,
            "command": "python -m fp4convert quantize SRC OUT --device D --json ROW (defaults otherwise)",
-           "rows": {k: ROWS[k] for k in args.rows}}
+           "rows": {k: ROWS[k] if k != "llmc_gptq" else "llm-compressor oneshot GPTQModifier NVFP4A16, 16 x 256 tokens"
+                    for k in args.rows}}
     if args.json:
         args.json.write_text(json.dumps(rec, indent=1) + "\n")
 
