@@ -159,7 +159,10 @@ def main() -> None:
             if r.returncode:
                 print(r.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"{dev} {iw}: exit {r.returncode}")
-            res = json.loads(r.stdout.strip().splitlines()[-1])
+            try:
+                res = json.loads(r.stdout)
+            except json.JSONDecodeError:  # (the peer prints its record last)
+                res = json.loads(r.stdout.strip().splitlines()[-1])
             rss = res.get("peak_rss_bytes", 0) / 1e9
             gpu = res.get("counts", {}).get("gpu_peak_MB", 0) / 1e3
             runs.append({"device": dev, "input_weights": iw, "rep": rep, "wall_s": round(wall, 3),
