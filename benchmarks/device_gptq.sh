@@ -3,7 +3,7 @@
 # the GPU run against the CPU's, the quantize kernels bit for bit), the kernels' throughput, then the cost rows
 # of benchmarks/iw_cost.py on 8 Llama-3-8B-shaped layers (data-free, --input-weights random, W4A4, GPTQ; a
 # warm-up run first). Results under $OUT.
-# PROFILE=1: then a cProfile of the GPTQ row (CUDA_LAUNCH_BLOCKING=1), $OUT/gptq_profile.txt.
+# PROFILE=1: then a cProfile of the GPTQ row, $OUT/gptq_profile.txt.
 # SWEEP=1: meanwhile, on the host's CPU cores, GPTQ on the tiny checkpoint of every sweep architecture the
 # runner runs that benchmarks/results/cpu2_20261128_gptq_sweep.jsonl has no run of (benchmarks/calibration_sweep.py
 # --method gptq, 12 processes of one thread, CUDA hidden); its rows in $OUT/gptq_sweep.jsonl.
@@ -64,9 +64,9 @@ if [ "${BENCH:-1}" = 1 ]; then
         2> /tmp/importtime.txt >/dev/null
     sort -t'|' -k2 -n -r /tmp/importtime.txt | head -n 40 > "$OUT/importtime.txt"
 fi
-if [ "${PROFILE:-0}" = 1 ]; then  # where a GPTQ run's time goes; kernels launched synchronously, so the GPU's time
+if [ "${PROFILE:-0}" = 1 ]; then  # where a GPTQ run's time goes (the GPU's time lands where the host waits for it)
     # lands on the Python line that queued it
-    CUDA_LAUNCH_BLOCKING=1 python3 -m cProfile -o /tmp/gptq.prof -m fp4convert quantize /tmp/iw_cost/src /tmp/iw_cost/prof \
+    python3 -m cProfile -o /tmp/gptq.prof -m fp4convert quantize /tmp/iw_cost/src /tmp/iw_cost/prof \
         --method gptq -q --overwrite
     python3 -c "
 import pstats; p = pstats.Stats('/tmp/gptq.prof'); p.sort_stats('cumulative').print_stats(70); p.sort_stats('tottime').print_stats(40)" \

@@ -227,7 +227,8 @@ def _method_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, tokens: 
     method = cls(lm, plan, config, inputs, store)
     try:
         method.run(tokens, obs, head="lm_head" in wanted, micro_batch=MICRO_BATCH, progress=True)
-        store.finish()
+        with stages.timed("gptq_store_wait"):  # (the block files still being written after the last block)
+            store.finish()
     except BaseException:
         store.remove()  # an interrupted pass keeps nothing (its index would be missing anyway)
         raise
