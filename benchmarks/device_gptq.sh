@@ -65,7 +65,6 @@ if [ "${BENCH:-1}" = 1 ]; then
     sort -t'|' -k2 -n -r /tmp/importtime.txt | head -n 40 > "$OUT/importtime.txt"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then  # where a GPTQ run's time goes (the GPU's time lands where the host waits for it)
-    # lands on the Python line that queued it
     python3 -m cProfile -o /tmp/gptq.prof -m fp4convert quantize /tmp/iw_cost/src /tmp/iw_cost/prof \
         --method gptq -q --overwrite
     python3 -c "
