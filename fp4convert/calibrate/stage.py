@@ -218,10 +218,10 @@ def _method_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, tokens: 
     the matrices it quantizes go to a store in ``store_dir`` (``out.gptq``); the inputs' amax, taken in
     the same pass (W4A4), is returned by runner name."""
     from fp4convert.calibrate.methods import get_method
-    from fp4convert.calibrate.store import Store
+    from fp4convert.calibrate.store import Store, memory_budget
 
     cls = get_method(config.method)
-    store = Store.create(store_dir)
+    store = Store.create(store_dir, memory=memory_budget())
     obs = Observers(squares=cls.squares, hessian=cls.hessian, rotate=config.rotate,
                     rotated_amax=bool(config.rotate) and config.activations != "none")
     method = cls(lm, plan, config, inputs, store)

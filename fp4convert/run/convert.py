@@ -264,6 +264,8 @@ def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: 
     except BaseException:
         source.stop_prefetch()
         _close_all([b.close for b in reversed(backends)], raising=False)  # the run's own error is the one to report
+        if measured.quantized is not None and world.rank == 0:
+            _keep_quantized(measured.quantized)
         raise
     _close_all([b.close for b in reversed(backends)])
     _gpu_peak()
@@ -273,6 +275,15 @@ def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: 
     reused = sorted(f for f in done if f in dict(plan_.shards))
     wait = sum(w.read_wait_s for w in works)
     return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, stages.snapshot(), stages.counts())
+
+
+def _keep_quantized(store: Store) -> None:
+    """An interrupted conversion keeps the calibrated method's matrices for ``--resume`` (those held in
+    memory go to disk now); best effort: failing costs only a second pass."""
+    try:
+        store.persist()
+    except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+        log.warning("the quantized matrices of the calibrated pass were not kept (%s): --resume runs it again", exc)
 
 
 def _gpu_peak() -> None:
