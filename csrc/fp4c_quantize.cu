@@ -17,6 +17,14 @@ namespace {
 // occupancy lost can cost more time than the instructions save (BENCHMARKS.md, issue 33). The
 // input-weighted variants are separate kernels (IW) held to 2 CTAs (128 registers): their weights
 // would otherwise set the registers of the common kernels.
+// FP4C_SEARCH_APPROX (software E2M1, unweighted): the search rules score their candidates
+// approximately and prove the choice, scoring exactly only the blocks they cannot prove
+// (nvfp4_block_search_iw, mxfp4_block_mse_iw); 0: every block exactly. The bytes are the same.
+// Bit 0: NVFP4 (on by default: 4over6 -8%, mse / wmse -7..8% static SASS per element); bit 1: MXFP4
+// (off by default: -3% for bf16, and the exact fallback beside it makes the f16 / f32 kernels spill).
+#ifndef FP4C_SEARCH_APPROX
+#define FP4C_SEARCH_APPROX 1
+#endif
 #ifndef FP4C_SM90_SEARCH_CTAS
 #define FP4C_SM90_SEARCH_CTAS 3
 #endif
@@ -127,9 +135,8 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
           sg[0] = signs8_raw(w);
           sg[1] = signs8_raw(w + 4);
         }
-        nvfp4_block_search_iw<RULE, IW, unmasked_flags<DT, ROT>()>(v, gs, mb, rd, codes + 2 * c, sb[c],
-                                                                     c == 0 ? iw0 : iw1,
-                                                                     DT == DT_BF16 && !ROT ? sg : nullptr);
+        nvfp4_block_search_iw<RULE, IW, unmasked_flags<DT, ROT>(), (FP4C_SEARCH_APPROX & 1) != 0>(
+            v, gs, mb, rd, codes + 2 * c, sb[c], c == 0 ? iw0 : iw1, DT == DT_BF16 && !ROT ? sg : nullptr);
       }
     }
   } else {
@@ -155,8 +162,8 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
 #pragma unroll
         for (int w = 0; w < 4; ++w) sg[w] = signs8_raw(reinterpret_cast<const uint32_t*>(raw.q) + 4 * w);
       }
-      mxfp4_block_mse_iw<RULE == RULE_WMSE, IW, unmasked_flags<DT, ROT>()>(v, mb, codes, sb[0], iw0,
-                                                                           DT == DT_BF16 && !ROT ? sg : nullptr);
+      mxfp4_block_mse_iw<RULE == RULE_WMSE, IW, unmasked_flags<DT, ROT>(), (FP4C_SEARCH_APPROX & 2) != 0>(
+          v, mb, codes, sb[0], iw0, DT == DT_BF16 && !ROT ? sg : nullptr);
     } else {
       float r = mxfp4_scale(mb, sb[0]);
       if constexpr (RULE == RULE_ALT) {  // rceil: the exponent up where the block would saturate
