@@ -355,20 +355,22 @@ __device__ __forceinline__ bool nvfp4_fast_ok(float bmax, float r, float d) {
 // is within 2.01u of 1, so |x| <= 7.0001 d and z = value * d - |x| has |z| <= 1.0001 d; e = RN(RN(value d)
 // - |x|) is within 7.001 u d of z and e' within 1.0001 u d, so |e^2 - e'^2| <= 16.01 u d^2; the two sums
 // (n roundings per term at most, all terms >= 0) are each within gamma_16 of their exact sums, so
-// |E - err'| <= 32.1 u err' + 257 u d^2 (weighted: f, f' within 10.01 u |x| d, |x| <= 7.0001 d: 15710 u d^4).
+// |E - err'| <= 32.1 u err' + 257 u d^2 (weighted: f, f' within 10.01 u |x| d, |x| <= bmax: 320.5 u (bmax d)^2).
 // approx_bound takes about twice that, plus 2^-120 for subnormal roundings (each at most 2^-150).
 // Where d is 0 (byte 0), value = 0 and e = e' = -|x|: only the sums differ.
 template <bool W>
-__device__ __forceinline__ float nvfp4_approx_bound(float err, float d) {
-  const float d2 = __fmul_rn(d, d);
-  const float q = W ? __fmul_rn(d2, d2) : d2;
-  return __fmaf_rn(err, 0x1p-18f, __fmaf_rn(q, W ? 0x1p-9f : 0x1p-15f, 0x1p-120f));
+__device__ __forceinline__ float nvfp4_approx_bound(float err, float d, float bmax) {
+  const float t = W ? __fmul_rn(bmax, d) : d;
+  const float q = __fmul_rn(t, t);
+  return __fmaf_rn(err, 0x1p-18f, __fmaf_rn(q, W ? 0x1p-14f : 0x1p-15f, 0x1p-120f));
 }
 
-// Whether the approximate scoring's bound holds for candidate (r, d): the scaled fast path, and d = 0
-// or a normal d (so r d is within 2.01u of 1: d = RN(sf / gs), r = RN(gs / sf) unclamped).
-__device__ __forceinline__ bool nvfp4_approx_ok(float bmax, float r, float d) {
-  return nvfp4_fast_ok(bmax, r, d) && !(d > 0.0f && d < 0x1p-126f);
+// The per-byte part of where the approximate scoring's bound holds for the table's candidate (r, d):
+// d < 4 (the scaled fast path, with RN(bmax r) < 7 tested per block), d = 0 or a normal d (so r d is
+// within 2.01u of 1: d = RN(sf / gs), r = RN(gs / sf) unclamped), and (unmasked: the kernel's chain is
+// the unmasked one) nvfp4_unmasked_safe. fill_candidates sets r's sign bit where this holds.
+__device__ __forceinline__ bool nvfp4_approx_byte_ok(float d, bool unmasked_safe) {
+  return d < 4.0f && !(d > 0.0f && d < 0x1p-126f) && unmasked_safe;
 }
 
 // block_err_codes_scaled's chain and codes, with the approximate error err' (see above).
@@ -579,7 +581,8 @@ __device__ __forceinline__ float2 nvfp4_candidate(float gs, uint32_t byte) {
 // the scaled software path where nvfp4_fast_ok allows, else block_err_codes with the clamp.
 // FLAGS: the table's d carries a flag in its sign bit (fill_candidates of the quantize kernel):
 // set = nvfp4_unmasked_safe for this kernel's input type, so the unmasked chain may score it. A table
-// of nvfp4_candidate (d >= 0) never takes that chain.
+// of nvfp4_candidate (d >= 0) never takes that chain. The table's r may carry the approximate
+// scoring's flag in its sign bit (nvfp4_approx_byte_ok), hence |r| here.
 template <bool W, bool IW, bool FLAGS = false>
 __device__ __forceinline__ float nvfp4_candidate_err(const float v[16], float bmax, float2 k, uint32_t cw[2],
                                                      const float* c) {
@@ -587,13 +590,13 @@ __device__ __forceinline__ float nvfp4_candidate_err(const float v[16], float bm
   (void)bmax;
   return block_err_codes<16, true, W>(v, k.x, k.y, cw, IW ? c : nullptr);
 #else
-  const float d = FLAGS ? fabsf(k.y) : k.y;
-  if (nvfp4_fast_ok(bmax, k.x, d)) {
-    const float rs = __fmul_rn(k.x, 0x1p-104f), dd = __fmul_rn(d, 0x1p126f);
+  const float d = FLAGS ? fabsf(k.y) : k.y, r = fabsf(k.x);
+  if (nvfp4_fast_ok(bmax, r, d)) {
+    const float rs = __fmul_rn(r, 0x1p-104f), dd = __fmul_rn(d, 0x1p126f);
     if (FLAGS && (__float_as_uint(k.y) >> 31)) return block_err_codes_scaled<16, W, IW, false>(v, rs, dd, cw, c);
     return block_err_codes_scaled<16, W, IW>(v, rs, dd, cw, c);
   }
-  return block_err_codes<16, true, W>(v, k.x, d, cw, IW ? c : nullptr);
+  return block_err_codes<16, true, W>(v, r, d, cw, IW ? c : nullptr);
 #endif
 }
 
@@ -601,13 +604,13 @@ __device__ __forceinline__ float nvfp4_candidate_err(const float v[16], float bm
 // weights; !IW: c is ignored), so the unweighted path carries no per-element weight test.
 // sg (may be null): the block's two sign words (signs8_raw), else the signs come from v.
 #if !FP4C_HW_E2M1
-// One NVFP4 candidate (r, d) = k scored approximately (block_err_codes_approx, on the unmasked chain
-// where the table's flag allows, see nvfp4_candidate_err); d: k.y without the flag.
+// One NVFP4 candidate (r, d) = k of the table scored approximately (block_err_codes_approx); only
+// bytes flagged by nvfp4_approx_byte_ok come here, so FLAGS (16-bit inputs unrotated) means the
+// unmasked chain is safe for this byte.
 template <bool W, bool FLAGS>
-__device__ __forceinline__ float nvfp4_candidate_approx(const float v[16], float2 k, float d, uint32_t cw[2]) {
-  const float rs = __fmul_rn(k.x, 0x1p-104f), dd = __fmul_rn(d, 0x1p126f);
-  if (FLAGS && (__float_as_uint(k.y) >> 31)) return block_err_codes_approx<16, W, false>(v, rs, dd, cw);
-  return block_err_codes_approx<16, W>(v, rs, dd, cw);
+__device__ __forceinline__ float nvfp4_candidate_approx(const float v[16], float2 k, uint32_t cw[2]) {
+  const float rs = __fmul_rn(fabsf(k.x), 0x1p-104f), dd = __fmul_rn(fabsf(k.y), 0x1p126f);
+  return block_err_codes_approx<16, W, !FLAGS>(v, rs, dd, cw);
 }
 #endif
 
@@ -630,21 +633,22 @@ __device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float g
     constexpr bool MSE = RULE == RULE_MSE || RULE == RULE_WMSE;
     const uint32_t bm = b6 > 0u ? b6 - 1u : 0u;
     const float2 km = MSE ? rd[bm] : k6;
-    const float d6 = FLAGS ? fabsf(k6.y) : k6.y, d4 = FLAGS ? fabsf(k4.y) : k4.y;
-    const float dm = FLAGS ? fabsf(km.y) : km.y;
-    if (nvfp4_approx_ok(bmax, k6.x, d6) && nvfp4_approx_ok(bmax, k4.x, d4) &&
-        (!MSE || nvfp4_approx_ok(bmax, km.x, dm))) {
-      const float a6 = nvfp4_candidate_approx<W, FLAGS>(v, k6, d6, c6);
-      const float h6 = nvfp4_approx_bound<W>(a6, d6);
-      const float a4 = nvfp4_candidate_approx<W, FLAGS>(v, k4, d4, c4);
-      const float h4 = nvfp4_approx_bound<W>(a4, d4);
+    // every candidate flagged (the sign bits of r), and RN(bmax r) < 7 for the largest r
+    const float rmax = fmaxf(fmaxf(fabsf(k6.x), fabsf(k4.x)), fabsf(km.x));
+    if ((int)(__float_as_uint(k6.x) & __float_as_uint(k4.x) & __float_as_uint(km.x)) < 0 &&
+        __fmul_rn(bmax, rmax) < 7.0f) {
+      const float d6 = fabsf(k6.y), d4 = fabsf(k4.y), dm = fabsf(km.y);
+      const float a6 = nvfp4_candidate_approx<W, FLAGS>(v, k6, c6);
+      const float h6 = nvfp4_approx_bound<W>(a6, d6, bmax);
+      const float a4 = nvfp4_candidate_approx<W, FLAGS>(v, k4, c4);
+      const float h4 = nvfp4_approx_bound<W>(a4, d4, bmax);
       bool sure;
       uint32_t best, k0, k1;
       if constexpr (MSE) {
         // the winner by err' (any order: a proved winner is the unique exact minimum), then the proof
         uint32_t cm[2];
-        const float am = nvfp4_candidate_approx<W, FLAGS>(v, km, dm, cm);
-        const float hm = nvfp4_approx_bound<W>(am, dm);
+        const float am = nvfp4_candidate_approx<W, FLAGS>(v, km, cm);
+        const float hm = nvfp4_approx_bound<W>(am, dm, bmax);
         float aw = a6, hw = h6;
         best = b6, k0 = c6[0], k1 = c6[1];
         if (a4 < aw) aw = a4, hw = h4, best = b4, k0 = c4[0], k1 = c4[1];
