@@ -396,7 +396,7 @@ __device__ __forceinline__ float block_err_codes_approx(const float* v, float rs
 // err'_w > H_w + H_k (then E_k >= err'_k - H_k > err'_w + H_w >= E_w; the computed bounds carry the
 // roundings of these two operations in their factor of two). Equal bytes are the same candidate.
 __device__ __forceinline__ bool approx_above(float ew, float hw, uint32_t bw, float ek, float hk, uint32_t bk) {
-  return bw == bk || __fsub_rn(ek, ew) > __fadd_rn(hw, hk);
+  return (bw == bk) | (__fsub_rn(ek, ew) > __fadd_rn(hw, hk));  // (no short circuit: no branch)
 }
 #endif
 
@@ -653,12 +653,13 @@ __device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float g
         best = b6, k0 = c6[0], k1 = c6[1];
         if (a4 < aw) aw = a4, hw = h4, best = b4, k0 = c4[0], k1 = c4[1];
         if (am < aw) aw = am, hw = hm, best = bm, k0 = cm[0], k1 = cm[1];
-        sure = approx_above(aw, hw, best, a6, h6, b6) && approx_above(aw, hw, best, a4, h4, b4) &&
+        sure = approx_above(aw, hw, best, a6, h6, b6) & approx_above(aw, hw, best, a4, h4, b4) &
                approx_above(aw, hw, best, am, hm, bm);
       } else {
         // b4 only where its error is certainly lower; b6 where certainly not (ties keep b6)
-        const bool take4 = approx_above(a4, h4, b4, a6, h6, b6) && b4 != b6;
-        sure = take4 || approx_above(a6, h6, b6, a4, h4, b4);
+        const float diff = __fsub_rn(a6, a4), h = __fadd_rn(h6, h4);
+        const bool take4 = (diff > h) & (b4 != b6);
+        sure = take4 | (-diff > h) | (b4 == b6);  // approx_above both ways, unrolled
         best = take4 ? b4 : b6, k0 = take4 ? c4[0] : c6[0], k1 = take4 ? c4[1] : c6[1];
       }
       if (sure) {
