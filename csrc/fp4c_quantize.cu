@@ -17,11 +17,11 @@ namespace {
 // occupancy lost can cost more time than the instructions save (BENCHMARKS.md, issue 33). The
 // input-weighted variants are separate kernels (IW) held to 2 CTAs (128 registers): their weights
 // would otherwise set the registers of the common kernels.
-// FP4C_SEARCH_APPROX (software E2M1, unweighted): the search rules score their candidates
+// FP4C_SEARCH_APPROX (software E2M1, unweighted): the NVFP4 search rules score their candidates
 // approximately and prove the choice, scoring exactly only the blocks they cannot prove
-// (nvfp4_block_search_iw, mxfp4_block_mse_iw); 0: every block exactly. The bytes are the same.
-// Bit 0: NVFP4 (on by default: 4over6 -8%, mse / wmse -7..8% static SASS per element); bit 1: MXFP4
-// (off by default: -3% for bf16, and the exact fallback beside it makes the f16 / f32 kernels spill).
+// (nvfp4_block_search_iw); 0: every block exactly. The bytes are the same. NVFP4 only: MXFP4's terms
+// are exact single FMAs already, so only its two sums would fuse (-3% static SASS for bf16), and the
+// exact pass beside them makes its kernels spill (mxfp4_block_mse_iw's APPROX, off here).
 #ifndef FP4C_SEARCH_APPROX
 #define FP4C_SEARCH_APPROX 1
 #endif
@@ -75,11 +75,11 @@ __host__ __device__ constexpr bool unmasked_flags() {
   return !FP4C_HW_E2M1 && (DT == DT_BF16 || DT == DT_F16) && !ROT;
 }
 
-// Whether the NVFP4 search rules of this kernel score approximately first (FP4C_SEARCH_APPROX bit 0):
+// Whether the NVFP4 search rules of this kernel score approximately first (FP4C_SEARCH_APPROX):
 // not fp32 with Had16, whose kernel then spills at the register cap (8 bytes).
 template <int DT, bool ROT>
 __host__ __device__ constexpr bool nvfp4_approx() {
-  return (FP4C_SEARCH_APPROX & 1) != 0 && !(DT == DT_F32 && ROT);
+  return FP4C_SEARCH_APPROX != 0 && !(DT == DT_F32 && ROT);
 }
 
 // NVFP4 search rules: the (r, d) of every E4M3 byte for this matrix's gs, in shared memory (see
@@ -173,7 +173,7 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
 #pragma unroll
         for (int w = 0; w < 4; ++w) sg[w] = signs8_raw(reinterpret_cast<const uint32_t*>(raw.q) + 4 * w);
       }
-      mxfp4_block_mse_iw<RULE == RULE_WMSE, IW, unmasked_flags<DT, ROT>(), (FP4C_SEARCH_APPROX & 2) != 0>(
+      mxfp4_block_mse_iw<RULE == RULE_WMSE, IW, unmasked_flags<DT, ROT>()>(
           v, mb, codes, sb[0], iw0, DT == DT_BF16 && !ROT ? sg : nullptr);
     } else {
       float r = mxfp4_scale(mb, sb[0]);
