@@ -653,8 +653,8 @@ __device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float g
         best = b6, k0 = c6[0], k1 = c6[1];
         if (a4 < aw) aw = a4, hw = h4, best = b4, k0 = c4[0], k1 = c4[1];
         if (am < aw) aw = am, hw = hm, best = bm, k0 = cm[0], k1 = cm[1];
-        sure = approx_above(aw, hw, best, a6, h6, b6) & approx_above(aw, hw, best, a4, h4, b4) &
-               approx_above(aw, hw, best, am, hm, bm);
+        sure = approx_above(aw, hw, best, a6, h6, b6) && approx_above(aw, hw, best, a4, h4, b4) &&
+               approx_above(aw, hw, best, am, hm, bm);  // (short circuits: without, the swizzled kernels spill)
       } else {
         // b4 only where its error is certainly lower; b6 where certainly not (ties keep b6)
         const float diff = __fsub_rn(a6, a4), h = __fadd_rn(h6, h4);
