@@ -16,9 +16,7 @@
 // and, by random sampling with targeted edge cases (E2M1 ties, binade edges, r near 2^-22, d near 4,
 // subnormal d), the per-element error terms of block_err_codes_scaled / mxfp4_block_mse_iw against the
 // reference's e = RN(RN(value * d) - x), f = RN(e * x), s = RN(f * f) (the block sums add these in the same
-// order); 8-9. the approximate scoring of the search rules (its error bound against the exact block error,
-// and the decisions built on it, over adversarial blocks: see check_approx). Build and run (about three
-// minutes on one core; `/tmp/check approx` runs 8-9 only, about 20 s):
+// order). Build and run (about a minute on one core):
 //   g++ -O2 -ffp-contract=off -march=native -o /tmp/check benchmarks/check_sm90_numerics.cpp && /tmp/check
 // -ffp-contract=off matters: a contracted a * b + c would not be the kernels' separate operations.
 #include <cfloat>
@@ -95,189 +93,7 @@ static void fail(const char* what, uint32_t a, uint32_t b, uint32_t c) {
   if (bad++ < 20) std::printf("MISMATCH %s: %08x %08x %08x\n", what, a, b, c);
 }
 
-// 8. The approximate scoring (csrc: block_err_codes_approx, nvfp4_approx_bound, approx_above,
-// mxfp4_fast_scores<APPROX>, mxfp4_approx_bound): for NVFP4 candidates (r, d) of the table (a random gs
-// and byte, d = 0 or normal, d < 4) and blocks of 16 with every RN(|x| r) < 7 (the fast path), the exact
-// error E (reference order: RN(value d), - x, [* x], square, sum) lies within the computed bound of the
-// approximate err' (FMA of value d - |x|, [* |x|], FMA of the square into the sum); for MXFP4 blocks of
-// 32 (e <= 127) likewise; and the decision built on them (4over6: b4 iff E4 < E6; mse: the minimum, ties
-// to the larger byte) agrees with the exact one wherever the approximate test calls it sure. The blocks
-// are adversarial: values at E2M1 ties and binade edges, values next to value * d (where RN(value * d)'s
-// rounding matters most against a tiny error), repeated values, zeros, sparse blocks, bf16 / fp16 / fp32.
-static float nv_bound(float err, float d, float bmax, bool w) {  // nvfp4_approx_bound
-  const float t = w ? bmax * d : d;
-  const float q = t * t;
-  return fmaf_(err, 0x1p-18f, fmaf_(q, w ? 0x1p-14f : 0x1p-15f, 0x1p-120f));
-}
-static bool above(float ew, float hw, uint32_t bw, float ek, float hk, uint32_t bk) {  // approx_above
-  return bw == bk || (ek - ew) > (hw + hk);
-}
-// (exact E, approximate err') of one NVFP4 candidate over n values
-static void nv_scores(const float* x, int n, float r, float d, bool w, float& E, float& A) {
-  E = 0.0f, A = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    const float y = a * r;
-    const float val = VALUES[idx_spec(y)];
-    float e = val * d - a;  // two roundings (-ffp-contract=off)
-    if (w) e = e * a;
-    const float s = e * e;
-    E = i == 0 ? s : E + s;
-    // approximate: the device's p * dd is value * d exactly as a real
-    float e2 = fmaf_(val, d, -a);
-    if (w) e2 = e2 * a;
-    A = i == 0 ? e2 * e2 : fmaf_(e2, e2, A);
-  }
-}
-static void check_approx() {
-  const unsigned long long before8 = bad;
-  std::mt19937_64 rng(4242);
-  auto uni = [&](double lo, double hi) { return std::uniform_real_distribution<double>(lo, hi)(rng); };
-  const float ties[] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-  long nblocks = 0, nsure = 0, ndec = 0;
-  double worst = 0.0;
-  for (long it = 0; it < 3000000; ++it) {
-    // two candidates of one table: gs, bytes c1 != c2 (or equal, 1 in 64)
-    float gs;
-    const int gk = (int)(rng() % 4);
-    if (gk == 0) gs = (float)std::ldexp(uni(1.0, 2.0), (int)(rng() % 240) - 120);
-    else gs = (float)std::ldexp(uni(1.0, 2.0), (int)(rng() % 40) - 10);
-    uint32_t byt[3];
-    byt[0] = (uint32_t)(rng() % 127);
-    byt[1] = rng() % 64 == 0 ? byt[0] : (uint32_t)std::min<int>(126, (int)byt[0] + (int)(rng() % 7));
-    byt[2] = byt[0] > 0 ? byt[0] - 1 : 0;
-    float r[3], d[3];
-    bool ok = true;
-    for (int k = 0; k < 3; ++k) {
-      const float sf = e4m3_value(byt[k]);
-      r[k] = sf > 0.0f ? std::fmin(gs / sf, FLT_MAX) : 0.0f;
-      d[k] = sf / gs;
-      ok &= d[k] < 4.0f && !(d[k] > 0.0f && d[k] < 0x1p-126f);  // nvfp4_approx_ok's per-byte part
-    }
-    if (!ok) continue;
-    // the block: scale so that the largest candidate multiplier keeps every y < 7
-    const float rmax = std::fmax(r[0], std::fmax(r[1], r[2]));
-    if (rmax == 0.0f) continue;
-    const float lim = 7.0f / rmax;
-    const int prec = (int)(rng() % 3);
-    const int kind = (int)(rng() % 6);
-    float x[16];
-    const float base = (float)(lim * uni(0.05, 1.0));
-    for (int i = 0; i < 16; ++i) {
-      float v;
-      const int k = kind == 5 ? (int)(rng() % 5) : kind;
-      if (k == 0) v = (float)(lim * uni(0.0, 1.0));                                   // uniform
-      else if (k == 1) v = f(u(ties[rng() % 14] * d[rng() % 3]) + (uint32_t)(rng() % 9) - 4u);  // next to value * d
-      else if (k == 2) v = f(u(ties[rng() % 14] / r[rng() % 3]) + (uint32_t)(rng() % 9) - 4u);  // ties of y
-      else if (k == 3) v = rng() % 4 ? 0.0f : (float)(lim * uni(0.0, 1.0));           // sparse
-      else v = base;                                                                    // repeated
-      if (prec == 0) v = f(u(v) & 0xFFFF0000u);
-      else if (prec == 1) v = f(u(v) & 0xFFFFE000u);
-      if (!std::isfinite(v) || v < 0.0f) v = 0.0f;
-      x[i] = rng() % 2 ? -v : v;
-    }
-    bool fast = true;
-    for (int i = 0; i < 16; ++i)
-      for (int k = 0; k < 3; ++k) fast &= std::fabs(x[i]) * r[k] < 7.0f;
-    if (!fast) continue;
-    ++nblocks;
-    float bmax = 0.0f;
-    for (int i = 0; i < 16; ++i) bmax = std::fmax(bmax, std::fabs(x[i]));
-    for (int w = 0; w < 2; ++w) {
-      float E[3], A[3], H[3];
-      for (int k = 0; k < 3; ++k) {
-        nv_scores(x, 16, r[k], d[k], w, E[k], A[k]);
-        H[k] = nv_bound(A[k], d[k], bmax, w);
-        const double dev = std::fabs((double)E[k] - (double)A[k]);
-        if (dev > H[k]) fail(w ? "approx bound (weighted)" : "approx bound", u(gs), byt[k], u(E[k]));
-        if (H[k] > 0.0) worst = std::fmax(worst, dev / H[k]);
-      }
-      // 4over6 on (b6, b4) = (byt[0], byt[1])
-      {
-        const bool exact4 = E[1] < E[0];
-        const bool take4 = above(A[1], H[1], byt[1], A[0], H[0], byt[0]) && byt[1] != byt[0];
-        const bool sure = take4 || above(A[0], H[0], byt[0], A[1], H[1], byt[1]);
-        ++ndec;
-        nsure += sure;
-        if (sure && take4 != exact4) fail("approx 4over6 decision", u(gs), byt[0], byt[1]);
-      }
-      // mse on (b6, b4, b6 - 1)
-      {
-        uint32_t best = byt[0];
-        float be = E[0];
-        if (E[1] <= be) best = byt[1], be = E[1];
-        if (E[2] < be || (E[2] == be && byt[2] > best)) best = byt[2];
-        float aw = A[0], hw = H[0];
-        uint32_t bw = byt[0];
-        if (A[1] < aw) aw = A[1], hw = H[1], bw = byt[1];
-        if (A[2] < aw) aw = A[2], hw = H[2], bw = byt[2];
-        const bool sure = above(aw, hw, bw, A[0], H[0], byt[0]) && above(aw, hw, bw, A[1], H[1], byt[1]) &&
-                          above(aw, hw, bw, A[2], H[2], byt[2]);
-        if (sure && bw != best) fail("approx mse decision", u(gs), bw, best);
-      }
-    }
-  }
-  std::printf("8. NVFP4 approximate scoring: %llu failures over %ld blocks x 3 candidates x {mse, wmse}; largest "
-              "|E - err'| / bound %.3g; 4over6 proved without the exact pass in %.2f%% of the decisions\n",
-              bad - before8, nblocks, worst, 100.0 * nsure / (double)ndec);
-  // MXFP4: e <= 127, both candidates exact terms, sums differ
-  const unsigned long long before9 = bad;
-  long nmx = 0, nmsure = 0;
-  double mworst = 0.0;
-  for (long it = 0; it < 2000000; ++it) {
-    const int ee = (int)(rng() % 128);
-    const float d0 = std::ldexp(1.0f, ee - 127), d1 = std::ldexp(1.0f, ee - 126);
-    const float r0 = std::ldexp(1.0f, 127 - ee), r1 = std::ldexp(1.0f, 126 - ee);
-    const int prec = (int)(rng() % 3), kind = (int)(rng() % 5);
-    float x[32];
-    const float base = (float)(8.0 * d0 * uni(0.0, 1.0));
-    for (int i = 0; i < 32; ++i) {
-      float v;
-      const int k = kind == 4 ? (int)(rng() % 4) : kind;
-      if (k == 0) v = (float)(8.0 * d0 * uni(0.0, 1.0));
-      else if (k == 1) v = f(u(ties[rng() % 14] * d0) + (uint32_t)(rng() % 9) - 4u);
-      else if (k == 2) v = rng() % 4 ? 0.0f : (float)(8.0 * d0 * uni(0.0, 1.0));
-      else v = base;
-      if (prec == 0) v = f(u(v) & 0xFFFF0000u);
-      else if (prec == 1) v = f(u(v) & 0xFFFFE000u);
-      if (!std::isfinite(v) || v < 0.0f || !(v * r0 < 8.0f)) v = 0.0f;
-      x[i] = v;
-    }
-    ++nmx;
-    for (int w = 0; w < 2; ++w) {
-      float E0 = 0, E1 = 0, A0 = 0, A1 = 0;
-      for (int i = 0; i < 32; ++i) {
-        const float a = x[i];
-        float e0 = VALUES[idx_spec(std::fmin(a * r0, 1e30f))] * d0 - a, e1 = VALUES[idx_spec(a * r1)] * d1 - a;
-        if (w) e0 = e0 * a, e1 = e1 * a;
-        const float s0 = e0 * e0, s1 = e1 * e1;
-        E0 = i == 0 ? s0 : E0 + s0;
-        E1 = i == 0 ? s1 : E1 + s1;
-        A0 = i == 0 ? s0 : fmaf_(e0, e0, A0);
-        A1 = i == 0 ? s1 : fmaf_(e1, e1, A1);
-      }
-      const float H0 = fmaf_(A0, 0x1p-17f, 0x1p-120f), H1 = fmaf_(A1, 0x1p-17f, 0x1p-120f);
-      for (int k = 0; k < 2; ++k) {
-        const double dev = std::fabs((double)(k ? E1 : E0) - (double)(k ? A1 : A0));
-        if (dev > (k ? H1 : H0)) fail("mx approx bound", (uint32_t)ee, (uint32_t)w, u(k ? E1 : E0));
-        mworst = std::fmax(mworst, dev / (k ? H1 : H0));
-      }
-      const float h = H0 + H1, diff = A0 - A1;
-      const bool up = diff > h, sure = up || A0 == 0.0f || -diff > h;
-      nmsure += sure;
-      if (sure && up != (E1 < E0)) fail("mx approx decision", (uint32_t)ee, (uint32_t)w, 0);
-    }
-  }
-  std::printf("9. MXFP4 approximate scoring: %llu failures over %ld blocks x {mse, wmse}; largest |E - err'| / bound "
-              "%.3g; proved without the exact pass in %.2f%%\n", bad - before9, nmx, mworst, 50.0 * nmsure / (double)nmx);
-}
-
-int main(int argc, char** argv) {
-  if (argc > 1 && std::strcmp(argv[1], "approx") == 0) {  // only 8-9 (about a minute)
-    check_approx();
-    std::printf("%s\n", bad ? "FAILED" : "all identities hold");
-    return bad ? 1 : 0;
-  }
+int main() {
   // 1. div6_rn
   for (uint32_t b = 0; b <= 0x7F7FFFFFu; ++b) {
     const float p = f(b), q = div6_rn(p), want = p / 6.0f;
@@ -436,7 +252,6 @@ int main(int argc, char** argv) {
     if (u(w0 * w0) != u(v0 * v0) || u(w1 * w1) != u(v1 * v1)) fail("mx werr", u(xm), (uint32_t)ee, 2);
   }
   std::printf("4. error terms: %llu mismatches over %ld sampled (x, r, d) and MXFP4 (x, e)\n", bad - before4, n4);
-  check_approx();
   std::printf("%s\n", bad ? "FAILED" : "all identities hold");
   return bad ? 1 : 0;
 }

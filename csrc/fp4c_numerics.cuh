@@ -338,66 +338,6 @@ __device__ __forceinline__ float block_err_codes_scaled(const float* v, float rs
 __device__ __forceinline__ bool nvfp4_fast_ok(float bmax, float r, float d) {
   return __fmul_rn(bmax, r) < 7.0f && d < 4.0f;
 }
-
-// ------------------------------------------------------------------------------------------------
-// Approximate scoring, then a proof of the choice (issue 33: the search rules are issue bound on sm_90)
-// ------------------------------------------------------------------------------------------------
-// The reference's block error costs four rounded operations per element and candidate after the
-// value: RN(value * d), - x, square, + err (five weighted). A choice between candidates only needs
-// to know which exact error is smaller, so each candidate is first scored with two: e' = RN(value * d
-// - |x|) (one FMA of the packed value) and err' = RN(e' * e' + err') (one FMA; weighted: f' = RN(e' *
-// |x|) first). Every candidate's error E then lies within H of its err' (approx_bound, proved below
-// and checked by benchmarks/check_sm90_numerics.cpp), and where the winner's err' is below every
-// other distinct candidate's by more than the sum of their H, the winner is the exact rule's winner
-// (its codes are the exact codes: the same chain). Otherwise (near ties: exact ties, all-equal
-// blocks, tiny errors) the block is scored again exactly. Codes are packed as in block_err_codes_scaled.
-//   The bound (u = 2^-24, n = 16, on the fast path: every y = RN(|x| r) < 7, d = 0 or d normal): r d
-// is within 2.01u of 1, so |x| <= 7.0001 d and z = value * d - |x| has |z| <= 1.0001 d; e = RN(RN(value d)
-// - |x|) is within 7.001 u d of z and e' within 1.0001 u d, so |e^2 - e'^2| <= 16.01 u d^2; the two sums
-// (n roundings per term at most, all terms >= 0) are each within gamma_16 of their exact sums, so
-// |E - err'| <= 32.1 u err' + 257 u d^2 (weighted: f, f' within 10.01 u |x| d, |x| <= bmax: 320.5 u (bmax d)^2).
-// approx_bound takes about twice that, plus 2^-120 for subnormal roundings (each at most 2^-150).
-// Where d is 0 (byte 0), value = 0 and e = e' = -|x|: only the sums differ.
-template <bool W>
-__device__ __forceinline__ float nvfp4_approx_bound(float err, float d, float bmax) {
-  const float t = W ? __fmul_rn(bmax, d) : d;
-  const float q = __fmul_rn(t, t);
-  return __fmaf_rn(err, 0x1p-18f, __fmaf_rn(q, W ? 0x1p-14f : 0x1p-15f, 0x1p-120f));
-}
-
-// The per-byte part of where the approximate scoring's bound holds for the table's candidate (r, d):
-// d < 4 (the scaled fast path, with RN(bmax r) < 7 tested per block), d = 0 or a normal d (so r d is
-// within 2.01u of 1: d = RN(sf / gs), r = RN(gs / sf) unclamped), and (unmasked: the kernel's chain is
-// the unmasked one) nvfp4_unmasked_safe. fill_candidates sets r's sign bit where this holds.
-__device__ __forceinline__ bool nvfp4_approx_byte_ok(float d, bool unmasked_safe) {
-  return d < 4.0f && !(d > 0.0f && d < 0x1p-126f) && unmasked_safe;
-}
-
-// block_err_codes_scaled's chain and codes, with the approximate error err' (see above).
-template <int N, bool WEIGHTED, bool MASKED = true>
-__device__ __forceinline__ float block_err_codes_approx(const float* v, float rs, float dd, uint32_t* codes) {
-  float err = 0.0f;
-#pragma unroll
-  for (int w = 0; w < N / 8; ++w) codes[w] = 0u;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const float a = fabsf(v[i]);
-    const float ys = __fmul_rn(a, rs);
-    const float p = MASKED ? e2m1_p_from_cs(ys, e2m1_cs(ys)) : e2m1_p_unmasked(ys);
-    pack_idx22(codes, i, p);
-    float e = __fmaf_rn(p, dd, -a);
-    if constexpr (WEIGHTED) e = __fmul_rn(e, a);
-    err = i == 0 ? __fmul_rn(e, e) : __fmaf_rn(e, e, err);
-  }
-  return err;
-}
-
-// Whether candidate k's exact error is certainly above the winner w's: a different byte, and err'_k -
-// err'_w > H_w + H_k (then E_k >= err'_k - H_k > err'_w + H_w >= E_w; the computed bounds carry the
-// roundings of these two operations in their factor of two). Equal bytes are the same candidate.
-__device__ __forceinline__ bool approx_above(float ew, float hw, uint32_t bw, float ek, float hk, uint32_t bk) {
-  return (bw == bk) | (__fsub_rn(ek, ew) > __fadd_rn(hw, hk));  // (no short circuit: no branch)
-}
 #endif
 
 // Sign bits of eight fp32 values as E2M1 sign bits (bit 3 of nibble i), from their bit patterns:
@@ -581,8 +521,7 @@ __device__ __forceinline__ float2 nvfp4_candidate(float gs, uint32_t byte) {
 // the scaled software path where nvfp4_fast_ok allows, else block_err_codes with the clamp.
 // FLAGS: the table's d carries a flag in its sign bit (fill_candidates of the quantize kernel):
 // set = nvfp4_unmasked_safe for this kernel's input type, so the unmasked chain may score it. A table
-// of nvfp4_candidate (d >= 0) never takes that chain. The table's r may carry the approximate
-// scoring's flag in its sign bit (nvfp4_approx_byte_ok), hence |r| here.
+// of nvfp4_candidate (d >= 0) never takes that chain.
 template <bool W, bool IW, bool FLAGS = false>
 __device__ __forceinline__ float nvfp4_candidate_err(const float v[16], float bmax, float2 k, uint32_t cw[2],
                                                      const float* c) {
@@ -590,34 +529,20 @@ __device__ __forceinline__ float nvfp4_candidate_err(const float v[16], float bm
   (void)bmax;
   return block_err_codes<16, true, W>(v, k.x, k.y, cw, IW ? c : nullptr);
 #else
-  const float d = FLAGS ? fabsf(k.y) : k.y, r = fabsf(k.x);
-  if (nvfp4_fast_ok(bmax, r, d)) {
-    const float rs = __fmul_rn(r, 0x1p-104f), dd = __fmul_rn(d, 0x1p126f);
+  const float d = FLAGS ? fabsf(k.y) : k.y;
+  if (nvfp4_fast_ok(bmax, k.x, d)) {
+    const float rs = __fmul_rn(k.x, 0x1p-104f), dd = __fmul_rn(d, 0x1p126f);
     if (FLAGS && (__float_as_uint(k.y) >> 31)) return block_err_codes_scaled<16, W, IW, false>(v, rs, dd, cw, c);
     return block_err_codes_scaled<16, W, IW>(v, rs, dd, cw, c);
   }
-  return block_err_codes<16, true, W>(v, r, d, cw, IW ? c : nullptr);
+  return block_err_codes<16, true, W>(v, k.x, d, cw, IW ? c : nullptr);
 #endif
 }
 
 // nvfp4_block_search with the input weight's presence known at compile time (IW: c is the block's 16
 // weights; !IW: c is ignored), so the unweighted path carries no per-element weight test.
 // sg (may be null): the block's two sign words (signs8_raw), else the signs come from v.
-#if !FP4C_HW_E2M1
-// One NVFP4 candidate (r, d) = k of the table scored approximately (block_err_codes_approx); only
-// bytes flagged by nvfp4_approx_byte_ok come here, so FLAGS (16-bit inputs unrotated) means the
-// unmasked chain is safe for this byte.
-template <bool W, bool FLAGS>
-__device__ __forceinline__ float nvfp4_candidate_approx(const float v[16], float2 k, uint32_t cw[2]) {
-  const float rs = __fmul_rn(fabsf(k.x), 0x1p-104f), dd = __fmul_rn(fabsf(k.y), 0x1p126f);
-  return block_err_codes_approx<16, W, !FLAGS>(v, rs, dd, cw);
-}
-#endif
-
-// APPROX (software E2M1, no input weight): the candidates are first scored approximately and the
-// winner proved (see approx_above); a block whose choice that cannot prove, or whose candidates are
-// off the fast path, is scored exactly below. Same bytes and codes either way.
-template <int RULE, bool IW, bool FLAGS = false, bool APPROX = false>
+template <int RULE, bool IW, bool FLAGS = false>
 __device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float gs, uint32_t bmax_bits,
                                                       const float2* rd, uint32_t codes[2], uint32_t& byte,
                                                       const float* c, const uint32_t* sg = nullptr) {
@@ -628,49 +553,6 @@ __device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float g
   const float2 k6 = rd[b6], k4 = rd[b4];
   constexpr bool W = RULE == RULE_WMSE;
   uint32_t c6[2], c4[2];
-#if !FP4C_HW_E2M1
-  if constexpr (APPROX && !IW) {
-    constexpr bool MSE = RULE == RULE_MSE || RULE == RULE_WMSE;
-    const uint32_t bm = b6 > 0u ? b6 - 1u : 0u;
-    const float2 km = MSE ? rd[bm] : k6;
-    // every candidate flagged (the sign bits of r), and RN(bmax r) < 7 for the largest r
-    const float rmax = fmaxf(fmaxf(fabsf(k6.x), fabsf(k4.x)), fabsf(km.x));
-    if ((int)(__float_as_uint(k6.x) & __float_as_uint(k4.x) & __float_as_uint(km.x)) < 0 &&
-        __fmul_rn(bmax, rmax) < 7.0f) {
-      const float d6 = fabsf(k6.y), d4 = fabsf(k4.y), dm = fabsf(km.y);
-      const float a6 = nvfp4_candidate_approx<W, FLAGS>(v, k6, c6);
-      const float h6 = nvfp4_approx_bound<W>(a6, d6, bmax);
-      const float a4 = nvfp4_candidate_approx<W, FLAGS>(v, k4, c4);
-      const float h4 = nvfp4_approx_bound<W>(a4, d4, bmax);
-      bool sure;
-      uint32_t best, k0, k1;
-      if constexpr (MSE) {
-        // the winner by err' (any order: a proved winner is the unique exact minimum), then the proof
-        uint32_t cm[2];
-        const float am = nvfp4_candidate_approx<W, FLAGS>(v, km, cm);
-        const float hm = nvfp4_approx_bound<W>(am, dm, bmax);
-        float aw = a6, hw = h6;
-        best = b6, k0 = c6[0], k1 = c6[1];
-        if (a4 < aw) aw = a4, hw = h4, best = b4, k0 = c4[0], k1 = c4[1];
-        if (am < aw) aw = am, hw = hm, best = bm, k0 = cm[0], k1 = cm[1];
-        sure = approx_above(aw, hw, best, a6, h6, b6) && approx_above(aw, hw, best, a4, h4, b4) &&
-               approx_above(aw, hw, best, am, hm, bm);  // (short circuits: without, the swizzled kernels spill)
-      } else {
-        // b4 only where its error is certainly lower; b6 where certainly not (ties keep b6)
-        const float diff = __fsub_rn(a6, a4), h = __fadd_rn(h6, h4);
-        const bool take4 = (diff > h) & (b4 != b6);
-        sure = take4 | (-diff > h) | (b4 == b6);  // approx_above both ways, unrolled
-        best = take4 ? b4 : b6, k0 = take4 ? c4[0] : c6[0], k1 = take4 ? c4[1] : c6[1];
-      }
-      if (sure) {
-        codes[0] = or_search_signs8(k0, v, sg);
-        codes[1] = or_search_signs8(k1, v + 8, sg ? sg + 1 : nullptr);
-        byte = best;
-        return;
-      }
-    }
-  }
-#endif
   const float err6 = nvfp4_candidate_err<W, IW, FLAGS>(v, bmax, k6, c6, c);
   const float err4 = nvfp4_candidate_err<W, IW, FLAGS>(v, bmax, k4, c4, c);
   uint32_t best = b6, k0 = c6[0], k1 = c6[1];
@@ -703,50 +585,6 @@ __device__ __forceinline__ void nvfp4_block_search(const float v[16], float gs, 
   else nvfp4_block_search_iw<RULE, false>(v, gs, bmax_bits, rd, codes, byte, nullptr);
 }
 
-#if !FP4C_HW_E2M1
-// mxfp4_block_mse_iw's fast path (e <= 127) over the 32 values: both candidates' codes (no signs) and
-// errors. APPROX: err = RN(s + err) as one FMA of the term (see block_err_codes_approx): the terms are
-// the exact ones here (r and d are powers of 2), so only the two sums' roundings differ: |E - err'| <=
-// 2 gamma_32 E / (1 - gamma_32) <= 64.3 u err' (mxfp4_approx_bound takes twice that, plus 2^-120).
-template <bool W, bool IW, bool SHORT, bool APPROX>
-__device__ __forceinline__ void mxfp4_fast_scores(const float v[32], float rs, float dd, const float* c,
-                                                  uint32_t k0[4], uint32_t k1[4], float& err0, float& err1) {
-  err0 = 0.0f, err1 = 0.0f;
-#pragma unroll
-  for (int w = 0; w < 4; ++w) k0[w] = 0u, k1[w] = 0u;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const float a = fabsf(v[i]);
-    const float ys = __fmul_rn(a, rs);
-    const float cs0 = SHORT ? fmaxf(ys, 0x1p-104f) : e2m1_cs(ys);
-    const float p0 = fminf(e2m1_p_from_cs(ys, cs0), 0x1.8p-124f);  // value <= 6
-    const float p1 = e2m1_p_half_from_cs(ys, cs0);                 // e + 1's value, <= 4
-    pack_idx22(k0, i, p0);
-    pack_idx22(k1, i, p1);
-    float e0 = __fmaf_rn(p0, dd, -a);
-    float e1 = __fmaf_rn(p1, __fmul_rn(dd, 2.0f), -a);
-    if constexpr (W) {
-      e0 = __fmul_rn(e0, a);
-      e1 = __fmul_rn(e1, a);
-    }
-    if constexpr (APPROX) {
-      err0 = i == 0 ? __fmul_rn(e0, e0) : __fmaf_rn(e0, e0, err0);
-      err1 = i == 0 ? __fmul_rn(e1, e1) : __fmaf_rn(e1, e1, err1);
-    } else {
-      float s0 = __fmul_rn(e0, e0), s1 = __fmul_rn(e1, e1);
-      if constexpr (IW) {
-        s0 = __fmul_rn(s0, c[i]);
-        s1 = __fmul_rn(s1, c[i]);
-      }
-      err0 = i == 0 ? s0 : __fadd_rn(err0, s0);
-      err1 = i == 0 ? s1 : __fadd_rn(err1, s1);
-    }
-  }
-}
-
-__device__ __forceinline__ float mxfp4_approx_bound(float err) { return __fmaf_rn(err, 0x1p-17f, 0x1p-120f); }
-#endif
-
 // mxfp4_block_mse with the input weight's presence known at compile time (see nvfp4_block_search_iw);
 // sg (may be null): the block's four sign words (signs8_raw).
 // SHORT: every input has at most 11 significant bits (bf16 or fp16, unrotated), so y = x 2^(127 - e)
@@ -759,10 +597,7 @@ __device__ __forceinline__ float mxfp4_approx_bound(float err) { return __fmaf_r
 // its chain reuses e's cs (e2m1_p_half_from_cs). The clamp at 6 of e is a min on its packed value
 // (the grid rounding is monotone, and y < 8). The general path (larger blocks, and the hardware
 // targets) scores each candidate with block_err_codes.
-//   APPROX (no input weight): scored with mxfp4_fast_scores' approximate sums first; e + 1 is taken
-// where its error is certainly lower, e where certainly not (or where e's err' is 0: then its exact
-// error is 0 too, every term having rounded to 0), else both are scored again exactly.
-template <bool W, bool IW, bool SHORT = false, bool APPROX = false>
+template <bool W, bool IW, bool SHORT = false>
 __device__ __forceinline__ void mxfp4_block_mse_iw(const float v[32], uint32_t bmax_bits, uint32_t codes[4],
                                                    uint32_t& byte, const float* c, const uint32_t* sg = nullptr) {
   uint32_t e;
@@ -771,20 +606,32 @@ __device__ __forceinline__ void mxfp4_block_mse_iw(const float v[32], uint32_t b
   if (e <= 127u) {
     const float rs = pow2i(23 - (int)e);  // r * 2^-104
     const float dd = pow2i((int)e - 1);   // d * 2^126 (e + 1: 2 dd)
-    float err0, err1;
-    uint32_t k0[4], k1[4];
-    bool up, sure = false;
-    if constexpr (APPROX && !IW) {
-      mxfp4_fast_scores<W, false, SHORT, true>(v, rs, dd, c, k0, k1, err0, err1);
-      const float h = __fadd_rn(mxfp4_approx_bound(err0), mxfp4_approx_bound(err1));
-      const float diff = __fsub_rn(err0, err1);
-      up = diff > h;
-      sure = up || err0 == 0.0f || -diff > h;
+    float err0 = 0.0f, err1 = 0.0f;
+    uint32_t k0[4] = {0u, 0u, 0u, 0u}, k1[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const float a = fabsf(v[i]);
+      const float ys = __fmul_rn(a, rs);
+      const float cs0 = SHORT ? fmaxf(ys, 0x1p-104f) : e2m1_cs(ys);
+      const float p0 = fminf(e2m1_p_from_cs(ys, cs0), 0x1.8p-124f);  // value <= 6
+      const float p1 = e2m1_p_half_from_cs(ys, cs0);                 // e + 1's value, <= 4
+      pack_idx22(k0, i, p0);
+      pack_idx22(k1, i, p1);
+      float e0 = __fmaf_rn(p0, dd, -a);
+      float e1 = __fmaf_rn(p1, __fmul_rn(dd, 2.0f), -a);
+      if constexpr (W) {
+        e0 = __fmul_rn(e0, a);
+        e1 = __fmul_rn(e1, a);
+      }
+      float s0 = __fmul_rn(e0, e0), s1 = __fmul_rn(e1, e1);
+      if constexpr (IW) {
+        s0 = __fmul_rn(s0, c[i]);
+        s1 = __fmul_rn(s1, c[i]);
+      }
+      err0 = i == 0 ? s0 : __fadd_rn(err0, s0);
+      err1 = i == 0 ? s1 : __fadd_rn(err1, s1);
     }
-    if (!sure) {
-      mxfp4_fast_scores<W, IW, SHORT, false>(v, rs, dd, c, k0, k1, err0, err1);
-      up = err1 < err0;
-    }
+    const bool up = err1 < err0;
 #pragma unroll
     for (int w = 0; w < 4; ++w) codes[w] = or_search_signs8(up ? k1[w] : k0[w], v + 8 * w, sg ? sg + w : nullptr);
     byte = up ? e + 1u : e;

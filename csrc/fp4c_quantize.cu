@@ -17,14 +17,6 @@ namespace {
 // occupancy lost can cost more time than the instructions save (BENCHMARKS.md, issue 33). The
 // input-weighted variants are separate kernels (IW) held to 2 CTAs (128 registers): their weights
 // would otherwise set the registers of the common kernels.
-// FP4C_SEARCH_APPROX (software E2M1, unweighted): the NVFP4 search rules score their candidates
-// approximately and prove the choice, scoring exactly only the blocks they cannot prove
-// (nvfp4_block_search_iw); 0: every block exactly. The bytes are the same. NVFP4 only: MXFP4's terms
-// are exact single FMAs already, so only its two sums would fuse (-3% static SASS for bf16), and the
-// exact pass beside them makes its kernels spill (mxfp4_block_mse_iw's APPROX, off here).
-#ifndef FP4C_SEARCH_APPROX
-#define FP4C_SEARCH_APPROX 1
-#endif
 #ifndef FP4C_SM90_SEARCH_CTAS
 #define FP4C_SM90_SEARCH_CTAS 3
 #endif
@@ -75,13 +67,6 @@ __host__ __device__ constexpr bool unmasked_flags() {
   return !FP4C_HW_E2M1 && (DT == DT_BF16 || DT == DT_F16) && !ROT;
 }
 
-// Whether the NVFP4 search rules of this kernel score approximately first (FP4C_SEARCH_APPROX):
-// not fp32 with Had16, whose kernel then spills at the register cap (8 bytes).
-template <int DT, bool ROT>
-__host__ __device__ constexpr bool nvfp4_approx() {
-  return FP4C_SEARCH_APPROX != 0 && !(DT == DT_F32 && ROT);
-}
-
 // NVFP4 search rules: the (r, d) of every E4M3 byte for this matrix's gs, in shared memory (see
 // nvfp4_candidate); with unmasked_flags, d's sign bit set where nvfp4_unmasked_safe holds. Every
 // thread of the CTA must call it (two barriers); a no-op for other rules.
@@ -93,12 +78,8 @@ __device__ __forceinline__ void fill_candidates(float2* rd, float gs) {
     if (threadIdx.x < 128) {
       float2 k = nvfp4_candidate(gs, threadIdx.x);
 #if !FP4C_HW_E2M1
-      bool safe = true;
-      if constexpr (unmasked_flags<DT, ROT>()) {
-        safe = nvfp4_unmasked_safe<DT == DT_BF16>(k.x, k.y);
-        if (safe) k.y = __uint_as_float(__float_as_uint(k.y) | 0x80000000u);
-      }
-      if (nvfp4_approx_byte_ok(fabsf(k.y), safe)) k.x = __uint_as_float(__float_as_uint(k.x) | 0x80000000u);
+      if constexpr (unmasked_flags<DT, ROT>())
+        if (nvfp4_unmasked_safe<DT == DT_BF16>(k.x, k.y)) k.y = __uint_as_float(__float_as_uint(k.y) | 0x80000000u);
 #endif
       rd[threadIdx.x] = k;
     }
@@ -146,8 +127,9 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
           sg[0] = signs8_raw(w);
           sg[1] = signs8_raw(w + 4);
         }
-        nvfp4_block_search_iw<RULE, IW, unmasked_flags<DT, ROT>(), nvfp4_approx<DT, ROT>()>(
-            v, gs, mb, rd, codes + 2 * c, sb[c], c == 0 ? iw0 : iw1, DT == DT_BF16 && !ROT ? sg : nullptr);
+        nvfp4_block_search_iw<RULE, IW, unmasked_flags<DT, ROT>()>(v, gs, mb, rd, codes + 2 * c, sb[c],
+                                                                     c == 0 ? iw0 : iw1,
+                                                                     DT == DT_BF16 && !ROT ? sg : nullptr);
       }
     }
   } else {
@@ -173,8 +155,8 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
 #pragma unroll
         for (int w = 0; w < 4; ++w) sg[w] = signs8_raw(reinterpret_cast<const uint32_t*>(raw.q) + 4 * w);
       }
-      mxfp4_block_mse_iw<RULE == RULE_WMSE, IW, unmasked_flags<DT, ROT>()>(
-          v, mb, codes, sb[0], iw0, DT == DT_BF16 && !ROT ? sg : nullptr);
+      mxfp4_block_mse_iw<RULE == RULE_WMSE, IW, unmasked_flags<DT, ROT>()>(v, mb, codes, sb[0], iw0,
+                                                                           DT == DT_BF16 && !ROT ? sg : nullptr);
     } else {
       float r = mxfp4_scale(mb, sb[0]);
       if constexpr (RULE == RULE_ALT) {  // rceil: the exponent up where the block would saturate
