@@ -12,9 +12,11 @@ output head's weights are never loaded: its input is taken (``lm_head``) and the
 
 What no pass can observe is known before anything runs (:func:`blind_spots`): a quantized tensor that
 loads into no ``nn.Linear`` / ``Conv1D`` / 3-D expert stack, one in a vision/audio tower (calibration runs
-token ids), and, found by running the same stand-in forward on 8 token ids before any block runs
-(:func:`discover`): a linear the forward on token ids never reaches, or one the model's code runs
-between two blocks (the layer-by-layer run carries only the blocks' hidden states there).
+token ids), and, found by running the same stand-in forward on 8 token ids before any sample is made or
+any block runs (:func:`discover`), a linear the forward on token ids never reaches. That forward also
+shows a model whose code runs weights between two blocks (XLM/FlauBERT's attentions beside their
+feed-forward list): the run, carrying each block's output straight to the next, would measure another
+model, so it is refused.
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ class _Unloaded(Exception):
 @dataclass
 class Reach:
     """What one stand-in forward pass showed: each observed linear's phases (:data:`BEFORE`,
-    :data:`BETWEEN`, :data:`AFTER`) and the module it stopped at because nothing loads its weights."""
+    :data:`BETWEEN`, :data:`AFTER`), the module it stopped at because nothing loads its weights, and the
+    modules holding weights outside the blocks that the forward ran between two blocks."""
 
     phases: dict[str, set[str]] = field(default_factory=dict)
     stopped: str | None = None
+    between: list[str] = field(default_factory=list)
 
 
 def _under(name: str, prefixes: Collection[str]) -> bool:
@@ -130,6 +134,12 @@ def tail_pass(lm: LayerwiseModel, batches: list[torch.Tensor], names: Collection
             raise _Unloaded(name)
         return hook
 
+    def weighted(name: str) -> Callable:
+        def hook(_m, _a):
+            if state["phase"] == BETWEEN and name not in reach.between:
+                reach.between.append(name)
+        return hook
+
     handles = []
     lm.load_outside()
     try:
@@ -137,6 +147,8 @@ def tail_pass(lm: LayerwiseModel, batches: list[torch.Tensor], names: Collection
             handles.append(lm.modules[n].register_forward_pre_hook(lambda _m, a, _n=n: add(_n, a[0])))
         for h in lm.heads:
             handles.append(lm.modules[h].register_forward_pre_hook(head_hook))
+        for n, m in _weighted_modules(lm):
+            handles.append(m.register_forward_pre_hook(weighted(n)))
         for n, m in _unloaded_modules(lm):
             handles.append(m.register_forward_pre_hook(unloaded(n)))
         for i, b in enumerate(lm.layers):
@@ -160,6 +172,12 @@ def tail_pass(lm: LayerwiseModel, batches: list[torch.Tensor], names: Collection
     if observers is not None and between:
         observers.drop(between)
     return reach
+
+
+def _weighted_modules(lm: LayerwiseModel) -> list[tuple[str, torch.nn.Module]]:
+    """Modules outside the blocks, the heads and the towers that hold a weight of their own."""
+    return [(n, m) for n, m in lm.model.named_modules() if n and not _under(n, [lm.layers_name, *lm.heads, *lm.towers])
+            and any(p is not None for p in m._parameters.values())]
 
 
 def _unloaded_modules(lm: LayerwiseModel) -> list[tuple[str, torch.nn.Module]]:
@@ -203,7 +221,9 @@ def blind_spots(lm: LayerwiseModel, plan: Plan, inputs: dict[str, str]) -> tuple
     """(the quantized matrices whose inputs the layer-by-layer run cannot observe, with why; the runner names
     outside the blocks it observes: what the pass passes to :func:`tail_pass`), known before any block runs
     (``inputs``: :func:`~fp4convert.calibrate.stage.plan_inputs`). A linear inside the blocks is taken as
-    observed (whether a token reaches it shows only when its block runs: the run names it then)."""
+    observed (whether a token reaches it shows only when its block runs: the run names it then). Raises
+    PlanError when the forward runs weights between two blocks (only looked for when some quantized
+    module lies outside the blocks: that is when the forward runs here)."""
     blind: list[Blind] = []
     candidates: dict[str, list[tuple[str, str]]] = {}  # runner name -> (tensor, module) outside the blocks
     blocks = lm.layers_name + "."
@@ -226,19 +246,19 @@ def blind_spots(lm: LayerwiseModel, plan: Plan, inputs: dict[str, str]) -> tuple
     if not candidates:
         return blind, set()
     reach = discover(lm, set(candidates) - {HEAD}, HEAD in candidates)
+    if reach.between:
+        n = reach.between[0]
+        raise PlanError(f"{lm.root}: the layer-by-layer run cannot run this model: its forward runs {n} "
+                        f"({type(lm.modules[n]).__name__}) between two of its blocks ({lm.layers_name}), and the run "
+                        f"carries each block's output straight to the next; {lm.other}")
     seen: set[str] = set()
     for n, mats in candidates.items():
-        phases = reach.phases.get(n, set())
-        if BETWEEN in phases:
-            why = ("the model's code runs it between two blocks, where the layer-by-layer run carries only the "
-                   "blocks' hidden states")
-        elif not phases:
-            why = "the model's forward on token ids does not reach it"
-            if reach.stopped is not None:
-                why += f" (it stops at {reach.stopped}, whose weights no checkpoint tensor loads)"
-        else:
+        if reach.phases.get(n):
             seen.add(n)
             continue
+        why = "the model's forward on token ids does not reach it"
+        if reach.stopped is not None:
+            why += f" (it stops at {reach.stopped}, whose weights no checkpoint tensor loads)"
         blind += [Blind(t, m, why) for t, m in mats]
     return blind, seen
 
