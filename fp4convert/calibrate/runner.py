@@ -170,7 +170,7 @@ class LayerwiseModel(BlockWeights):
         names = set(outside_linears(self)) if outside is None else set(outside) - {HEAD}
         if names or (head and self.heads):
             with stages.timed("calibrate_tail"), fast_matmul(self.device):
-                tail_pass(self, batches, names, head, observers, finals=hs)
+                tail_pass(self, self._forward, batches, names, head, observers, finals=hs)
             yield Visit(len(self.layers), "", tail=True)
 
     def _run_block(self, i: int, block, calls: list, hs: list) -> list:

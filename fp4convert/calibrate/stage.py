@@ -169,7 +169,7 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
         return model_errors(root, source.config(), "run the model of", other)
 
     with running():  # before any sample is made or any block runs: what no pass can observe
-        blind, outside = blind_spots(lm, plan, inputs)
+        blind, outside = blind_spots(lm, lm._forward, plan, inputs)
     if blind and amax_pass:
         raise refusal(blind, "activation calibration", other)
 

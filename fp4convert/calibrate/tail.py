@@ -34,8 +34,8 @@ if TYPE_CHECKING:
 
     import torch
 
-    from fp4convert.calibrate.runner import LayerwiseModel
     from fp4convert.calibrate.stats import Observers
+    from fp4convert.calibrate.weights import BlockWeights
     from fp4convert.plan.planner import Plan
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def _under(name: str, prefixes: Collection[str]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def outside_linears(lm: LayerwiseModel) -> list[str]:
+def outside_linears(lm: BlockWeights) -> list[str]:
     """Every ``nn.Linear`` / GPT-2 ``Conv1D`` outside the blocks, the output heads and the towers."""
     import torch
     from transformers.pytorch_utils import Conv1D
@@ -78,15 +78,16 @@ def outside_linears(lm: LayerwiseModel) -> list[str]:
             if n and isinstance(m, (torch.nn.Linear, Conv1D)) and not _under(n, inside)]
 
 
-def outside_names(lm: LayerwiseModel, names: Collection[str]) -> set[str]:
+def outside_names(lm: BlockWeights, names: Collection[str]) -> set[str]:
     """Of the runner's input names ``names``, those a :func:`tail_pass` observes (outside linears, ``lm_head``)."""
     outside = set(outside_linears(lm))
     return {n for n in names if n in outside or (n == HEAD and lm.heads)}
 
 
-def tail_pass(lm: LayerwiseModel, batches: list[torch.Tensor], names: Collection[str] | None, head: bool,
-              observers: Observers | None = None, finals: list[torch.Tensor] | None = None) -> Reach:
-    """The model's forward on each micro-batch of ``batches`` with the blocks replaced by stand-ins (the last
+def tail_pass(lm: BlockWeights, forward: Callable, batches: list[torch.Tensor], names: Collection[str] | None,
+              head: bool, observers: Observers | None = None, finals: list[torch.Tensor] | None = None) -> Reach:
+    """The model's forward (``forward(ids)``: the runner's, :meth:`~fp4convert.calibrate.runner.LayerwiseModel._forward`)
+    on each micro-batch of ``batches`` with the blocks replaced by stand-ins (the last
     returns ``finals[k]``, the last block's outputs on micro-batch ``k``; without ``finals`` its input),
     only the weights outside the blocks loaded. The inputs of the linears ``names`` (None: every
     :func:`outside_linears`) and, with ``head``, of the output head (``lm_head``) go to ``observers``
@@ -111,7 +112,7 @@ def tail_pass(lm: LayerwiseModel, batches: list[torch.Tensor], names: Collection
     def stand_in(i: int, block) -> Callable:
         slot = hidden_slot(block)
 
-        def forward(*args, **kwargs):
+        def standing_in(*args, **kwargs):
             h = args[0] if args else kwargs[slot]
             if type(block) not in forms:
                 forms[type(block)] = output_like(block, args, kwargs)
@@ -122,7 +123,7 @@ def tail_pass(lm: LayerwiseModel, batches: list[torch.Tensor], names: Collection
             else:
                 state["phase"] = BETWEEN
             return with_hidden(forms[type(block)], h)
-        return forward
+        return standing_in
 
     def head_hook(_m, a):
         if head:
@@ -157,7 +158,7 @@ def tail_pass(lm: LayerwiseModel, batches: list[torch.Tensor], names: Collection
             state["k"], state["phase"] = k, BEFORE
             try:
                 with torch.no_grad():
-                    lm._forward(ids)
+                    forward(ids)
             except StopForward:
                 pass
             except _Unloaded as stop:
@@ -174,13 +175,13 @@ def tail_pass(lm: LayerwiseModel, batches: list[torch.Tensor], names: Collection
     return reach
 
 
-def _weighted_modules(lm: LayerwiseModel) -> list[tuple[str, torch.nn.Module]]:
+def _weighted_modules(lm: BlockWeights) -> list[tuple[str, torch.nn.Module]]:
     """Modules outside the blocks, the heads and the towers that hold a weight of their own."""
     return [(n, m) for n, m in lm.model.named_modules() if n and not _under(n, [lm.layers_name, *lm.heads, *lm.towers])
             and any(p is not None for p in m._parameters.values())]
 
 
-def _unloaded_modules(lm: LayerwiseModel) -> list[tuple[str, torch.nn.Module]]:
+def _unloaded_modules(lm: BlockWeights) -> list[tuple[str, torch.nn.Module]]:
     """Modules outside the blocks and the heads holding a weight still on ``meta`` after
     :meth:`~fp4convert.calibrate.weights.BlockWeights.load_outside` (no checkpoint tensor loads it), other
     than the modules holding the blocks (their forward is the one that runs)."""
@@ -196,7 +197,7 @@ def _unloaded_modules(lm: LayerwiseModel) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-def discover(lm: LayerwiseModel, names: Collection[str], head: bool) -> Reach:
+def discover(lm: BlockWeights, forward: Callable, names: Collection[str], head: bool) -> Reach:
     """:func:`tail_pass` on :data:`DISCOVERY_TOKENS` token ids, before any block runs (each stand-in returns
     its input): which of ``names`` the forward reaches, before, between or after the blocks."""
     import torch
@@ -205,7 +206,7 @@ def discover(lm: LayerwiseModel, names: Collection[str], head: bool) -> Reach:
     info = lm.infos.get(lm.disk_of.get(name, ""))
     rows = info.shape[0] if info is not None and info.shape else DISCOVERY_TOKENS + 1
     ids = (torch.arange(1, DISCOVERY_TOKENS + 1) % rows).unsqueeze(0).to(lm.device)
-    return tail_pass(lm, [ids], names, head)
+    return tail_pass(lm, forward, [ids], names, head)
 
 
 @dataclass
@@ -217,10 +218,11 @@ class Blind:
     why: str
 
 
-def blind_spots(lm: LayerwiseModel, plan: Plan, inputs: dict[str, str]) -> tuple[list[Blind], set[str]]:
+def blind_spots(lm: BlockWeights, forward: Callable, plan: Plan,
+                inputs: dict[str, str]) -> tuple[list[Blind], set[str]]:
     """(the quantized matrices whose inputs the layer-by-layer run cannot observe, with why; the runner names
     outside the blocks it observes: what the pass passes to :func:`tail_pass`), known before any block runs
-    (``inputs``: :func:`~fp4convert.calibrate.stage.plan_inputs`). A linear inside the blocks is taken as
+    (``inputs``: :func:`~fp4convert.calibrate.stage.plan_inputs`; ``forward``: as :func:`tail_pass`). A linear inside the blocks is taken as
     observed (whether a token reaches it shows only when its block runs: the run names it then). Raises
     PlanError when the forward runs weights between two blocks (only looked for when some quantized
     module lies outside the blocks: that is when the forward runs here)."""
@@ -245,7 +247,7 @@ def blind_spots(lm: LayerwiseModel, plan: Plan, inputs: dict[str, str]) -> tuple
                 candidates.setdefault(n, []).append((d.info.name, m.module))
     if not candidates:
         return blind, set()
-    reach = discover(lm, set(candidates) - {HEAD}, HEAD in candidates)
+    reach = discover(lm, forward, set(candidates) - {HEAD}, HEAD in candidates)
     if reach.between:
         n = reach.between[0]
         raise PlanError(f"{lm.root}: the layer-by-layer run cannot run this model: its forward runs {n} "
@@ -263,7 +265,7 @@ def blind_spots(lm: LayerwiseModel, plan: Plan, inputs: dict[str, str]) -> tuple
     return blind, seen
 
 
-def _why_unmapped(lm: LayerwiseModel, got: tuple[str, str | None] | None) -> str:
+def _why_unmapped(lm: BlockWeights, got: tuple[str, str | None] | None) -> str:
     if got is None:
         return f"no parameter of the transformers model ({type(lm.model).__name__}) loads it"
     path = got[0].rpartition(".")[0]

@@ -146,9 +146,6 @@ class _ToyRun:
     def free_outside(self) -> None:
         pass
 
-    def _forward(self, ids):
-        return self.model(ids)
-
 
 def test_tail_pass_observes_before_and_after_the_blocks_not_between():
     torch.manual_seed(0)
@@ -159,7 +156,7 @@ def test_tail_pass_observes_before_and_after_the_blocks_not_between():
         final = model.layers[2](model.layers[1](h))  # the last block's output, as the runner carries it
         after = model.norm(final)
     obs = calibrate.Observers()
-    reach = tail.tail_pass(_ToyRun(model), [x], None, False, obs, finals=[final])  # type: ignore[arg-type]
+    reach = tail.tail_pass(_ToyRun(model), model, [x], None, False, obs, finals=[final])  # type: ignore[arg-type]
     assert reach.phases == {"inp": {tail.BEFORE}, "mid": {tail.BETWEEN}, "out": {tail.AFTER}}
     assert reach.between == ["mid"] and reach.stopped is None
     assert set(obs) == {"inp", "out"}  # the input "mid" got from the stand-ins is not a whole-model forward's
@@ -171,20 +168,20 @@ def test_tail_pass_stops_at_a_module_no_checkpoint_tensor_loads():
     torch.manual_seed(0)
     model = _Toy().eval()
     model.norm.weight = torch.nn.Parameter(torch.empty(4, device="meta"))  # never loaded
-    reach = tail.tail_pass(_ToyRun(model), [torch.randn(1, 3, 4)], ["inp", "out"], False)  # type: ignore[arg-type]
+    reach = tail.tail_pass(_ToyRun(model), model, [torch.randn(1, 3, 4)], ["inp", "out"], False)  # type: ignore[arg-type]
     assert reach.stopped == "norm" and "out" not in reach.phases and reach.phases["inp"] == {tail.BEFORE}
 
 
 def test_discovery_on_real_models_says_where_each_linear_runs(tmp_path):
     lm = calibrate.LayerwiseModel(open_source(str(_tiny("opt", tmp_path / "opt"))), torch.device("cpu"))
-    reach = tail.discover(lm, ["model.decoder.project_in", "model.decoder.project_out"], head=True)
+    reach = tail.discover(lm, lm._forward, ["model.decoder.project_in", "model.decoder.project_out"], head=True)
     assert reach.phases == {"model.decoder.project_in": {tail.BEFORE}, "model.decoder.project_out": {tail.AFTER},
                             "lm_head": {tail.AFTER}}
     assert reach.between == [] and lm.loaded == 0
     lm = calibrate.LayerwiseModel(open_source(str(_tiny("llava", tmp_path / "llava"))), torch.device("cpu"))
     projector = [n for n in tail.outside_linears(lm) if "projector" in n]
     assert projector  # a VLM's projector runs on image features only
-    reach = tail.discover(lm, projector, head=False)
+    reach = tail.discover(lm, lm._forward, projector, head=False)
     assert reach.phases == {} and lm.loaded == 0
 
 
