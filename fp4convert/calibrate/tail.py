@@ -104,6 +104,8 @@ def tail_pass(lm: BlockWeights, forward: Callable, batches: list[torch.Tensor], 
     forms: dict[type, object] = {}  # a block's output form, by class (computed on meta)
 
     def add(name: str, x) -> None:
+        if x.numel() == 0:
+            return  # no token reaches it in this call (Higgs-Audio's audio head on text tokens)
         phase = state["phase"]
         reach.phases.setdefault(name, set()).add(phase)
         if observers is not None and phase != BETWEEN:
@@ -258,7 +260,7 @@ def blind_spots(lm: BlockWeights, forward: Callable, plan: Plan,
         if reach.phases.get(n):
             seen.add(n)
             continue
-        why = "the model's forward on token ids does not reach it"
+        why = "the model's forward on token ids does not reach it (or no token gets to it)"
         if reach.stopped is not None:
             why += f" (it stops at {reach.stopped}, whose weights no checkpoint tensor loads)"
         blind += [Blind(t, m, why) for t, m in mats]
