@@ -224,10 +224,11 @@ def blind_spots(lm: BlockWeights, forward: Callable, plan: Plan,
                 inputs: dict[str, str]) -> tuple[list[Blind], set[str]]:
     """(the quantized matrices whose inputs the layer-by-layer run cannot observe, with why; the runner names
     outside the blocks it observes: what the pass passes to :func:`tail_pass`), known before any block runs
-    (``inputs``: :func:`~fp4convert.calibrate.stage.plan_inputs`; ``forward``: as :func:`tail_pass`). A linear inside the blocks is taken as
-    observed (whether a token reaches it shows only when its block runs: the run names it then). Raises
-    PlanError when the forward runs weights between two blocks (only looked for when some quantized
-    module lies outside the blocks: that is when the forward runs here)."""
+    (``inputs``: :func:`~fp4convert.calibrate.stage.plan_inputs`; ``forward``: as :func:`tail_pass`). A
+    linear inside the blocks is taken as observed (whether a token reaches it shows only when its block
+    runs: the run names it then), and so is the output head (a causal LM's forward ends there). Raises
+    PlanError when the forward runs weights between two blocks (looked for only when a quantized linear
+    other than the head lies outside the blocks: that is when the forward runs here)."""
     blind: list[Blind] = []
     candidates: dict[str, list[tuple[str, str]]] = {}  # runner name -> (tensor, module) outside the blocks
     blocks = lm.layers_name + "."
@@ -249,6 +250,8 @@ def blind_spots(lm: BlockWeights, forward: Callable, plan: Plan,
                 candidates.setdefault(n, []).append((d.info.name, m.module))
     if not candidates:
         return blind, set()
+    if set(candidates) == {HEAD}:  # a causal LM's quantized head: its forward ends there (no run to find it)
+        return blind, {HEAD}
     reach = discover(lm, forward, set(candidates) - {HEAD}, HEAD in candidates)
     if reach.between:
         n = reach.between[0]
