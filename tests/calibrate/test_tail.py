@@ -6,8 +6,9 @@ OPT's projections in and out, an LM head's dense layer.
   blocks loaded (memory: the same at any depth);
 - W4A4 of a BERT encoder with a pooler converts, and ``--method gptq`` quantizes the pooler too;
 - what no pass can observe (a linear the forward never reaches, one in a vision tower) is refused before
-  any sample is made or any block runs, naming the tensor and the way out; a model whose forward runs
-  weights between two blocks is refused in every mode.
+  any sample is made or any block runs for W4A4, naming the tensor and the way out, and listed in the
+  manifest's ``method.rtn`` by GPTQ; a model whose forward runs weights between two blocks is refused in
+  every mode.
 """
 
 from __future__ import annotations
@@ -273,3 +274,18 @@ def test_weights_run_between_two_blocks_are_refused_in_every_mode(tmp_path, monk
     assert "the layer-by-layer run cannot run this model: its forward runs " in errors[0], errors[0]
     assert "between two of its blocks (ffns)" in errors[0], errors[0]
     assert "the model ran" not in r.output and not dst.exists()
+
+
+def test_gptq_lists_what_no_pass_observes_and_quantizes_the_rest(tmp_path):
+    """--method gptq on MarkupLM: the linear its forward never calls is rounded to nearest and listed in the
+    manifest's method.rtn; the pooler and the xpath projections that run are GPTQ's."""
+    src = add_tokenizer(_tiny("markuplm", tmp_path / "build"))
+    data = tmp_path / "calib.txt"
+    data.write_text(TEXT)
+    r = _cli(src, tmp_path / "out", "--method", "gptq", "--calibration-data", data, "--calibration-samples", 2,
+             "--calibration-seq-len", 16)
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "out" / "fp4convert.json").read_text())
+    quantized = [n for n, t in m["tensors"].items() if t["action"] == "quantize"]
+    assert m["method"]["rtn"] == ["embeddings.xpath_embeddings.xpath_unitseq2_embeddings"]
+    assert m["method"]["quantized"] == len(quantized) - 1 and "pooler.dense.weight" in quantized
