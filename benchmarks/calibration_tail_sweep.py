@@ -3,9 +3,9 @@
 For each model_type (tests/tiny_configs.py's tiny checkpoint): the modules a default compressed-tensors
 plan quantizes outside the blocks, what :func:`fp4convert.calibrate.tail.blind_spots` says of them
 before anything runs (observed, or why not; a refusal of the whole model), and, where some are observed,
-whether the runner's statistics equal whole-model forward hooks (tests/calibrate/test_runner.py
-``compare``: amax torch.equal, mean squares within one bf16 step; a failure there names the first input
-that differs, inside the blocks or not). CPU.
+whether the runner's statistics equal whole-model forward hooks (amax torch.equal, mean squares within
+one bf16 step): the blocks' (tests/calibrate/test_runner.py ``compare``), then those outside them
+(tests/calibrate/test_tail.py ``compare_outside``); a failure names the first input that differs. CPU.
 
     PYTHONPATH=. python3 benchmarks/calibration_tail_sweep.py OUT.json [TYPES...]
 
@@ -37,6 +37,7 @@ def one(model_type: str, root: Path) -> dict:
     from fp4convert.source.open import open_source
     from tests import tiny_configs
     from tests.calibrate.test_runner import compare
+    from tests.calibrate.test_tail import compare_outside
 
     built = tiny_configs.build(model_type, root)
     if not built.ok:
@@ -53,14 +54,21 @@ def one(model_type: str, root: Path) -> dict:
         return {**row, "outcome": "refused", "why": str(exc)}
     row.update(outcome="ok", observed=sorted(seen), blind=[[b.tensor, b.why] for b in blind])
     if seen:
-        try:
-            amax = compare(Path(built.path), vocab=tiny_configs.VOCAB)
-            row["equal_whole_model"] = sorted(n for n in seen if n in amax)
-        except AssertionError as exc:
-            row["equal_whole_model"] = f"no: {exc}".splitlines()[0][:200]
-        except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
-            row["equal_whole_model"] = f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+        row["outside_equal"] = _check(lambda: sorted(n for n in seen if n in compare_outside(
+            Path(built.path), vocab=tiny_configs.VOCAB)))
+        linears = any(isinstance(m, torch.nn.Linear) for b in lm.layers for m in b.modules())
+        row["blocks_equal"] = _check(lambda: compare(Path(built.path), vocab=tiny_configs.VOCAB) is not None) \
+            if linears else "no nn.Linear in the blocks"
     return row
+
+
+def _check(run):
+    try:
+        return run()
+    except AssertionError as exc:
+        return f"no: {exc}".splitlines()[0][:200]
+    except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
+        return f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
 
 
 def main() -> None:

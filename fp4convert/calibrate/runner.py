@@ -33,7 +33,7 @@ from fp4convert import stages
 from fp4convert.calibrate.capture import ExpertTap, block_calls, block_output, is_expert_stack, replace_hidden, run_block
 from fp4convert.calibrate.model import reports_device
 from fp4convert.calibrate.progress import progress_bar
-from fp4convert.calibrate.tail import HEAD, outside_linears, tail_pass
+from fp4convert.calibrate.tail import HEAD, tail_pass
 from fp4convert.calibrate.weights import BlockWeights
 from fp4convert.errors import PlanError
 
@@ -96,10 +96,10 @@ class LayerwiseModel(BlockWeights):
             return block_output(run_block(self.layers[i], i, args, kwargs))
 
     def observe(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
-                micro_batch: int = MICRO_BATCH, progress: bool = True, outside: Collection[str] | None = None) -> None:
+                micro_batch: int = MICRO_BATCH, progress: bool = True, outside: Collection[str] = ()) -> None:
         """Run the calibration tokens block by block, feeding ``observers`` with every linear's input
         (names: the module's; expert stacks ``{path}:in`` and ``{path}:down:{e}``; ``lm_head``'s input with
-        ``head``; the linears outside the blocks ``outside``, None: all, :mod:`~fp4convert.calibrate.tail`).
+        ``head``; the linears outside the blocks named in ``outside``, :mod:`~fp4convert.calibrate.tail`).
         Raises PlanError when a block's output is not finite."""
         for _ in self.blocks(tokens, observers, head=head, micro_batch=micro_batch, progress=progress,
                              outside=outside):
@@ -107,7 +107,7 @@ class LayerwiseModel(BlockWeights):
 
     def blocks(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
                micro_batch: int = MICRO_BATCH, progress: bool = True, desc: str = "calibrate: blocks",
-               outside: Collection[str] | None = None):
+               outside: Collection[str] = ()):
         """:meth:`observe` as a generator: after block ``i`` has run on every micro-batch with its inputs
         observed, it yields a :class:`Visit` while the block's weights are still loaded. The caller may
         quantize them and :meth:`reload_block` the block with the quantized weights (GPTQ's sequential
@@ -167,7 +167,7 @@ class LayerwiseModel(BlockWeights):
         if never:
             log.warning("%d experts were never chosen by the router on the calibration tokens (e.g. %s); their "
                         "statistics come from every token sent through them", len(never), never[0])
-        names = set(outside_linears(self)) if outside is None else set(outside) - {HEAD}
+        names = set(outside) - {HEAD}
         if names or (head and self.heads):
             with stages.timed("calibrate_tail"), fast_matmul(self.device):
                 tail_pass(self, self._forward, batches, names, head, observers, finals=hs)

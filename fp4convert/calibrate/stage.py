@@ -58,7 +58,7 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
     """The fp32 amax of every observed input, by the runner's names (a linear's module name; expert
     stacks ``{path}:in`` / ``{path}:down:{e}``), block by block; also ``lm_head`` (the head's input)
     when ``wanted`` or ``outside`` names it. ``outside``: the runner names outside the blocks to observe
-    (:func:`~fp4convert.calibrate.tail.blind_spots`; None: every linear there). Raw fp32 maxima (no rounding).
+    (:func:`~fp4convert.calibrate.tail.blind_spots`; None: none). Raw fp32 maxima (no rounding).
 
     ``mean_square`` (a dict to fill): each input's per-channel mean square E[x_j^2] over every
     calibration token (fp64 sums, rounded to bf16 at the end), the ``input_weight`` that makes the
@@ -68,7 +68,7 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
     """
     obs = Observers(squares=mean_square is not None, rotate=rotate, rotated_amax=rotated_amax)
     head = bool(wanted and HEAD in wanted) or bool(outside and HEAD in outside)
-    lm.observe(tokens, obs, head=head, micro_batch=micro_batch, outside=outside)
+    lm.observe(tokens, obs, head=head, micro_batch=micro_batch, outside=outside or ())
     if mean_square is not None:
         mean_square.update(obs.mean_squares())
     return obs.amax()

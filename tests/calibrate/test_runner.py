@@ -16,15 +16,14 @@ import torch
 
 from fp4convert import calibrate
 from fp4convert.calibrate.capture import ExpertTap, is_expert_stack
-from fp4convert.calibrate.model import find_blocks, is_tower, model_class
+from fp4convert.calibrate.model import find_blocks, model_class
 from fp4convert.source.open import open_source
 from tests import tiny_configs, zoo
 
 
 def whole_model_stats(path: Path, tokens: torch.Tensor, micro_batch: int) -> calibrate.Observers:
     """The reference: the whole model loaded by transformers (fp32), the runner's observers hooked on
-    every linear / expert stack of its blocks and every linear outside them (a pooler, a projection; not
-    the output head, not a vision/audio tower), one forward per micro-batch."""
+    every linear / expert stack of its blocks, one forward per micro-batch."""
     import json
 
     import transformers as tf
@@ -43,13 +42,6 @@ def whole_model_stats(path: Path, tokens: torch.Tensor, micro_batch: int) -> cal
                 m.register_forward_pre_hook(lambda _m, a, _n=full: obs.add(_n, a[0]))
             elif is_expert_stack(m):
                 ExpertTap(full, m, obs)
-    head = model.get_output_embeddings()
-    towers = [n for n, m in model.named_modules() if n and is_tower(model, m)]
-    for n, m in model.named_modules():
-        if n == name or n.startswith(name + ".") or m is head or any(n == t or n.startswith(t + ".") for t in towers):
-            continue
-        if isinstance(m, (torch.nn.Linear, Conv1D)):
-            m.register_forward_pre_hook(lambda _m, a, _n=n: obs.add(_n, a[0]))
     with torch.no_grad():
         for s in range(0, tokens.shape[0], micro_batch):
             model(input_ids=tokens[s: s + micro_batch], use_cache=False)
