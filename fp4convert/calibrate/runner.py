@@ -11,7 +11,10 @@ config.json, blocks found from the definition, checkpoint tensors read one block
    ``nn.Linear`` / GPT-2 ``Conv1D`` input and every 3-D expert stack's inputs are observed (all tokens
    through every expert for the statistics, the router's choice for the output), a calibrated method
    may quantize the block and load it again (:meth:`LayerwiseModel.blocks`), its outputs become the next
-   block's inputs, and its weights go back to ``meta``.
+   block's inputs, and its weights go back to ``meta``;
+3. the linears outside the blocks (a pooler, a projection, the head's input) are observed by the model's
+   forward run once more with stand-ins returning the last block's outputs
+   (:func:`~fp4convert.calibrate.tail.tail_pass`), the weights outside the blocks loaded again.
 
 One block's weights are resident at a time: memory does not grow with depth. Everything runs in
 fp32 on the given device (the GPU when there is one; matmuls in TF32 there). An architecture this
@@ -31,10 +34,13 @@ from fp4convert import stages
 from fp4convert.calibrate.capture import ExpertTap, block_calls, block_output, is_expert_stack, replace_hidden, run_block
 from fp4convert.calibrate.model import reports_device
 from fp4convert.calibrate.progress import progress_bar
+from fp4convert.calibrate.tail import HEAD, tail_pass
 from fp4convert.calibrate.weights import BlockWeights
-from fp4convert.errors import PlanError, StopForward
+from fp4convert.errors import PlanError
 
 if TYPE_CHECKING:
+    from collections.abc import Collection
+
     import torch
 
     from fp4convert.calibrate.stats import Observers
@@ -51,6 +57,7 @@ class Visit:
     index: int
     prefix: str
     reloaded: bool = False
+    tail: bool = False  # the linears outside the blocks (index len(layers), prefix ""): nothing runs after them
 
 
 class LayerwiseModel(BlockWeights):
@@ -90,19 +97,25 @@ class LayerwiseModel(BlockWeights):
             return block_output(run_block(self.layers[i], i, args, kwargs))
 
     def observe(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
-                micro_batch: int = MICRO_BATCH, progress: bool = True) -> None:
+                micro_batch: int = MICRO_BATCH, progress: bool = True, outside: Collection[str] = ()) -> None:
         """Run the calibration tokens block by block, feeding ``observers`` with every linear's input
         (names: the module's; expert stacks ``{path}:in`` and ``{path}:down:{e}``; ``lm_head``'s input with
-        ``head``). Raises PlanError when a block's output is not finite."""
-        for _ in self.blocks(tokens, observers, head=head, micro_batch=micro_batch, progress=progress):
+        ``head``; the linears outside the blocks named in ``outside``, :mod:`~fp4convert.calibrate.tail`).
+        Raises PlanError when a block's output is not finite."""
+        for _ in self.blocks(tokens, observers, head=head, micro_batch=micro_batch, progress=progress,
+                             outside=outside):
             pass
 
     def blocks(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
-               micro_batch: int = MICRO_BATCH, progress: bool = True, desc: str = "calibrate: blocks"):
+               micro_batch: int = MICRO_BATCH, progress: bool = True, desc: str = "calibrate: blocks",
+               outside: Collection[str] = ()):
         """:meth:`observe` as a generator: after block ``i`` has run on every micro-batch with its inputs
         observed, it yields a :class:`Visit` while the block's weights are still loaded. The caller may
         quantize them and :meth:`reload_block` the block with the quantized weights (GPTQ's sequential
-        pass); the block then runs again, so the next block's inputs are the quantized block's outputs."""
+        pass); the block then runs again, so the next block's inputs are the quantized block's outputs.
+        Last, when there is any, the linears outside the blocks (``outside``, the head with ``head``) are
+        observed on the last block's outputs (:func:`~fp4convert.calibrate.tail.tail_pass`) and a
+        :class:`Visit` with ``tail`` set is yielded."""
         import torch
         from transformers.pytorch_utils import Conv1D
 
@@ -155,8 +168,11 @@ class LayerwiseModel(BlockWeights):
         if never:
             log.warning("%d experts were never chosen by the router on the calibration tokens (e.g. %s); their "
                         "statistics come from every token sent through them", len(never), never[0])
-        if head and self.heads:
-            self._observe_head(batches, hs, observers)
+        names = set(outside) - {HEAD}
+        if names or (head and self.heads):
+            with stages.timed("calibrate_tail"), fast_matmul(self.device):
+                tail_pass(self, self._forward, batches, names, head, observers, finals=hs)
+            yield Visit(len(self.layers), "", tail=True)
 
     def _run_block(self, i: int, block, calls: list, hs: list) -> list:
         import torch
@@ -187,44 +203,6 @@ class LayerwiseModel(BlockWeights):
         from fp4convert.calibrate.capture import hidden_slot
 
         return args[0] if args else kwargs[hidden_slot(self.layers[i])]
-
-    def _observe_head(self, batches, finals, observers: Observers) -> None:
-        """The head's input: the model's own code after the blocks (final norm...), on the last block's
-        outputs (the blocks stand aside: identity, the last one returns the carried hidden states)."""
-        import torch
-
-        head = self.modules[self.heads[0]]
-        last = len(self.layers) - 1
-        current = {"k": 0}
-
-        def stop(_m, a):
-            observers.add("lm_head", a[0])
-            raise StopForward
-
-        def stand_in(i):
-            def forward(*args, **kwargs):
-                if i == last:
-                    return finals[current["k"]]
-                return args[0] if args else next(iter(kwargs.values()))
-            return forward
-
-        for i, b in enumerate(self.layers):
-            b.forward = stand_in(i)
-        h = head.register_forward_pre_hook(stop)
-        self.load_outside()
-        try:
-            for k, ids in enumerate(batches):
-                current["k"] = k
-                try:
-                    with torch.no_grad():
-                        self._forward(ids)
-                except StopForward:
-                    pass
-        finally:
-            h.remove()
-            for b in self.layers:
-                del b.forward
-            self.free_outside()
 
     # -- generation (self-generated samples) ----------------------------------------------------------
 

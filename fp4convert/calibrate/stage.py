@@ -24,6 +24,7 @@ from fp4convert.calibrate.checks import check_runnable, config_vocab, model_erro
 from fp4convert.calibrate.runner import MICRO_BATCH, LayerwiseModel
 from fp4convert.calibrate.samples import file_tokens, generate, random_tokens, tokenizer_digest
 from fp4convert.calibrate.stats import Observers, Statistics
+from fp4convert.calibrate.tail import HEAD, blind_spots, refusal
 from fp4convert.errors import PlanError, QuantizationError
 from fp4convert.plan.types import QUANTIZE
 from fp4convert.quantizer.backend import InputWeight
@@ -52,10 +53,12 @@ def bf16_ceil(x: float) -> float:
 def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | None = None,
                    micro_batch: int = MICRO_BATCH,
                    mean_square: dict[str, torch.Tensor] | None = None,
-                   rotate: str | None = None, rotated_amax: bool = False) -> dict[str, torch.Tensor]:
+                   rotate: str | None = None, rotated_amax: bool = False,
+                   outside: set[str] | None = None) -> dict[str, torch.Tensor]:
     """The fp32 amax of every observed input, by the runner's names (a linear's module name; expert
     stacks ``{path}:in`` / ``{path}:down:{e}``), block by block; also ``lm_head`` (the head's input)
-    when ``wanted`` names it. Raw fp32 maxima (no rounding).
+    when ``wanted`` or ``outside`` names it. ``outside``: the runner names outside the blocks to observe
+    (:func:`~fp4convert.calibrate.tail.blind_spots`; None: none). Raw fp32 maxima (no rounding).
 
     ``mean_square`` (a dict to fill): each input's per-channel mean square E[x_j^2] over every
     calibration token (fp64 sums, rounded to bf16 at the end), the ``input_weight`` that makes the
@@ -64,7 +67,8 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
     that of the plain inputs unless ``rotated_amax`` (W4A4 with a rotation: the engine quantizes x H).
     """
     obs = Observers(squares=mean_square is not None, rotate=rotate, rotated_amax=rotated_amax)
-    lm.observe(tokens, obs, head=bool(wanted and "lm_head" in wanted), micro_batch=micro_batch)
+    head = bool(wanted and HEAD in wanted) or bool(outside and HEAD in outside)
+    lm.observe(tokens, obs, head=head, micro_batch=micro_batch, outside=outside or ())
     if mean_square is not None:
         mean_square.update(obs.mean_squares())
     return obs.amax()
@@ -164,6 +168,11 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
         """The forward's failures the plan-time check cannot see, as the same refusal."""
         return model_errors(root, source.config(), "run the model of", other)
 
+    with running():  # before any sample is made or any block runs: what no pass can observe
+        blind, outside = blind_spots(lm, lm._forward, plan, inputs)
+    if blind and amax_pass:
+        raise refusal(blind, "activation calibration", other)
+
     mean_square: dict[str, torch.Tensor] = {}
     described: dict = {}
     rotated_amax = bool(config.rotate) and config.activations != "none"
@@ -190,7 +199,8 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
         else:
             with running():
                 raw = by_module(layerwise_amax(lm, tokens, set(modules), mean_square=mean_square if iw == "calibration"
-                                               else None, rotate=config.rotate, rotated_amax=rotated_amax))
+                                               else None, rotate=config.rotate, rotated_amax=rotated_amax,
+                                               outside=outside))
         calibrated = {"data": data_record, "samples": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]),
                       "seed": config.calibration_seed, "tokenizer_sha256": tokenizer_digest(root)}
         if amax_pass:
@@ -203,7 +213,7 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
         vocab = vocab_size(root, config_vocab(source.config()))
         tokens = random_tokens(vocab, samples, seq_len, config.calibration_seed)
         with running():
-            layerwise_amax(lm, tokens, set(modules), mean_square=mean_square, rotate=config.rotate)
+            layerwise_amax(lm, tokens, set(modules), mean_square=mean_square, rotate=config.rotate, outside=outside)
         described = {"source": "random", "samples": samples, "seq_len": seq_len, "seed": config.calibration_seed,
                      "vocab_size": vocab}
     if iw != "none":
@@ -234,7 +244,7 @@ def _method_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, tokens: 
         raise
     out.gptq, out.gptq_record = store, method.record()
     if method.unseen:
-        log.warning("%d quantized matrices of the blocks (e.g. %s) had no observed input: rounded to nearest "
+        log.warning("%d quantized matrices (e.g. %s) had no observed input: rounded to nearest "
                     "(data-free) instead of %s", len(method.unseen), method.unseen[0], cls.name)
     log.info("%s: %d matrices quantized", cls.name, len(store.index))
     return obs.amax()

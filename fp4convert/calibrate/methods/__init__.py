@@ -44,7 +44,7 @@ class Method(Protocol):
 
     @property
     def unseen(self) -> list[str]:
-        """Quantized matrices of the blocks whose input the pass never saw (left to round-to-nearest)."""
+        """Quantized matrices whose input the pass never saw (left to round-to-nearest)."""
         ...
 
     def record(self) -> dict:

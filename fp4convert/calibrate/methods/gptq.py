@@ -12,8 +12,11 @@ already quantized. Everything runs on the run's device.
 The quantized matrices (the bytes the data-free quantizer would return for them: codes, linear block
 scales, global scale) go to a :class:`~fp4convert.calibrate.store.Store` on disk, one file per block;
 the quantize stage writes them instead of quantizing those units again (:mod:`fp4convert.run.work`).
-A matrix the pass never saw an input of (outside the blocks, or a linear the forward did not call) is
-left to the data-free quantizer, and listed in the record.
+The quantized linears outside the blocks (a pooler, a projection, a quantized head) get their Hessians from
+the runner's pass after the last block (:mod:`fp4convert.calibrate.tail`: the model's own forward on the
+last block's outputs, the blocks already quantized) and are quantized together as one more group. A
+matrix the pass never saw an input of (a linear the forward did not call, one in a tower, one the run
+cannot observe) is left to the data-free quantizer, and listed in the record.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING
 from fp4convert import stages
 from fp4convert.calibrate.stats import Observers
 from fp4convert.calibrate.store import Store
+from fp4convert.calibrate.tail import HEAD, outside_names
 from fp4convert.plan.types import QUANTIZE
 
 if TYPE_CHECKING:
@@ -79,8 +83,10 @@ class GPTQ:
         self.scheme = SCHEMES[config.scheme]
         self.rule = config.rule
         self.by_block = block_decisions(lm, plan)
+        in_blocks = {id(d) for ds in self.by_block.values() for d in ds}
+        self.outside = [d for d in plan.decisions if d.action == QUANTIZE and id(d) not in in_blocks]
         self.damped: dict[str, float] = {}  # module -> the dampening that factorized, where above --gptq-damp
-        self._unseen: list[str] = []  # quantized matrices of the blocks whose input the pass never saw
+        self._unseen: list[str] = []  # quantized matrices whose input the pass never saw
 
     @property
     def unseen(self) -> list[str]:
@@ -97,11 +103,20 @@ class GPTQ:
         return gptq.sweep_batch
 
     def run(self, tokens: torch.Tensor, observers: Observers, head: bool, micro_batch: int, progress: bool) -> None:
-        """The sequential pass over every block (observers must keep Hessians)."""
+        """The sequential pass over every block, then the linears outside the blocks (observers must keep
+        Hessians)."""
+        outside = outside_names(self.lm, [self.inputs[m.module] for d in self.outside for m in d.matrices
+                                          if m.module in self.inputs])
+        tail = False
         self.lm.keep_block_reads = True  # the block's weights as read, for the sweep (no second read)
         try:
-            for visit in self.lm.blocks(tokens, observers, head=head, micro_batch=micro_batch, progress=progress,
-                                        desc="gptq: blocks"):
+            for visit in self.lm.blocks(tokens, observers, head=head or HEAD in outside, micro_batch=micro_batch,
+                                        progress=progress, desc="gptq: blocks", outside=outside):
+                if visit.tail:
+                    tail = True
+                    self.quantize_outside(visit.index, observers)
+                    self._drop_hessians(observers, visit.prefix)
+                    continue
                 decisions = self.by_block.get(visit.index, [])
                 if decisions:
                     replaced = self.quantize_block(visit.index, decisions, observers)
@@ -113,6 +128,20 @@ class GPTQ:
         finally:
             self.lm.keep_block_reads = False
             self.lm.kept = {}
+        if not tail:
+            self._unseen += [m.module for d in self.outside for m in d.matrices]
+
+    def quantize_outside(self, index: int, observers: Observers) -> None:
+        """GPTQ of the quantized matrices outside the blocks whose every input was observed (stored as
+        group ``index``); the others are left to round-to-nearest (:attr:`unseen`)."""
+        def seen(d: Decision) -> bool:
+            return all((o := observers.get(self.inputs.get(m.module, ""))) is not None
+                       and o.xtx is not None and o.count > 0 for m in d.matrices)
+
+        ready = [d for d in self.outside if seen(d)]
+        self._unseen += [m.module for d in self.outside if not seen(d) for m in d.matrices]
+        if ready:
+            self.quantize_block(index, ready, observers)
 
     @staticmethod
     def _drop_hessians(observers: Observers, prefix: str) -> None:
