@@ -23,7 +23,7 @@ from fp4convert import stages
 from fp4convert.calibrate.checks import check_runnable, config_vocab, model_errors, quantized_modules, share, vocab_size, what_runs
 from fp4convert.calibrate.runner import MICRO_BATCH, LayerwiseModel
 from fp4convert.calibrate.samples import file_tokens, generate, random_tokens, tokenizer_digest
-from fp4convert.calibrate.stats import Observers, Statistics
+from fp4convert.calibrate.stats import Observers, Statistics, bf16_ceil
 from fp4convert.calibrate.tail import HEAD, blind_spots, refusal
 from fp4convert.errors import PlanError, QuantizationError
 from fp4convert.plan.types import QUANTIZE
@@ -38,16 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _EXPERT_INDEX = re.compile(r"\.(\d+)\.[^.]+$")
-
-
-def bf16_ceil(x: float) -> float:
-    """The smallest bf16 value >= x (x finite, >= 0)."""
-    import struct
-
-    bits = struct.unpack("<I", struct.pack("<f", x))[0]
-    if bits & 0xFFFF:
-        bits = (bits & 0xFFFF0000) + 0x10000
-    return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
 
 
 def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | None = None,

@@ -19,6 +19,16 @@ if TYPE_CHECKING:
     from fp4convert.quantizer.backend import InputWeight
 
 
+def bf16_ceil(x: float) -> float:
+    """The smallest bf16 value >= x (x finite, >= 0)."""
+    import struct
+
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    if bits & 0xFFFF:
+        bits = (bits & 0xFFFF0000) + 0x10000
+    return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+
+
 @dataclass
 class Observer:
     """Running statistics of one input: amax, per-channel sum of squares, token count, optional Hessian.

@@ -241,3 +241,44 @@ def test_resume_refuses_another_method(tmp_path, text):
     r = cli("quantize", src, tmp_path / "out", "--device", "cpu", "--calibration-data", text, "--calibration-samples", 4,
             "--calibration-seq-len", 48, "-q", "--method", "gptq", "--resume")
     assert r.exit_code != 0 and "method" in r.output
+
+
+@pytest.mark.parametrize("acts,rotate", [("nvfp4", None), ("nvfp4", "had16"), ("mxfp4", None)])
+def test_w4a4_blocks_run_again_with_the_engine_activation_rounding(tmp_path, acts, rotate):
+    """W4A4 GPTQ: a quantized block runs again with each quantized linear's input rounded as the engine
+    rounds it (NVFP4 under the static scale of the amax the checkpoint records, MXFP4 dynamic; rotated
+    first with had16), so the next block is calibrated on what the served model computes."""
+    from types import SimpleNamespace
+
+    from fp4convert.calibrate.methods.gptq import GPTQ
+    from fp4convert.calibrate.stats import Observers, bf16_ceil
+    from fp4convert.numerics import reference as ref
+
+    lin = torch.nn.Linear(64, 8, bias=False)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3)) * 3
+    obs = Observers(rotate=rotate, rotated_amax=rotate is not None)
+    obs.add("blk.lin", x)
+    seen = {}
+    lin.register_forward_pre_hook(lambda _m, a: seen.__setitem__("x", a[0]))  # runs after the engine's hook
+    gptq = GPTQ.__new__(GPTQ)
+    gptq.config = SimpleNamespace(activations=acts, rotate=rotate)
+    gptq.inputs = {"blk.lin": "blk.lin"}
+    gptq.lm = SimpleNamespace(modules={"blk.lin": lin})
+    decisions = [SimpleNamespace(matrices=[SimpleNamespace(module="blk.lin")])]
+    hooks = gptq.engine_activations(decisions, obs)  # type: ignore[arg-type]
+    assert len(hooks) == 1
+    lin._forward_pre_hooks.move_to_end(hooks[0].id, last=False)  # the engine's rounding first
+    lin(x)
+    if acts == "nvfp4":
+        p, s, g = ref.nvfp4_quantize(x, bf16_ceil(float(obs["blk.lin"].amax)), rotate, "max")
+        want = ref.nvfp4_dequantize(p, s, g, rotate)
+    else:
+        p, e = ref.mxfp4_quantize(x, rotate, "floor")
+        want = ref.mxfp4_dequantize(p, e, rotate)
+    assert torch.equal(seen["x"], want) and not torch.equal(seen["x"], x)
+    for h in hooks:
+        h.remove()
+    lin(x)
+    assert torch.equal(seen["x"], x)
+    gptq.config = SimpleNamespace(activations="none", rotate=rotate)
+    assert gptq.engine_activations(decisions, obs) == []  # type: ignore[arg-type]

@@ -108,6 +108,7 @@ class GPTQ:
         outside = outside_names(self.lm, [self.inputs[m.module] for d in self.outside for m in d.matrices
                                           if m.module in self.inputs])
         tail = False
+        hooks: list = []
         self.lm.keep_block_reads = True  # the block's weights as read, for the sweep (no second read)
         try:
             for visit in self.lm.blocks(tokens, observers, head=head or HEAD in outside, micro_batch=micro_batch,
@@ -117,15 +118,21 @@ class GPTQ:
                     self.quantize_outside(visit.index, observers)
                     self._drop_hessians(observers, visit.prefix)
                     continue
+                for h in hooks:
+                    h.remove()  # (the previous block's, run again by now)
+                hooks = []
                 decisions = self.by_block.get(visit.index, [])
                 if decisions:
                     replaced = self.quantize_block(visit.index, decisions, observers)
                     self.lm.kept = {}
                     with stages.timed("gptq_reload"):
                         self.lm.reload_block(visit, replaced)
+                    hooks = self.engine_activations(decisions, observers)
                 self.lm.kept = {}
                 self._drop_hessians(observers, visit.prefix)
         finally:
+            for h in hooks:
+                h.remove()
             self.lm.keep_block_reads = False
             self.lm.kept = {}
         if not tail:
@@ -142,6 +149,46 @@ class GPTQ:
         self._unseen += [m.module for d in self.outside if not seen(d) for m in d.matrices]
         if ready:
             self.quantize_block(index, ready, observers)
+
+    def engine_activations(self, decisions: list[Decision], observers: Observers) -> list:
+        """W4A4: forward pre-hooks that quantize the inputs of the block's quantized linears as the engine
+        will (NVFP4 under the static scale the checkpoint records, from the amax just measured; MXFP4
+        dynamic; rotated first with had16), for the block's second run: the next block is then
+        calibrated on what the served model computes, activation rounding included. Linears only (an
+        expert stack's inputs are not rounded here)."""
+        import torch
+
+        from fp4convert.calibrate.stats import bf16_ceil
+        from fp4convert.numerics import reference as ref
+
+        acts, rotate = self.config.activations, self.config.rotate
+        if acts == "none":
+            return []
+        hooks = []
+        done: set[str] = set()
+        for d in decisions:
+            for m in d.matrices:
+                name = self.inputs.get(m.module, "")
+                obs = observers.get(name)
+                module = self.lm.modules.get(name)
+                if (name in done or obs is None or obs.amax is None or not float(obs.amax) > 0
+                        or not isinstance(module, torch.nn.Linear)):
+                    continue  # (an input never seen, or all zeros: left as it is)
+                done.add(name)
+                amax = bf16_ceil(float(obs.amax))
+
+                def engine(_m, args, _a=amax):
+                    x = args[0]
+                    if acts == "nvfp4":
+                        p, s, g = ref.nvfp4_quantize(x, _a, rotate, "max")
+                        y = ref.nvfp4_dequantize(p, s, g, rotate)
+                    else:
+                        p, e = ref.mxfp4_quantize(x, rotate, "floor")
+                        y = ref.mxfp4_dequantize(p, e, rotate)
+                    return (y.to(x.dtype), *args[1:])
+
+                hooks.append(module.register_forward_pre_hook(engine))
+        return hooks
 
     @staticmethod
     def _drop_hessians(observers: Observers, prefix: str) -> None:
