@@ -10,9 +10,9 @@
 #   ROWS="none random w4a4 gptq" REPEATS=2 bash benchmarks/device_gptq.sh
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
-# the imports' bytecode cached where it can be written (the host's site-packages are read-only and the host
-# sets PYTHONDONTWRITEBYTECODE: without this every process compiles transformers again, seconds an installed
-# package never pays)
+# the imports' bytecode cached where it can be written (the host's site-packages are read-only: without this
+# every process compiles transformers again, seconds an installed package never pays); env.txt records that
+# bytecode is written
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED=1 FP4CONVERT_CACHE_DIR=/tmp/fp4convert-cache PYTHONPYCACHEPREFIX=/tmp/pycache
 if ls .whl/*.whl >/dev/null 2>&1; then   # compressed-tensors and its needs (not installed on the GPU host);
