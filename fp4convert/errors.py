@@ -194,5 +194,13 @@ class StopForward(Exception):
     """Raised by the calibration runner's recorder after the last block it needs: the rest of the forward is not run (internal)."""
 
 
+class UnloadedWeights(Exception):
+    """Raised by a calibration stand-in forward at a module whose weights no checkpoint tensor loads (internal)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+
 class Cancelled(Exception):
     """Raised inside a Hub download or a checksum pass when the prefetcher stops (fp4convert.source.prefetch)."""

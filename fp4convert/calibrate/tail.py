@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fp4convert.calibrate.capture import hidden_slot, output_like, with_hidden
-from fp4convert.errors import PlanError, StopForward
+from fp4convert.errors import PlanError, StopForward, UnloadedWeights
 from fp4convert.plan.types import QUANTIZE
 
 if TYPE_CHECKING:
@@ -43,14 +43,6 @@ log = logging.getLogger(__name__)
 HEAD = "lm_head"  # the runner's name of the output head's input
 BEFORE, BETWEEN, AFTER = "before the blocks", "between the blocks", "after the blocks"
 DISCOVERY_TOKENS = 8
-
-
-class _Unloaded(Exception):
-    """Raised by the stand-in forward at a module whose weights no checkpoint tensor loads."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
 
 
 @dataclass
@@ -134,7 +126,7 @@ def tail_pass(lm: BlockWeights, forward: Callable, batches: list[torch.Tensor], 
 
     def unloaded(name: str) -> Callable:
         def hook(_m, _a):
-            raise _Unloaded(name)
+            raise UnloadedWeights(name)
         return hook
 
     def weighted(name: str) -> Callable:
@@ -163,7 +155,7 @@ def tail_pass(lm: BlockWeights, forward: Callable, batches: list[torch.Tensor], 
                     forward(ids)
             except StopForward:
                 pass
-            except _Unloaded as stop:
+            except UnloadedWeights as stop:
                 reach.stopped = stop.name
     finally:
         for hd in handles:
