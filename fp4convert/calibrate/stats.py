@@ -41,15 +41,22 @@ class Observer:
     with TF32 allowed (an order of magnitude faster there than fp64 or strict fp32, and its rounding
     is far below the 1% dampening GPTQ adds), summed in fp64. Its last bits depend on the device and
     the GEMM library (docs/numerics.md "GPTQ").
+
+    ``keep`` (GPTQ with W4A4): the inputs themselves are kept (the Hessian is not summed yet): the
+    engine's rounding of an input needs the amax of every token first, so :meth:`asymmetric` takes the
+    Hessian of the rounded inputs and their cross term once the block has run.
     """
 
     squares: bool = False
     hessian: bool = False
     rotate: str | None = None
     rotated_amax: bool = False
+    keep: bool = False
     amax: torch.Tensor | None = None
     sum_sq: torch.Tensor | None = None
     xtx: torch.Tensor | None = None
+    cross: torch.Tensor | None = None
+    kept: list = field(default_factory=list)
     count: int = 0
     shapes: set = field(default_factory=set)
 
@@ -77,20 +84,27 @@ class Observer:
             x2 = flat.double()
             sq = (x2 * x2).sum(0)
             self.sum_sq = sq if self.sum_sq is None else self.sum_sq + sq
-        if self.hessian:
-            if flat.is_cuda:
-                f = flat.float()
-                saved = torch.backends.cuda.matmul.allow_tf32
-                torch.backends.cuda.matmul.allow_tf32 = True
-                try:
-                    h = (f.T @ f).double()
-                finally:
-                    torch.backends.cuda.matmul.allow_tf32 = saved
-            else:
-                f = flat.double()
-                h = f.T @ f
+        if self.hessian and self.keep:
+            self.kept.append(flat.clone())
+        elif self.hessian:
+            h = _gram(flat, flat)
             self.xtx = h if self.xtx is None else self.xtx.add_(h)
         self.count += flat.shape[0]
+
+    def asymmetric(self, rounded) -> None:
+        """From the kept inputs ``X`` and ``X~ = rounded(X)`` (the engine's activation rounding, in the
+        domain the weights are quantized in): the Hessian becomes ``X~^T X~`` and :attr:`cross` holds
+        ``(X - X~)^T X~``, the term that moves GPTQ's target to the weights that best reproduce the
+        unrounded outputs from rounded inputs (docs/numerics.md "GPTQ", W4A4)."""
+        import torch
+
+        for x in self.kept:
+            xq = rounded(x)
+            wide = torch.float32 if x.is_cuda else torch.float64  # (the precision _gram multiplies in)
+            h, c = _gram(xq, xq), _gram(x.to(wide) - xq.to(wide), xq)
+            self.xtx = h if self.xtx is None else self.xtx.add_(h)
+            self.cross = c if self.cross is None else self.cross.add_(c)
+        self.kept = []
 
     def mean_square(self) -> torch.Tensor | None:
         """E[x_j^2] per channel, rounded to bf16 (returned as fp32 on the CPU), or None if not kept."""
@@ -106,6 +120,32 @@ class Observer:
             return None
         return self.xtx / self.count
 
+    def cross_matrix(self) -> torch.Tensor | None:
+        """``(1/n) (X - X~)^T X~`` (fp64) after :meth:`asymmetric`, else None."""
+        if self.cross is None or self.count == 0:
+            return None
+        return self.cross / self.count
+
+    def release(self) -> None:
+        """Forget the Hessian-sized statistics (the amax stays: W4A4 records it)."""
+        self.xtx = self.cross = None
+        self.kept = []
+
+
+def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a^T b`` summed in fp64: on the CPU one fp64 matmul; on a GPU one fp32 matmul with TF32
+    allowed (see :class:`Observer`)."""
+    import torch
+
+    if a.is_cuda:
+        saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            return (a.float().T @ b.float()).double()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = saved
+    return a.double().T @ b.double()
+
 
 class Observers(dict):
     """name -> :class:`Observer`, made on first use with the same settings.
@@ -120,6 +160,7 @@ class Observers(dict):
         super().__init__()
         self.squares, self.hessian, self.rotate, self.rotated_amax = squares, hessian, rotate, rotated_amax
         self.enabled = True
+        self.keep: set[str] = set()  # inputs whose tokens are kept (Observer.keep)
         self._last: tuple[str, object] | None = None  # (name, tensor) of the latest add
         self._alias: dict[str, str] = {}  # name -> the name whose Observer it shares
 
@@ -137,7 +178,8 @@ class Observers(dict):
                 self._alias[name] = last[0]
                 self[name] = self[last[0]]
                 return
-            obs = self[name] = Observer(self.squares, self.hessian, self.rotate, self.rotated_amax)
+            obs = self[name] = Observer(self.squares, self.hessian, self.rotate, self.rotated_amax,
+                                        keep=name in self.keep)
         obs.add(x)
         self._last = (name, x)
 

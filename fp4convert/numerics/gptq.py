@@ -16,6 +16,8 @@ The order of operations (docs/numerics.md "GPTQ"):
 1. ``prepare``: dead columns (``H[j, j] == 0``: an input that was always 0) get ``H[j, j] = 1`` and
    their weights 0; ``H += damp * mean(diag(H)) * I`` (damp 0.01, tried x10 and x100 if the Cholesky
    fails); ``U = cholesky(cholesky_inverse(cholesky(H)), upper=True)``, in fp64, then fp32.
+   With W4A4 (``cross`` given: ``H`` is then the engine-rounded inputs'), ``shift = C @ inverse(H)``
+   and the sweep starts from :func:`target`'s ``W* = W + W @ shift``.
 2. Optional group order (``act_order``): whole FP4 blocks of columns sorted by their summed ``diag(H)``,
    largest first (columns stay together, so a block's scale is still chosen once from its own columns).
 3. The sweep, in column batches of ``block`` (128) columns: for each column ``c`` (batch-local ``i``):
@@ -53,6 +55,7 @@ class Prepared:
     diag: torch.Tensor  # [K] fp32: diag(H) before dampening (the search rules' input weights; sweep order)
     damp: float  # the dampening fraction that factorized
     perm: torch.Tensor | None = None  # the sweep's column order (act_order), None: natural order
+    shift: torch.Tensor | None = None  # [K, K] fp32 (natural order): W4A4's target move, W* = W + W @ shift
 
 
 @dataclass
@@ -67,15 +70,18 @@ class Result:
     damp: float
 
 
-def prepare(h: torch.Tensor, damp: float = DAMP, act_order: int | None = None) -> Prepared:
+def prepare(h: torch.Tensor, damp: float = DAMP, act_order: int | None = None,
+            cross: torch.Tensor | None = None) -> Prepared:
     """Steps 1-2 for ``H`` ([K, K], any float dtype, symmetric): see the module docstring.
-    ``act_order``: the scale block size whose blocks are reordered (None: natural order). A Hessian
+    ``act_order``: the scale block size whose blocks are reordered (None: natural order). ``cross``
+    (W4A4: ``H`` is then the rounded inputs' ``X~^T X~ / n``): ``(X - X~)^T X~ / n``, from which
+    :attr:`Prepared.shift` ``= cross @ inverse(dampened H)`` is kept for :func:`target`. A Hessian
     that does not factorize even at ``damp * 100`` (NaN, or not positive semi-definite) raises
     QuantizationError."""
     if h.dim() != 2 or h.shape[0] != h.shape[1]:
         raise QuantizationError(f"a GPTQ Hessian must be square, got {tuple(h.shape)}")
     h = h.to(torch.float64).clone()
-    if not bool(torch.isfinite(h).all()):
+    if not bool(torch.isfinite(h).all()) or (cross is not None and not bool(torch.isfinite(cross).all())):
         raise QuantizationError("the Hessian of the calibration inputs holds NaN/Inf (the activations overflowed)")
     perm = None
     if act_order:
@@ -97,10 +103,28 @@ def prepare(h: torch.Tensor, damp: float = DAMP, act_order: int | None = None) -
         u, info = torch.linalg.cholesky_ex(inv, upper=True)
         if int(info) != 0:
             continue
-        return Prepared(u.to(_F32), dead, raw_diag, d, perm)
+        shift = None
+        if cross is not None:
+            if perm is not None:
+                back = torch.argsort(perm)
+                inv = inv[back][:, back]
+            shift = (cross.to(torch.float64) @ inv).to(_F32)
+        return Prepared(u.to(_F32), dead, raw_diag, d, perm, shift)
     raise QuantizationError(f"the Hessian does not factorize even with dampening {damp * DAMP_RETRIES[-1]:g} "
                             "(too few calibration tokens for this layer's inputs?); give more calibration data "
                             "or a larger --gptq-damp")
+
+
+def target(w: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+    """The weights GPTQ sweeps (W4A4 step 0): ``W* = W + W @ shift`` (one fp32 matmul, TF32 off), the
+    least-squares weights that reproduce the unrounded outputs ``X W^T`` from the engine's rounded
+    inputs ``X~`` (under the same dampening as the sweep), so the sweep's ``||(W* - Q) X~^T||``
+    is the served layer's output error. ``w`` itself without a shift (fp32, a copy)."""
+    w = w.to(_F32)
+    if prepared.shift is None:
+        return w.clone()
+    with strict_fp32():
+        return w + w @ prepared.shift.to(w.device)
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ def test_gptq_runs_every_architecture_class_and_says_what_it_quantized(tmp_path,
     src = add_tokenizer(zoo.build(family, tmp_path / family))
     m = quantize(src, tmp_path / "gptq", text, "--method", "gptq")
     rec = m["method"]
-    assert rec["method"] == "gptq" and rec["rtn"] == [] and rec["device"] == "cpu"
+    assert rec["method"] == "gptq" and rec["rtn"] == [] and rec["device"] == "cpu" and rec["target"] == "inputs"
     assert m["settings"]["method"] == {"name": "gptq", "damp": 0.01, "block": 128, "act_order": True,
                                        "calibration": {"data": str(text), "samples": 4, "seq_len": 48, "seed": 0}}
     assert rec["quantized"] >= len(block_matrices(m)) > 0
@@ -232,6 +232,7 @@ def test_w4a4_with_a_rotation_calibrates_the_rotated_inputs(tmp_path, text):
     qc = json.loads((tmp_path / "mr" / "config.json").read_text())["quantization_config"]
     assert qc["transform_config"] and qc["config_groups"]["group_0"]["input_activations"]["num_bits"] == 4
     assert m["method"]["rtn"] == [] and m["activations"]["calibration"]["amax"]
+    assert m["method"]["target"] == "engine-rounded inputs"  # (the W4A4 objective: docs/numerics.md "GPTQ")
 
 
 def test_resume_refuses_another_method(tmp_path, text):
@@ -282,3 +283,46 @@ def test_w4a4_blocks_run_again_with_the_engine_activation_rounding(tmp_path, act
     assert torch.equal(seen["x"], x)
     gptq.config = SimpleNamespace(activations="none", rotate=rotate)
     assert gptq.engine_activations(decisions, obs) == []  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("acts,rotate", [("nvfp4", None), ("nvfp4", "had16"), ("mxfp4", None)])
+def test_w4a4_hessians_are_taken_on_the_inputs_as_the_engine_rounds_them(acts, rotate):
+    """W4A4 GPTQ keeps a rounded input's tokens through the block's run; once the amax is known its
+    Hessian is that of the engine-rounded inputs ``X~`` and the cross term ``(X - X~)^T X~`` moves the
+    target (docs/numerics.md "GPTQ"), in the domain the weights are quantized in (rotated with had16).
+    Inputs the engine does not round (not kept) keep the plain Hessian."""
+    from types import SimpleNamespace
+
+    from fp4convert.calibrate.methods.gptq import GPTQ
+    from fp4convert.calibrate.stats import Observers, bf16_ceil
+    from fp4convert.numerics import reference as ref
+
+    x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 2
+    obs = Observers(hessian=True, rotate=rotate, rotated_amax=rotate is not None)
+    obs.keep = {"blk.lin"}
+    obs.add("blk.lin", x[:2])
+    obs.add("blk.lin", x[2:])  # (two micro-batches)
+    obs.add("blk.other", x)
+    o = obs["blk.lin"]
+    assert o.xtx is None and len(o.kept) == 2 and obs["blk.other"].xtx is not None
+    gptq = GPTQ.__new__(GPTQ)
+    gptq.config = SimpleNamespace(activations=acts, rotate=rotate)
+    gptq.inputs = {"blk.lin": "blk.lin", "blk.other": "blk.other"}
+    decisions = [SimpleNamespace(matrices=[SimpleNamespace(module="blk.lin"), SimpleNamespace(module="blk.other")])]
+    gptq.asymmetric(decisions, obs)  # type: ignore[arg-type]
+    flat = x.reshape(-1, 64)
+    xr = ref.had16(flat) if rotate else flat
+    if acts == "nvfp4":
+        p, s, g = ref.nvfp4_quantize(xr, bf16_ceil(float(o.amax)), None, "max")
+        xq = ref.nvfp4_dequantize(p, s, g, None).to(xr.dtype)
+    else:
+        p, e = ref.mxfp4_quantize(xr, None, "floor")
+        xq = ref.mxfp4_dequantize(p, e, None).to(xr.dtype)
+    assert not torch.equal(xq, xr) and o.kept == []
+    xq, xr = xq.double(), xr.double()
+    torch.testing.assert_close(o.hessian_matrix(), xq.T @ xq / 21, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(o.cross_matrix(), (xr - xq).T @ xq / 21, rtol=1e-12, atol=1e-12)
+    assert obs["blk.other"].cross_matrix() is None
+    torch.testing.assert_close(obs["blk.other"].hessian_matrix(), xr.T @ xr / 21, rtol=1e-12, atol=1e-12)
+    o.release()
+    assert o.hessian_matrix() is None and o.cross_matrix() is None and o.amax is not None

@@ -129,3 +129,56 @@ def test_a_hessian_the_asked_dampening_cannot_factorize_gets_more_and_says_so():
     h = torch.diag(torch.tensor([1.0] * 63 + [-0.05], dtype=torch.float64))
     p = gptq.prepare(h, damp=0.01)
     assert p.damp == pytest.approx(0.1)
+
+
+def _engine_rounding(x: torch.Tensor) -> torch.Tensor:
+    """W4A4 NVFP4 activations as an engine rounds them (rule max, the inputs' own amax)."""
+    p, s, g = ref.nvfp4_quantize(x, float(x.abs().amax()), None, "max")
+    return ref.nvfp4_dequantize(p, s, g, None)
+
+
+def test_without_a_cross_term_the_target_is_the_weights_themselves():
+    """A zero cross term (inputs the engine does not round) moves nothing: the swept weights and the
+    bytes are plain GPTQ's."""
+    x = correlated_inputs(512, 64, 5).double()
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(6))
+    h = x.T @ x / 512
+    plain = gptq.prepare(h, act_order=16)
+    zero = gptq.prepare(h, act_order=16, cross=torch.zeros_like(h))
+    assert plain.shift is None and zero.shift is not None and not bool(zero.shift.any())
+    assert torch.equal(gptq.target(w, zero), w) and torch.equal(gptq.target(w, plain), w)
+    a, b = gptq.quantize(w, plain, "nvfp4"), gptq.quantize(gptq.target(w, zero), zero, "nvfp4")
+    assert torch.equal(a.packed, b.packed) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_w4a4_target_reproduces_the_unrounded_outputs_from_rounded_inputs(act_order):
+    """``W* = W + W @ shift`` is the least-squares weight for rounded inputs ``X~`` and unrounded
+    outputs ``X W^T`` (up to the dampening): its output error on ``X~`` is below ``W``'s own, and
+    GPTQ of ``W*`` under ``X~``'s Hessian serves (``X~ Q^T``) closer to ``X W^T`` than GPTQ of ``W``
+    under ``X``'s Hessian, the symmetric objective that ignores the rounding. The permutation of
+    act-order leaves the target in natural column order."""
+    x = correlated_inputs(2048, 128, 7).double()
+    xq = _engine_rounding(x.float()).double()
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(8))
+    n = x.shape[0]
+    order = 16 if act_order else None
+    asym = gptq.prepare(xq.T @ xq / n, act_order=order, cross=(x - xq).T @ xq / n)
+    wt = gptq.target(w, asym)
+    want = x @ w.double().T
+
+    def err(served: torch.Tensor) -> float:
+        return float(((want - served) ** 2).mean())
+
+    assert err(xq @ wt.double().T) < 0.9 * err(xq @ w.double().T)
+    sym = gptq.quantize(w, gptq.prepare(x.T @ x / n, act_order=order), "nvfp4")
+    got = gptq.quantize(wt, asym, "nvfp4")
+    assert err(xq @ got.dequantized.double().T) < 0.9 * err(xq @ sym.dequantized.double().T)
+
+
+def test_a_non_finite_cross_term_is_refused():
+    h = torch.eye(32, dtype=torch.float64)
+    c = torch.zeros_like(h)
+    c[3, 4] = float("nan")
+    with pytest.raises(QuantizationError, match="NaN"):
+        gptq.prepare(h, cross=c)

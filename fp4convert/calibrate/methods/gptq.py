@@ -109,6 +109,7 @@ class GPTQ:
                                           if m.module in self.inputs])
         tail = False
         hooks: list = []
+        observers.keep = self.rounded_inputs()
         self.lm.keep_block_reads = True  # the block's weights as read, for the sweep (no second read)
         try:
             for visit in self.lm.blocks(tokens, observers, head=head or HEAD in outside, micro_batch=micro_batch,
@@ -123,6 +124,7 @@ class GPTQ:
                 hooks = []
                 decisions = self.by_block.get(visit.index, [])
                 if decisions:
+                    self.asymmetric(decisions, observers)
                     replaced = self.quantize_block(visit.index, decisions, observers)
                     self.lm.kept = {}
                     with stages.timed("gptq_reload"):
@@ -149,6 +151,52 @@ class GPTQ:
         self._unseen += [m.module for d in self.outside if not seen(d) for m in d.matrices]
         if ready:
             self.quantize_block(index, ready, observers)
+
+    def rounded_inputs(self) -> set[str]:
+        """W4A4: the inputs the engine rounds (the quantized plain linears'), whose tokens the
+        observers keep for :meth:`asymmetric`; none without ``--activations``."""
+        import torch
+
+        if self.config.activations == "none":
+            return set()
+        names = {self.inputs.get(m.module, "") for d in self.plan.decisions if d.action == QUANTIZE
+                 for m in d.matrices}
+        return {n for n in names if n and isinstance(self.lm.modules.get(n), torch.nn.Linear)}
+
+    def rounder(self, amax: float):
+        """The engine's activation rounding of one input under its recorded amax (``amax`` already bf16),
+        in the domain the statistics are in (rotated with had16: the engine rotates, then rounds)."""
+        from fp4convert.numerics import reference as ref
+
+        acts = self.config.activations
+
+        def rounded(x):
+            if acts == "nvfp4":
+                p, s, g = ref.nvfp4_quantize(x, amax, None, "max")
+                y = ref.nvfp4_dequantize(p, s, g, None)
+            else:
+                p, e = ref.mxfp4_quantize(x, None, "floor")
+                y = ref.mxfp4_dequantize(p, e, None)
+            return y.to(x.dtype)
+        return rounded
+
+    def asymmetric(self, decisions: list[Decision], observers: Observers) -> None:
+        """W4A4: each kept input's Hessian and cross term from its tokens rounded as the engine rounds
+        them (docs/numerics.md "GPTQ"): GPTQ then minimises the served layer's output error."""
+        from fp4convert.calibrate.stats import bf16_ceil
+
+        done: set[int] = set()
+        for d in decisions:
+            for m in d.matrices:
+                obs = observers.get(self.inputs.get(m.module, ""))
+                if obs is None or id(obs) in done or not obs.kept:
+                    continue
+                done.add(id(obs))
+                if obs.amax is None or not float(obs.amax) > 0:
+                    obs.asymmetric(lambda x: x)  # (all zeros: nothing to round)
+                    continue
+                with stages.timed("gptq_asymmetric"):
+                    obs.asymmetric(self.rounder(bf16_ceil(float(obs.amax))))
 
     def engine_activations(self, decisions: list[Decision], observers: Observers) -> list:
         """W4A4: forward pre-hooks that quantize the inputs of the block's quantized linears as the engine
@@ -193,7 +241,7 @@ class GPTQ:
     @staticmethod
     def _drop_hessians(observers: Observers, prefix: str) -> None:
         for n in [n for n in list(observers) if n.startswith(prefix)]:
-            observers[n].xtx = None  # the W4A4 amax stays; the Hessians of a quantized block are not needed again
+            observers[n].release()  # the W4A4 amax stays; the Hessians of a quantized block are not needed again
 
     def quantize_block(self, index: int, decisions: list[Decision], observers: Observers) -> dict[str, torch.Tensor]:
         """GPTQ of every quantized matrix of block ``index``; returns the on-disk tensors with their
@@ -207,33 +255,34 @@ class GPTQ:
         kept = self.lm.kept
         disk = {d.info.name: kept[d.info.name].clone() if d.info.name in kept else self.lm.read_fp32(d.info.name)
                 for d in decisions}
-        mats: list[tuple[Decision, Matrix, torch.Tensor]] = []
+        prepared: dict[int, gptq.Prepared] = {}
+        mats: list[tuple[Decision, Matrix, torch.Tensor, gptq.Prepared]] = []
         for d in decisions:
             for m in d.matrices:
+                obs = observers.get(self.inputs.get(m.module, ""))
+                h = obs.hessian_matrix() if obs is not None else None
+                if obs is None or h is None:
+                    self._unseen.append(m.module)
+                    continue
+                p = prepared.get(id(obs))
+                if p is None:
+                    with stages.timed("gptq_prepare"):
+                        p = prepared[id(obs)] = gptq.prepare(
+                            h, self.config.gptq_damp, self.scheme.block_size if self.config.gptq_act_order else None,
+                            obs.cross_matrix())
+                if p.damp != self.config.gptq_damp:
+                    self.damped[m.module] = p.damp
                 w = matrix_view(disk[d.info.name], m)
-                mats.append((d, m, ref.had16(w) if rotate == "had16" else w.clone()))
+                mats.append((d, m, gptq.target(ref.had16(w) if rotate == "had16" else w, p), p))
         # each fused group's amax, from the weights before any sweep (docs/numerics.md "The global scale")
         amax: dict[str, torch.Tensor] = {}
-        for d, m, w in mats:
+        for d, m, w, _p in mats:
             key = m.group or d.group or m.module
             a = w.abs().amax()
             amax[key] = a if key not in amax else torch.maximum(amax[key], a)
-        prepared: dict[int, gptq.Prepared] = {}
         sweep = self.sweep_fn()
         made = []
-        for d, m, w in mats:
-            obs = observers.get(self.inputs.get(m.module, ""))
-            h = obs.hessian_matrix() if obs is not None else None
-            if h is None:
-                self._unseen.append(m.module)
-                continue
-            p = prepared.get(id(obs))
-            if p is None:
-                with stages.timed("gptq_prepare"):
-                    p = prepared[id(obs)] = gptq.prepare(
-                        h, self.config.gptq_damp, self.scheme.block_size if self.config.gptq_act_order else None)
-            if p.damp != self.config.gptq_damp:
-                self.damped[m.module] = p.damp
+        for d, m, w, p in mats:
             group_amax = amax[m.group or d.group or m.module]
             try:
                 with stages.timed("gptq_sweep"):
@@ -257,6 +306,7 @@ class GPTQ:
         order = ", act-order" if self.config.gptq_act_order else ""
         return {"method": "gptq", "scale_rule": self.rule, "damp": self.config.gptq_damp,
                 "block": self.config.gptq_block, "act_order": self.config.gptq_act_order, "device": device,
+                "target": "engine-rounded inputs" if self.config.activations != "none" else "inputs",
                 "quantized": len(self.store.index), "damp_raised": dict(sorted(self.damped.items())),
                 "rtn": sorted(self._unseen),
                 "description": f"GPTQ (each column's rounding error compensated on calibration tokens; dampening "
