@@ -5,9 +5,10 @@ Llama config, plus a character-level tokenizer so samples can be self-generated)
 row's options, defaults otherwise: ``none`` (the data-free default), ``random`` (``--input-weights
 random``), ``w4a4`` (``--activations nvfp4 --format compressed-tensors``: calibration on self-generated
 samples at the default shape), ``gptq`` (``--method gptq``, self-generated samples at the default
-shape); rows interleaved, ``sync`` after each, median of ``--repeats``; each command a fresh process,
-start-up included. Prints and writes (``--json``) every run (wall time, peak host RSS and peak GPU
-memory from the CLI's ``--json``) and the medians as ratios of ``none``.
+shape), ``gptq_w4a4`` (the same with ``--activations nvfp4``); rows interleaved, ``sync`` after each,
+median of ``--repeats``; each command a fresh process, start-up included. Prints and writes
+(``--json``) every run (wall time, peak host RSS and peak GPU memory from the CLI's ``--json``) and the
+medians as ratios of ``none``.
 
     python benchmarks/iw_cost.py --layers 8 --device auto --rows none random w4a4 gptq --repeats 3 --json out.json
 """
@@ -35,6 +36,8 @@ ROWS = {
     "gptq": ["--method", "gptq"],
     # GPTQ on a calibration file of the default shape (16 x 256 tokens): no generation, the tokens llm-compressor gets
     "gptq_file": ["--method", "gptq", "--calibration-data", "{calibration}"],
+    # GPTQ with NVFP4 activations (W4A4): self-generated samples, the asymmetric objective (docs/numerics.md "GPTQ")
+    "gptq_w4a4": ["--method", "gptq", "--activations", "nvfp4", "--format", "compressed-tensors"],
     # llm-compressor 0.14's oneshot + GPTQModifier (NVFP4A16, its defaults) on the same 16 x 256 tokens, the model
     # loaded on the GPU in the checkpoint's dtype, saved compressed: a process of its own (--peer-python)
     "llmc_gptq": [],

@@ -133,9 +133,11 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
              resident_bytes: int | None = None) -> torch.Tensor:
     """``[samples, seq_len]`` tokens the model samples itself from its start token: the model's own
     forward with its own KV cache, every sample at once, one token per step (TF32 matmuls on a GPU,
-    as the calibration pass runs). The next token is drawn on the run's device from a generator seeded
-    with ``seed``: the same seed gives the same samples run to run on one device (the logits' last bits
-    differ between devices anyway); on a GPU nothing but the token ids crosses to the host per step.
+    as the calibration pass runs; on a GPU with resident weights the steps are replays of one CUDA
+    graph where it reproduces the eager steps bit for bit, :mod:`~fp4convert.calibrate.decode`). The
+    next token is drawn on the run's device from a generator seeded with ``seed``: the same seed gives
+    the same samples run to run on one device (the logits' last bits differ between devices anyway);
+    on a GPU nothing but the token ids crosses to the host per step.
 
     The weights stay resident when they fit in ``resident_bytes`` (fp32; default: half the device's
     free memory); otherwise each step reads every block again, one at a time (``seq_len`` passes over
@@ -143,6 +145,7 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
     """
     import torch
 
+    from fp4convert.calibrate.decode import graphed_steps
     from fp4convert.calibrate.progress import progress_bar
     from fp4convert.calibrate.runner import fast_matmul
 
@@ -165,11 +168,22 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
     first = None  # when the first step ended (it pays the start-up; the estimate times the steps after it)
     with lm.whole(resident) as model, torch.no_grad(), fast_matmul(lm.device):
         key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        graphed = graphed_steps(model, samples, seq_len, lm.device, vocab, key, capture=resident)
         for step in range(1, seq_len):
-            ids = tokens[:, -1:] if cache is not None else tokens
-            out = model(input_ids=ids, use_cache=True, **{key: cache})
-            cache = getattr(out, "past_key_values", None) if getattr(out, "cache", None) is None else out.cache
-            logits = out.logits[:, -1, :vocab].float()
+            logits = None
+            if graphed is not None:
+                try:
+                    logits = graphed.step(tokens[:, -1:], step - 1)
+                except Exception as exc:  # noqa: BLE001 (no static cache for this model: the eager loop below)
+                    if step > 1:
+                        raise
+                    log.debug("self-generation runs on the model's own cache: %s", exc)
+                    graphed = None
+            if logits is None:
+                ids = tokens[:, -1:] if cache is not None else tokens
+                out = model(input_ids=ids, use_cache=True, **{key: cache})
+                cache = getattr(out, "past_key_values", None) if getattr(out, "cache", None) is None else out.cache
+                logits = out.logits[:, -1, :vocab].float()
             nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
             tokens = torch.cat([tokens, nxt], dim=1)
             bar.update(samples)
@@ -179,7 +193,8 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
                 tell_cost((_synced(lm.device) - first) / ESTIMATE_STEPS, samples, seq_len, lm.device, block_share(lm))
     tokens = tokens.cpu()
     bar.close()
-    log.info("self-generated %d x %d calibration tokens in %.1f s", samples, seq_len, time.perf_counter() - t0)
+    log.info("self-generated %d x %d calibration tokens in %.1f s%s", samples, seq_len, time.perf_counter() - t0,
+             " (steps replayed as a CUDA graph)" if graphed is not None and graphed.graphed else "")
     return tokens
 
 

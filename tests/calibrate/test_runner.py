@@ -121,6 +121,35 @@ def test_self_generation_on_the_gpu_is_seeded_and_streams(tokenized):
     assert torch.equal(a, b) and torch.equal(a, streamed) and not torch.equal(a, other)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU")
+def test_self_generation_replayed_as_a_cuda_graph_gives_the_eager_samples(tokenized, monkeypatch, caplog):
+    """The resident run replays one captured step (it says so); its samples are those of the same
+    steps run eagerly (the capture refused), and the run is deterministic."""
+    import logging
+
+    import transformers as tf
+
+    from fp4convert.calibrate import decode
+
+    tok = tf.AutoTokenizer.from_pretrained(str(tokenized))
+
+    def gen():
+        lm = calibrate.LayerwiseModel(open_source(str(tokenized)), torch.device("cuda"))
+        return calibrate.generate(lm, tok, 4, 40, 7)
+
+    with caplog.at_level(logging.INFO, logger="fp4convert.calibrate.samples"):
+        graphed = gen()
+    assert "replayed as a CUDA graph" in caplog.text
+    assert torch.equal(graphed, gen())
+    monkeypatch.setattr(decode.GraphedSteps, "_capture", lambda self: False)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fp4convert.calibrate.samples"):
+        eager = gen()
+    assert "replayed as a CUDA graph" not in caplog.text
+    assert torch.equal(graphed, eager)
+
+
 @pytest.mark.parametrize("model_type", ["jamba", "lfm2"])
 def test_runner_statistics_equal_the_whole_model_hybrid(tmp_path, model_type):
     """Hybrid attention/SSM decoders (the SSM mixers run their own forward; no cache)."""
