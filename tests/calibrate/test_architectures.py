@@ -307,9 +307,15 @@ def test_a_shared_block_runs_as_often_as_the_forward_calls_it(tmp_path, layers, 
 
 def test_the_sweeps_albert_and_longformer_equal_the_whole_model(tmp_path):
     """The sweep's tiny ALBERT (one shared group) and Longformer (its input padded to the attention window,
-    attention on transposed inputs) against whole-model hooks."""
-    for model_type in ("albert", "longformer"):
-        assert compare(_tiny(model_type, tmp_path / model_type), vocab=tiny_configs.VOCAB)
+    attention on transposed inputs) against whole-model hooks: the blocks, and the linears outside them
+    (ALBERT's embedding projection and pooler, Longformer's pooler) on the last call's outputs."""
+    from tests.calibrate.test_tail import compare_outside
+
+    for model_type, outside in (("albert", {"encoder.embedding_hidden_mapping_in", "pooler"}),
+                                ("longformer", {"pooler.dense"})):
+        src = _tiny(model_type, tmp_path / model_type)
+        assert compare(src, vocab=tiny_configs.VOCAB)
+        assert outside <= set(compare_outside(src, vocab=tiny_configs.VOCAB))
 
 
 def test_loaded_parameters_keep_the_definitions_requires_grad(tmp_path):
