@@ -250,8 +250,9 @@ class BlockWeights:
                 raise PlanError(f"{self.root}: {self.disk_of.get(name, name)} loads as {list(t.shape)} but the model "
                                 f"config.json describes has {name} {list(want)}; fix config.json, {self.other}")
             # the flag the definition gives (as transformers loads it): under no_grad nothing is recorded, but
-            # matmul's dispatch still reads it (a transposed input folds differently: Longformer's last bits)
-            param = torch.nn.Parameter(t, requires_grad=owner._parameters[leaf].requires_grad)
+            # linear's path for a non-contiguous 3-D input still depends on it (Longformer's transposed hidden
+            # states: other last bits than the whole model's with requires_grad False)
+            param = torch.nn.Parameter(t, requires_grad=owner._parameters[leaf].requires_grad and t.is_floating_point())
             for alias in self.tied.get(name, {name}):  # tied parameters are one tensor, as when loaded
                 o, lf = _owner(self.model, alias)
                 o._parameters[lf] = param
