@@ -464,6 +464,10 @@ def test_self_generated_samples_of_an_encoder_are_refused_before_anything_runs(e
     assert "needs a causal LM head to sample from; this BertModel (model_type 'bert') has none" in line, line
     assert "give --calibration-data FILE" in line and line.endswith(other), line
     assert "the model ran" not in r.output and not dst.exists()
+    dst.mkdir()  # an empty DST given: left empty
+    again = _cli(encoder, dst, *opts, "--calibration-samples", 2, "--calibration-seq-len", 8)
+    assert again.exit_code == 2 and line in again.output, again.output
+    assert list(dst.iterdir()) == []
 
 
 def test_an_encoder_with_a_calibration_file_is_calibrated(encoder, tmp_path):
