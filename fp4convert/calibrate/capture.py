@@ -1,10 +1,11 @@
 """What each block is called with, taken from the model's own forward; and the experts' inputs.
 
 :func:`block_calls`: the model's forward runs once per micro-batch with every block's ``forward``
-replaced by a recorder that returns its input unchanged (the recorder of the last block stops the
-run): each block's positional and keyword arguments (attention masks, position embeddings, layer-type
-specific masks of sliding/full attention models) are exactly those a whole-model forward passes it,
-computed by the model's own code, not by a list of model types. Only block 0's hidden states are
+replaced by a recorder that returns its input unchanged (the run stops at the output head, after
+the last block): each block's positional and keyword arguments (attention masks, position embeddings,
+layer-type specific masks of sliding/full attention models) are exactly those a whole-model forward
+passes it, computed by the model's own code, not by a list of model types; a block the forward runs
+several times over (ALBERT's shared layers) gets each of its calls. Only block 0's hidden states are
 real; the next block's come from running block 0 (the runner replaces them).
 
 :class:`ExpertTap`: the down projection's input of every expert of a 3-D expert stack, taken while
@@ -16,13 +17,17 @@ matmul over the whole stack, as Llama 4's experts compute).
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import TYPE_CHECKING, Any
 
 from fp4convert.errors import PlanError, StopForward
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
 
     from fp4convert.calibrate.stats import Observers
+
+log = logging.getLogger(__name__)
 
 
 def hidden_slot(block) -> str:
@@ -35,49 +40,112 @@ def hidden_slot(block) -> str:
     return params[0].name
 
 
-def block_calls(model, blocks, run_prefix, n_batches: int) -> list[list[tuple[tuple, dict]]]:
-    """``calls[i][b]``: (args, kwargs) block ``i`` receives for micro-batch ``b`` (``run_prefix(b)`` runs
-    the model's forward on micro-batch ``b``). A recorder returns its hidden states in the form the
-    block returns them (:func:`output_like`: RWKV's ``(hidden, state, attentions)``, SqueezeBERT's
-    ``{"feature_map": ...}``), so the model's code between blocks runs as it does on real outputs; what
-    else it returns stays on ``meta`` (:func:`run_block` refuses a block that uses it)."""
+def block_calls(model, blocks, run_prefix, n_batches: int, stop=(),
+                refuse: Callable[[str], PlanError] = PlanError) -> list[list[tuple[tuple, dict]]]:
+    """``calls[i]``: the (args, kwargs) block ``i`` receives, micro-batch after micro-batch (``run_prefix(b)``
+    runs the model's forward on micro-batch ``b``): as many per micro-batch as the forward calls the
+    block (:func:`repeats`: one, or more where the forward runs one block over and over, as ALBERT runs
+    its one shared layer group ``num_hidden_layers`` times), in the order it calls them. A recorder
+    returns its hidden states in the form the block returns them (:func:`output_like`: RWKV's
+    ``(hidden, state, attentions)``, SqueezeBERT's ``{"feature_map": ...}``), so the model's code between
+    blocks runs as it does on real outputs; what else it returns stays on ``meta`` (:func:`run_block`
+    refuses a block that uses it).
+
+    After the last block the forward goes on (a repeated call may follow) until it calls a module of
+    ``stop`` (the output heads) or, the last block called, one whose weights are still on ``meta``, or
+    returns; an exception it raises once the last block has been called ends it too (nothing after the
+    blocks is recorded). A forward that calls a block after a later one (a recurrence over the blocks:
+    HRM's cycles), or runs weights outside the blocks between two calls of one block, is refused
+    (``refuse(why)``): the runner runs the blocks once, in their order, each call on the one before's
+    output."""
     calls: list[list[tuple[tuple, dict]]] = [[] for _ in blocks]
     last = len(blocks) - 1
     slots = [hidden_slot(b) for b in blocks]
+    order: list[int] = []  # the blocks this micro-batch's forward called, in order
+    since: list[str] = []  # modules holding weights outside the blocks that ran since the last block call
+    inside = {id(m) for b in blocks for m in b.modules()}
+    stops = {id(m) for m in stop}
 
     def recorder(i: int, block):
         slot = slots[i]
         form: list = []  # the block's output on meta, made at its first call
 
         def forward(*args, **kwargs):
+            if order and i < order[-1]:
+                raise refuse(out_of_order(i, order[-1], blocks, i in order))
+            if order and i == order[-1] and since:
+                raise refuse(f"its forward runs {since[0]} between two calls of block {i} ({type(block).__name__}), "
+                             "and the layer-by-layer run carries each call's output straight to the next")
             calls[i].append((args, dict(kwargs)))
-            if i == last:
-                raise StopForward
+            order.append(i)
+            since.clear()
             h = args[0] if args else kwargs[slot]
             if not form:
                 form.append(output_like(block, args, kwargs))
             return with_hidden(form[0], h)
         return forward
 
+    def watch(name: str, module):
+        weighted = any(p is not None for p in module._parameters.values())
+
+        def hook(_m, _a):
+            if order and order[-1] == last and (id(module) in stops or any(
+                    p is not None and p.device.type == "meta" for p in module._parameters.values())):
+                raise StopForward  # a head, or weights not loaded: nothing the blocks need comes after
+            if order and weighted:
+                since.append(name)
+        return hook
+
+    handles = [m.register_forward_pre_hook(watch(n, m)) for n, m in model.named_modules() if id(m) not in inside]
     for i, b in enumerate(blocks):
         b.forward = recorder(i, b)
     try:
+        first: list[int] = []
         for k in range(n_batches):
+            order.clear()
+            since.clear()
             try:
                 run_prefix(k)
             except StopForward:
                 pass
-            else:
-                raise PlanError("the model's forward returned without calling its last block: the blocks found are "
-                                "not the layers it runs")
-            if any(len(c) != k + 1 for c in calls):
-                missing = next(i for i, c in enumerate(calls) if len(c) != k + 1)
-                raise PlanError(f"the model's forward did not call block {missing} exactly once per forward; the "
-                                "layer-by-layer run cannot feed its blocks")
+            except PlanError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - after the last block: the forward's rest is not needed
+                if not order or order[-1] != last:
+                    raise
+                log.debug("the forward after the last block stopped at %s: %s", type(exc).__name__, exc)
+            if not order or order[-1] != last:
+                raise refuse("the model's forward returned without calling its last block: the blocks found are "
+                             "not the layers it runs")
+            if k == 0:
+                first = list(order)
+            missing = next((i for i in range(len(blocks)) if i not in order), None)
+            if missing is not None:
+                raise refuse(f"the model's forward did not call block {missing}; the layer-by-layer run cannot feed "
+                             "its blocks")
+            if order != first:
+                raise refuse("the model's forward called its blocks a different number of times on two micro-batches; "
+                             "the layer-by-layer run cannot feed its blocks")
     finally:
+        for hd in handles:
+            hd.remove()
         for b in blocks:
             del b.forward
     return calls
+
+
+def repeats(calls: list[list[tuple[tuple, dict]]], n_batches: int) -> list[int]:
+    """How many times the forward calls each block per micro-batch (``calls``: :func:`block_calls`'s);
+    call ``r`` of micro-batch ``b`` is ``calls[i][b * repeats[i] + r]``."""
+    return [len(c) // n_batches for c in calls]
+
+
+def out_of_order(i: int, after: int, blocks, again: bool) -> str:
+    """Why a forward that calls block ``i`` after block ``after`` cannot run block by block."""
+    what = "again after" if again else "after"
+    why = "a recurrence over its blocks" if again else "out of their order"
+    return (f"its forward runs block {i} ({type(blocks[i]).__name__}) {what} block {after} ({why}), and the "
+            "layer-by-layer run goes through the blocks once, in their order, carrying only the hidden states")
 
 
 def output_like(block, args: tuple, kwargs: dict):

@@ -7,9 +7,10 @@ config.json, blocks found from the definition, checkpoint tensors read one block
    norms; never the heads nor the towers) are read, and the model's forward runs once per micro-batch
    with recorders in place of the blocks (:func:`~fp4convert.calibrate.capture.block_calls`): each
    block's exact arguments (masks, position embeddings; no cache); those weights are released;
-2. for each block: its weights are read from the checkpoint, it runs on every micro-batch, every
-   ``nn.Linear`` / GPT-2 ``Conv1D`` input and every 3-D expert stack's inputs are observed (all tokens
-   through every expert for the statistics, the router's choice for the output), a calibrated method
+2. for each block: its weights are read from the checkpoint, it runs on every micro-batch (each of its
+   calls, on the one before's output, where the forward runs it several times over: ALBERT's shared
+   layers), every ``nn.Linear`` / GPT-2 ``Conv1D`` input and every 3-D expert stack's inputs are observed
+   (all tokens through every expert for the statistics, the router's choice for the output), a calibrated method
    may quantize the block and load it again (:meth:`LayerwiseModel.blocks`), its outputs become the next
    block's inputs, and its weights go back to ``meta``;
 3. the linears outside the blocks (a pooler, a projection, the head's input) are observed by the model's
@@ -19,7 +20,9 @@ config.json, blocks found from the definition, checkpoint tensors read one block
 One block's weights are resident at a time: memory does not grow with depth. Everything runs in
 fp32 on the given device (the GPU when there is one; matmuls in TF32 there). An architecture this
 cannot run (an encoder-decoder, no repeated blocks) is refused by
-:func:`~fp4convert.calibrate.model.structure_problem` while planning.
+:func:`~fp4convert.calibrate.model.structure_problem` while planning; one whose forward runs a block again
+after a later one (HRM's cycles) when its calls are recorded (or earlier, by
+:func:`~fp4convert.calibrate.tail.blind_spots`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from fp4convert import stages
-from fp4convert.calibrate.capture import ExpertTap, block_calls, block_output, is_expert_stack, replace_hidden, run_block
+from fp4convert.calibrate.capture import (
+    ExpertTap,
+    block_calls,
+    block_output,
+    is_expert_stack,
+    repeats,
+    replace_hidden,
+    run_block,
+)
 from fp4convert.calibrate.model import reports_device
 from fp4convert.calibrate.progress import progress_bar
 from fp4convert.calibrate.tail import HEAD, tail_pass
@@ -79,13 +90,19 @@ class LayerwiseModel(BlockWeights):
             return self.model(input_ids=ids, use_cache=False, **kw)
 
     def capture(self, batches: list[torch.Tensor]) -> list[list[tuple[tuple, dict]]]:
-        """Every block's call per micro-batch (:func:`~fp4convert.calibrate.capture.block_calls`)."""
+        """Every block's calls per micro-batch (:func:`~fp4convert.calibrate.capture.block_calls`; the forward
+        stops at the output heads)."""
         import torch
+
+        def refuse(why: str) -> PlanError:
+            return PlanError(f"{self.root}: the layer-by-layer run cannot run this {type(self.model).__name__} "
+                             f"(blocks {self.layers_name}): {why}; {self.other}")
 
         self.load_outside()
         try:
             with torch.no_grad():
-                return block_calls(self.model, self.layers, lambda k: self._forward(batches[k]), len(batches))
+                return block_calls(self.model, self.layers, lambda k: self._forward(batches[k]), len(batches),
+                                   stop=[self.modules[h] for h in self.heads], refuse=refuse)
         finally:
             self.free_outside()
 
@@ -128,7 +145,8 @@ class LayerwiseModel(BlockWeights):
         batches = [tokens[s: s + micro_batch].to(self.device) for s in range(0, tokens.shape[0], micro_batch)]
         with stages.timed("calibrate_capture"):
             calls = self.capture(batches)
-        hs = [self._hidden_of(0, *calls[0][k]) for k in range(len(batches))]
+        reps = repeats(calls, len(batches))
+        hs = [self._hidden_of(0, *calls[0][k * reps[0]]) for k in range(len(batches))]
         hs_ref = hs
         try:
             bar = progress_bar(len(self.layers), desc, progress)
@@ -147,7 +165,7 @@ class LayerwiseModel(BlockWeights):
                     elif is_expert_stack(m):
                         taps.append(ExpertTap(prefix + n, m, observers))
                 try:
-                    outs = self._run_block(i, block, calls[i], hs)
+                    outs = self._run_block(i, block, calls[i], hs, reps[i])
                 finally:
                     for hd in handles:
                         hd.remove()
@@ -157,11 +175,12 @@ class LayerwiseModel(BlockWeights):
                     if t.routed is not None:
                         never += [f"{t.name}.{e}" for e in (t.routed == 0).nonzero().flatten().tolist()]
                 if reference:
-                    hs_ref = outs if hs_ref is hs else self._run_reference(i, block, calls[i], hs_ref, prefix, observers)
+                    hs_ref = outs if hs_ref is hs else self._run_reference(i, block, calls[i], hs_ref, prefix, observers,
+                                                                           reps[i])
                 visit = Visit(i, prefix)
                 yield visit
                 if visit.reloaded:
-                    outs = self._run_block(i, block, calls[i], hs)
+                    outs = self._run_block(i, block, calls[i], hs, reps[i])
                 bad = not bool(torch.stack([torch.isfinite(o).all() for o in outs]).all())
                 self.free_block(i)
                 if bad:
@@ -182,7 +201,8 @@ class LayerwiseModel(BlockWeights):
                 tail_pass(self, self._forward, batches, names, head, observers, finals=hs)
             yield Visit(len(self.layers), "", tail=True)
 
-    def _run_reference(self, i: int, block, calls: list, hs_ref: list, prefix: str, observers: Observers) -> list:
+    def _run_reference(self, i: int, block, calls: list, hs_ref: list, prefix: str, observers: Observers,
+                       reps: int = 1) -> list:
         """Block ``i`` (its weights as read) on the unquantized model's hidden states, its linears'
         inputs given to :meth:`Observers.reference`; the unquantized model's next hidden states."""
         import torch
@@ -191,20 +211,25 @@ class LayerwiseModel(BlockWeights):
         handles = [m.register_forward_pre_hook(lambda _m, a, _n=prefix + n: observers.reference(_n, a[0]))
                    for n, m in block.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
         try:
-            return self._run_block(i, block, calls, hs_ref)
+            return self._run_block(i, block, calls, hs_ref, reps)
         finally:
             for hd in handles:
                 hd.remove()
 
-    def _run_block(self, i: int, block, calls: list, hs: list) -> list:
+    def _run_block(self, i: int, block, calls: list, hs: list, reps: int = 1) -> list:
+        """Block ``i`` on every micro-batch: its ``reps`` calls per micro-batch in order, each on the one
+        before's output (a block the forward runs several times over), the first on ``hs``."""
         import torch
 
         outs = []
         with stages.timed("calibrate_forward"), fast_matmul(self.device):
             for k in range(len(hs)):
-                a, kw = calls[k]
-                args, kw = replace_hidden(block, a, kw, hs[k])
-                outs.append(self.run_layer(i, args, kw))
+                h = hs[k]
+                for r in range(reps):
+                    a, kw = calls[k * reps + r]
+                    args, kw = replace_hidden(block, a, kw, h)
+                    h = self.run_layer(i, args, kw)
+                outs.append(h)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # (the time above is the GPU's, not the launches')
         return outs

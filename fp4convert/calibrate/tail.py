@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fp4convert.calibrate.capture import hidden_slot, output_like, with_hidden
+from fp4convert.calibrate.capture import hidden_slot, out_of_order, output_like, with_hidden
 from fp4convert.errors import PlanError, StopForward, UnloadedWeights
 from fp4convert.plan.types import QUANTIZE
 
@@ -48,12 +48,14 @@ DISCOVERY_TOKENS = 8
 @dataclass
 class Reach:
     """What one stand-in forward pass showed: each observed linear's phases (:data:`BEFORE`,
-    :data:`BETWEEN`, :data:`AFTER`), the module it stopped at because nothing loads its weights, and the
-    modules holding weights outside the blocks that the forward ran between two blocks."""
+    :data:`BETWEEN`, :data:`AFTER`), the module it stopped at because nothing loads its weights, the
+    modules holding weights outside the blocks that the forward ran between two blocks, and why its
+    forward calls a block after a later one (a recurrence over the blocks; None: it does not)."""
 
     phases: dict[str, set[str]] = field(default_factory=dict)
     stopped: str | None = None
     between: list[str] = field(default_factory=list)
+    out_of_order: str | None = None
 
 
 def _under(name: str, prefixes: Collection[str]) -> bool:
@@ -92,7 +94,7 @@ def tail_pass(lm: BlockWeights, forward: Callable, batches: list[torch.Tensor], 
     names = set(outside_linears(lm) if names is None else names) - {HEAD}
     reach = Reach()
     last = len(lm.layers) - 1
-    state: dict = {"k": 0, "phase": BEFORE}
+    state: dict = {"k": 0, "phase": BEFORE, "called": []}
     forms: dict[type, object] = {}  # a block's output form, by class (computed on meta)
 
     def add(name: str, x) -> None:
@@ -108,6 +110,10 @@ def tail_pass(lm: BlockWeights, forward: Callable, batches: list[torch.Tensor], 
 
         def standing_in(*args, **kwargs):
             h = args[0] if args else kwargs[slot]
+            called = state["called"]
+            if called and i < called[-1] and reach.out_of_order is None:
+                reach.out_of_order = out_of_order(i, called[-1], lm.layers, i in called)
+            called.append(i)
             if type(block) not in forms:
                 forms[type(block)] = output_like(block, args, kwargs)
             if i == last:
@@ -149,7 +155,7 @@ def tail_pass(lm: BlockWeights, forward: Callable, batches: list[torch.Tensor], 
         for i, b in enumerate(lm.layers):
             b.forward = stand_in(i, b)
         for k, ids in enumerate(batches):
-            state["k"], state["phase"] = k, BEFORE
+            state["k"], state["phase"], state["called"] = k, BEFORE, []
             try:
                 with torch.no_grad():
                     forward(ids)
@@ -219,8 +225,9 @@ def blind_spots(lm: BlockWeights, forward: Callable, plan: Plan,
     (``inputs``: :func:`~fp4convert.calibrate.stage.plan_inputs`; ``forward``: as :func:`tail_pass`). A
     linear inside the blocks is taken as observed (whether a token reaches it shows only when its block
     runs: the run names it then), and so is the output head (a causal LM's forward ends there). Raises
-    PlanError when the forward runs weights between two blocks (looked for only when a quantized linear
-    other than the head lies outside the blocks: that is when the forward runs here)."""
+    PlanError when the forward runs weights between two blocks or calls a block after a later one (HRM's
+    cycles; looked for only when a quantized linear other than the head lies outside the blocks: that is
+    when the forward runs here; the block runner's capture refuses the latter in any case)."""
     blind: list[Blind] = []
     candidates: dict[str, list[tuple[str, str]]] = {}  # runner name -> (tensor, module) outside the blocks
     blocks = lm.layers_name + "."
@@ -245,6 +252,9 @@ def blind_spots(lm: BlockWeights, forward: Callable, plan: Plan,
     if set(candidates) == {HEAD}:  # a causal LM's quantized head: its forward ends there (no run to find it)
         return blind, {HEAD}
     reach = discover(lm, forward, set(candidates) - {HEAD}, HEAD in candidates)
+    if reach.out_of_order is not None:  # HRM's cycles: known here, before any sample is made
+        raise PlanError(f"{lm.root}: the layer-by-layer run cannot run this {type(lm.model).__name__} (blocks "
+                        f"{lm.layers_name}): {reach.out_of_order}; {lm.other}")
     if reach.between:
         n = reach.between[0]
         raise PlanError(f"{lm.root}: the layer-by-layer run cannot run this model: its forward runs {n} "

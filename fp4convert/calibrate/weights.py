@@ -249,7 +249,10 @@ class BlockWeights:
             if tuple(t.shape) != want:
                 raise PlanError(f"{self.root}: {self.disk_of.get(name, name)} loads as {list(t.shape)} but the model "
                                 f"config.json describes has {name} {list(want)}; fix config.json, {self.other}")
-            param = torch.nn.Parameter(t, requires_grad=False)
+            # the flag the definition gives (as transformers loads it): under no_grad nothing is recorded, but
+            # linear's path for a non-contiguous 3-D input still depends on it (Longformer's transposed hidden
+            # states: other last bits than the whole model's with requires_grad False)
+            param = torch.nn.Parameter(t, requires_grad=owner._parameters[leaf].requires_grad and t.is_floating_point())
             for alias in self.tied.get(name, {name}):  # tied parameters are one tensor, as when loaded
                 o, lf = _owner(self.model, alias)
                 o._parameters[lf] = param
@@ -279,7 +282,7 @@ class BlockWeights:
             if q is None or q.device.type == "meta":
                 continue
             self.loaded -= q.numel() * q.element_size()
-            empty = torch.nn.Parameter(torch.empty(q.shape, dtype=q.dtype, device="meta"), requires_grad=False)
+            empty = torch.nn.Parameter(torch.empty(q.shape, dtype=q.dtype, device="meta"), requires_grad=q.requires_grad)
             for alias in self.tied.get(name, {name}):
                 o, lf = _owner(self.model, alias)
                 if o._parameters.get(lf) is q:

@@ -12,20 +12,25 @@ found it failing on, each fixed for its class rather than for the model type:
 - buffers made from parameters (I-BERT's ``weight_integer``) are loaded from the checkpoint with their
   block and released with it; integer buffers (position ids, DeepSeek-V4's token-to-expert table) are
   read as they are, not refused as non-float weights;
-- a list of lists is not the blocks (Evolla's).
+- a list of lists is not the blocks (Evolla's);
+- a block the forward runs several times over gets every call (ALBERT's shared layer groups), and a
+  forward that runs a block again after a later one is refused naming it (HRM's cycles);
+- loaded weights carry the definition's ``requires_grad`` (matmul reads it: Longformer's last bits).
 
-Encoder-decoders are refused before anything is written, naming why.
+Encoder-decoders are refused before anything is written, naming why; so are self-generated samples of a
+model that cannot generate (an encoder).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from fp4convert import calibrate
-from fp4convert.calibrate.capture import block_calls, block_output, run_block
+from fp4convert.calibrate.capture import block_calls, block_output, repeats, run_block
 from fp4convert.source.open import open_source
 from tests import tiny_configs
 from tests.calibrate.test_runner import _cli, compare
@@ -265,3 +270,213 @@ def test_self_generated_w4a4_says_the_cost_and_shows_progress(tmp_path, monkeypa
     assert "self-generated calibration (3 samples x 9 tokens on cpu" in r.output, r.output
     assert "calibrate: generating 3 samples x 9 tokens: 24 of 24 tokens (100%)" in r.output, r.output
     assert "calibrate: blocks: " in r.output and "blocks (100%)" in r.output, r.output
+
+
+# -- a block run several times per forward, a recurrence over the blocks, a flag matmul reads ------------
+
+def _saved(model, path: Path) -> Path:
+    model.save_pretrained(str(path))
+    return path
+
+
+def _albert(tmp_path: Path, layers: int, groups: int, inner: int) -> Path:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.AlbertConfig(vocab_size=tiny_configs.VOCAB, embedding_size=16, hidden_size=32, intermediate_size=64,
+                          num_attention_heads=4, num_hidden_layers=layers, num_hidden_groups=groups,
+                          inner_group_num=inner, hidden_act="gelu")
+    return _saved(tf.AlbertModel(cfg).eval(), tmp_path / f"albert{layers}x{groups}x{inner}")
+
+
+@pytest.mark.parametrize("layers,groups,inner", [(3, 1, 1), (4, 2, 2)])
+def test_a_shared_block_runs_as_often_as_the_forward_calls_it(tmp_path, layers, groups, inner):
+    """ALBERT runs its ``num_hidden_groups`` shared layer groups ``num_hidden_layers`` times in all (each
+    group's calls one after the other): the runner runs each group's every call, each on the one before's
+    output, and its statistics equal the whole model's (amax torch.equal, every call's tokens counted)."""
+    src = _albert(tmp_path, layers, groups, inner)
+    lm = calibrate.LayerwiseModel(open_source(str(src)), torch.device("cpu"))
+    assert lm.layers_name == "encoder.albert_layer_groups" and len(lm.layers) == groups
+    tokens = torch.randint(3, tiny_configs.VOCAB, (3, 10), generator=torch.Generator().manual_seed(0))
+    obs = calibrate.Observers(squares=True)
+    lm.observe(tokens, obs, micro_batch=2, progress=False)
+    query = f"encoder.albert_layer_groups.{groups - 1}.albert_layers.{inner - 1}.attention.query"
+    assert obs[query].count == tokens.numel() * layers // groups  # every call of the last group
+    assert compare(src, vocab=tiny_configs.VOCAB)
+
+
+def test_the_sweeps_albert_and_longformer_equal_the_whole_model(tmp_path):
+    """The sweep's tiny ALBERT (one shared group) and Longformer (its input padded to the attention window,
+    attention on transposed inputs) against whole-model hooks: the blocks, and the linears outside them
+    (ALBERT's embedding projection and pooler, Longformer's pooler) on the last call's outputs."""
+    from tests.calibrate.test_tail import compare_outside
+
+    for model_type, outside in (("albert", {"encoder.embedding_hidden_mapping_in", "pooler"}),
+                                ("longformer", {"pooler.dense"})):
+        src = _tiny(model_type, tmp_path / model_type)
+        assert compare(src, vocab=tiny_configs.VOCAB)
+        assert outside <= set(compare_outside(src, vocab=tiny_configs.VOCAB))
+
+
+def test_loaded_parameters_keep_the_definitions_requires_grad(tmp_path):
+    """matmul folds a transposed 3-D input into one 2-D matmul only when the weight needs no gradient (it
+    reads the flag under no_grad too): the runner's weights carry the flag the definition gives them, as
+    transformers loads them, so a block computes the same bits as in the whole model (Longformer's
+    attention projections take the transposed hidden states)."""
+    lm = calibrate.LayerwiseModel(open_source(str(_tiny("longformer", tmp_path))), torch.device("cpu"))
+    want = {n: p.requires_grad for n, p in lm.layers[0].named_parameters()}
+    lm.load_block(0)
+    got = {n: (p.requires_grad, p.device.type) for n, p in lm.layers[0].named_parameters()}
+    assert got == {n: (g, "cpu") for n, g in want.items()} and any(want.values())
+    lm.free_block(0)
+    assert {n: p.requires_grad for n, p in lm.layers[0].named_parameters()} == want and lm.loaded == 0
+
+
+def _hrm(tmp_path: Path, l_cycles: int) -> Path:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.HrmTextConfig(vocab_size=tiny_configs.VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                           num_key_value_heads=4, head_dim=8, num_layers_per_stack=2, H_cycles=2, L_cycles=l_cycles,
+                           L_bp_cycles=[1], num_hidden_layers=2 * 2 * (l_cycles + 1))
+    return _saved(tf.HrmTextForCausalLM(cfg).eval(), tmp_path / f"hrm{l_cycles}")
+
+
+@pytest.mark.parametrize("l_cycles", [1, 2])
+def test_a_recurrence_over_the_blocks_is_refused_naming_it(tmp_path, l_cycles):
+    """HRM runs its low-level stack (the blocks found) in cycles, its high-level stack between them, both
+    streams summed at every cycle: block 0 runs again after the last block, which a block-by-block run
+    cannot do. Refused before any block runs, whether the stack runs twice in a row (``L_cycles`` 2) or
+    only after the other stack (``L_cycles`` 1)."""
+    src = _hrm(tmp_path, l_cycles)
+    lm = calibrate.LayerwiseModel(open_source(str(src)), torch.device("cpu"))
+
+    def no_run(*a, **kw):
+        raise AssertionError("a block ran")
+
+    lm.run_layer = no_run  # type: ignore[method-assign]
+    with pytest.raises(calibrate.PlanError) as got:
+        lm.observe(torch.randint(3, tiny_configs.VOCAB, (2, 8)), calibrate.Observers(), progress=False)
+    msg = str(got.value)
+    assert "HrmTextForCausalLM (blocks model.L_module.layers)" in msg and "\n" not in msg, msg
+    assert "runs block 0 (HrmTextDecoderLayer) again after block 1 (a recurrence over its blocks)" in msg, msg
+    assert lm.loaded == 0
+
+
+def test_a_recurrence_is_refused_before_samples_are_generated(tmp_path, monkeypatch):
+    """End to end: W4A4 with self-generated samples of HRM stops at the stand-in forward that looks for the
+    linears outside the blocks (the high-level stack), before any sample is made, any block runs or
+    anything is written."""
+    from fp4convert.calibrate import stage
+    from tests.calibrate.test_calibrate import add_tokenizer
+
+    src = add_tokenizer(_hrm(tmp_path, 1))
+
+    def no_run(*a, **kw):
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(stage, "generate", no_run)
+    monkeypatch.setattr(calibrate.LayerwiseModel, "run_layer", no_run)
+    dst = tmp_path / "out"
+    r = _cli(src, dst, "--format", "compressed-tensors", "--activations", "nvfp4", "--calibration-samples", 2,
+             "--calibration-seq-len", 8)
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("Error: ")]
+    assert r.exit_code == 2 and len(errors) == 1, r.output
+    assert "again after block 1 (a recurrence over its blocks)" in errors[0], errors[0]
+    assert errors[0].endswith("or use --activation-scale constant"), errors[0]
+    assert "the model ran" not in r.output and not dst.exists()
+
+
+class _Repeated(torch.nn.Module):
+    """One block run ``times`` times (as ALBERT's shared group), ``between`` a weighted module run between
+    two of its calls, or a recurrence over two blocks (``cycles``)."""
+
+    def __init__(self, times: int = 3, between: bool = False, cycles: bool = False) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_DictBlock(), _DictBlock()] if cycles else [_DictBlock()])
+        self.mix = torch.nn.Linear(4, 4)
+        self.times, self.between, self.cycles = times, between, cycles
+
+    def forward(self, h):
+        mask = torch.ones_like(h)
+        order = [0, 1, 0, 1] if self.cycles else [0] * self.times
+        for j, i in enumerate(order):
+            if self.between and j:
+                h = self.mix(h)
+            h = self.layers[i](h, mask)["feature_map"]
+        return self.mix(h)
+
+
+def test_recorder_records_every_call_of_a_repeated_block_and_stops_at_the_head():
+    model = _Repeated(times=3).to("meta")
+    model.mix.to_empty(device="cpu")  # the head: loaded or not, the forward stops there
+    h = torch.randn(2, 5, 4)
+    calls = block_calls(model, list(model.layers), lambda k: model(h[k: k + 1]), 2, stop=[model.mix])
+    assert len(calls[0]) == 6 and repeats(calls, 2) == [3]
+    assert all(torch.equal(calls[0][r][0][0], h[:1]) for r in range(3))  # the recorder returns its input
+    assert torch.equal(calls[0][3][0][0], h[1:])
+
+
+@pytest.mark.parametrize("between,cycles,says", [
+    (True, False, "runs mix between two calls of block 0 (_DictBlock)"),
+    (False, True, "runs block 0 (_DictBlock) again after block 1 (a recurrence over its blocks)"),
+])
+def test_recorder_refuses_what_it_cannot_run_block_by_block(between, cycles, says):
+    model = _Repeated(between=between, cycles=cycles).to("meta")
+    model.mix.to_empty(device="cpu")
+    with pytest.raises(calibrate.PlanError, match=re.escape(says)):
+        block_calls(model, list(model.layers), lambda k: model(torch.randn(1, 5, 4)), 1)
+
+
+# -- self-generated samples need a model that generates -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory) -> Path:
+    from tests import zoo
+    from tests.calibrate.test_calibrate import add_tokenizer
+
+    return add_tokenizer(zoo.build("bert", tmp_path_factory.mktemp("enc") / "bert"))
+
+
+SELF_GENERATED = [
+    (("--format", "compressed-tensors", "--activations", "nvfp4"), "or use --activation-scale constant"),
+    (("--format", "compressed-tensors", "--scheme", "mxfp4", "--activations", "mxfp4", "--method", "gptq"), "or use --method rtn"),
+    (("--method", "gptq"), "or use --method rtn"),
+    (("--input-weights", "calibration"), "or use --input-weights none"),
+]
+
+
+@pytest.mark.parametrize("opts,other", SELF_GENERATED, ids=["w4a4", "mxfp4-gptq", "gptq", "input-weights"])
+def test_self_generated_samples_of_an_encoder_are_refused_before_anything_runs(encoder, tmp_path, monkeypatch, opts,
+                                                                                other):
+    """An encoder (BertModel: no LM head) cannot sample its own calibration text: one line naming the class
+    and model type, why, and what to give, while planning (the model is never built to run, DST never made)."""
+    def no_run(*a, **kw):
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(calibrate.LayerwiseModel, "__init__", no_run)
+    dst = tmp_path / "out"
+    r = _cli(encoder, dst, *opts, "--calibration-samples", 2, "--calibration-seq-len", 8)
+    errors = [ln for ln in r.output.splitlines() if ln.startswith("Error: ")]
+    assert r.exit_code == 2 and len(errors) == 1, r.output
+    line = errors[0]
+    assert f"Error: {encoder}: without --calibration-data" in line, line
+    assert "needs a causal LM head to sample from; this BertModel (model_type 'bert') has none" in line, line
+    assert "give --calibration-data FILE" in line and line.endswith(other), line
+    assert "the model ran" not in r.output and not dst.exists()
+    dst.mkdir()  # an empty DST given: left empty
+    again = _cli(encoder, dst, *opts, "--calibration-samples", 2, "--calibration-seq-len", 8)
+    assert again.exit_code == 2 and line in again.output, again.output
+    assert list(dst.iterdir()) == []
+
+
+def test_an_encoder_with_a_calibration_file_is_calibrated(encoder, tmp_path):
+    """The refusal is about self-generated samples only: the same encoder with --calibration-data runs."""
+    from tests.calibrate.test_calibrate import TEXT
+
+    data = tmp_path / "calib.txt"
+    data.write_text(TEXT)
+    r = _cli(encoder, tmp_path / "out", "--input-weights", "calibration", "--calibration-data", data,
+             "--calibration-samples", 2, "--calibration-seq-len", 8)
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "model.safetensors").is_file()

@@ -279,8 +279,10 @@ def test_w4a4_of_an_input_no_pass_observes_is_refused_before_anything_runs(tmp_p
     src = add_tokenizer(_tiny(model_type, tmp_path / "build"))
     _nothing_runs(monkeypatch)
     dst = tmp_path / "out"
-    r = _cli(src, dst, "--format", "compressed-tensors", "--activations", "nvfp4", "--calibration-samples", 2,
-             "--calibration-seq-len", 16)
+    data = tmp_path / "calib.txt"  # encoders: no self-generated samples (refused while planning, before this)
+    data.write_text(TEXT)
+    r = _cli(src, dst, "--format", "compressed-tensors", "--activations", "nvfp4", "--calibration-data", data,
+             "--calibration-samples", 2, "--calibration-seq-len", 16)
     errors = [ln for ln in r.output.splitlines() if ln.startswith("Error: ")]
     assert r.exit_code == 2 and len(errors) == 1, r.output
     line = errors[0]
