@@ -35,16 +35,22 @@ class GraphedSteps:
     fails) they run eagerly on ``check``, whose history is the same.
     """
 
-    def __init__(self, model, samples: int, seq_len: int, device: torch.device, vocab: int,
+    def __init__(self, model, samples: int, seq_len: int, device: torch.device, vocab: int, key: str,
                  capture: bool = True) -> None:
+        import inspect
+
         import torch
         from transformers import StaticCache
 
-        self.model, self.vocab = model, vocab
+        self.model, self.vocab, self.key = model, vocab, key
+        # the position as device tensors (no host value the graph would freeze): position_ids always, and
+        # cache_position where the forward still takes it (transformers before the cache rename)
+        self.takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
         self.check = StaticCache(config=model.config, max_cache_len=seq_len)
         self.cache: object | None = StaticCache(config=model.config, max_cache_len=seq_len) if capture else None
         self.ids = torch.zeros((samples, 1), dtype=torch.long, device=device)
         self.pos = torch.zeros((1,), dtype=torch.long, device=device)
+        self.position_ids = self.pos.view(1, 1)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
@@ -54,7 +60,10 @@ class GraphedSteps:
         return self.graph is not None and self.check is None
 
     def _forward(self, cache):
-        out = self.model(input_ids=self.ids, cache_position=self.pos, past_key_values=cache, use_cache=True)
+        kw = {self.key: cache, "position_ids": self.position_ids}
+        if self.takes_cache_position:
+            kw["cache_position"] = self.pos
+        out = self.model(input_ids=self.ids, use_cache=True, **kw)
         return out.logits[:, -1, :self.vocab]
 
     def step(self, ids: torch.Tensor, pos: int) -> torch.Tensor:
@@ -105,20 +114,21 @@ class GraphedSteps:
 
 def graphed_steps(model, samples: int, seq_len: int, device, vocab: int, key: str,
                   capture: bool = True) -> GraphedSteps | None:
-    """A :class:`GraphedSteps` for ``model`` on a CUDA ``device``, or None where the static cache does
-    not apply (a CPU, a forward without ``past_key_values``/``cache_position``, a config transformers'
-    StaticCache cannot size). ``capture`` False (weights loaded by hooks at every step: nothing to
-    capture): the same steps, all eager on the static cache, so both give the same samples."""
+    """A :class:`GraphedSteps` for ``model`` on a CUDA ``device`` (``key``: the forward's cache
+    argument), or None where the static cache does not apply (a CPU, a forward without
+    ``position_ids``, a config transformers' StaticCache cannot size). ``capture`` False (weights
+    loaded by hooks at every step: nothing to capture): the same steps, all eager on the static cache,
+    so both give the same samples."""
     import inspect
 
     import torch
 
-    if torch.device(device).type != "cuda" or key != "past_key_values" or seq_len < 3:
+    if torch.device(device).type != "cuda" or seq_len < 3:
         return None
-    if "cache_position" not in inspect.signature(model.forward).parameters:
+    if "position_ids" not in inspect.signature(model.forward).parameters:
         return None
     try:
-        return GraphedSteps(model, samples, seq_len, torch.device(device), vocab, capture)
+        return GraphedSteps(model, samples, seq_len, torch.device(device), vocab, key, capture)
     except Exception as exc:  # noqa: BLE001 (a model the static cache does not know: the eager loop)
         log.debug("self-generation steps run eagerly: no static cache for this model (%s)", exc)
         return None

@@ -125,19 +125,14 @@ class LayerwiseModel(BlockWeights):
 
     def blocks(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
                micro_batch: int = MICRO_BATCH, progress: bool = True, desc: str = "calibrate: blocks",
-               outside: Collection[str] = (), reference: bool = False):
+               outside: Collection[str] = ()):
         """:meth:`observe` as a generator: after block ``i`` has run on every micro-batch with its inputs
         observed, it yields a :class:`Visit` while the block's weights are still loaded. The caller may
         quantize them and :meth:`reload_block` the block with the quantized weights (GPTQ's sequential
         pass); the block then runs again, so the next block's inputs are the quantized block's outputs.
         Last, when there is any, the linears outside the blocks (``outside``, the head with ``head``) are
         observed on the last block's outputs (:func:`~fp4convert.calibrate.tail.tail_pass`) and a
-        :class:`Visit` with ``tail`` set is yielded.
-
-        ``reference`` (GPTQ): the unquantized model's hidden states are carried beside them, and each
-        block also runs (with its weights as read) on those, its inputs given to
-        :meth:`Observers.reference` before the visit: the quantized model's inputs can then be paired
-        with the unquantized model's (from the second block on; the first block's are the same)."""
+        :class:`Visit` with ``tail`` set is yielded."""
         import torch
         from transformers.pytorch_utils import Conv1D
 
@@ -147,7 +142,6 @@ class LayerwiseModel(BlockWeights):
             calls = self.capture(batches)
         reps = repeats(calls, len(batches))
         hs = [self._hidden_of(0, *calls[0][k * reps[0]]) for k in range(len(batches))]
-        hs_ref = hs
         try:
             bar = progress_bar(len(self.layers), desc, progress)
             never: list[str] = []
@@ -174,9 +168,6 @@ class LayerwiseModel(BlockWeights):
                 for t in taps:
                     if t.routed is not None:
                         never += [f"{t.name}.{e}" for e in (t.routed == 0).nonzero().flatten().tolist()]
-                if reference:
-                    hs_ref = outs if hs_ref is hs else self._run_reference(i, block, calls[i], hs_ref, prefix, observers,
-                                                                           reps[i])
                 visit = Visit(i, prefix)
                 yield visit
                 if visit.reloaded:
@@ -200,21 +191,6 @@ class LayerwiseModel(BlockWeights):
             with stages.timed("calibrate_tail"), fast_matmul(self.device):
                 tail_pass(self, self._forward, batches, names, head, observers, finals=hs)
             yield Visit(len(self.layers), "", tail=True)
-
-    def _run_reference(self, i: int, block, calls: list, hs_ref: list, prefix: str, observers: Observers,
-                       reps: int = 1) -> list:
-        """Block ``i`` (its weights as read) on the unquantized model's hidden states, its linears'
-        inputs given to :meth:`Observers.reference`; the unquantized model's next hidden states."""
-        import torch
-        from transformers.pytorch_utils import Conv1D
-
-        handles = [m.register_forward_pre_hook(lambda _m, a, _n=prefix + n: observers.reference(_n, a[0]))
-                   for n, m in block.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
-        try:
-            return self._run_block(i, block, calls, hs_ref, reps)
-        finally:
-            for hd in handles:
-                hd.remove()
 
     def _run_block(self, i: int, block, calls: list, hs: list, reps: int = 1) -> list:
         """Block ``i`` on every micro-batch: its ``reps`` calls per micro-batch in order, each on the one

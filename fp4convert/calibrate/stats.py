@@ -57,7 +57,6 @@ class Observer:
     xtx: torch.Tensor | None = None
     cross: torch.Tensor | None = None
     kept: list = field(default_factory=list)
-    kept_ref: list = field(default_factory=list)
     count: int = 0
     shapes: set = field(default_factory=set)
 
@@ -92,39 +91,24 @@ class Observer:
             self.xtx = h if self.xtx is None else self.xtx.add_(h)
         self.count += flat.shape[0]
 
-    def reference(self, x: torch.Tensor) -> None:
-        """Take one batch of the same input in the unquantized model (the reference stream), in the
-        order :meth:`add` took the batches."""
-        if self.rotate == "had16" and (self.squares or self.hessian or self.rotated_amax):
-            from fp4convert.numerics.reference import had16
-
-            x = had16(x.detach())
-        self.kept_ref.append(x.detach().reshape(-1, x.shape[-1]).clone())
-
-    def asymmetric(self, rounded=None) -> None:
-        """From the kept inputs ``X~`` (the quantized model's, rounded by ``rounded`` as the engine
-        rounds them with W4A4, in the domain the weights are quantized in) and the target inputs ``X``
-        (the unquantized model's, from :meth:`reference`; else ``X~`` before rounding): the Hessian
-        becomes ``X~^T X~`` and :attr:`cross` holds ``(X - X~)^T X~``, the term that moves GPTQ's
-        target to the weights that best reproduce the target outputs ``X W^T`` from ``X~``
-        (docs/numerics.md "GPTQ"). Reference batches that do not pair with the kept ones (another
-        token count: an expert the two streams route differently) are not used."""
+    def asymmetric(self, rounded) -> None:
+        """From the kept inputs ``X`` and ``X~ = rounded(X)`` (the engine's activation rounding, in the
+        domain the weights are quantized in; ``rounded`` None: nothing rounded): the Hessian becomes
+        ``X~^T X~`` and :attr:`cross` holds ``(X - X~)^T X~``, the term that moves GPTQ's target to the
+        weights that best reproduce the unrounded outputs ``X W^T`` from ``X~`` (docs/numerics.md
+        "GPTQ", W4A4)."""
         import torch
 
-        refs = self.kept_ref
-        if len(refs) != len(self.kept) or any(r.shape != x.shape for r, x in zip(refs, self.kept)):
-            refs = [None] * len(self.kept)
-        for x, r in zip(self.kept, refs):
+        for x in self.kept:
             xq = rounded(x) if rounded is not None else x
             h = _gram(xq, xq)
             self.xtx = h if self.xtx is None else self.xtx.add_(h)
-            target = x if r is None else r
-            if target is xq:
+            if xq is x:
                 continue  # (no cross term: the plain Hessian)
             wide = torch.float32 if x.is_cuda else torch.float64  # (the precision _gram multiplies in)
-            c = _gram(target.to(wide) - xq.to(wide), xq)
+            c = _gram(x.to(wide) - xq.to(wide), xq)
             self.cross = c if self.cross is None else self.cross.add_(c)
-        self.kept, self.kept_ref = [], []
+        self.kept = []
 
     def mean_square(self) -> torch.Tensor | None:
         """E[x_j^2] per channel, rounded to bf16 (returned as fp32 on the CPU), or None if not kept."""
@@ -149,7 +133,7 @@ class Observer:
     def release(self) -> None:
         """Forget the Hessian-sized statistics (the amax stays: W4A4 records it)."""
         self.xtx = self.cross = None
-        self.kept, self.kept_ref = [], []
+        self.kept = []
 
 
 def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -182,7 +166,6 @@ class Observers(dict):
         self.enabled = True
         self.keep: set[str] = set()  # inputs whose tokens are kept (Observer.keep)
         self._last: tuple[str, object] | None = None  # (name, tensor) of the latest add
-        self._last_ref: tuple[object, object] | None = None  # (Observer, tensor) of the latest reference
         self._alias: dict[str, str] = {}  # name -> the name whose Observer it shares
 
     def add(self, name: str, x: torch.Tensor) -> None:
@@ -203,19 +186,6 @@ class Observers(dict):
                                         keep=name in self.keep)
         obs.add(x)
         self._last = (name, x)
-
-    def reference(self, name: str, x: torch.Tensor) -> None:
-        """The reference stream's batch of input ``name`` (after :meth:`add` saw the block's batches):
-        kept beside the kept inputs (:meth:`Observer.reference`); a shared input once."""
-        if not self.enabled:
-            return
-        obs = self.get(self._alias.get(name, name))
-        if obs is None or not obs.keep:
-            return
-        if self._last_ref is not None and self._last_ref[1] is x and self._last_ref[0] is obs:
-            return  # the shared input, already taken under its first name
-        obs.reference(x)
-        self._last_ref = (obs, x)
 
     def drop(self, names) -> None:
         """Forget these inputs' statistics (a block's Hessians, once its weights are quantized)."""

@@ -113,8 +113,7 @@ class GPTQ:
         self.lm.keep_block_reads = True  # the block's weights as read, for the sweep (no second read)
         try:
             for visit in self.lm.blocks(tokens, observers, head=head or HEAD in outside, micro_batch=micro_batch,
-                                        progress=progress, desc="gptq: blocks", outside=outside,
-                                        reference=self.reference):
+                                        progress=progress, desc="gptq: blocks", outside=outside):
                 if visit.tail:
                     tail = True
                     self.quantize_outside(visit.index, observers)
@@ -153,18 +152,12 @@ class GPTQ:
         if ready:
             self.quantize_block(index, ready, observers)
 
-    @property
-    def reference(self) -> bool:
-        import os
-
-        return os.environ.get("FP4CONVERT_GPTQ_REFERENCE", "0") == "1"
-
     def rounded_inputs(self) -> set[str]:
-        """The inputs whose tokens the observers keep for :meth:`asymmetric` (the quantized plain
-        linears'): with W4A4 (the engine rounds them) or a reference stream; else none."""
+        """W4A4: the inputs the engine rounds (the quantized plain linears'), whose tokens the
+        observers keep for :meth:`asymmetric`; none without ``--activations``."""
         import torch
 
-        if self.config.activations == "none" and not self.reference:
+        if self.config.activations == "none":
             return set()
         names = {self.inputs.get(m.module, "") for d in self.plan.decisions if d.action == QUANTIZE
                  for m in d.matrices}
@@ -199,8 +192,8 @@ class GPTQ:
                 if obs is None or id(obs) in done or not obs.kept:
                     continue
                 done.add(id(obs))
-                if self.config.activations == "none" or obs.amax is None or not float(obs.amax) > 0:
-                    obs.asymmetric()  # (weight-only, or all zeros: nothing to round)
+                if obs.amax is None or not float(obs.amax) > 0:
+                    obs.asymmetric(None)  # (all zeros: nothing to round)
                     continue
                 with stages.timed("gptq_asymmetric"):
                     obs.asymmetric(self.rounder(bf16_ceil(float(obs.amax))))
