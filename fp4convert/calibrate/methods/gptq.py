@@ -304,13 +304,15 @@ class GPTQ:
         statistics stage adds ``calibration`` (the data, samples, length, seed, tokenizer)."""
         device = "cuda" if self.lm.device.type == "cuda" else "cpu"
         order = ", act-order" if self.config.gptq_act_order else ""
+        w4a4 = ", against the served layer's outputs on the activations as the engine rounds them" \
+            if self.config.activations != "none" else ""
         return {"method": "gptq", "scale_rule": self.rule, "damp": self.config.gptq_damp,
                 "block": self.config.gptq_block, "act_order": self.config.gptq_act_order, "device": device,
                 "target": "engine-rounded inputs" if self.config.activations != "none" else "inputs",
                 "quantized": len(self.store.index), "damp_raised": dict(sorted(self.damped.items())),
                 "rtn": sorted(self._unseen),
-                "description": f"GPTQ (each column's rounding error compensated on calibration tokens; dampening "
-                               f"{self.config.gptq_damp}{order}; run on {device})"}
+                "description": f"GPTQ (each column's rounding error compensated on calibration tokens{w4a4}; "
+                               f"dampening {self.config.gptq_damp}{order}; run on {device})"}
 
 
 METHOD = GPTQ
