@@ -163,20 +163,22 @@ class GPTQ:
                  for m in d.matrices}
         return {n for n in names if n and isinstance(self.lm.modules.get(n), torch.nn.Linear)}
 
-    def rounder(self, amax: float):
-        """The engine's activation rounding of one input under its recorded amax (``amax`` already bf16),
-        in the domain the statistics are in (rotated with had16: the engine rotates, then rounds)."""
+    def rounder(self, amax: float, rotate: str | None = None):
+        """The engine's activation rounding of one input under its recorded amax (``amax`` already
+        bf16): NVFP4 under that static scale, MXFP4 dynamic. ``rotate`` None: in the domain the
+        statistics are in (rotated already with had16); "had16": of the plain input, rotated first and
+        back after (what the block's second run feeds its linears)."""
         from fp4convert.numerics import reference as ref
 
         acts = self.config.activations
 
         def rounded(x):
             if acts == "nvfp4":
-                p, s, g = ref.nvfp4_quantize(x, amax, None, "max")
-                y = ref.nvfp4_dequantize(p, s, g, None)
+                p, s, g = ref.nvfp4_quantize(x, amax, rotate, "max")
+                y = ref.nvfp4_dequantize(p, s, g, rotate)
             else:
-                p, e = ref.mxfp4_quantize(x, None, "floor")
-                y = ref.mxfp4_dequantize(p, e, None)
+                p, e = ref.mxfp4_quantize(x, rotate, "floor")
+                y = ref.mxfp4_dequantize(p, e, rotate)
             return y.to(x.dtype)
         return rounded
 
@@ -207,10 +209,8 @@ class GPTQ:
         import torch
 
         from fp4convert.calibrate.stats import bf16_ceil
-        from fp4convert.numerics import reference as ref
 
-        acts, rotate = self.config.activations, self.config.rotate
-        if acts == "none":
+        if self.config.activations == "none":
             return []
         hooks = []
         done: set[str] = set()
@@ -223,17 +223,10 @@ class GPTQ:
                         or not isinstance(module, torch.nn.Linear)):
                     continue  # (an input never seen, or all zeros: left as it is)
                 done.add(name)
-                amax = bf16_ceil(float(obs.amax))
+                rounded = self.rounder(bf16_ceil(float(obs.amax)), self.config.rotate)
 
-                def engine(_m, args, _a=amax):
-                    x = args[0]
-                    if acts == "nvfp4":
-                        p, s, g = ref.nvfp4_quantize(x, _a, rotate, "max")
-                        y = ref.nvfp4_dequantize(p, s, g, rotate)
-                    else:
-                        p, e = ref.mxfp4_quantize(x, rotate, "floor")
-                        y = ref.mxfp4_dequantize(p, e, rotate)
-                    return (y.to(x.dtype), *args[1:])
+                def engine(_m, args, _r=rounded):
+                    return (_r(args[0]), *args[1:])
 
                 hooks.append(module.register_forward_pre_hook(engine))
         return hooks
