@@ -101,7 +101,7 @@ SETTINGS = {
     "mxfp4-w4a4": Setting("mxfp4", "mxfp4", "MXFP4", "MXFP4 W4A4"),
 }
 METHODS = ("llmc-gptq", "llmc-gptq-a16", "llmc-rtn", "rtn", "gptq")
-OPTIONS = ("act-order", "had16", "rule", "damp", "block")
+OPTIONS = ("act-order", "true-sequential", "had16", "rule", "damp", "block")
 
 # In order of priority: what the targets need first (a run cut short keeps those).
 DEFAULT_ROWS = [
@@ -255,6 +255,8 @@ def fp4convert_command(row: Row, checkpoint: Path, dst: Path, text: Path, sample
         cmd += ["--method", "gptq"]
         if row.opt("act-order") is not None:
             cmd += ["--act-order"]
+        if row.opt("true-sequential") is not None:
+            cmd += ["--true-sequential"]
         if row.opt("damp"):
             cmd += ["--gptq-damp", str(row.opt("damp"))]
         if row.opt("block"):

@@ -3,6 +3,7 @@
 # the GPU run against the CPU's, the quantize kernels bit for bit), the kernels' throughput, then the cost rows
 # of benchmarks/iw_cost.py on 8 Llama-3-8B-shaped layers (data-free, --input-weights random, W4A4, GPTQ; a
 # warm-up run first). Results under $OUT.
+# IMPORTS=1 (default): first the start-up floor (benchmarks/import_floor.py), $OUT/import_floor.json.
 # PROFILE=1: then a cProfile of the GPTQ row, $OUT/gptq_profile.txt.
 # SWEEP=1: meanwhile, on the host's CPU cores, GPTQ on the tiny checkpoint of every sweep architecture the
 # runner runs that benchmarks/results/cpu2_20261128_gptq_sweep.jsonl has no run of (benchmarks/calibration_sweep.py
@@ -55,6 +56,9 @@ if [ "${KERNELS:-1}" = 1 ]; then  # this tree's kernels, and (BEFORE=dir: a copy
         (cd "$BEFORE" && PYTHONPATH="$PWD:/tmp/site" timeout "${KERNELS_S:-120}" python3 benchmarks/kernels.py --sizes 16384 \
             --no-peers --json "$OUT/kernels_before.json") 2>&1 | tail -n 40
     fi
+fi
+if [ "${IMPORTS:-1}" = 1 ]; then  # the start-up floor of a calibrated run (fresh processes, bytecode warm)
+    timeout 120 python3 benchmarks/import_floor.py --repeats 3 --json "$OUT/import_floor.json" 2>&1 | tee "$OUT/import_floor.txt"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
     timeout "${BENCH_S:-300}" python3 benchmarks/iw_cost.py --work /tmp/iw_cost --layers 8 --device auto --warmup \

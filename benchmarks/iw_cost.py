@@ -38,6 +38,10 @@ ROWS = {
     "gptq_file": ["--method", "gptq", "--calibration-data", "{calibration}"],
     # GPTQ with NVFP4 activations (W4A4): self-generated samples, the asymmetric objective (docs/numerics.md "GPTQ")
     "gptq_w4a4": ["--method", "gptq", "--activations", "nvfp4", "--format", "compressed-tensors"],
+    # the same two with --true-sequential (each block run again before each of its later GPTQ steps)
+    "gptq_ts": ["--method", "gptq", "--true-sequential"],
+    "gptq_w4a4_ts": ["--method", "gptq", "--true-sequential", "--activations", "nvfp4", "--format",
+                     "compressed-tensors"],
     # llm-compressor 0.14's oneshot + GPTQModifier (NVFP4A16, its defaults) on the same 16 x 256 tokens, the model
     # loaded on the GPU in the checkpoint's dtype, saved compressed: a process of its own (--peer-python)
     "llmc_gptq": [],

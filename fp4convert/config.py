@@ -79,6 +79,7 @@ class Recipe:
     gptq_damp: float = GPTQ_DAMP
     gptq_block: int = GPTQ_BLOCK
     act_order: bool | None = None  # None: on for gptq (measured: BENCHMARKS.md "GPTQ"); see gptq_act_order
+    true_sequential: bool | None = None  # None: see gptq_true_sequential
 
 
 @dataclass(frozen=True)
@@ -166,9 +167,10 @@ class ConvertConfig(RunOptions, Recipe):
         if not (isinstance(self.method, str) and re.fullmatch(r"[a-z][a-z0-9-]*", self.method)):
             # a name only: which methods exist is the calibration stage's registry, checked while planning
             raise ConfigError(f"--method {self.method!r} is not a method name (rtn, or see --help for the choices)")
-        if self.method != "gptq" and (self.act_order is not None or self.gptq_damp != GPTQ_DAMP
-                                      or self.gptq_block != GPTQ_BLOCK):
-            raise ConfigError("--act-order / --no-act-order, --gptq-damp and --gptq-block apply to --method gptq only")
+        if self.method != "gptq" and (self.act_order is not None or self.true_sequential is not None
+                                      or self.gptq_damp != GPTQ_DAMP or self.gptq_block != GPTQ_BLOCK):
+            raise ConfigError("--act-order / --no-act-order, --true-sequential / --no-true-sequential, --gptq-damp "
+                              "and --gptq-block apply to --method gptq only")
         if self.method == RTN:
             return
         if self.input_weights not in ("auto", "none"):
@@ -264,12 +266,17 @@ class ConvertConfig(RunOptions, Recipe):
         0.049 with, against llm-compressor GPTQ's 0.070; BENCHMARKS.md "GPTQ")."""
         return self.act_order if self.act_order is not None else self.method == "gptq"
 
+    @property
+    def gptq_true_sequential(self) -> bool:
+        """GPTQ's true-sequential order in effect: the one asked for, else off."""
+        return bool(self.true_sequential)
+
     def method_identity(self) -> dict:
         """A calibrated method's settings in the identity ({} for rtn: identities of earlier runs unchanged)."""
         if self.method == RTN:
             return {}
-        own = {"damp": self.gptq_damp, "block": self.gptq_block, "act_order": self.gptq_act_order} \
-            if self.method == "gptq" else {}
+        own = {"damp": self.gptq_damp, "block": self.gptq_block, "act_order": self.gptq_act_order,
+               "true_sequential": self.gptq_true_sequential} if self.method == "gptq" else {}
         return {"method": {"name": self.method, **own, "calibration": self._calibration_identity()}}
 
     def _calibration_identity(self) -> dict:

@@ -50,7 +50,7 @@ from fp4convert.calibrate.weights import BlockWeights
 from fp4convert.errors import PlanError
 
 if TYPE_CHECKING:
-    from collections.abc import Collection
+    from collections.abc import Callable, Collection
 
     import torch
 
@@ -69,6 +69,9 @@ class Visit:
     prefix: str
     reloaded: bool = False
     tail: bool = False  # the linears outside the blocks (index len(layers), prefix ""): nothing runs after them
+    # run the block again on the same inputs, its weights as now loaded, observing only these inputs (GPTQ's
+    # true-sequential order: a linear calibrated on the outputs of the block's linears quantized before it)
+    again: Callable[[Collection[str]], None] | None = None
 
 
 class LayerwiseModel(BlockWeights):
@@ -130,11 +133,12 @@ class LayerwiseModel(BlockWeights):
         observed, it yields a :class:`Visit` while the block's weights are still loaded. The caller may
         quantize them and :meth:`reload_block` the block with the quantized weights (GPTQ's sequential
         pass); the block then runs again, so the next block's inputs are the quantized block's outputs.
-        Last, when there is any, the linears outside the blocks (``outside``, the head with ``head``) are
-        observed on the last block's outputs (:func:`~fp4convert.calibrate.tail.tail_pass`) and a
-        :class:`Visit` with ``tail`` set is yielded."""
+        Before that, :attr:`Visit.again` runs the block (as loaded now) on the same inputs observing only
+        the inputs named: those of linears after the ones already quantized and reloaded. Last, when
+        there is any, the linears outside the blocks (``outside``, the head with ``head``) are observed
+        on the last block's outputs (:func:`~fp4convert.calibrate.tail.tail_pass`) and a :class:`Visit`
+        with ``tail`` set is yielded."""
         import torch
-        from transformers.pytorch_utils import Conv1D
 
         self.check_tokens(tokens)
         batches = [tokens[s: s + micro_batch].to(self.device) for s in range(0, tokens.shape[0], micro_batch)]
@@ -150,25 +154,19 @@ class LayerwiseModel(BlockWeights):
                 with stages.timed("calibrate_load"):
                     self.load_block(i)
                 self.read_ahead(i + 1)
-                handles = []
-                taps = []
-                for n, m in block.named_modules():
-                    if isinstance(m, (torch.nn.Linear, Conv1D)):
-                        handles.append(m.register_forward_pre_hook(
-                            lambda _m, a, _n=prefix + n: observers.add(_n, a[0])))
-                    elif is_expert_stack(m):
-                        taps.append(ExpertTap(prefix + n, m, observers))
-                try:
-                    outs = self._run_block(i, block, calls[i], hs, reps[i])
-                finally:
-                    for hd in handles:
-                        hd.remove()
-                    for t in taps:
-                        t.remove()
+                outs, taps = self._observed_run(i, block, prefix, calls[i], hs, reps[i], observers)
                 for t in taps:
                     if t.routed is not None:
                         never += [f"{t.name}.{e}" for e in (t.routed == 0).nonzero().flatten().tolist()]
-                visit = Visit(i, prefix)
+
+                def again(names: Collection[str], _i=i, _block=block, _prefix=prefix, _hs=hs) -> None:
+                    observers.only = set(names)
+                    try:
+                        self._observed_run(_i, _block, _prefix, calls[_i], _hs, reps[_i], observers)
+                    finally:
+                        observers.only = None
+
+                visit = Visit(i, prefix, again=again)
                 yield visit
                 if visit.reloaded:
                     outs = self._run_block(i, block, calls[i], hs, reps[i])
@@ -191,6 +189,30 @@ class LayerwiseModel(BlockWeights):
             with stages.timed("calibrate_tail"), fast_matmul(self.device):
                 tail_pass(self, self._forward, batches, names, head, observers, finals=hs)
             yield Visit(len(self.layers), "", tail=True)
+
+    def _observed_run(self, i: int, block, prefix: str, calls: list, hs: list, reps: int,
+                      observers: Observers) -> tuple[list, list]:
+        """Block ``i`` on every micro-batch with its linears' (and expert stacks') inputs observed: its
+        outputs and the expert taps (their routing counts)."""
+        import torch
+        from transformers.pytorch_utils import Conv1D
+
+        handles = []
+        taps = []
+        for n, m in block.named_modules():
+            if isinstance(m, (torch.nn.Linear, Conv1D)):
+                handles.append(m.register_forward_pre_hook(
+                    lambda _m, a, _n=prefix + n: observers.add(_n, a[0])))
+            elif is_expert_stack(m):
+                taps.append(ExpertTap(prefix + n, m, observers))
+        try:
+            outs = self._run_block(i, block, calls, hs, reps)
+        finally:
+            for hd in handles:
+                hd.remove()
+            for t in taps:
+                t.remove()
+        return outs, taps
 
     def _run_block(self, i: int, block, calls: list, hs: list, reps: int = 1) -> list:
         """Block ``i`` on every micro-batch: its ``reps`` calls per micro-batch in order, each on the one

@@ -164,12 +164,13 @@ class Observers(dict):
         super().__init__()
         self.squares, self.hessian, self.rotate, self.rotated_amax = squares, hessian, rotate, rotated_amax
         self.enabled = True
+        self.only: set[str] | None = None  # observe these inputs only (a block run again for some of them)
         self.keep: set[str] = set()  # inputs whose tokens are kept (Observer.keep)
         self._last: tuple[str, object] | None = None  # (name, tensor) of the latest add
         self._alias: dict[str, str] = {}  # name -> the name whose Observer it shares
 
     def add(self, name: str, x: torch.Tensor) -> None:
-        if not self.enabled:
+        if not self.enabled or (self.only is not None and name not in self.only):
             return
         last = self._last
         if name in self._alias:

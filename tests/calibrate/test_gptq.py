@@ -58,7 +58,7 @@ def test_gptq_runs_every_architecture_class_and_says_what_it_quantized(tmp_path,
     rec = m["method"]
     assert rec["method"] == "gptq" and rec["rtn"] == [] and rec["device"] == "cpu" and rec["target"] == "inputs"
     assert m["settings"]["method"] == {"name": "gptq", "damp": 0.01, "block": 128, "act_order": True,
-                                       "calibration": {"data": str(text), "samples": 4, "seq_len": 48, "seed": 0}}
+                                       "true_sequential": False, "calibration": {"data": str(text), "samples": 4, "seq_len": 48, "seed": 0}}
     assert rec["quantized"] >= len(block_matrices(m)) > 0
     assert rec["calibration"]["data"]["source"] == "file"
     r = quantize(src, tmp_path / "rtn", text)
@@ -183,12 +183,13 @@ def _cuda() -> bool:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU (capability >= 8.9) and nvcc")
-def test_gptq_on_the_gpu_is_deterministic_and_matches_the_cpu_at_the_model_level(tmp_path, text):
+@pytest.mark.parametrize("extra", [(), ("--true-sequential",)], ids=["block", "true-sequential"])
+def test_gptq_on_the_gpu_is_deterministic_and_matches_the_cpu_at_the_model_level(tmp_path, text, extra):
     """docs/numerics.md "GPTQ": the GPU run is deterministic (two runs, the same bytes); its float
     arithmetic (TF32 Hessians, cuBLAS, the GPU Cholesky) differs from the CPU's, so the checkpoints
     differ in bytes but not in quality: both beat round-to-nearest, and their KLs are within 25%."""
     src = add_tokenizer(zoo.build("llama", tmp_path / "llama", dtype=torch.float32))
-    common = ("--format", "compressed-tensors", "--scale-rule", "mse", "--method", "gptq")
+    common = ("--format", "compressed-tensors", "--scale-rule", "mse", "--method", "gptq", *extra)
 
     def run(dst: str, device: str) -> dict:
         r = cli("quantize", src, tmp_path / dst, "--device", device, "--calibration-data", text,
@@ -326,3 +327,53 @@ def test_w4a4_hessians_are_taken_on_the_inputs_as_the_engine_rounds_them(acts, r
     torch.testing.assert_close(obs["blk.other"].hessian_matrix(), xr.T @ xr / 21, rtol=1e-12, atol=1e-12)
     o.release()
     assert o.hessian_matrix() is None and o.cross_matrix() is None and o.amax is not None
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gpt_oss"])
+def test_true_sequential_quantizes_each_input_after_the_linears_before_it(tmp_path, text, family, monkeypatch):
+    """--true-sequential: a block's matrices are swept one input at a time in the order the forward feeds
+    them (Llama: q/k/v, o, gate/up, down), each later step on the block run again with the earlier steps
+    quantized. The first step of the first block sees the same inputs as without (same bytes); the later
+    steps see other inputs (other bytes); every matrix is still GPTQ's and the manifest says how."""
+    from fp4convert.calibrate.methods.gptq import GPTQ
+
+    src = add_tokenizer(zoo.build(family, tmp_path / family))
+    calls: list[list[str]] = []
+    real = GPTQ.sweep
+
+    def spy(self, index, decisions, observers):
+        if index == 0:
+            calls.append(sorted(m.module.split(".layers.0.", 1)[-1] for d in decisions for m in d.matrices))
+        return real(self, index, decisions, observers)
+
+    monkeypatch.setattr(GPTQ, "sweep", spy)
+    plain = quantize(src, tmp_path / "plain", text, "--method", "gptq")
+    assert len(calls) == 1
+    calls.clear()
+    seq = quantize(src, tmp_path / "seq", text, "--method", "gptq", "--true-sequential")
+    assert seq["method"]["true_sequential"] is True and plain["method"]["true_sequential"] is False
+    assert seq["settings"]["method"]["true_sequential"] is True
+    assert "true-sequential" in seq["method"]["description"]
+    assert seq["method"]["rtn"] == [] and seq["method"]["quantized"] == plain["method"]["quantized"]
+    assert 3 <= len(calls) <= 4 and len(set(sum(calls, []))) == len(sum(calls, []))  # (each matrix in one step)
+    if family == "llama":
+        assert calls == [[f"self_attn.{p}_proj" for p in "kqv"], ["self_attn.o_proj"],
+                         ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    else:  # every expert's down projection in one step, after every expert's gate/up
+        assert all("down" in n for n in calls[-1]) and not any("down" in n for c in calls[:-1] for n in c)
+    a, b = _tensors(tmp_path / "plain"), _tensors(tmp_path / "seq")
+    assert a.keys() == b.keys()
+    first = [k for k in a if ".layers.0." in k and any(p in k for p in ("q_proj", "k_proj", "v_proj"))]
+    later = [k for k in a if ".layers.0." in k and any(p in k for p in ("o_proj", "down_proj"))]
+    assert first and later
+    assert all(torch.equal(a[k], b[k]) for k in first)
+    assert any(not torch.equal(a[k], b[k]) for k in later)

@@ -377,3 +377,37 @@ def test_observer_accumulates_amax_mean_squares_and_hessian_over_batches():
     assert torch.equal(o.mean_square(), (x * x).mean(0).to(torch.bfloat16).float())
     obs.add("x", torch.empty(0, 32))  # a call no token reached changes nothing
     assert o.count == 25
+
+
+def test_a_visited_block_runs_again_observing_only_the_inputs_named(tmp_path):
+    """Visit.again (GPTQ's true-sequential steps): the block runs again on the same inputs with its
+    weights as reloaded, and only the named inputs are observed. Reloaded as read, the statistics come
+    back the same; with v_proj reloaded as zeros, o_proj's input (the attention's output) is zero; the
+    other inputs' statistics are not touched."""
+    src = zoo.build("llama", tmp_path / "llama")
+    lm = calibrate.LayerwiseModel(open_source(str(src)), torch.device("cpu"))
+    tokens = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(2))
+    obs = calibrate.Observers(squares=True)
+    lm.keep_block_reads = True
+    visits = lm.blocks(tokens, obs, micro_batch=2, progress=False)
+    visit = next(visits)
+    o_proj, q_proj = visit.prefix + "self_attn.o_proj", visit.prefix + "self_attn.q_proj"
+    before = {n: (o.amax.clone(), o.sum_sq.clone(), o.count) for n, o in obs.items()}
+    assert float(before[o_proj][0]) > 0
+    read = dict(lm.kept)
+    lm.reload_block(visit, read)
+    obs.drop([o_proj])
+    visit.again([o_proj])
+    assert torch.equal(obs[o_proj].amax, before[o_proj][0]) and obs[o_proj].count == before[o_proj][2]
+    assert torch.allclose(obs[o_proj].sum_sq, before[o_proj][1], rtol=1e-12, atol=0)
+    v = visit.prefix + "self_attn.v_proj.weight"
+    lm.reload_block(visit, {**read, v: torch.zeros_like(read[v])})
+    obs.drop([o_proj])
+    visit.again([o_proj])
+    assert float(obs[o_proj].amax) == 0.0
+    for n, (a, sq, count) in before.items():
+        if n != o_proj:
+            assert torch.equal(obs[n].amax, a) and torch.equal(obs[n].sum_sq, sq) and obs[n].count == count, n
+    assert q_proj in obs and obs.only is None
+    visits.close()
+    lm.keep_block_reads = False

@@ -7,7 +7,10 @@ down input from every token sent through that expert); then every quantized matr
 quantized by GPTQ (:mod:`fp4convert.numerics.gptq`; the in-batch sweep on the CUDA kernel on a GPU),
 each fused group's global scale fixed from its weights before the sweep; the block is loaded again with
 the dequantized result and runs again, so the next block is calibrated on the outputs of the blocks
-already quantized. Everything runs on the run's device.
+already quantized. With true-sequential (``--true-sequential``), the block's matrices are quantized one
+input at a time in the order its forward feeds them (q/k/v, o, gate/up, down in a Llama block), the block
+run again before each step on the same inputs, so each linear is calibrated on the outputs of the block's
+linears quantized before it, as the earlier blocks' already are. Everything runs on the run's device.
 
 The quantized matrices (the bytes the data-free quantizer would return for them: codes, linear block
 scales, global scale) go to a :class:`~fp4convert.calibrate.store.Store` on disk, one file per block;
@@ -22,6 +25,7 @@ cannot observe) is left to the data-free quantizer, and listed in the record.
 from __future__ import annotations
 
 import logging
+import re
 from typing import TYPE_CHECKING
 
 from fp4convert import stages
@@ -33,7 +37,7 @@ from fp4convert.plan.types import QUANTIZE
 if TYPE_CHECKING:
     import torch
 
-    from fp4convert.calibrate.runner import LayerwiseModel
+    from fp4convert.calibrate.runner import LayerwiseModel, Visit
     from fp4convert.config import ConvertConfig
     from fp4convert.plan.planner import Plan
     from fp4convert.plan.types import Decision, Matrix
@@ -124,12 +128,7 @@ class GPTQ:
                 hooks = []
                 decisions = self.by_block.get(visit.index, [])
                 if decisions:
-                    self.asymmetric(decisions, observers)
-                    replaced = self.quantize_block(visit.index, decisions, observers)
-                    self.lm.kept = {}
-                    with stages.timed("gptq_reload"):
-                        self.lm.reload_block(visit, replaced)
-                    hooks = self.engine_activations(decisions, observers)
+                    hooks = self.quantize_visit(visit, decisions, observers)
                 self.lm.kept = {}
                 self._drop_hessians(observers, visit.prefix)
         finally:
@@ -139,6 +138,81 @@ class GPTQ:
             self.lm.kept = {}
         if not tail:
             self._unseen += [m.module for d in self.outside for m in d.matrices]
+
+    def quantize_visit(self, visit: Visit, decisions: list[Decision], observers: Observers) -> list:
+        """GPTQ of a visited block's quantized matrices, then the block reloaded with them dequantized; with
+        true-sequential, one step per input in the order the block first fed them (:meth:`steps`), the
+        block run again before each step after the first so its inputs come from the linears quantized
+        before it. Returns the W4A4 hooks (:meth:`engine_activations`) of every step."""
+        steps = self.steps(visit.prefix, decisions, observers) if self.config.gptq_true_sequential else [decisions]
+        read = dict(self.lm.kept)  # the block's tensors as read: the reloads take them, not the disk again
+        replaced: dict[str, torch.Tensor] = {}
+        made: list = []
+        hooks: list = []
+        for k, step in enumerate(steps):
+            if k:
+                names = self.input_names(visit.prefix, step, observers)
+                observers.drop(names)
+                assert visit.again is not None  # (every block visit has it; the tail visit has no steps)
+                with stages.timed("gptq_again"):
+                    visit.again(names)
+            self.asymmetric(step, observers)
+            disk, got = self.sweep(visit.index, step, observers)
+            replaced.update(disk)
+            made += got
+            with stages.timed("gptq_reload"):
+                self.lm.reload_block(visit, {**read, **replaced})
+            hooks += self.engine_activations(step, observers)
+        self.keep(visit.index, made)
+        return hooks
+
+    def steps(self, prefix: str, decisions: list[Decision], observers: Observers) -> list[list[Decision]]:
+        """True-sequential steps: the decisions grouped by what their input feeds, in the order the block's
+        forward first fed it (the observers' insertion order): q/k/v, o, gate/up, down in a Llama block.
+        An input is known by the matrices it feeds, their names with the numbers inside the block made
+        wildcards, so every expert's down projection is one step (not one run of the block per expert).
+        A fused group (one global scale) stays in its first member's step; a matrix whose input was never
+        seen goes to the first step (its round-to-nearest fallback needs no input)."""
+        first: dict[int, int] = {}
+        for pos, (n, o) in enumerate(observers.items()):
+            if n.startswith(prefix):
+                first.setdefault(id(o), pos)
+
+        def wild(module: str) -> str:
+            return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", module[len(prefix):] if module.startswith(prefix) else module)
+
+        def observer(m: Matrix):
+            return observers.get(self.inputs.get(m.module, ""))
+
+        feeds: dict[int, set[str]] = {}
+        for d in decisions:
+            for m in d.matrices:
+                if (o := observer(m)) is not None:
+                    feeds.setdefault(id(o), set()).add(wild(m.module))
+        at_kind: dict[frozenset, int] = {}
+        for oid, kinds in feeds.items():
+            key = frozenset(kinds)
+            at_kind[key] = min(at_kind.get(key, first.get(oid, -1)), first.get(oid, -1))
+
+        def position(m: Matrix) -> int:
+            o = observer(m)
+            return at_kind[frozenset(feeds[id(o)])] if o is not None else -1
+
+        group_at: dict[str, int] = {}
+        for d in decisions:
+            for m in d.matrices:
+                g = m.group or d.group or m.module
+                group_at[g] = min(group_at.get(g, position(m)), position(m))
+        at: dict[int, list[Decision]] = {}
+        for d in decisions:
+            at.setdefault(min(group_at[m.group or d.group or m.module] for m in d.matrices), []).append(d)
+        return [at[k] for k in sorted(at)]
+
+    def input_names(self, prefix: str, step: list[Decision], observers: Observers) -> set[str]:
+        """Every name under which the block observed the inputs of ``step`` (shared inputs have several)."""
+        objs = {id(o) for d in step for m in d.matrices
+                if (o := observers.get(self.inputs.get(m.module, ""))) is not None}
+        return {n for n, o in observers.items() if n.startswith(prefix) and id(o) in objs}
 
     def quantize_outside(self, index: int, observers: Observers) -> None:
         """GPTQ of the quantized matrices outside the blocks whose every input was observed (stored as
@@ -239,6 +313,19 @@ class GPTQ:
     def quantize_block(self, index: int, decisions: list[Decision], observers: Observers) -> dict[str, torch.Tensor]:
         """GPTQ of every quantized matrix of block ``index``; returns the on-disk tensors with their
         quantized matrices dequantized (what the block is loaded with next) and keeps the bytes."""
+        disk, made = self.sweep(index, decisions, observers)
+        self.keep(index, made)
+        return disk
+
+    def keep(self, index: int, made: list) -> None:
+        """The bytes of block ``index``'s matrices (:meth:`sweep`'s), into the store."""
+        with stages.timed("gptq_store"):
+            self.store.add_block(index, [(name, res.packed, res.scale, res.gs, a if self.scheme.global_scale else None)
+                                         for name, res, a in made])
+
+    def sweep(self, index: int, decisions: list[Decision], observers: Observers) -> tuple[dict[str, torch.Tensor], list]:
+        """GPTQ of these quantized matrices of block ``index``: the on-disk tensors with them dequantized,
+        and (module, result, group amax) of each."""
         import torch
 
         from fp4convert.numerics import gptq
@@ -287,20 +374,19 @@ class GPTQ:
             made.append((m.module, res, group_amax))
             deq = ref.inverse_had16(res.dequantized) if rotate == "had16" else res.dequantized
             matrix_view(disk[d.info.name], m).copy_(deq)
-        with stages.timed("gptq_store"):
-            self.store.add_block(index, [(name, res.packed, res.scale, res.gs, a if self.scheme.global_scale else None)
-                                         for name, res, a in made])
-        return disk
+        return disk, made
 
     def record(self) -> dict:
         """What the manifest says of the pass (its settings are also in the recipe's identity); the
         statistics stage adds ``calibration`` (the data, samples, length, seed, tokenizer)."""
         device = "cuda" if self.lm.device.type == "cuda" else "cpu"
-        order = ", act-order" if self.config.gptq_act_order else ""
+        order = (", act-order" if self.config.gptq_act_order else "") + \
+            (", true-sequential" if self.config.gptq_true_sequential else "")
         w4a4 = ", against the served layer's outputs on the activations as the engine rounds them" \
             if self.config.activations != "none" else ""
         return {"method": "gptq", "scale_rule": self.rule, "damp": self.config.gptq_damp,
-                "block": self.config.gptq_block, "act_order": self.config.gptq_act_order, "device": device,
+                "block": self.config.gptq_block, "act_order": self.config.gptq_act_order,
+                "true_sequential": self.config.gptq_true_sequential, "device": device,
                 "target": "engine-rounded inputs" if self.config.activations != "none" else "inputs",
                 "quantized": len(self.store.index), "damp_raised": dict(sorted(self.damped.items())),
                 "rtn": sorted(self._unseen),
