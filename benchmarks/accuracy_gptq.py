@@ -100,7 +100,9 @@ SETTINGS = {
     "nvfp4-w4a4": Setting("nvfp4", "nvfp4", "NVFP4", "NVFP4 W4A4"),
     "mxfp4-w4a4": Setting("mxfp4", "mxfp4", "MXFP4", "MXFP4 W4A4"),
 }
-METHODS = ("llmc-gptq", "llmc-gptq-a16", "llmc-rtn", "rtn", "gptq")
+# act-only (W4A4 settings): the unquantized weights under llm-compressor GPTQ's own activation quantization (its
+# folder's input scales): the KL no choice of weights removes, the floor of every W4A4 row's
+METHODS = ("llmc-gptq", "llmc-gptq-a16", "llmc-rtn", "rtn", "gptq", "act-only")
 OPTIONS = ("act-order", "true-sequential", "had16", "rule", "damp", "block")
 
 # In order of priority: what the targets need first (a run cut short keeps those).
@@ -178,6 +180,8 @@ class Row:
         if self.method == "llmc-gptq-a16":
             return (f"llm-compressor oneshot GPTQ {s.preset}A16 weights, {s.activations.upper() if s.activations else ''}"
                     " activations (stand-in)")
+        if self.method == "act-only":
+            return f"unquantized weights, {s.activations.upper() if s.activations else ''} activations as llm-compressor's"
         if self.method == "llmc-rtn":
             return f"llm-compressor {'model_free_ptq' if s.activations is None else 'oneshot RTN'} {s.preset}"
         extra = "".join(f" --{'rotate had16' if k == 'had16' else k if not v else f'{k} {v}'}" for k, v in self.opts)
@@ -323,6 +327,19 @@ def measure(row: Row, bench: acc.Bench, args: argparse.Namespace, work: Path, te
         out["command"] = (f"oneshot(GPTQModifier(targets='Linear', scheme='{s.preset}A16', ignore=['lm_head']), "
                           f"{args.samples} x {args.calib_len} tokens) weights"
                           + (f"; input_global_scale of {scales_folder.name}" if s.activations == "nvfp4" else ""))
+    elif row.method == "act-only":
+        if s.activations is None:
+            raise ValueError(f"{row.spec}: act-only is for the W4A4 settings")
+        peer = Row(f"{row.setting}:llmc-gptq", row.setting, "llmc-gptq", ())
+        scales_folder, _ = peer_folder(peer, bench.checkpoint, work, tokens_path, args.peer_python, args.peer_threads,
+                                       make=False)
+        out["command"] = f"unquantized weights; activations quantized as in {scales_folder.name}"
+        out["convert_s"] = 0.0
+        t = time.time()
+        out.update(acc.evaluate(bench, {}, act_hook(scales_folder, s.activations, None)))
+        out["eval_s"] = round(time.time() - t, 1)
+        out["load_avg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+        return out
     elif row.method.startswith("llmc"):
         folder, secs = peer_folder(row, bench.checkpoint, work, tokens_path, args.peer_python, args.peer_threads,
                                    make=args.make_peers)

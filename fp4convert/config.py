@@ -79,7 +79,7 @@ class Recipe:
     gptq_damp: float = GPTQ_DAMP
     gptq_block: int = GPTQ_BLOCK
     act_order: bool | None = None  # None: on for gptq (measured: BENCHMARKS.md "GPTQ"); see gptq_act_order
-    true_sequential: bool | None = None  # None: see gptq_true_sequential
+    true_sequential: bool | None = None  # None: on for weight-only gptq (measured); see gptq_true_sequential
 
 
 @dataclass(frozen=True)
@@ -268,8 +268,12 @@ class ConvertConfig(RunOptions, Recipe):
 
     @property
     def gptq_true_sequential(self) -> bool:
-        """GPTQ's true-sequential order in effect: the one asked for, else off."""
-        return bool(self.true_sequential)
+        """GPTQ's true-sequential order in effect: the one asked for, else on for weight-only GPTQ and off
+        with --activations (measured, BENCHMARKS.md "True-sequential GPTQ": Gemma 3 270M NVFP4A16 KL 0.119
+        -> 0.102, SmolLM2-135M 0.0494 -> 0.0491; SmolLM2 NVFP4 W4A4 0.206 -> 0.215)."""
+        if self.true_sequential is not None:
+            return self.true_sequential
+        return self.method == "gptq" and self.activations == "none"
 
     def method_identity(self) -> dict:
         """A calibrated method's settings in the identity ({} for rtn: identities of earlier runs unchanged)."""

@@ -50,7 +50,8 @@ def test_the_recipe_is_the_identity_and_run_options_never_change_it() -> None:
                       "base_model": ("org/name",), "kept_dtype": ("bf16",), "input_weights": ("random",),
                       "calibration_samples": (4,), "calibration_seq_len": (8,), "calibration_seed": (1,),
                       "activations": ("nvfp4",), "activation_scale": ("constant",), "calibration_data": ("c.txt",),
-                      "method": ("gptq",), "gptq_damp": (0.05,), "gptq_block": (256,), "act_order": (False,)}
+                      "method": ("gptq",), "gptq_damp": (0.05,), "gptq_block": (256,), "act_order": (False,),
+                      "true_sequential": (False,)}
     assert set(recipe_changes) == {f.name for f in fields(Recipe)}
     # fields that only count with others on (W4A4 NVFP4 with calibration / input weights) are changed with them
     w4a4 = replace(base, activations="nvfp4", format="compressed-tensors")
@@ -59,7 +60,7 @@ def test_the_recipe_is_the_identity_and_run_options_never_change_it() -> None:
     for name, (value,) in recipe_changes.items():
         start = w4a4 if name in ("activation_scale", "calibration_data") else \
             iw if name in ("calibration_samples", "calibration_seq_len", "calibration_seed") else \
-            gptq if name in ("gptq_damp", "gptq_block", "act_order") else base
+            gptq if name in ("gptq_damp", "gptq_block", "act_order", "true_sequential") else base
         if name == "activations":
             start, changed = replace(base, format="compressed-tensors"), w4a4
         else:

@@ -118,7 +118,9 @@ def method_options(fn: Callable) -> Callable:
         click.option("--true-sequential/--no-true-sequential", default=None,
                      help="--method gptq: within each block, calibrate each linear on the outputs of the block's "
                           "linears quantized before it (q/k/v, then o, then gate/up, then down: the block runs "
-                          "once more per step) [default: off]."),
+                          "once more per step) [default: on without --activations; measured: Gemma 3 270M NVFP4 KL "
+                          "0.102 with, 0.119 without; off with --activations: SmolLM2-135M NVFP4 W4A4 0.215 with, "
+                          "0.206 without]."),
         click.option("--gptq-damp", type=click.FloatRange(min=0.0, min_open=True, max=10.0), default=GPTQ_DAMP,
                      show_default=True, help="--method gptq: dampening, a fraction of the Hessian's mean diagonal."),
         click.option("--gptq-block", type=click.IntRange(min=32), default=GPTQ_BLOCK, show_default=True,

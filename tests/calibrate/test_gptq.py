@@ -58,7 +58,7 @@ def test_gptq_runs_every_architecture_class_and_says_what_it_quantized(tmp_path,
     rec = m["method"]
     assert rec["method"] == "gptq" and rec["rtn"] == [] and rec["device"] == "cpu" and rec["target"] == "inputs"
     assert m["settings"]["method"] == {"name": "gptq", "damp": 0.01, "block": 128, "act_order": True,
-                                       "true_sequential": False, "calibration": {"data": str(text), "samples": 4, "seq_len": 48, "seed": 0}}
+                                       "true_sequential": True, "calibration": {"data": str(text), "samples": 4, "seq_len": 48, "seed": 0}}
     assert rec["quantized"] >= len(block_matrices(m)) > 0
     assert rec["calibration"]["data"]["source"] == "file"
     r = quantize(src, tmp_path / "rtn", text)
@@ -150,6 +150,7 @@ def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, mo
 @pytest.mark.parametrize("kwargs,match", [
     ({"act_order": True}, "apply to --method gptq only"),
     ({"act_order": False}, "apply to --method gptq only"),
+    ({"true_sequential": True}, "apply to --method gptq only"),
     ({"gptq_damp": 0.1}, "apply to --method gptq only"),
     ({"method": "gptq", "input_weights": "random"}, "does not apply to --method gptq"),
     ({"method": "gptq", "gptq_block": 48}, "multiple of 32"),
@@ -166,7 +167,12 @@ def test_gptq_defaults_and_identity():
     defaults to mse (the search weighted by the Hessian's diagonal), and input weights stay off."""
     assert "method" not in ConvertConfig().identity()
     c = ConvertConfig(method="gptq")
-    assert c.input_weight_source == "none" and c.rule == "mse" and c.gptq_act_order
+    assert c.input_weight_source == "none" and c.rule == "mse" and c.gptq_act_order and c.gptq_true_sequential
+    assert not ConvertConfig(method="gptq", activations="nvfp4", format="compressed-tensors").gptq_true_sequential
+    assert ConvertConfig(method="gptq", activations="nvfp4", format="compressed-tensors",
+                         true_sequential=True).gptq_true_sequential
+    assert not ConvertConfig(method="gptq", true_sequential=False).gptq_true_sequential
+    assert not ConvertConfig().gptq_true_sequential
     assert not ConvertConfig(method="gptq", act_order=False).gptq_act_order
     assert c.identity()["method"]["name"] == "gptq"
     assert ConvertConfig(method="gptq", scale_rule="4over6").rule == "4over6"
@@ -356,7 +362,7 @@ def test_true_sequential_quantizes_each_input_after_the_linears_before_it(tmp_pa
         return real(self, index, decisions, observers)
 
     monkeypatch.setattr(GPTQ, "sweep", spy)
-    plain = quantize(src, tmp_path / "plain", text, "--method", "gptq")
+    plain = quantize(src, tmp_path / "plain", text, "--method", "gptq", "--no-true-sequential")
     assert len(calls) == 1
     calls.clear()
     seq = quantize(src, tmp_path / "seq", text, "--method", "gptq", "--true-sequential")
