@@ -103,7 +103,7 @@ SETTINGS = {
 # act-only (W4A4 settings): the unquantized weights under llm-compressor GPTQ's own activation quantization (its
 # folder's input scales): the KL no choice of weights removes, the floor of every W4A4 row's
 METHODS = ("llmc-gptq", "llmc-gptq-a16", "llmc-rtn", "rtn", "gptq", "act-only")
-OPTIONS = ("act-order", "true-sequential", "had16", "rule", "damp", "block")
+OPTIONS = ("act-order", "true-sequential", "smooth", "had16", "rule", "damp", "block")
 
 # In order of priority: what the issue's targets need first (a run cut short keeps those).
 DEFAULT_ROWS = [
@@ -261,6 +261,8 @@ def fp4convert_command(row: Row, checkpoint: Path, dst: Path, text: Path, sample
             cmd += ["--act-order"]
         if row.opt("true-sequential") is not None:
             cmd += ["--true-sequential"]
+        if row.opt("smooth"):
+            cmd += ["--smooth", str(row.opt("smooth"))]
         if row.opt("damp"):
             cmd += ["--gptq-damp", str(row.opt("damp"))]
         if row.opt("block"):
@@ -306,6 +308,23 @@ def act_hook(folder: Path, activations: str | None, rotate: str | None) -> Calla
     if rotate is None:
         return q
     return lambda name, x: ref.inverse_had16(q(name, ref.had16(x.float()))).to(x.dtype)
+
+
+def smoothed_norms(folder: Path) -> dict[str, torch.Tensor]:
+    """The norm weights fp4convert's ``--smooth`` changed (its manifest lists them), as the folder holds them:
+    the served model loads them with the linears."""
+    from safetensors import safe_open
+
+    path = folder / "fp4convert.json"
+    names = set(json.loads(path.read_text()).get("method", {}).get("smoothed", [])) if path.exists() else set()
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for k in names & set(h.keys()):
+                out[k] = h.get_tensor(k).float()
+    if len(out) != len(names):
+        raise RuntimeError(f"{folder}: smoothed norms missing from the files: {sorted(names - set(out))[:3]}")
+    return out
 
 
 def measure(row: Row, bench: acc.Bench, args: argparse.Namespace, work: Path, text: Path, tokens_path: Path,
@@ -364,6 +383,7 @@ def measure(row: Row, bench: acc.Bench, args: argparse.Namespace, work: Path, te
         checked.add(key)
         out["checked_against_transformers"] = True
     w = acc.decode_compressed_tensors(folder, bench.linears, row.rotate)
+    w.update(smoothed_norms(folder))
     out.update(acc.evaluate(bench, w, act_hook(scales_folder or folder, s.activations, row.rotate)))
     out["weight_rel_mse"] = acc.weight_mse(bench, w)
     out["eval_s"] = round(time.time() - t, 1)

@@ -80,6 +80,9 @@ class Recipe:
     gptq_block: int = GPTQ_BLOCK
     act_order: bool | None = None  # None: on for gptq (measured: BENCHMARKS.md "GPTQ"); see gptq_act_order
     true_sequential: bool | None = None  # None: on for weight-only gptq (measured); see gptq_true_sequential
+    # W4A4 GPTQ: SmoothQuant's migration strength (0: off); the norm-fed inputs divided per channel by
+    # s = amax_x^a / amax_w^(1-a), folded into the norm's weight (docs/numerics.md "GPTQ", smoothing)
+    smooth: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,15 @@ class ConvertConfig(RunOptions, Recipe):
             raise ConfigError(f"--input-weights {self.input_weights} does not apply to --method {self.method}: it weights "
                               "the search rules' block error by its own statistics (GPTQ: its Hessian's diagonal); "
                               "drop --input-weights")
+        if self.smooth and (self.method != "gptq" or self.activations == "none"):
+            raise ConfigError("--smooth applies to W4A4 GPTQ only (--method gptq with --activations): it moves the "
+                              "activations' rounding error into the weights, which GPTQ then compensates")
+        if not (isinstance(self.smooth, (int, float)) and 0.0 <= self.smooth < 1.0):
+            raise ConfigError(f"--smooth {self.smooth!r}: give a migration strength in [0, 1), e.g. 0.5")
+        if self.smooth and self.kept_dtype != "source":
+            raise ConfigError("--smooth writes the norms it changes in their own dtype; drop --kept-dtype")
+        if self.smooth and self.rotate not in (None, "none"):
+            raise ConfigError("--smooth with --rotate: the rotation mixes the channels the smoothing scales; drop one")
         if self.method != "gptq":
             return
         if not (0.0 < self.gptq_damp <= 10.0):
@@ -281,6 +293,8 @@ class ConvertConfig(RunOptions, Recipe):
             return {}
         own = {"damp": self.gptq_damp, "block": self.gptq_block, "act_order": self.gptq_act_order,
                "true_sequential": self.gptq_true_sequential} if self.method == "gptq" else {}
+        if self.smooth:
+            own["smooth"] = self.smooth
         return {"method": {"name": self.method, **own, "calibration": self._calibration_identity()}}
 
     def _calibration_identity(self) -> dict:

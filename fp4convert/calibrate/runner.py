@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fp4convert import stages
@@ -70,8 +70,12 @@ class Visit:
     reloaded: bool = False
     tail: bool = False  # the linears outside the blocks (index len(layers), prefix ""): nothing runs after them
     # run the block again on the same inputs, its weights as now loaded, observing only these inputs (GPTQ's
-    # true-sequential order: a linear calibrated on the outputs of the block's linears quantized before it)
-    again: Callable[[Collection[str]], None] | None = None
+    # true-sequential order: a linear calibrated on the outputs of the block's linears quantized before it);
+    # returns the block's outputs
+    again: Callable[[Collection[str]], list] | None = None
+    # input name -> the norm module whose output every call of it was (its weight can take a per-channel
+    # scale of that input: GPTQ's smoothing); inputs fed by anything else are absent
+    fed: dict[str, str] = field(default_factory=dict)
 
 
 class LayerwiseModel(BlockWeights):
@@ -154,19 +158,20 @@ class LayerwiseModel(BlockWeights):
                 with stages.timed("calibrate_load"):
                     self.load_block(i)
                 self.read_ahead(i + 1)
-                outs, taps = self._observed_run(i, block, prefix, calls[i], hs, reps[i], observers)
+                fed: dict[str, str] = {}
+                outs, taps = self._observed_run(i, block, prefix, calls[i], hs, reps[i], observers, fed)
                 for t in taps:
                     if t.routed is not None:
                         never += [f"{t.name}.{e}" for e in (t.routed == 0).nonzero().flatten().tolist()]
 
-                def again(names: Collection[str], _i=i, _block=block, _prefix=prefix, _hs=hs) -> None:
+                def again(names: Collection[str], _i=i, _block=block, _prefix=prefix, _hs=hs) -> list:
                     observers.only = set(names)
                     try:
-                        self._observed_run(_i, _block, _prefix, calls[_i], _hs, reps[_i], observers)
+                        return self._observed_run(_i, _block, _prefix, calls[_i], _hs, reps[_i], observers)[0]
                     finally:
                         observers.only = None
 
-                visit = Visit(i, prefix, again=again)
+                visit = Visit(i, prefix, again=again, fed={k: v for k, v in fed.items() if v})
                 yield visit
                 if visit.reloaded:
                     outs = self._run_block(i, block, calls[i], hs, reps[i])
@@ -191,18 +196,29 @@ class LayerwiseModel(BlockWeights):
             yield Visit(len(self.layers), "", tail=True)
 
     def _observed_run(self, i: int, block, prefix: str, calls: list, hs: list, reps: int,
-                      observers: Observers) -> tuple[list, list]:
+                      observers: Observers, fed: dict[str, str] | None = None) -> tuple[list, list]:
         """Block ``i`` on every micro-batch with its linears' (and expert stacks') inputs observed: its
-        outputs and the expert taps (their routing counts)."""
+        outputs and the expert taps (their routing counts). ``fed``: filled with each linear input's
+        norm (:attr:`Visit.fed`; "" where some call's input was not a norm's output)."""
         import torch
         from transformers.pytorch_utils import Conv1D
 
         handles = []
         taps = []
+        last: list = [None]  # (norm name, its latest output)
+
+        def linear_in(name: str, x) -> None:
+            if fed is not None:
+                got = last[0][0] if last[0] is not None and last[0][1] is x else ""
+                fed[name] = got if fed.get(name, got) == got else ""
+            observers.add(name, x)
+
         for n, m in block.named_modules():
             if isinstance(m, (torch.nn.Linear, Conv1D)):
-                handles.append(m.register_forward_pre_hook(
-                    lambda _m, a, _n=prefix + n: observers.add(_n, a[0])))
+                handles.append(m.register_forward_pre_hook(lambda _m, a, _n=prefix + n: linear_in(_n, a[0])))
+            elif fed is not None and is_norm(m):
+                handles.append(m.register_forward_hook(
+                    lambda _m, _a, out, _n=prefix + n: last.__setitem__(0, (_n, out))))
             elif is_expert_stack(m):
                 taps.append(ExpertTap(prefix + n, m, observers))
         try:
@@ -293,6 +309,15 @@ class LayerwiseModel(BlockWeights):
                 else:
                     self._free_params([(f"{h}.{n}", p) for n, p in head.named_parameters()])
             self.free_outside()
+
+
+def is_norm(module) -> bool:
+    """A normalization layer with a per-channel weight (RMSNorm, LayerNorm and their kin), no submodules."""
+    import torch
+
+    w = getattr(module, "weight", None)
+    return ("Norm" in type(module).__name__ and isinstance(w, torch.nn.Parameter) and w.dim() == 1
+            and not any(True for _ in module.children()))
 
 
 @contextmanager

@@ -121,12 +121,17 @@ def method_options(fn: Callable) -> Callable:
                           "once more per step) [default: on without --activations; measured: Gemma 3 270M NVFP4 KL "
                           "0.102 with, 0.119 without; off with --activations: SmolLM2-135M NVFP4 W4A4 0.215 with, "
                           "0.206 without]."),
+        click.option("--smooth", type=click.FloatRange(min=0.0, max=1.0, max_open=True), default=0.0,
+                     show_default=True,
+                     help="W4A4 GPTQ: SmoothQuant's migration strength; each norm-fed input (q/k/v's, gate/up's) is "
+                          "divided per channel by amax_x^a / amax_w^(1-a), folded into the norm's weight, the linears' "
+                          "columns multiplied by it (0: off)."),
         click.option("--gptq-damp", type=click.FloatRange(min=0.0, min_open=True, max=10.0), default=GPTQ_DAMP,
                      show_default=True, help="--method gptq: dampening, a fraction of the Hessian's mean diagonal."),
         click.option("--gptq-block", type=click.IntRange(min=32), default=GPTQ_BLOCK, show_default=True,
                      help="--method gptq: columns per lazy batch update (a multiple of 32)."),
     ]
-    keys = ("method", "act_order", "true_sequential", "gptq_damp", "gptq_block")
+    keys = ("method", "act_order", "true_sequential", "smooth", "gptq_damp", "gptq_block")
 
     @wraps(fn)
     def wrapper(*args, **kwargs):

@@ -65,6 +65,15 @@ class CopyPiece(WriteJob):
     n: int
 
 
+@dataclass
+class KeptBytes(WriteJob):
+    """A kept tensor the calibration pass changed (GPTQ's smoothing folded into a norm's weight): its
+    bytes from the store instead of the source's."""
+
+    decision: Decision
+    store: Store
+
+
 class Work(Protocol):
     """What the run loop asks of a part's work (a conversion's, an export's)."""
 
@@ -170,6 +179,8 @@ class QuantizeWork:
 
     def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], list[WriteJob]]:
         d = unit[0]
+        if is_kept_copy(unit) and self.quantized is not None and d.name in self.quantized.kept:
+            return {d.name: {"changed_by": "gptq smoothing"}}, [KeptBytes(d, self.quantized)]
         if is_kept_copy(unit):
             path = self.source.local_path(d.info.file)
             return {d.name: {}}, _copy_jobs(d, path)
@@ -197,6 +208,11 @@ class QuantizeWork:
     def write(self, job: WriteJob, shards: ShardSet) -> None:
         if isinstance(job, CopyPiece):
             shards.copy_piece(job.decision.name, job.path, job.decision.info, job.at, job.n)
+        elif isinstance(job, KeptBytes):
+            from fp4convert.kernels.tensor import as_bytes
+
+            t = job.store.kept_tensor(job.decision.name)
+            shards.write(job.decision.name, as_bytes(t), owner=t)
         else:
             assert isinstance(job, WriteItem)
             write_result(job.item, job.pending.result(), self.fmt, self.settings, shards, job.records,

@@ -91,6 +91,7 @@ class GPTQ:
         self.outside = [d for d in plan.decisions if d.action == QUANTIZE and id(d) not in in_blocks]
         self.damped: dict[str, float] = {}  # module -> the dampening that factorized, where above --gptq-damp
         self._unseen: list[str] = []  # quantized matrices whose input the pass never saw
+        self.smoothed: list[str] = []  # norm weights --smooth changed (checkpoint names)
 
     @property
     def unseen(self) -> list[str]:
@@ -145,7 +146,8 @@ class GPTQ:
         block run again before each step after the first so its inputs come from the linears quantized
         before it. Returns the W4A4 hooks (:meth:`engine_activations`) of every step."""
         steps = self.steps(visit.prefix, decisions, observers) if self.config.gptq_true_sequential else [decisions]
-        read = dict(self.lm.kept)  # the block's tensors as read: the reloads take them, not the disk again
+        smoothed = self.smooth(visit, decisions, observers) if self.config.smooth else {}
+        read = dict(self.lm.kept)  # the block's tensors as read (smoothed): the reloads take them, not the disk again
         replaced: dict[str, torch.Tensor] = {}
         made: list = []
         hooks: list = []
@@ -163,8 +165,75 @@ class GPTQ:
             with stages.timed("gptq_reload"):
                 self.lm.reload_block(visit, {**read, **replaced})
             hooks += self.engine_activations(step, observers)
-        self.keep(visit.index, made)
+        self.keep(visit.index, made, smoothed)
         return hooks
+
+    def smooth(self, visit: Visit, decisions: list[Decision], observers: Observers) -> dict[str, torch.Tensor]:
+        """W4A4 smoothing of the block's norm-fed inputs (:mod:`~fp4convert.calibrate.methods.smooth`): the
+        norm weights and the linears' columns changed in :attr:`LayerwiseModel.kept` (what the sweep and
+        the reloads read), the kept input tokens divided by the factors (their amax with them). Kept only
+        if the block, run again, gives the same outputs (within 1e-3 of their largest): a norm output read
+        by anything else (a residual, an expert stack) would change them. Returns the changed norm
+        weights (checkpoint name -> tensor in its dtype) for the output."""
+        import torch
+
+        from fp4convert.calibrate.methods.smooth import fold, scales
+        from fp4convert.storage.safetensors import torch_dtypes
+
+        kept = self.lm.kept
+        block = self.lm.layers[visit.index]
+        modules = dict(block.named_modules())
+        readers: dict[str, list[tuple[Decision, Matrix]]] = {}
+        for d in decisions:
+            for m in d.matrices:
+                readers.setdefault(self.inputs.get(m.module, ""), []).append((d, m))
+        by_norm: dict[str, list[str]] = {}
+        for name, norm in visit.fed.items():
+            by_norm.setdefault(norm, []).append(name)
+        changed: dict[str, torch.Tensor] = {}  # checkpoint name -> fp32 tensor the block loads
+        out: dict[str, torch.Tensor] = {}  # the norm weights in their dtype
+        tokens: list[tuple] = []
+        for norm, names in sorted(by_norm.items()):
+            key = self.lm.disk_of.get(norm + ".weight")
+            obs = {id(o): o for n in names if (o := observers.get(n)) is not None}
+            if key is None or key not in kept or any(n not in readers for n in names) or len(obs) != 1:
+                continue  # (a reader not quantized here, or inputs observed apart: left as it is)
+            o = next(iter(obs.values()))
+            if not o.kept:
+                continue
+            mats = [dm for n in names for dm in readers[n]]
+            x_amax = torch.stack([t.abs().amax(0) for t in o.kept]).amax(0)
+            w_amax = torch.stack([matrix_view(kept[d.info.name], m).abs().amax(0) for d, m in mats]).amax(0)
+            dtype = torch_dtypes()[self.lm.infos[key].dtype]
+            got = fold(modules[norm[len(visit.prefix):]], kept[key], scales(x_amax, w_amax, self.config.smooth), dtype)
+            if got is None:
+                continue
+            new, eff = got
+            changed[key] = new
+            out[key] = new.to(dtype).cpu()
+            for d, m in mats:
+                t = changed.setdefault(d.info.name, kept[d.info.name].clone())
+                matrix_view(t, m).mul_(eff.to(t.device))
+            tokens.append((o, eff))
+        if not changed:
+            return {}
+        with stages.timed("gptq_smooth"):
+            before = visit.again([]) if visit.again is not None else []
+            self.lm.reload_block(visit, {**kept, **changed})
+            after = visit.again([]) if visit.again is not None else []
+        worst = max((float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(after, before)),
+                    default=0.0)
+        if worst > 1e-3:
+            log.warning("%s: smoothing changes the block's outputs by %.2g of their largest (a norm's output is "
+                        "read by more than the quantized linears); not smoothed", visit.prefix[:-1], worst)
+            self.lm.reload_block(visit, dict(kept))
+            return {}
+        kept.update(changed)
+        for o, eff in tokens:
+            o.kept = [t / eff.to(t.device, t.dtype) for t in o.kept]
+            o.amax = torch.stack([t.abs().amax() for t in o.kept]).amax().float()
+        self.smoothed += sorted(out)
+        return out
 
     def steps(self, prefix: str, decisions: list[Decision], observers: Observers) -> list[list[Decision]]:
         """True-sequential steps: the decisions grouped by what their input feeds, in the order the block's
@@ -317,11 +386,12 @@ class GPTQ:
         self.keep(index, made)
         return disk
 
-    def keep(self, index: int, made: list) -> None:
-        """The bytes of block ``index``'s matrices (:meth:`sweep`'s), into the store."""
+    def keep(self, index: int, made: list, kept: dict[str, torch.Tensor] | None = None) -> None:
+        """The bytes of block ``index``'s matrices (:meth:`sweep`'s) and the kept tensors it changed, into
+        the store."""
         with stages.timed("gptq_store"):
             self.store.add_block(index, [(name, res.packed, res.scale, res.gs, a if self.scheme.global_scale else None)
-                                         for name, res, a in made])
+                                         for name, res, a in made], kept)
 
     def sweep(self, index: int, decisions: list[Decision], observers: Observers) -> tuple[dict[str, torch.Tensor], list]:
         """GPTQ of these quantized matrices of block ``index``: the on-disk tensors with them dequantized,
@@ -381,13 +451,15 @@ class GPTQ:
         statistics stage adds ``calibration`` (the data, samples, length, seed, tokenizer)."""
         device = "cuda" if self.lm.device.type == "cuda" else "cpu"
         order = (", act-order" if self.config.gptq_act_order else "") + \
-            (", true-sequential" if self.config.gptq_true_sequential else "")
+            (", true-sequential" if self.config.gptq_true_sequential else "") + \
+            (f", inputs smoothed into their norms (SmoothQuant, alpha {self.config.smooth})" if self.config.smooth else "")
         w4a4 = ", against the served layer's outputs on the activations as the engine rounds them" \
             if self.config.activations != "none" else ""
         return {"method": "gptq", "scale_rule": self.rule, "damp": self.config.gptq_damp,
                 "block": self.config.gptq_block, "act_order": self.config.gptq_act_order,
                 "true_sequential": self.config.gptq_true_sequential, "device": device,
                 "target": "engine-rounded inputs" if self.config.activations != "none" else "inputs",
+                **({"smooth": self.config.smooth, "smoothed": sorted(self.smoothed)} if self.config.smooth else {}),
                 "quantized": len(self.store.index), "damp_raised": dict(sorted(self.damped.items())),
                 "rtn": sorted(self._unseen),
                 "description": f"GPTQ (each column's rounding error compensated on calibration tokens{w4a4}; "
