@@ -167,6 +167,15 @@ class ConvertConfig(RunOptions, Recipe):
                               f"only (the engines' W4A4 conventions), not --format {self.format}")
 
     def _check_method(self) -> None:
+        if self.smooth and (self.method != "gptq" or self.activations == "none"):
+            raise ConfigError("--smooth applies to W4A4 GPTQ only (--method gptq with --activations): it moves the "
+                              "activations' rounding error into the weights, which GPTQ then compensates")
+        if not (isinstance(self.smooth, (int, float)) and 0.0 <= self.smooth < 1.0):
+            raise ConfigError(f"--smooth {self.smooth!r}: give a migration strength in [0, 1), e.g. 0.5")
+        if self.smooth and self.kept_dtype != "source":
+            raise ConfigError("--smooth writes the norms it changes in their own dtype; drop --kept-dtype")
+        if self.smooth and self.rotate not in (None, "none"):
+            raise ConfigError("--smooth with --rotate: the rotation mixes the channels the smoothing scales; drop one")
         if not (isinstance(self.method, str) and re.fullmatch(r"[a-z][a-z0-9-]*", self.method)):
             # a name only: which methods exist is the calibration stage's registry, checked while planning
             raise ConfigError(f"--method {self.method!r} is not a method name (rtn, or see --help for the choices)")
@@ -180,15 +189,6 @@ class ConvertConfig(RunOptions, Recipe):
             raise ConfigError(f"--input-weights {self.input_weights} does not apply to --method {self.method}: it weights "
                               "the search rules' block error by its own statistics (GPTQ: its Hessian's diagonal); "
                               "drop --input-weights")
-        if self.smooth and (self.method != "gptq" or self.activations == "none"):
-            raise ConfigError("--smooth applies to W4A4 GPTQ only (--method gptq with --activations): it moves the "
-                              "activations' rounding error into the weights, which GPTQ then compensates")
-        if not (isinstance(self.smooth, (int, float)) and 0.0 <= self.smooth < 1.0):
-            raise ConfigError(f"--smooth {self.smooth!r}: give a migration strength in [0, 1), e.g. 0.5")
-        if self.smooth and self.kept_dtype != "source":
-            raise ConfigError("--smooth writes the norms it changes in their own dtype; drop --kept-dtype")
-        if self.smooth and self.rotate not in (None, "none"):
-            raise ConfigError("--smooth with --rotate: the rotation mixes the channels the smoothing scales; drop one")
         if self.method != "gptq":
             return
         if not (0.0 < self.gptq_damp <= 10.0):

@@ -110,7 +110,9 @@ def test_gptq_output_loads_in_transformers_and_is_closer_to_the_model_than_round
     assert kl(base, logits(tmp_path / "gptq", ids)) < kl(base, logits(tmp_path / "rtn", ids))
 
 
-def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, monkeypatch):
+@pytest.mark.parametrize("extra", [(), ("--activations", "nvfp4", "--format", "compressed-tensors", "--smooth", "0.5")],
+                         ids=["weights", "w4a4-smoothed"])
+def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, monkeypatch, extra):
     """The pass's result (the quantized matrices) is kept: a Ctrl-C while writing, then --resume, writes
     the same bytes as an uninterrupted run, without running the model again; the kept matrices are
     removed once written."""
@@ -119,7 +121,7 @@ def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, mo
     from fp4convert.run import work
 
     src = add_tokenizer(zoo.build("llama", tmp_path / "llama"))
-    clean = quantize(src, tmp_path / "clean", text, "--method", "gptq", "--max-shard-size", "20KB")
+    clean = quantize(src, tmp_path / "clean", text, "--method", "gptq", "--max-shard-size", "20KB", *extra)
     assert not list(keep_dir().glob("*.gptq"))  # written: removed
     calls = {"n": 0}
     real = work.write_result
@@ -132,7 +134,7 @@ def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, mo
 
     monkeypatch.setattr(work, "write_result", stop_once)
     r = cli("quantize", src, tmp_path / "out", "--device", "cpu", "--calibration-data", text, "--calibration-samples", 4,
-            "--calibration-seq-len", 48, "-q", "--method", "gptq", "--max-shard-size", "20KB")
+            "--calibration-seq-len", 48, "-q", "--method", "gptq", "--max-shard-size", "20KB", *extra)
     assert r.exit_code != 0
     monkeypatch.setattr(work, "write_result", real)
 
@@ -140,7 +142,7 @@ def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, mo
         raise AssertionError("GPTQ ran again on --resume")
 
     monkeypatch.setattr(gptq_mod.GPTQ, "run", no_model)
-    resumed = quantize(src, tmp_path / "out", text, "--method", "gptq", "--max-shard-size", "20KB", "--resume")
+    resumed = quantize(src, tmp_path / "out", text, "--method", "gptq", "--max-shard-size", "20KB", "--resume", *extra)
     assert resumed["method"] == clean["method"]
     shards = {f: v["chunked_sha256"] for f, v in clean["files"].items() if f.endswith(".safetensors")}
     assert len(shards) > 1

@@ -169,7 +169,7 @@ class GPTQ:
         return hooks
 
     def smooth(self, visit: Visit, decisions: list[Decision], observers: Observers) -> dict[str, torch.Tensor]:
-        """W4A4 smoothing of the block's norm-fed inputs (:mod:`~fp4convert.calibrate.methods.smooth`): the
+        """W4A4 smoothing of the block's norm-fed inputs (:mod:`~fp4convert.calibrate.smooth`): the
         norm weights and the linears' columns changed in :attr:`LayerwiseModel.kept` (what the sweep and
         the reloads read), the kept input tokens divided by the factors (their amax with them). Kept only
         if the block, run again, gives the same outputs (within 1e-3 of their largest): a norm output read
@@ -177,7 +177,7 @@ class GPTQ:
         weights (checkpoint name -> tensor in its dtype) for the output."""
         import torch
 
-        from fp4convert.calibrate.methods.smooth import fold, scales
+        from fp4convert.calibrate.smooth import fold, scales
         from fp4convert.storage.safetensors import torch_dtypes
 
         kept = self.lm.kept
