@@ -316,7 +316,7 @@ def smoothed_norms(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     path = folder / "fp4convert.json"
-    names = set(json.loads(path.read_text()).get("method", {}).get("smoothed", [])) if path.exists() else set()
+    names = set(json.loads(path.read_text()).get("method", {}).get("smoothed", {})) if path.exists() else set()
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), "pt") as h:

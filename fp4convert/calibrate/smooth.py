@@ -34,11 +34,12 @@ def scales(x_amax: torch.Tensor, w_amax: torch.Tensor, alpha: float) -> torch.Te
 
 
 def fold(norm: torch.nn.Module, weight: torch.Tensor, s: torch.Tensor, dtype: torch.dtype
-         ) -> tuple[torch.Tensor, torch.Tensor] | None:
+         ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
     """The norm weight (fp32 values of ``dtype``) whose output is the norm's divided by ``s`` per
-    channel, and the factor each channel's output really shrinks by (``s`` up to the rounding to
-    ``dtype``); None when the norm's output is not ``n(x) * w`` or ``n(x) * (1 + w)`` (a bias, another
-    form), checked by running it."""
+    channel, the factor each channel's output really shrinks by (``s`` up to the rounding to
+    ``dtype``: :func:`factor` of the two weights) and whether the norm scales by ``1 + w``; None when
+    the norm's output is not ``n(x) * w`` or ``n(x) * (1 + w)`` (a bias, another form), checked by
+    running it."""
     import torch
     from torch.func import functional_call
 
@@ -52,9 +53,18 @@ def fold(norm: torch.nn.Module, weight: torch.Tensor, s: torch.Tensor, dtype: to
     offset = bool(zero.abs().max() > 0)
     base = 1.0 + w if offset else w
     new = (base / s - 1.0 if offset else base / s).to(dtype).float()
-    new_base = 1.0 + new if offset else new
-    eff = torch.where((base != 0) & (new_base != 0), base / new_base, torch.ones_like(base))
+    eff = factor(w, new, offset)
     got = functional_call(norm, {"weight": new}, (x,)).float()
     if not torch.allclose(got * eff, y, rtol=1e-4, atol=1e-6 * float(y.abs().max())):
         return None
-    return new, eff
+    return new, eff, offset
+
+
+def factor(before: torch.Tensor, after: torch.Tensor, offset: bool) -> torch.Tensor:
+    """The per-channel factor a norm's output shrank by when its weight went from ``before`` to ``after``
+    (what the reading linears' columns carry; ``inspect --verify`` divides it out again)."""
+    import torch
+
+    base = 1.0 + before.float() if offset else before.float()
+    new = 1.0 + after.float() if offset else after.float()
+    return torch.where((base != 0) & (new != 0), base / new, torch.ones_like(base))

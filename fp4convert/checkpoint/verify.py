@@ -98,6 +98,7 @@ def verify_against(source: Source, layout: CheckpointLayout, src: str, *, max_er
     missing: list[str] = []
     sum_err2 = sum_ref2 = 0.0
     add_total(progress, sum(orig[m + ".weight"].nbytes for m in layout.modules if m + ".weight" in orig))
+    carried = _smoothing_factors(layout.manifest, original, orig, source)
     for m in layout.modules.values():
         info = orig.get(m.module + ".weight")
         if info is None:
@@ -107,6 +108,8 @@ def verify_against(source: Source, layout: CheckpointLayout, src: str, *, max_er
         x = read_tensor(original.local_path(info.file), info).to(torch.float32)
         if progress is not None:
             progress.update(info.nbytes)
+        if m.module in carried:  # (--smooth: the columns carry the factor their norm gave up)
+            x = x * carried[m.module]
         w = dequantize(load_quantized(source, layout, m), torch.float32)
         if w.shape != x.shape:
             layers[m.module] = {"error": f"shape {list(w.shape)} vs source {list(x.shape)}"}
@@ -140,6 +143,27 @@ def verify_against(source: Source, layout: CheckpointLayout, src: str, *, max_er
         problems.append("--verify compared no layer")
     return {"source": src, "fingerprint": fingerprint, "max_error": max_error, "layers": layers,
             "overall": overall, "problems": problems, "passed": not problems}
+
+
+def _smoothing_factors(manifest: dict | None, original: Source, orig: dict, output: Source) -> dict[str, torch.Tensor]:
+    """module -> the per-channel factor its columns carry (W4A4 GPTQ's ``--smooth``: the manifest's
+    ``method.smoothed``, from the norm weights of the source and of the output); {} without."""
+    smoothed = ((manifest or {}).get("method") or {}).get("smoothed") or {}
+    if not smoothed or not isinstance(smoothed, dict):
+        return {}
+    from fp4convert.calibrate.smooth import factor
+
+    out = {t.name: t for t in output.tensors()}
+    got: dict[str, torch.Tensor] = {}
+    for key, rec in smoothed.items():
+        if key not in orig or key not in out:
+            continue
+        before = read_tensor(original.local_path(orig[key].file), orig[key])
+        after = read_tensor(output.local_path(out[key].file), out[key])
+        f = factor(before, after, bool(rec.get("offset")))
+        for module in rec.get("readers", []):
+            got[module] = f
+    return got
 
 
 def _snr(ref2: float, err2: float) -> float:

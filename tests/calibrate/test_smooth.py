@@ -44,7 +44,8 @@ def test_fold_divides_the_norm_output_by_the_factor_it_reports(kind, dtype):
     s = torch.exp(torch.randn(k, generator=g))
     got = fold(norm, w, s, dtype)
     assert got is not None
-    new, eff = got
+    new, eff, offset = got
+    assert offset == (kind == "gemma3")
     assert torch.equal(new, new.to(dtype).float())
     x = torch.randn(5, k, generator=g)
     from torch.func import functional_call
@@ -115,3 +116,10 @@ def test_a_smoothed_conversion_moves_the_norms_factor_into_the_linears(tmp_path)
                 near = float((q - w * eff).norm() / (w * eff).norm())
                 far = float((q - w).norm() / w.norm())
                 assert near < 0.45 and far > 1.5 * near, (p, near, far)
+    # inspect --verify divides the factors out again: the smoothed layers compare like any other
+    r = cli("inspect", dst, "--verify", src, "--json", "--max-error", "1.0")  # (W4A4 GPTQ on a tiny random model)
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.output)
+    layers = rep["verify"]["layers"] if "verify" in rep else rep["layers"]
+    q = next(k for k in layers if k.endswith("layers.0.self_attn.q_proj"))
+    assert layers[q]["rel_error"] < 0.45

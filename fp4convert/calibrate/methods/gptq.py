@@ -91,7 +91,7 @@ class GPTQ:
         self.outside = [d for d in plan.decisions if d.action == QUANTIZE and id(d) not in in_blocks]
         self.damped: dict[str, float] = {}  # module -> the dampening that factorized, where above --gptq-damp
         self._unseen: list[str] = []  # quantized matrices whose input the pass never saw
-        self.smoothed: list[str] = []  # norm weights --smooth changed (checkpoint names)
+        self.smoothed: dict[str, dict] = {}  # norm weight --smooth changed -> its readers, its form
 
     @property
     def unseen(self) -> list[str]:
@@ -193,6 +193,7 @@ class GPTQ:
         changed: dict[str, torch.Tensor] = {}  # checkpoint name -> fp32 tensor the block loads
         out: dict[str, torch.Tensor] = {}  # the norm weights in their dtype
         tokens: list[tuple] = []
+        record: dict[str, dict] = {}
         for norm, names in sorted(by_norm.items()):
             key = self.lm.disk_of.get(norm + ".weight")
             obs = {id(o): o for n in names if (o := observers.get(n)) is not None}
@@ -208,7 +209,8 @@ class GPTQ:
             got = fold(modules[norm[len(visit.prefix):]], kept[key], scales(x_amax, w_amax, self.config.smooth), dtype)
             if got is None:
                 continue
-            new, eff = got
+            new, eff, offset = got
+            record[key] = {"readers": sorted({m.module for _, m in mats}), "offset": offset}
             changed[key] = new
             out[key] = new.to(dtype).cpu()
             for d, m in mats:
@@ -232,7 +234,7 @@ class GPTQ:
         for o, eff in tokens:
             o.kept = [t / eff.to(t.device, t.dtype) for t in o.kept]
             o.amax = torch.stack([t.abs().amax() for t in o.kept]).amax().float()
-        self.smoothed += sorted(out)
+        self.smoothed.update(record)
         return out
 
     def steps(self, prefix: str, decisions: list[Decision], observers: Observers) -> list[list[Decision]]:
@@ -459,7 +461,7 @@ class GPTQ:
                 "block": self.config.gptq_block, "act_order": self.config.gptq_act_order,
                 "true_sequential": self.config.gptq_true_sequential, "device": device,
                 "target": "engine-rounded inputs" if self.config.activations != "none" else "inputs",
-                **({"smooth": self.config.smooth, "smoothed": sorted(self.smoothed)} if self.config.smooth else {}),
+                **({"smooth": self.config.smooth, "smoothed": dict(sorted(self.smoothed.items()))} if self.config.smooth else {}),
                 "quantized": len(self.store.index), "damp_raised": dict(sorted(self.damped.items())),
                 "rtn": sorted(self._unseen),
                 "description": f"GPTQ (each column's rounding error compensated on calibration tokens{w4a4}; "
