@@ -38,6 +38,9 @@ ROWS = {
     "gptq_file": ["--method", "gptq", "--calibration-data", "{calibration}"],
     # GPTQ with NVFP4 activations (W4A4): self-generated samples, the asymmetric objective (docs/numerics.md "GPTQ")
     "gptq_w4a4": ["--method", "gptq", "--activations", "nvfp4", "--format", "compressed-tensors"],
+    # W4A4 GPTQ without its default smoothing (--smooth 0)
+    "gptq_w4a4_smooth0": ["--method", "gptq", "--smooth", "0", "--activations", "nvfp4", "--format",
+                          "compressed-tensors"],
     # the same two with --true-sequential (each block run again before each of its later GPTQ steps)
     "gptq_ts": ["--method", "gptq", "--true-sequential"],
     "gptq_w4a4_ts": ["--method", "gptq", "--true-sequential", "--activations", "nvfp4", "--format",

@@ -35,6 +35,7 @@ KEPT_DTYPES = ("source", "bf16")
 RTN = "rtn"
 GPTQ_DAMP = 0.01  # (mirrors fp4convert/numerics/gptq.py DAMP and BLOCK, which import torch)
 GPTQ_BLOCK = 128
+SMOOTH = 0.5  # W4A4 GPTQ's default smoothing strength (NVFP4 activations; BENCHMARKS.md "W4A4 GPTQ with smoothing")
 KEPT_TO_BF16 = ("F32", "F64")
 
 
@@ -82,7 +83,7 @@ class Recipe:
     true_sequential: bool | None = None  # None: on for weight-only gptq (measured); see gptq_true_sequential
     # W4A4 GPTQ: SmoothQuant's migration strength (0: off); the norm-fed inputs divided per channel by
     # s = amax_x^a / amax_w^(1-a), folded into the norm's weight (docs/numerics.md "GPTQ", smoothing)
-    smooth: float = 0.0
+    smooth: float | None = None  # None: SMOOTH for NVFP4 W4A4 GPTQ without a rotation (measured); see gptq_smooth
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ class ConvertConfig(RunOptions, Recipe):
         if self.smooth and (self.method != "gptq" or self.activations == "none"):
             raise ConfigError("--smooth applies to W4A4 GPTQ only (--method gptq with --activations): it moves the "
                               "activations' rounding error into the weights, which GPTQ then compensates")
-        if not (isinstance(self.smooth, (int, float)) and 0.0 <= self.smooth < 1.0):
+        if self.smooth is not None and not (isinstance(self.smooth, (int, float)) and 0.0 <= self.smooth < 1.0):
             raise ConfigError(f"--smooth {self.smooth!r}: give a migration strength in [0, 1), e.g. 0.5")
         if self.smooth and self.kept_dtype != "source":
             raise ConfigError("--smooth writes the norms it changes in their own dtype; drop --kept-dtype")
@@ -279,6 +280,17 @@ class ConvertConfig(RunOptions, Recipe):
         return self.act_order if self.act_order is not None else self.method == "gptq"
 
     @property
+    def gptq_smooth(self) -> float:
+        """W4A4 GPTQ's smoothing strength in effect: the one asked for, else SMOOTH for NVFP4 activations
+        without a rotation (measured, BENCHMARKS.md "W4A4 GPTQ with smoothing": NVFP4 W4A4 KL SmolLM2-135M
+        0.206 -> 0.180, Gemma 3 270M 0.376 -> 0.325), else 0 (MXFP4 activations: not measured)."""
+        if self.smooth is not None:
+            return float(self.smooth)
+        default = (self.method == "gptq" and self.activations == "nvfp4" and self.rotate in (None, "none")
+                   and self.kept_dtype == "source")
+        return SMOOTH if default else 0.0
+
+    @property
     def gptq_true_sequential(self) -> bool:
         """GPTQ's true-sequential order in effect: the one asked for, else on for weight-only GPTQ and off
         with --activations (measured, BENCHMARKS.md "True-sequential GPTQ": Gemma 3 270M NVFP4A16 KL 0.119
@@ -293,8 +305,8 @@ class ConvertConfig(RunOptions, Recipe):
             return {}
         own = {"damp": self.gptq_damp, "block": self.gptq_block, "act_order": self.gptq_act_order,
                "true_sequential": self.gptq_true_sequential} if self.method == "gptq" else {}
-        if self.smooth:
-            own["smooth"] = self.smooth
+        if self.gptq_smooth:
+            own["smooth"] = self.gptq_smooth
         return {"method": {"name": self.method, **own, "calibration": self._calibration_identity()}}
 
     def _calibration_identity(self) -> dict:

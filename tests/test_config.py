@@ -51,14 +51,15 @@ def test_the_recipe_is_the_identity_and_run_options_never_change_it() -> None:
                       "calibration_samples": (4,), "calibration_seq_len": (8,), "calibration_seed": (1,),
                       "activations": ("nvfp4",), "activation_scale": ("constant",), "calibration_data": ("c.txt",),
                       "method": ("gptq",), "gptq_damp": (0.05,), "gptq_block": (256,), "act_order": (False,),
-                      "true_sequential": (False,)}
+                      "true_sequential": (False,), "smooth": (0.3,)}
     assert set(recipe_changes) == {f.name for f in fields(Recipe)}
     # fields that only count with others on (W4A4 NVFP4 with calibration / input weights) are changed with them
     w4a4 = replace(base, activations="nvfp4", format="compressed-tensors")
     iw = replace(base, input_weights="random")
     gptq = replace(base, method="gptq")
     for name, (value,) in recipe_changes.items():
-        start = w4a4 if name in ("activation_scale", "calibration_data") else \
+        start = replace(w4a4, method="gptq") if name == "smooth" else \
+            w4a4 if name in ("activation_scale", "calibration_data") else \
             iw if name in ("calibration_samples", "calibration_seq_len", "calibration_seed") else \
             gptq if name in ("gptq_damp", "gptq_block", "act_order", "true_sequential") else base
         if name == "activations":

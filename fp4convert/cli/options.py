@@ -121,11 +121,12 @@ def method_options(fn: Callable) -> Callable:
                           "once more per step) [default: on without --activations; measured: Gemma 3 270M NVFP4 KL "
                           "0.102 with, 0.119 without; off with --activations: SmolLM2-135M NVFP4 W4A4 0.215 with, "
                           "0.206 without]."),
-        click.option("--smooth", type=click.FloatRange(min=0.0, max=1.0, max_open=True), default=0.0,
-                     show_default=True,
+        click.option("--smooth", type=click.FloatRange(min=0.0, max=1.0, max_open=True), default=None,
                      help="W4A4 GPTQ: SmoothQuant's migration strength; each norm-fed input (q/k/v's, gate/up's) is "
                           "divided per channel by amax_x^a / amax_w^(1-a), folded into the norm's weight, the linears' "
-                          "columns multiplied by it (0: off)."),
+                          "columns multiplied by it; 0 turns it off [default: 0.5 with --activations nvfp4 and no "
+                          "rotation, else 0; measured: NVFP4 W4A4 KL SmolLM2-135M 0.180 with, 0.206 without; Gemma 3 "
+                          "270M 0.325 with, 0.376 without]."),
         click.option("--gptq-damp", type=click.FloatRange(min=0.0, min_open=True, max=10.0), default=GPTQ_DAMP,
                      show_default=True, help="--method gptq: dampening, a fraction of the Hessian's mean diagonal."),
         click.option("--gptq-block", type=click.IntRange(min=32), default=GPTQ_BLOCK, show_default=True,

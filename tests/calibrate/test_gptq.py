@@ -175,6 +175,12 @@ def test_gptq_defaults_and_identity():
                          true_sequential=True).gptq_true_sequential
     assert not ConvertConfig(method="gptq", true_sequential=False).gptq_true_sequential
     assert not ConvertConfig().gptq_true_sequential
+    w4a4 = {"method": "gptq", "activations": "nvfp4", "format": "compressed-tensors"}
+    assert ConvertConfig(**w4a4).gptq_smooth == 0.5 and c.gptq_smooth == 0.0  # NVFP4 W4A4 only
+    assert ConvertConfig(**w4a4).identity()["method"]["smooth"] == 0.5 and "smooth" not in c.identity()["method"]
+    assert ConvertConfig(**w4a4, smooth=0.0).gptq_smooth == 0.0 and ConvertConfig(**w4a4, smooth=0.25).gptq_smooth == 0.25
+    assert ConvertConfig(**w4a4, rotate="had16").gptq_smooth == 0.0 and ConvertConfig(**w4a4, kept_dtype="bf16").gptq_smooth == 0.0
+    assert ConvertConfig(**{**w4a4, "activations": "mxfp4", "scheme": "mxfp4"}).gptq_smooth == 0.0
     assert not ConvertConfig(method="gptq", act_order=False).gptq_act_order
     assert c.identity()["method"]["name"] == "gptq"
     assert ConvertConfig(method="gptq", scale_rule="4over6").rule == "4over6"

@@ -146,7 +146,7 @@ class GPTQ:
         block run again before each step after the first so its inputs come from the linears quantized
         before it. Returns the W4A4 hooks (:meth:`engine_activations`) of every step."""
         steps = self.steps(visit.prefix, decisions, observers) if self.config.gptq_true_sequential else [decisions]
-        smoothed = self.smooth(visit, decisions, observers) if self.config.smooth else {}
+        smoothed = self.smooth(visit, decisions, observers) if self.config.gptq_smooth else {}
         read = dict(self.lm.kept)  # the block's tensors as read (smoothed): the reloads take them, not the disk again
         replaced: dict[str, torch.Tensor] = {}
         made: list = []
@@ -206,7 +206,7 @@ class GPTQ:
             x_amax = torch.stack([t.abs().amax(0) for t in o.kept]).amax(0)
             w_amax = torch.stack([matrix_view(kept[d.info.name], m).abs().amax(0) for d, m in mats]).amax(0)
             dtype = torch_dtypes()[self.lm.infos[key].dtype]
-            got = fold(modules[norm[len(visit.prefix):]], kept[key], scales(x_amax, w_amax, self.config.smooth), dtype)
+            got = fold(modules[norm[len(visit.prefix):]], kept[key], scales(x_amax, w_amax, self.config.gptq_smooth), dtype)
             if got is None:
                 continue
             new, eff, offset = got
@@ -454,14 +454,16 @@ class GPTQ:
         device = "cuda" if self.lm.device.type == "cuda" else "cpu"
         order = (", act-order" if self.config.gptq_act_order else "") + \
             (", true-sequential" if self.config.gptq_true_sequential else "") + \
-            (f", inputs smoothed into their norms (SmoothQuant, alpha {self.config.smooth})" if self.config.smooth else "")
+            (f", inputs smoothed into their norms (SmoothQuant, alpha {self.config.gptq_smooth})"
+             if self.config.gptq_smooth else "")
         w4a4 = ", against the served layer's outputs on the activations as the engine rounds them" \
             if self.config.activations != "none" else ""
         return {"method": "gptq", "scale_rule": self.rule, "damp": self.config.gptq_damp,
                 "block": self.config.gptq_block, "act_order": self.config.gptq_act_order,
                 "true_sequential": self.config.gptq_true_sequential, "device": device,
                 "target": "engine-rounded inputs" if self.config.activations != "none" else "inputs",
-                **({"smooth": self.config.smooth, "smoothed": dict(sorted(self.smoothed.items()))} if self.config.smooth else {}),
+                **({"smooth": self.config.gptq_smooth, "smoothed": dict(sorted(self.smoothed.items()))}
+                   if self.config.gptq_smooth else {}),
                 "quantized": len(self.store.index), "damp_raised": dict(sorted(self.damped.items())),
                 "rtn": sorted(self._unseen),
                 "description": f"GPTQ (each column's rounding error compensated on calibration tokens{w4a4}; "
