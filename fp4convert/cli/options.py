@@ -109,9 +109,9 @@ def method_options(fn: Callable) -> Callable:
                           "calibration samples (--calibration-data, else self-generated), block by block on the "
                           "model (the GPU when there is one), each column's rounding error pushed onto the columns "
                           "not yet quantized. Measured (BENCHMARKS.md): SmolLM2-135M NVFP4 next-token KL 0.049 against "
-                          "0.186 for rtn (llm-compressor's GPTQ: 0.070); it runs the model first (H200, 8 Llama-3-8B "
-                          "layers: 7.8x the data-free run; on the same tokens 0.68x llm-compressor's GPTQ time). With "
-                          "--rotate had16: MR-GPTQ."),
+                          "0.186 for rtn (llm-compressor's GPTQ: 0.070), NVFP4 W4A4 0.180 (llm-compressor's: 0.235); "
+                          "it runs the model first (H200, 8 Llama-3-8B layers: 7.6x the data-free run; on the same "
+                          "tokens 0.68x llm-compressor's GPTQ time). With --rotate had16: MR-GPTQ."),
         click.option("--act-order/--no-act-order", default=None,
                      help="--method gptq: quantize the scale blocks with the largest input energy first "
                           "[default: on; measured: SmolLM2-135M NVFP4 KL 0.049 with, 0.066 without]."),

@@ -123,3 +123,13 @@ def test_a_smoothed_conversion_moves_the_norms_factor_into_the_linears(tmp_path)
     layers = rep["verify"]["layers"] if "verify" in rep else rep["layers"]
     q = next(k for k in layers if k.endswith("layers.0.self_attn.q_proj"))
     assert layers[q]["rel_error"] < 0.45
+    # the real consumer loads it: transformers + compressed-tensors, the smoothed norms as written
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32,
+                                                    quantization_config=tf.CompressedTensorsConfig(dequantize=True))
+    params = dict(model.named_parameters())
+    for key in want:
+        assert torch.equal(params[key].detach(), b[key].float())
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(model(input_ids=ids).logits).all()
