@@ -80,7 +80,7 @@ class Recipe:
     gptq_damp: float = GPTQ_DAMP
     gptq_block: int = GPTQ_BLOCK
     act_order: bool | None = None  # None: on for gptq (measured: BENCHMARKS.md "GPTQ"); see gptq_act_order
-    true_sequential: bool | None = None  # None: on for weight-only gptq (measured); see gptq_true_sequential
+    true_sequential: bool | None = None  # None: on for weight-only gptq, no rotation (measured); see gptq_true_sequential
     # W4A4 GPTQ: SmoothQuant's migration strength (0: off); the norm-fed inputs divided per channel by
     # s = amax_x^a / amax_w^(1-a), folded into the norm's weight (docs/numerics.md "GPTQ", smoothing)
     smooth: float | None = None  # None: SMOOTH for NVFP4 W4A4 GPTQ without a rotation (measured); see gptq_smooth
@@ -292,12 +292,13 @@ class ConvertConfig(RunOptions, Recipe):
 
     @property
     def gptq_true_sequential(self) -> bool:
-        """GPTQ's true-sequential order in effect: the one asked for, else on for weight-only GPTQ and off
-        with --activations (measured, BENCHMARKS.md "True-sequential GPTQ": Gemma 3 270M NVFP4A16 KL 0.119
-        -> 0.102, SmolLM2-135M 0.0494 -> 0.0491; SmolLM2 NVFP4 W4A4 0.206 -> 0.215)."""
+        """GPTQ's true-sequential order in effect: the one asked for, else on for weight-only GPTQ without a
+        rotation and off otherwise (measured, BENCHMARKS.md "Calibrated accuracy, 2026-11-29": NVFP4A16 KL
+        Gemma 3 270M 0.119 -> 0.102, SmolLM2-135M 0.0494 -> 0.0491; worse with --rotate had16, MXFP4A16
+        0.177 -> 0.184 and 0.073 -> 0.075, and with W4A4, SmolLM2 0.206 -> 0.215)."""
         if self.true_sequential is not None:
             return self.true_sequential
-        return self.method == "gptq" and self.activations == "none"
+        return self.method == "gptq" and self.activations == "none" and self.rotate in (None, "none")
 
     def method_identity(self) -> dict:
         """A calibrated method's settings in the identity ({} for rtn: identities of earlier runs unchanged)."""

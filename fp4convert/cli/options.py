@@ -118,9 +118,9 @@ def method_options(fn: Callable) -> Callable:
         click.option("--true-sequential/--no-true-sequential", default=None,
                      help="--method gptq: within each block, calibrate each linear on the outputs of the block's "
                           "linears quantized before it (q/k/v, then o, then gate/up, then down: the block runs "
-                          "once more per step) [default: on without --activations; measured: Gemma 3 270M NVFP4 KL "
-                          "0.102 with, 0.119 without; off with --activations: SmolLM2-135M NVFP4 W4A4 0.215 with, "
-                          "0.206 without]."),
+                          "once more per step) [default: on without --activations and --rotate; measured: Gemma 3 270M "
+                          "NVFP4 KL 0.102 with, 0.119 without; off otherwise: SmolLM2-135M NVFP4 W4A4 0.215 with, "
+                          "0.206 without, Gemma 3 MXFP4 --rotate had16 0.184 with, 0.177 without]."),
         click.option("--smooth", type=click.FloatRange(min=0.0, max=1.0, max_open=True), default=None,
                      help="W4A4 GPTQ: SmoothQuant's migration strength; each norm-fed input (q/k/v's, gate/up's) is "
                           "divided per channel by amax_x^a / amax_w^(1-a), folded into the norm's weight, the linears' "

@@ -175,6 +175,7 @@ def test_gptq_defaults_and_identity():
                          true_sequential=True).gptq_true_sequential
     assert not ConvertConfig(method="gptq", true_sequential=False).gptq_true_sequential
     assert not ConvertConfig().gptq_true_sequential
+    assert not ConvertConfig(method="gptq", rotate="had16").gptq_true_sequential
     w4a4 = {"method": "gptq", "activations": "nvfp4", "format": "compressed-tensors"}
     assert ConvertConfig(**w4a4).gptq_smooth == 0.5 and c.gptq_smooth == 0.0  # NVFP4 W4A4 only
     assert ConvertConfig(**w4a4).identity()["method"]["smooth"] == 0.5 and "smooth" not in c.identity()["method"]
