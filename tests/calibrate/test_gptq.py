@@ -68,13 +68,19 @@ def test_gptq_runs_every_architecture_class_and_says_what_it_quantized(tmp_path,
 
 
 @pytest.mark.parametrize("model_type", ["lfm2"])
-def test_gptq_runs_a_hybrid_attention_ssm_decoder(tmp_path, text, model_type):
+@pytest.mark.parametrize("extra", [(), ("--activations", "nvfp4", "--format", "compressed-tensors")],
+                         ids=["weights", "w4a4-smoothed"])
+def test_gptq_runs_a_hybrid_attention_ssm_decoder(tmp_path, text, model_type, extra):
+    """Weight-only, and W4A4 with its default smoothing (norms of other forms, or read by more than the
+    quantized linears, are left alone; the ones it folds are listed)."""
     out = tiny_configs.build(model_type, tmp_path)
     if not out.ok:
         pytest.skip(f"{model_type}: tiny build failed ({out.error})")
     src = add_tokenizer(Path(out.path))
-    m = quantize(src, tmp_path / "gptq", text, "--method", "gptq")
+    m = quantize(src, tmp_path / "gptq", text, "--method", "gptq", *extra)
     assert m["method"]["rtn"] == [] and m["method"]["quantized"] > 0
+    if extra:
+        assert m["method"]["smooth"] == 0.5 and isinstance(m["method"]["smoothed"], dict)
 
 
 def logits(path: Path, ids: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,20 @@ def test_fold_refuses_a_norm_with_a_bias():
     assert fold(torch.nn.LayerNorm(16), torch.ones(16), torch.full((16,), 2.0), torch.float32) is None
 
 
+def test_fold_refuses_a_norm_that_takes_more_than_its_input():
+    """A gated norm (Mamba's ``norm(x, gate)``) or any other form it cannot run on the input alone."""
+
+    class GatedNorm(torch.nn.Module):
+        def __init__(self, k: int) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(k))
+
+        def forward(self, x, gate):
+            return x * torch.sigmoid(gate) * self.weight
+
+    assert fold(GatedNorm(16), torch.ones(16), torch.full((16,), 2.0), torch.float32) is None
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"smooth": 0.5, "method": "gptq"}, "W4A4 GPTQ only"),
     ({"smooth": 0.5, "activations": "nvfp4", "format": "compressed-tensors"}, "W4A4 GPTQ only"),
