@@ -76,6 +76,7 @@ class Visit:
     # input name -> the norm module whose output every call of it was (its weight can take a per-channel
     # scale of that input: GPTQ's smoothing); inputs fed by anything else are absent
     fed: dict[str, str] = field(default_factory=dict)
+    outputs: list = field(default_factory=list)  # the block's outputs of the run just observed (weights as read)
 
 
 class LayerwiseModel(BlockWeights):
@@ -171,7 +172,7 @@ class LayerwiseModel(BlockWeights):
                     finally:
                         observers.only = None
 
-                visit = Visit(i, prefix, again=again, fed={k: v for k, v in fed.items() if v})
+                visit = Visit(i, prefix, again=again, fed={k: v for k, v in fed.items() if v}, outputs=outs)
                 yield visit
                 if visit.reloaded:
                     outs = self._run_block(i, block, calls[i], hs, reps[i])

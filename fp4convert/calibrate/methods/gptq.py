@@ -220,7 +220,7 @@ class GPTQ:
         if not changed:
             return {}
         with stages.timed("gptq_smooth"):
-            before = visit.again([]) if visit.again is not None else []
+            before = visit.outputs  # (the block's first run, the weights as read)
             self.lm.reload_block(visit, {**kept, **changed})
             after = visit.again([]) if visit.again is not None else []
         worst = max((float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(after, before)),
