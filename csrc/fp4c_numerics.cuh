@@ -304,12 +304,12 @@ __device__ __forceinline__ bool nvfp4_unmasked_safe(float r, float d) {
 }
 
 // block_err_codes<N, false, WEIGHTED> (same error bits, same codes without signs) on the scaled
-// chain above, for a candidate whose every y = RN(x_i r) is below 7, with rs = r * 2^-104 and
+// chain above, for a candidate whose every y = RN(x_i r) is below 7 (any y with CLAMP6), with rs = r * 2^-104 and
 // dd = d * 2^126 both exact (nvfp4_fast_ok): value * d = p * dd exactly, so RN(value * d) is one
 // multiply of p. IW: c holds the N input weights. MASKED: the exponent-bits chain; !MASKED: the
 // unmasked one, only where nvfp4_unmasked_safe holds for the input's type. 10 instructions per
 // element (9 unmasked; one more each weighted).
-template <int N, bool WEIGHTED, bool IW, bool MASKED = true>
+template <int N, bool WEIGHTED, bool IW, bool MASKED = true, bool CLAMP6 = false>
 __device__ __forceinline__ float block_err_codes_scaled(const float* v, float rs, float dd, uint32_t* codes,
                                                         const float* c) {
   float err = 0.0f;
@@ -318,7 +318,9 @@ __device__ __forceinline__ float block_err_codes_scaled(const float* v, float rs
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     const float a = fabsf(v[i]);
-    const float ys = __fmul_rn(a, rs);
+    // CLAMP6: y = min(y, 6) first (E2M1(y) = 6 for every y >= 5, and min(y, 6) differs from y only above
+    // 6), so any y, however large, stays on the chain's domain; the error still uses x itself
+    const float ys = CLAMP6 ? fminf(__fmul_rn(a, rs), 0x1.8p-102f) : __fmul_rn(a, rs);
     const float p = MASKED ? e2m1_p_from_cs(ys, e2m1_cs(ys)) : e2m1_p_unmasked(ys);
     pack_idx22(codes, i, p);
     float e = __fsub_rn(__fmul_rn(p, dd), a);
@@ -519,30 +521,49 @@ __device__ __forceinline__ float2 nvfp4_candidate(float gs, uint32_t byte) {
 
 // One NVFP4 candidate (r, d) = k of a block with max bmax: its block error and codes (no signs), on
 // the scaled software path where nvfp4_fast_ok allows, else block_err_codes with the clamp.
-// FLAGS: the table's d carries a flag in its sign bit (fill_candidates of the quantize kernel):
-// set = nvfp4_unmasked_safe for this kernel's input type, so the unmasked chain may score it. A table
-// of nvfp4_candidate (d >= 0) never takes that chain.
-template <bool W, bool IW, bool FLAGS = false>
+// UM: the unmasked chain (one instruction fewer per element), only where nvfp4_unmasked_safe holds for
+// every byte of the matrix's table and the kernel's input type (fill_candidates decides per matrix, so a
+// warp never runs both chains: per byte, a global scale whose table has an unsafe class, one byte in
+// eight, would split nearly every warp).
+// CLAMP6: the scaled chain clamps y at 6 itself, so only d < 4 is asked of the candidate (the b6 - 1
+// candidate of mse / wmse, whose products reach 7 on many blocks: without it those blocks would take the
+// general path and split their warps).
+template <bool W, bool IW, bool UM = false, bool CLAMP6 = false>
 __device__ __forceinline__ float nvfp4_candidate_err(const float v[16], float bmax, float2 k, uint32_t cw[2],
                                                      const float* c) {
 #if FP4C_HW_E2M1
   (void)bmax;
   return block_err_codes<16, true, W>(v, k.x, k.y, cw, IW ? c : nullptr);
 #else
-  const float d = FLAGS ? fabsf(k.y) : k.y;
-  if (nvfp4_fast_ok(bmax, k.x, d)) {
-    const float rs = __fmul_rn(k.x, 0x1p-104f), dd = __fmul_rn(d, 0x1p126f);
-    if (FLAGS && (__float_as_uint(k.y) >> 31)) return block_err_codes_scaled<16, W, IW, false>(v, rs, dd, cw, c);
-    return block_err_codes_scaled<16, W, IW>(v, rs, dd, cw, c);
+  if (CLAMP6 ? k.y < 4.0f && bmax <= FLT_MAX : nvfp4_fast_ok(bmax, k.x, k.y)) {  // (a NaN / Inf block: general)
+    const float rs = __fmul_rn(k.x, 0x1p-104f), dd = __fmul_rn(k.y, 0x1p126f);
+    return block_err_codes_scaled<16, W, IW, !UM, CLAMP6>(v, rs, dd, cw, c);
   }
-  return block_err_codes<16, true, W>(v, k.x, d, cw, IW ? c : nullptr);
+  return block_err_codes<16, true, W>(v, k.x, k.y, cw, IW ? c : nullptr);
 #endif
+}
+
+// The two candidates b6 and b4 of one block, in one branch where both take the scaled chain (the common
+// case), so that their chains share a basic block and interleave.
+template <bool W, bool IW, bool UM>
+__device__ __forceinline__ void nvfp4_candidates_64(const float v[16], float bmax, float2 k6, float2 k4,
+                                                    uint32_t c6[2], uint32_t c4[2], float& err6, float& err4,
+                                                    const float* c) {
+#if !FP4C_HW_E2M1
+  if (nvfp4_fast_ok(bmax, k6.x, k6.y) && nvfp4_fast_ok(bmax, k4.x, k4.y)) {
+    err6 = block_err_codes_scaled<16, W, IW, !UM>(v, __fmul_rn(k6.x, 0x1p-104f), __fmul_rn(k6.y, 0x1p126f), c6, c);
+    err4 = block_err_codes_scaled<16, W, IW, !UM>(v, __fmul_rn(k4.x, 0x1p-104f), __fmul_rn(k4.y, 0x1p126f), c4, c);
+    return;
+  }
+#endif
+  err6 = nvfp4_candidate_err<W, IW, UM>(v, bmax, k6, c6, c);
+  err4 = nvfp4_candidate_err<W, IW, UM>(v, bmax, k4, c4, c);
 }
 
 // nvfp4_block_search with the input weight's presence known at compile time (IW: c is the block's 16
 // weights; !IW: c is ignored), so the unweighted path carries no per-element weight test.
 // sg (may be null): the block's two sign words (signs8_raw), else the signs come from v.
-template <int RULE, bool IW, bool FLAGS = false>
+template <int RULE, bool IW, bool UM = false>
 __device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float gs, uint32_t bmax_bits,
                                                       const float2* rd, uint32_t codes[2], uint32_t& byte,
                                                       const float* c, const uint32_t* sg = nullptr) {
@@ -553,15 +574,15 @@ __device__ __forceinline__ void nvfp4_block_search_iw(const float v[16], float g
   const float2 k6 = rd[b6], k4 = rd[b4];
   constexpr bool W = RULE == RULE_WMSE;
   uint32_t c6[2], c4[2];
-  const float err6 = nvfp4_candidate_err<W, IW, FLAGS>(v, bmax, k6, c6, c);
-  const float err4 = nvfp4_candidate_err<W, IW, FLAGS>(v, bmax, k4, c4, c);
+  float err6, err4;
+  nvfp4_candidates_64<W, IW, UM>(v, bmax, k6, k4, c6, c4, err6, err4, c);
   uint32_t best = b6, k0 = c6[0], k1 = c6[1];
   if constexpr (RULE == RULE_MSE || RULE == RULE_WMSE) {
     float best_err = err6;
     if (err4 <= best_err) best = b4, k0 = c4[0], k1 = c4[1], best_err = err4;  // a tie: the larger byte
     const uint32_t bm = b6 > 0u ? b6 - 1u : 0u;
     uint32_t cm[2];
-    const float errm = nvfp4_candidate_err<W, IW, FLAGS>(v, bmax, rd[bm], cm, c);
+    const float errm = nvfp4_candidate_err<W, IW, UM, true>(v, bmax, rd[bm], cm, c);
     if (errm < best_err || (errm == best_err && bm > best)) best = bm, k0 = cm[0], k1 = cm[1];
   } else {
     if (err4 < err6) best = b4, k0 = c4[0], k1 = c4[1];  // ties keep the /6 scale

@@ -60,7 +60,7 @@ __device__ __forceinline__ float matrix_gs(const float* amax, float* gs_out, int
   }
 }
 
-// Whether the NVFP4 search of this kernel may take the unmasked chain (nvfp4_candidate_err's FLAGS):
+// Whether the NVFP4 search of this kernel may take the unmasked chain at all (nvfp4_candidate_err's UM):
 // software E2M1, and inputs of a 16-bit type unrotated (nvfp4_unmasked_safe reasons about their grid).
 template <int DT, bool ROT>
 __host__ __device__ constexpr bool unmasked_flags() {
@@ -68,22 +68,27 @@ __host__ __device__ constexpr bool unmasked_flags() {
 }
 
 // NVFP4 search rules: the (r, d) of every E4M3 byte for this matrix's gs, in shared memory (see
-// nvfp4_candidate); with unmasked_flags, d's sign bit set where nvfp4_unmasked_safe holds. Every
-// thread of the CTA must call it (two barriers); a no-op for other rules.
+// nvfp4_candidate). Returns, to every thread, whether the whole matrix may take the unmasked chain:
+// unmasked_flags and nvfp4_unmasked_safe for all 128 bytes (one decision per matrix keeps every warp on
+// one chain). Every thread of the CTA must call it (two barriers); a no-op (false) for other rules.
 template <int FMT, int RULE, int DT, bool ROT>
-__device__ __forceinline__ void fill_candidates(float2* rd, float gs) {
+__device__ __forceinline__ bool fill_candidates(float2* rd, float gs) {
   if constexpr (FMT == FMT_NVFP4 && RULE != RULE_PLAIN) {
     static_assert(THREADS >= 128, "one thread per E4M3 byte");
     __syncthreads();  // the previous matrix's table is no longer read
+    bool safe = true;
     if (threadIdx.x < 128) {
-      float2 k = nvfp4_candidate(gs, threadIdx.x);
+      const float2 k = nvfp4_candidate(gs, threadIdx.x);
 #if !FP4C_HW_E2M1
-      if constexpr (unmasked_flags<DT, ROT>())
-        if (nvfp4_unmasked_safe<DT == DT_BF16>(k.x, k.y)) k.y = __uint_as_float(__float_as_uint(k.y) | 0x80000000u);
+      if constexpr (unmasked_flags<DT, ROT>()) safe = nvfp4_unmasked_safe<DT == DT_BF16>(k.x, k.y);
 #endif
       rd[threadIdx.x] = k;
     }
-    __syncthreads();
+    return __syncthreads_and(safe) && unmasked_flags<DT, ROT>();
+  } else {
+    (void)rd;
+    (void)gs;
+    return false;
   }
 }
 
@@ -93,7 +98,7 @@ __device__ __forceinline__ void fill_candidates(float2* rd, float gs) {
 // iw0 / iw1: the input weights of the group's first / second 16 elements (MXFP4: iw0, all 32), read
 // by the search rules only where IW (the caller tests the pointer once per group, so the unweighted
 // path has no per-element test).
-template <int DT, int FMT, bool ROT, int RULE, bool IW = false>
+template <int DT, int FMT, bool ROT, int RULE, bool IW = false, bool UM = false>
 __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, float gs, const float2* rd,
                                              uint32_t codes[4], uint32_t sb[2], const float* iw0 = nullptr,
                                              const float* iw1 = nullptr) {
@@ -127,9 +132,8 @@ __device__ __forceinline__ bool encode_group(const Raw<DT>& raw, bool full, floa
           sg[0] = signs8_raw(w);
           sg[1] = signs8_raw(w + 4);
         }
-        nvfp4_block_search_iw<RULE, IW, unmasked_flags<DT, ROT>()>(v, gs, mb, rd, codes + 2 * c, sb[c],
-                                                                     c == 0 ? iw0 : iw1,
-                                                                     DT == DT_BF16 && !ROT ? sg : nullptr);
+        nvfp4_block_search_iw<RULE, IW, UM>(v, gs, mb, rd, codes + 2 * c, sb[c],
+                                                 c == 0 ? iw0 : iw1, DT == DT_BF16 && !ROT ? sg : nullptr);
       }
     }
   } else {
@@ -187,11 +191,28 @@ __device__ __forceinline__ void store_codes(uint8_t* op, bool full, const uint32
   }
 }
 
+// Whether the linear kernel of a rule strides over its matrix (a grid of one wave, each thread taking
+// groups g0, g0 + gridDim.x * 256, ...): the NVFP4 search rules (4over6 / mse / wmse), whose per-matrix
+// setup (the global scale's division, the (r, d) table with its 128 pairs of IEEE divisions) is then
+// paid once per CTA and matrix instead of once per 512 groups (those rules are issue bound on sm_90).
+template <int FMT, int RULE>
+__host__ __device__ constexpr bool strides() {
+  return FMT == FMT_NVFP4 && RULE != RULE_PLAIN;
+}
+
+// Groups per thread of a kernel that does not stride: 2 for MXFP4 mse / wmse (issue bound too, and
+// measured faster this way than striding: BENCHMARKS.md, issue 33), 1 for the plain rules, whose time is
+// the memory's. Also what benchmarks/sass_count.py's probe unrolls per thread (2 for every search rule).
+template <int FMT, int RULE>
+__host__ __device__ constexpr int groups_per_thread() {
+  return strides<FMT, RULE>() || RULE == RULE_MSE || RULE == RULE_WMSE ? 2 : 1;
+}
+
 // One group g of matrix b with the linear scale layout (raw data not yet loaded; full: all 32 elements,
 // else only the first 16): load, encode, store its codes and scale bytes. quantize_kernel's body, also
 // compiled on its own by benchmarks/sass_count.py (with full = true) to count the hot path. IW: the
 // search rules' input weights a.iw (non-null) are read.
-template <int DT, int FMT, bool ROT, int RULE, bool IW>
+template <int DT, int FMT, bool ROT, int RULE, bool IW, bool UM = false>
 __device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, int64_t g, bool full, float gs,
                                                const float2* rd) {
   Raw<DT> raw;
@@ -206,49 +227,60 @@ __device__ __forceinline__ void quantize_group(const QuantArgs& a, int64_t b, in
     iw0 = a.iw + (g * GROUP) % a.K;
     iw1 = a.iw + (g * GROUP + 16) % a.K;
   }
-  if (encode_group<DT, FMT, ROT, RULE, IW>(raw, full, gs, rd, codes, sb, iw0, iw1)) *(volatile int*)(a.flag + b) = 1;
+  if (encode_group<DT, FMT, ROT, RULE, IW, UM>(raw, full, gs, rd, codes, sb, iw0, iw1)) *(volatile int*)(a.flag + b) = 1;
   uint8_t* sp = a.so.base + b * a.so.mstride;
   if constexpr (FMT == FMT_NVFP4) {
-    sp[2 * g] = (uint8_t)sb[0];
-    if (full) sp[2 * g + 1] = (uint8_t)sb[1];
+    // (the striding search kernels store a group's two bytes at once where aligned: measured 4-5 points of
+    // copy bandwidth on NVFP4 mse / wmse; the plain kernels keep their code as it was)
+    if (strides<FMT, RULE>() && full && !(reinterpret_cast<uintptr_t>(sp + 2 * g) & 1)) {
+      *reinterpret_cast<uint16_t*>(sp + 2 * g) = (uint16_t)(sb[0] | (sb[1] << 8));
+    } else {
+      sp[2 * g] = (uint8_t)sb[0];
+      if (full) sp[2 * g + 1] = (uint8_t)sb[1];
+    }
   } else {
     sp[g] = (uint8_t)sb[0];
   }
   store_codes(a.packed + (b * a.n + g * GROUP) / 2, full, codes);
 }
 
-// Groups per thread of the linear kernel: SEARCH_GPT for the search rules (NVFP4 4over6 / mse / wmse,
-// MXFP4 mse / wmse), so each thread's per-matrix work (the global scale's division, the (r, d)
-// table's share, the setup) is spread over more elements (those rules are issue bound on sm_90); 1 for
-// the others, whose time is the memory's.
-#ifndef FP4C_SEARCH_GPT
-#define FP4C_SEARCH_GPT 2
-#endif
-constexpr int SEARCH_GPT = FP4C_SEARCH_GPT;
-template <int FMT, int RULE>
-__host__ __device__ constexpr int groups_per_thread() {
-  return RULE == RULE_MSE || RULE == RULE_WMSE || (FMT == FMT_NVFP4 && RULE == RULE_ALT) ? SEARCH_GPT : 1;
+// Linear scale layout: group g's scales are bytes 2g, 2g+1 (NVFP4) or g (MXFP4) of the matrix's
+// row-major scale array; a matrix is a flat run of groups. One thread's groups of matrix b: from g0 in
+// steps of the grid (strides) or of a CTA (groups_per_thread of them).
+template <int DT, int FMT, bool ROT, int RULE, bool IW, bool UM>
+__device__ __forceinline__ void quantize_groups(const QuantArgs& a, int64_t b, int64_t g0, float gs, const float2* rd) {
+  if constexpr (strides<FMT, RULE>()) {
+    const int64_t step = (int64_t)gridDim.x * THREADS;
+#pragma unroll 1
+    for (int64_t g = g0; g < a.groups; g += step)
+      quantize_group<DT, FMT, ROT, RULE, IW, UM>(a, b, g, g * GROUP + GROUP <= a.n, gs, rd);
+  } else {
+#pragma unroll 1
+    for (int k = 0; k < groups_per_thread<FMT, RULE>(); ++k) {
+      const int64_t g = g0 + k * THREADS;
+      if (g >= a.groups) break;
+      quantize_group<DT, FMT, ROT, RULE, IW, UM>(a, b, g, g * GROUP + GROUP <= a.n, gs, rd);
+    }
+  }
 }
 
-// Linear scale layout: groups_per_thread groups per thread (g0, g0 + 256, ...), a CTA per 256 of
-// them; the hardware block scheduler balances the tail. A matrix is a flat run of groups; group g's
-// scales are bytes 2g, 2g+1 (NVFP4) or g (MXFP4) of the matrix's row-major scale array.
 template <int DT, int FMT, bool ROT, int RULE, bool IW>
 __global__ void FP4C_QUANT_BOUNDS(FMT, RULE, IW) quantize_kernel(const QuantArgs a) {
-  constexpr int GPT = groups_per_thread<FMT, RULE>();
-  const int64_t g0 = (int64_t)blockIdx.x * THREADS * GPT + threadIdx.x;
+  const int64_t g0 = (int64_t)blockIdx.x * THREADS * (strides<FMT, RULE>() ? 1 : groups_per_thread<FMT, RULE>()) +
+                    threadIdx.x;
   constexpr bool TABLE = FMT == FMT_NVFP4 && RULE != RULE_PLAIN;
   __shared__ float2 rd[TABLE ? 128 : 1];
   if (!TABLE && g0 >= a.groups) return;  // (with a table every thread takes part in its barriers)
   for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
     const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, g0 == 0);
-    fill_candidates<FMT, RULE, DT, ROT>(rd, gs);
-#pragma unroll 1
-    for (int k = 0; k < GPT; ++k) {
-      const int64_t g = g0 + k * THREADS;
-      if (g >= a.groups) break;
-      quantize_group<DT, FMT, ROT, RULE, IW>(a, b, g, g * GROUP + GROUP <= a.n, gs, rd);
+    const bool um = fill_candidates<FMT, RULE, DT, ROT>(rd, gs);
+    if constexpr (TABLE && unmasked_flags<DT, ROT>()) {
+      if (um) {
+        quantize_groups<DT, FMT, ROT, RULE, IW, true>(a, b, g0, gs, rd);
+        continue;
+      }
     }
+    quantize_groups<DT, FMT, ROT, RULE, IW, false>(a, b, g0, gs, rd);
   }
 }
 
@@ -282,7 +314,7 @@ __global__ void FP4C_QUANT_BOUNDS(FMT, RULE, IW) quantize_swizzled_kernel(const 
   for (int64_t b = blockIdx.y; b < a.B; b += gridDim.y) {
     const uint8_t* xb = a.x + b * n * Elem<DT>::size;
     const float gs = matrix_gs<FMT>(a.amax, a.gs_out, a.flag, b, blockIdx.x == 0 && threadIdx.x == 0);
-    fill_candidates<FMT, RULE, DT, ROT>(rd, gs);
+    const bool um = fill_candidates<FMT, RULE, DT, ROT>(rd, gs);
     uint32_t s2[2] = {0, 0};
     bool bad = false;
     constexpr int NG = FMT == FMT_NVFP4 ? 1 : 2;  // groups per thread
@@ -299,7 +331,11 @@ __global__ void FP4C_QUANT_BOUNDS(FMT, RULE, IW) quantize_swizzled_kernel(const 
           if (j < Raw<DT>::NV / 2 || full) raw.q[j] = ldg16(p + 16 * j);
         uint32_t codes[4], sb[2] = {0, 0};
         const float* iw0 = IW ? a.iw + kb * BS : nullptr;
-        bad |= encode_group<DT, FMT, ROT, RULE, IW>(raw, full, gs, rd, codes, sb, iw0, IW ? iw0 + 16 : nullptr);
+        const float* iw1 = IW ? iw0 + 16 : nullptr;
+        if (FMT == FMT_NVFP4 && RULE != RULE_PLAIN && unmasked_flags<DT, ROT>() && um)
+          bad |= encode_group<DT, FMT, ROT, RULE, IW, true>(raw, full, gs, rd, codes, sb, iw0, iw1);
+        else
+          bad |= encode_group<DT, FMT, ROT, RULE, IW, false>(raw, full, gs, rd, codes, sb, iw0, iw1);
         if constexpr (FMT == FMT_NVFP4) {
           s2[0] = sb[0];
           s2[1] = full ? sb[1] : 0u;
@@ -321,8 +357,21 @@ void launch_iw(const QuantArgs& a, const TileArgs& t, int swizzle, cudaStream_t 
     const dim3 grid((unsigned)(t.mstride / 512), (unsigned)(t.B < 65535 ? t.B : 65535));
     quantize_swizzled_kernel<DT, FMT, ROT, RULE, IW><<<grid, THREADS, 0, st>>>(t);
   } else {
-    constexpr int64_t per_cta = (int64_t)THREADS * groups_per_thread<FMT, RULE>();
-    const dim3 grid((unsigned)((a.groups + per_cta - 1) / per_cta), (unsigned)(a.B < 65535 ? a.B : 65535));
+    const int64_t by = a.B < 65535 ? a.B : 65535;
+    constexpr int64_t per_cta = (int64_t)THREADS * (strides<FMT, RULE>() ? 1 : groups_per_thread<FMT, RULE>());
+    int64_t bx = (a.groups + per_cta - 1) / per_cta;
+    if constexpr (strides<FMT, RULE>()) {  // one wave: as many CTAs as the SMs hold, shared by the matrices
+      static int per_sm = 0;  // (per instantiation; the same on every device of one arch)
+      if (!per_sm && cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quantize_kernel<DT, FMT, ROT, RULE, IW>,
+                                                                   THREADS, 0) != cudaSuccess) {
+        (void)cudaGetLastError();  // (not the launch's error: a plain wave of one CTA per SM instead)
+        per_sm = 1;
+      }
+      const int64_t wave = (int64_t)sm_count() * (per_sm > 0 ? per_sm : 1);
+      const int64_t cap = wave / by > 1 ? wave / by : 1;
+      bx = bx < cap ? bx : cap;
+    }
+    const dim3 grid((unsigned)bx, (unsigned)by);
     quantize_kernel<DT, FMT, ROT, RULE, IW><<<grid, THREADS, 0, st>>>(a);
   }
 }

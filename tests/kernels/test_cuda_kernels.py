@@ -275,6 +275,51 @@ def test_given_amax_saturation_and_groups(rule, rotate, layout, dev) -> None:
         assert torch.equal(_bits(gs.cpu()), _bits(want_gs)), ctx
 
 
+# The four y in [0, 7) where the sm_90 kernels' unmasked E2M1 chain would round wrongly
+# (csrc/fp4c_numerics.cuh, E2M1_UNMASKED_BAD): 2 - 3 * 2^-23, 2 - 2^-23, 4 - 3 * 2^-22, 4 - 2^-22.
+UNMASKED_BAD = (2 - 3 * 2**-23, 2 - 2**-23, 4 - 3 * 2**-22, 4 - 2**-22)
+
+
+def _unsafe_bytes(amax: float, dtype: torch.dtype) -> list[int]:
+    """E4M3 bytes b of the table for global amax `amax` where some `dtype` input x gives RN(x * r_b) = one
+    of UNMASKED_BAD: written out from docs/numerics.md's (r, d) in fp32, not from the kernel."""
+    gs = ref.global_scale(torch.tensor([amax], dtype=torch.float32))
+    sf = ref.e4m3_decode(torch.arange(1, 127, dtype=torch.uint8))
+    r, d = torch.clamp(gs / sf, max=ref.FLT_MAX), sf / gs
+    bad = torch.zeros_like(sf, dtype=torch.bool)
+    for y in UNMASKED_BAD:
+        yt = torch.tensor(y, dtype=torch.float32)
+        x = (yt * d).to(dtype).float()  # the one input of `dtype` that can round to y (RN of y * d)
+        bad |= (x * r) == yt
+    return [int(b) + 1 for b in torch.nonzero(bad).flatten()]
+
+
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rule", [r for r in RULES["nvfp4"] if r != "max"])
+def test_nvfp4_search_global_scales_with_unsafe_bytes(rule, dtype, layout, dev) -> None:
+    """One launch over matrices whose global scales give byte tables with and without an unsafe class
+    (bytes where the kernels' faster E2M1 chain could round one input wrongly: the kernel then scores
+    that whole matrix on the exact chain) gives the reference's bytes for every matrix."""
+    unsafe, safe = [], []
+    for k in range(256):  # global amax values 4 + k/64: the bf16 / fp16 grid of [4, 8)
+        a = 4.0 + k / 64
+        (unsafe if _unsafe_bytes(a, dtype) else safe).append(a)
+    assert len(unsafe) >= 2 and safe, f"{dtype}: unsafe {unsafe[:4]}, safe {safe[:4]}"
+    amax = torch.tensor([unsafe[0], safe[0], unsafe[-1], safe[-1]], dtype=torch.float32)
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(4, 96, 512, generator=gen) * (amax / 5.0).reshape(4, 1, 1)).to(dtype)
+    swz = layout == "swizzled"
+    want_p, want_s, want_gs = _ref(x, "nvfp4", None, rule, swz, global_amax=amax)
+    p, s, gs, flag = ops.quantize(x.to(dev), "nvfp4", amax.to(dev), None, swz, rule)
+    ctx = f"amax={amax.tolist()} seed={seed}"
+    assert flag.tolist() == [0] * 4, ctx
+    assert torch.equal(p.cpu(), want_p), ctx
+    assert torch.equal(_bits(s.cpu()), _bits(want_s)), ctx
+    assert torch.equal(_bits(gs.cpu()), _bits(want_gs)), ctx
+
+
 @pytest.mark.parametrize("fmt,rule", SCHEME_RULES, ids=[f"{s}-{r}" for s, r in SCHEME_RULES])
 def test_public_api_matches_reference(fmt, rule, dev) -> None:
     """fp4convert.quantize / dequantize on the CUDA backend (amax, gs, dispatch, shapes) = reference."""
