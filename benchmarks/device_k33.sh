@@ -11,7 +11,8 @@
 #   kernel's throughput per thread count (benchmarks/cpu_kernel.py --threads 1,16).
 # e2e: benchmarks/ab_vs_copy.py (A and B beside `cp -r` + sync, interleaved, median of 3) at default settings,
 #   dense (8 Llama-3-8B layers) and MoE (64 experts x 8 layers), --device cpu then --device cuda.
-# Results under $OUT (flat: the device tool brings back at most 8 files).
+# Results under $OUT (flat: the device tool brings back at most 8 files). Both trees must have the package
+# layout of 2026-11-28 or later (fp4convert.kernels.*); benchmarks/device_k33_final.sh is the later before/after.
 set -uo pipefail
 MODE="${1:-kernels}"
 A="$(cd "${A:?A: the before tree}" && pwd)"; B="$(cd "${B:?B: the after tree}" && pwd)"
@@ -26,8 +27,8 @@ in_tree() {  # tree, command...: run with that tree's package and kernel cache
 build() {
     in_tree "$1" python3 -c "
 import time, torch; t = time.perf_counter()
-from fp4convert import cpu_kernel; cpu_kernel.load(); c = time.perf_counter() - t
-from fp4convert.cuda import ops; ops.ensure_loaded(torch.device('cuda'))
+from fp4convert.kernels import cpu_lib; cpu_lib.load(); c = time.perf_counter() - t
+from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda'))
 print('$(basename "$1"): CPU kernel %.1f s, CUDA kernels %.1f s' % (c, time.perf_counter() - t - c))"
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
@@ -52,7 +53,7 @@ if [ "$MODE" = kernels ]; then
     stamp "kernels"
     cat > /tmp/ncu_one.py <<'EOF'
 import sys, torch
-from fp4convert.cuda import ops
+from fp4convert.kernels.cuda import ops
 fmt, rule = sys.argv[1], sys.argv[2]
 x = torch.randn(16384, 16384, device="cuda").to(torch.bfloat16)
 import fp4convert
