@@ -519,6 +519,15 @@ __device__ __forceinline__ float2 nvfp4_candidate(float gs, uint32_t byte) {
   return make_float2(sf > 0.0f ? fminf(__fdiv_rn(gs, sf), FLT_MAX) : 0.0f, __fdiv_rn(sf, gs));
 }
 
+#if !FP4C_HW_E2M1
+// block_err_codes_scaled for the NVFP4 candidate (r, d) = k: rs = r * 2^-104, dd = d * 2^126 (exact where
+// the caller's test holds), the unmasked chain where UM.
+template <bool W, bool IW, bool UM, bool CLAMP6 = false>
+__device__ __forceinline__ float nvfp4_scaled_err(const float v[16], float2 k, uint32_t cw[2], const float* c) {
+  return block_err_codes_scaled<16, W, IW, !UM, CLAMP6>(v, __fmul_rn(k.x, 0x1p-104f), __fmul_rn(k.y, 0x1p126f), cw, c);
+}
+#endif
+
 // One NVFP4 candidate (r, d) = k of a block with max bmax: its block error and codes (no signs), on
 // the scaled software path where nvfp4_fast_ok allows, else block_err_codes with the clamp.
 // UM: the unmasked chain (one instruction fewer per element), only where nvfp4_unmasked_safe holds for
@@ -535,10 +544,8 @@ __device__ __forceinline__ float nvfp4_candidate_err(const float v[16], float bm
   (void)bmax;
   return block_err_codes<16, true, W>(v, k.x, k.y, cw, IW ? c : nullptr);
 #else
-  if (CLAMP6 ? k.y < 4.0f && bmax <= FLT_MAX : nvfp4_fast_ok(bmax, k.x, k.y)) {  // (a NaN / Inf block: general)
-    const float rs = __fmul_rn(k.x, 0x1p-104f), dd = __fmul_rn(k.y, 0x1p126f);
-    return block_err_codes_scaled<16, W, IW, !UM, CLAMP6>(v, rs, dd, cw, c);
-  }
+  if (CLAMP6 ? k.y < 4.0f && bmax <= FLT_MAX : nvfp4_fast_ok(bmax, k.x, k.y))  // (a NaN / Inf block: general)
+    return nvfp4_scaled_err<W, IW, UM, CLAMP6>(v, k, cw, c);
   return block_err_codes<16, true, W>(v, k.x, k.y, cw, IW ? c : nullptr);
 #endif
 }
@@ -551,8 +558,8 @@ __device__ __forceinline__ void nvfp4_candidates_64(const float v[16], float bma
                                                     const float* c) {
 #if !FP4C_HW_E2M1
   if (nvfp4_fast_ok(bmax, k6.x, k6.y) && nvfp4_fast_ok(bmax, k4.x, k4.y)) {
-    err6 = block_err_codes_scaled<16, W, IW, !UM>(v, __fmul_rn(k6.x, 0x1p-104f), __fmul_rn(k6.y, 0x1p126f), c6, c);
-    err4 = block_err_codes_scaled<16, W, IW, !UM>(v, __fmul_rn(k4.x, 0x1p-104f), __fmul_rn(k4.y, 0x1p126f), c4, c);
+    err6 = nvfp4_scaled_err<W, IW, UM>(v, k6, c6, c);
+    err4 = nvfp4_scaled_err<W, IW, UM>(v, k4, c4, c);
     return;
   }
 #endif

@@ -220,9 +220,10 @@ class GPTQ:
         if not changed:
             return {}
         with stages.timed("gptq_smooth"):
+            assert visit.again is not None  # (every block visit has it, as in quantize_visit)
             before = visit.outputs  # (the block's first run, the weights as read)
             self.lm.reload_block(visit, {**kept, **changed})
-            after = visit.again([]) if visit.again is not None else []
+            after = visit.again([])
         worst = max((float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(after, before)),
                     default=0.0)
         if worst > 1e-3:
