@@ -4,7 +4,7 @@ For each model_type (tests/tiny_configs.py's tiny checkpoint): the modules a def
 plan quantizes outside the blocks, what :func:`fp4convert.calibrate.tail.blind_spots` says of them
 before anything runs (observed, or why not; a refusal of the whole model), and, where some are observed,
 whether the runner's statistics equal whole-model forward hooks (amax torch.equal, mean squares within
-one bf16 step): the blocks' (tests/calibrate/test_runner.py ``compare``), then those outside them
+one bf16 step): the blocks' (tests/calibrate/test_layerwise.py ``compare``), then those outside them
 (tests/calibrate/test_tail.py ``compare_outside``); a failure names the first input that differs. CPU.
 
     PYTHONPATH=. python3 benchmarks/calibration_tail_sweep.py OUT.json [TYPES...]

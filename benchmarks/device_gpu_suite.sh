@@ -13,7 +13,7 @@ fi
 { date -u; nvidia-smi -L; python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__)'; } 2>&1 | tee "$OUT/env.txt"
 timeout "${TEST_S:-420}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels/test_cuda_kernels.py tests/quantizer/test_backend_cuda.py \
     tests/run/test_pipeline.py tests/kernels/test_api_ext.py tests/kernels/test_cuda_build.py tests/kernels/test_tensor.py tests/run/test_lanes.py \
-    tests/quantizer/test_backend.py tests/run/test_readahead.py tests/calibrate/test_runner.py} 2>&1 | tee "$OUT/gpu_tests.txt"
+    tests/quantizer/test_backend.py tests/run/test_readahead.py tests/calibrate/test_layerwise.py} 2>&1 | tee "$OUT/gpu_tests.txt"
 rc=${PIPESTATUS[0]}
 if [ "${E2E:-1}" = 1 ]; then
     timeout "${E2E_S:-150}" python3 benchmarks/e2e_vs_copy.py --work /tmp/e2e --out "$OUT" --only dense --repeats 3 \

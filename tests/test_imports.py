@@ -74,7 +74,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("fp4convert.formats",),  # on-disk conventions
     ("fp4convert.kernels",),  # compiled kernels and the tensor API
     ("fp4convert.numerics", "fp4convert.storage"),  # the contract in code; bytes on disk
-    ("fp4convert.errors", "fp4convert.version", "fp4convert.stages"),  # imported by everything
+    ("fp4convert.errors", "fp4convert.version", "fp4convert.timing"),  # imported by everything
 ]
 
 

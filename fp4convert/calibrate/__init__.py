@@ -1,6 +1,6 @@
 """Calibration: what W4A4 activation scales and input-weighted scale rules measure on the model.
 
-- :mod:`~fp4convert.calibrate.runner`: the block-by-block runner (any model transformers builds; one
+- :mod:`~fp4convert.calibrate.layerwise`: the block-by-block runner (any model transformers builds; one
   block's weights resident at a time: :mod:`~fp4convert.calibrate.weights`; the model on ``meta`` and its
   blocks: :mod:`~fp4convert.calibrate.model`; progress: :mod:`~fp4convert.calibrate.progress`).
 - :mod:`~fp4convert.calibrate.methods`: calibrated rounding methods (``--method gptq``), their results kept
@@ -31,7 +31,7 @@ from fp4convert.calibrate.checks import (
     vocab_size,
 )
 from fp4convert.calibrate.model import build_meta, find_blocks, structure_problem
-from fp4convert.calibrate.runner import MICRO_BATCH, LayerwiseModel
+from fp4convert.calibrate.layerwise import MICRO_BATCH, LayerwiseModel
 from fp4convert.calibrate.samples import TOKENIZER_FILES, file_tokens, generate, random_tokens, read_texts, start_token, tokenizer_digest
 from fp4convert.calibrate.stage import Statistics, activation_amax, input_weights_for, layerwise_amax, plan_inputs, statistics
 from fp4convert.calibrate.stats import Observer, Observers, bf16_ceil

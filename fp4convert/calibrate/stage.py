@@ -1,5 +1,5 @@
 """The statistics stage of a conversion: what W4A4 and ``--input-weights`` need, measured before
-anything is written, by the block-by-block runner (:mod:`fp4convert.calibrate.runner`) for any
+anything is written, by the block-by-block runner (:mod:`fp4convert.calibrate.layerwise`) for any
 architecture it runs.
 
 W4A4 NVFP4 engines quantize every linear's input per 16-block under a static per-tensor global scale
@@ -19,9 +19,9 @@ from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.calibrate.checks import check_runnable, config_vocab, model_errors, quantized_modules, share, vocab_size, what_runs
-from fp4convert.calibrate.runner import MICRO_BATCH, LayerwiseModel
+from fp4convert.calibrate.layerwise import MICRO_BATCH, LayerwiseModel
 from fp4convert.calibrate.samples import file_tokens, generate, random_tokens, tokenizer_digest
 from fp4convert.calibrate.stats import Observers, Statistics, bf16_ceil
 from fp4convert.calibrate.tail import HEAD, blind_spots, refusal
@@ -180,7 +180,7 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
             tokens = file_tokens(tok, data, samples, seq_len)
             data_record: dict[str, object] = {"source": "file", "name": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
         else:
-            with running(), stages.timed("calibrate_generate"):
+            with running(), timing.timed("calibrate_generate"):
                 tokens = generate(lm, tok, samples, seq_len, config.calibration_seed)
             data_record = {"source": "self-generated", "start_token": int(tokens[0, 0])}
         if config.method != "rtn":
@@ -227,7 +227,7 @@ def _method_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, tokens: 
     method = cls(lm, plan, config, inputs, store)
     try:
         method.run(tokens, obs, head="lm_head" in wanted, micro_batch=MICRO_BATCH, progress=True)
-        with stages.timed("gptq_store_wait"):  # (the block files still being written after the last block)
+        with timing.timed("gptq_store_wait"):  # (the block files still being written after the last block)
             store.finish()
     except BaseException:
         store.remove()  # an interrupted pass keeps nothing (its index would be missing anyway)

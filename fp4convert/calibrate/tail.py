@@ -80,7 +80,7 @@ def outside_names(lm: BlockWeights, names: Collection[str]) -> set[str]:
 
 def tail_pass(lm: BlockWeights, forward: Callable, batches: list[torch.Tensor], names: Collection[str] | None,
               head: bool, observers: Observers | None = None, finals: list[torch.Tensor] | None = None) -> Reach:
-    """The model's forward (``forward(ids)``: the runner's, :meth:`~fp4convert.calibrate.runner.LayerwiseModel._forward`)
+    """The model's forward (``forward(ids)``: the runner's, :meth:`~fp4convert.calibrate.layerwise.LayerwiseModel._forward`)
     on each micro-batch of ``batches`` with the blocks replaced by stand-ins (the last
     returns ``finals[k]``, the last block's outputs on micro-batch ``k``; without ``finals`` its input),
     only the weights outside the blocks loaded. The inputs of the linears ``names`` (None: every

@@ -78,9 +78,9 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
     Example:
       fp4convert quantize Qwen/Qwen3-8B qwen3-nvfp4 --format compressed-tensors
     """
-    from fp4convert import stages
+    from fp4convert import timing
 
-    ages = {"cli_start": stages.process_age()}  # where a run's seconds outside convert() go (--json)
+    ages = {"cli_start": timing.process_age()}  # where a run's seconds outside convert() go (--json)
     from fp4convert.errors import PlanError
     from fp4convert.run.convert import convert, plan_conversion, prewarm_device
     from fp4convert.run.runner import plan_warnings
@@ -126,7 +126,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
                 log.warning("warning: %s", w)
             raise PlanError("the plan quantizes no tensor: check --only / --ignore and the layer names "
                             "(--dry-run shows every decision); --allow-nothing-quantized writes the copy anyway")
-        ages["convert_start"] = stages.process_age()
+        ages["convert_start"] = timing.process_age()
         result = convert(source, dst, config, progress=not (quiet or as_json),
                          delete_source_shards=delete_source_shards, plan=planned)
     except BaseException:
@@ -137,7 +137,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
     if push_repo:
         push_folder(dst, push_repo, private, token, quiet)
     if as_json:
-        ages["summary"] = stages.process_age()
+        ages["summary"] = timing.process_age()
         s = result.to_json()
         warn_serving(fmt, rotate, s.setdefault("warnings", []))
         if None not in ages.values():

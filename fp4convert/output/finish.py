@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.errors import FP4ConvertError, OutputError, SourceError
 from fp4convert.output.files import atomic_write, open_new, output_error, rename_in, source_error, step, unlink_in, write_new, writing
 from fp4convert.output.manifest import build_manifest, manifest_text
@@ -38,7 +38,7 @@ def finish(source: Source, plan: Plan, fmt: OutputFormat, dst: Path, identity: d
     from fp4convert.output.destination import planned_names
 
     try:
-        with stages.timed("finish"):
+        with timing.timed("finish"):
             _finish(source, plan, fmt, dst, identity, others, calibration, method)
     except BaseException as exc:
         for name in planned_names(plan, source, others) - {f for f, _ in plan.shards}:  # only our own temporary files

@@ -26,7 +26,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.config import human_bytes
 from fp4convert.errors import SourceError, kept_overflow_error
 from fp4convert.output.files import open_new, rename_in, source_error, step, writing
@@ -89,7 +89,7 @@ def start_writeback(fd: int, offset: int, n: int) -> None:
 
     def run() -> None:
         try:
-            with stages.timed("writeback_start"):
+            with timing.timed("writeback_start"):
                 fn(fd, offset, n, _SYNC_FILE_RANGE_WRITE)  # advisory: an error leaves the work to the fsync
         finally:
             os.close(fd)
@@ -166,7 +166,7 @@ class ShardFile:
         n = memoryview(data).nbytes
         if not n:
             return []
-        with stages.timed("write"):
+        with timing.timed("write"):
             _pwrite_all(self.fd, data, offset)
         done = []
         with self._lock:
@@ -199,7 +199,7 @@ class ShardFile:
 
     def close(self) -> None:
         """fsync, then rename into place (every byte written and hashed first)."""
-        with stages.timed("fsync"):
+        with timing.timed("fsync"):
             os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
@@ -290,7 +290,7 @@ class ShardSet:
         try:
             if sf.aborted:
                 return
-            with stages.timed("hash"), writing(sf.partial):
+            with timing.timed("hash"), writing(sf.partial):
                 digest = checksum.chunk_digest(fd, i, sf.size)
             if sf.digested(i, digest):
                 background("close", functools.partial(self._close, sf))
@@ -341,7 +341,7 @@ class ShardSet:
         for NaN/Inf first (a flagged tensor is recorded before any of its bytes can complete the shard):
         unchanged, or converted to the dtype the plan gave it (F32/F64 -> BF16, written at the same
         element's place; a finite value BF16 cannot hold is refused, never written as Inf)."""
-        with stages.timed("copy_kept"):
+        with timing.timed("copy_kept"):
             # A unit re-done on resume (its shard was finished, its record was not saved yet) is read again
             # for the NaN/Inf check only, so its warning is the same as in an uninterrupted run.
             skip = self.skip(name)

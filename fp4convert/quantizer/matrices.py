@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.errors import FP4ConvertError, kept_overflow_error
 from fp4convert.storage.safetensors import DTYPES, tensor_memoryview
 
@@ -28,11 +28,11 @@ class TensorBuffer:
     """A host buffer backed by a torch uint8 tensor (pinned for a GPU), with the reader's interface."""
 
     def __init__(self, n: int, pinned: bool) -> None:
-        with stages.timed("pin_alloc" if pinned else "host_alloc"):
+        with timing.timed("pin_alloc" if pinned else "host_alloc"):
             self.tensor = torch.empty(max(n, 1 << 20), dtype=torch.uint8, pin_memory=pinned)
         self.size = self.tensor.numel()
         if pinned:
-            stages.count("pinned_MB", self.size / 2**20)
+            timing.count("pinned_MB", self.size / 2**20)
 
     def view(self, offset: int, n: int) -> memoryview:
         return tensor_memoryview(self.tensor[offset : offset + n])

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.config import ConvertConfig
 from fp4convert.errors import ConfigError, CUDAUnavailableError, FP4ConvertError, PlanError
 from fp4convert.run.distributed import World, assign
@@ -164,7 +164,7 @@ def _statistics(source: Source, plan: Plan, fmt: OutputFormat, config: ConvertCo
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    with stages.timed("calibrate"):
+    with timing.timed("calibrate"):
         st = statistics(source, plan, config, device)
     if st.input_weights is not None:
         log.info("input weights (%s): %d matrices weighted", config.input_weight_source, len(st.input_weights))
@@ -204,12 +204,12 @@ def convert(
     with the same arguments.
     """
     t0 = time.perf_counter()
-    stages.reset()
+    timing.reset()
     dst = Path(dst)
     world = World.from_env()
     if plan is None:
         prewarm_device(config)  # the GPU starts while the source is planned
-    with stages.timed("plan"):
+    with timing.timed("plan"):
         source, plan_, fmt = plan if plan is not None else plan_conversion(src, config, fetch_ahead=True)
     try:
         release = None
@@ -250,8 +250,8 @@ def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: 
     except BaseException:
         source.stop_prefetch()  # a Hub source may be fetching since planning: nothing more is downloaded
         raise
-    stages.add("startup", time.perf_counter() - t_start)
-    stages.count("lanes", len(backends))
+    timing.add("startup", time.perf_counter() - t_start)
+    timing.count("lanes", len(backends))
     works: list[Work] = [QuantizeWork(source, fmt, settings, b, measured.input_weights, measured.activation_amax,
                                       measured.quantized) for b in backends]
     try:
@@ -274,7 +274,7 @@ def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     reused = sorted(f for f in done if f in dict(plan_.shards))
     wait = sum(w.read_wait_s for w in works)
-    return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, stages.snapshot(), stages.counts())
+    return ConvertResult(dst, plan_, time.perf_counter() - t0, peak, reused, wait, timing.snapshot(), timing.counts())
 
 
 def _keep_quantized(store: Store) -> None:
@@ -292,7 +292,7 @@ def _gpu_peak() -> None:
 
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        stages.count("gpu_peak_MB", max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 2**20)
+        timing.count("gpu_peak_MB", max(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())) / 2**20)
 
 
 def _close_all(closers: list[Callable[[], None]], raising: bool = True) -> None:

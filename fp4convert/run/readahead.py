@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fp4convert import stages
+from fp4convert import timing
 
 if TYPE_CHECKING:
     from fp4convert.storage.safetensors import TensorInfo
@@ -100,13 +100,13 @@ class ReadAhead:
         with self._lock:
             event = self._pending.pop(set_index, None)
         if event is not None:
-            with stages.timed("read_wait_copies"):
+            with timing.timed("read_wait_copies"):
                 event.synchronize()  # the host-to-device copies out of this set have finished
         offsets, total = grouped_offsets(unit)
         buf = self._buffers.get(set_index)
         if buf is None or buf.size < total:
             buf = self._buffers[set_index] = self._alloc(max(total, self._set_bytes))
-        with stages.timed("read"):
+        with timing.timed("read"):
             read_many([(self._locate(info.file), info, buf.view(off, info.nbytes)) for info, off in zip(unit, offsets)],
                       READ_THREADS)
         return buf, list(zip(offsets, unit))
@@ -122,7 +122,7 @@ class ReadAhead:
                     if self._stop.is_set():  # the order items are released in (a CPU pool finishes them
                         return  # out of order)
                 self._free[k].clear()
-                stages.add("read_waits_buffer", time.perf_counter() - t0)  # both sets still in use
+                timing.add("read_waits_buffer", time.perf_counter() - t0)  # both sets still in use
                 if self._stop.is_set():
                     return
                 got = self._fill(k, unit)
@@ -130,7 +130,7 @@ class ReadAhead:
                     self._out[k] = i
                 t0 = time.perf_counter()
                 self._put(("ok", (got, i)))
-                stages.add("read_waits_consumer", time.perf_counter() - t0)
+                timing.add("read_waits_consumer", time.perf_counter() - t0)
         except BaseException as exc:  # handed to the consumer, which raises it with its context
             self._put(("error", exc))
 
@@ -160,7 +160,7 @@ class ReadAhead:
         t0 = time.perf_counter()
         kind, value = self._ready.get()
         self.wait_s += time.perf_counter() - t0
-        stages.add("quantize_waits_read", time.perf_counter() - t0)
+        timing.add("quantize_waits_read", time.perf_counter() - t0)
         if kind == "error":
             raise value
         return value

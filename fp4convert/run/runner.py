@@ -61,7 +61,7 @@ class ConvertResult:
     peak_rss_bytes: int
     reused_files: list[str] = field(default_factory=list)
     read_wait_s: float = 0.0  # time the work loop waited for source reads (0: reading fully hidden)
-    stages_s: dict[str, float] = field(default_factory=dict)  # busy seconds per stage (fp4convert.stages)
+    stages_s: dict[str, float] = field(default_factory=dict)  # busy seconds per stage (fp4convert.timing)
     counts: dict[str, float] = field(default_factory=dict)  # other quantities (pinned MB allocated)
 
     def to_json(self) -> dict:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.plan.types import QUANTIZE
 from fp4convert.quantizer.backend import IN_USE, attach_input_weights, refuse_nonfinite
 from fp4convert.quantizer.items import Complex, is_kept_copy, make_items
@@ -111,7 +111,7 @@ def quantize(item: Item, inputs: Inputs, backend: Backend, reader: ReadAhead, nu
     """Both passes of one item, started on ``backend`` (the tests interrupt runs here); the reader is told
     when item ``number``'s buffer may be refilled: at staging when the backend copied the inputs (a GPU's
     copy event), else once quantize() returns (the passes' Pending says when: now, or an event)."""
-    with stages.timed("quantize"):
+    with timing.timed("quantize"):
         staged = backend.stage(item, inputs)
         if staged.inputs_free is not IN_USE:
             reader.release(number, staged.inputs_free)

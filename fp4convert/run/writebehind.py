@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from fp4convert import stages
+from fp4convert import timing
 
 Job = Callable[[], None]
 
@@ -84,7 +84,7 @@ class WriteBehind:
                 seq, job, held = self._queue.popleft()
             try:
                 if self._error is None:  # else drop it: the writes failed
-                    with stages.timed("writer_busy"):
+                    with timing.timed("writer_busy"):
                         job()
             except BaseException as exc:  # noqa: BLE001 - handed to the compute thread at its next submit/drain
                 self._fail(exc)
@@ -141,7 +141,7 @@ class WriteBehind:
                 self._raise()
                 if not any(t.is_alive() for t in self._threads):
                     raise RuntimeError("internal: the writer threads stopped")
-            stages.add("quantize_waits_writer", time.perf_counter() - t0)
+            timing.add("quantize_waits_writer", time.perf_counter() - t0)
         with self._cv:
             self._queue.append((self._seq, job, held))
             self._seq += 1

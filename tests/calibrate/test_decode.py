@@ -1,6 +1,6 @@
 """Self-generation's static-cache steps (fp4convert/calibrate/decode.py): what they compute, on the CPU.
 
-The CUDA graph itself is tested on a GPU (tests/calibrate/test_runner.py); here the steps it captures, run
+The CUDA graph itself is tested on a GPU (tests/calibrate/test_layerwise.py); here the steps it captures, run
 eagerly, must give the logits of the whole sequence's forward at every position: the position reaches the
 model as device tensors, so a wrong one would show as other logits.
 """

@@ -50,7 +50,7 @@ def _bert(path: Path, layers: int) -> Path:
 def outside_reference(path: Path, tokens: torch.Tensor, micro_batch: int) -> calibrate.Observers:
     """The reference: the whole model loaded by transformers (fp32), observers hooked on every linear
     outside its blocks (not the output head, not a vision/audio tower), one forward per micro-batch (the
-    blocks' own statistics: tests/calibrate/test_runner.py)."""
+    blocks' own statistics: tests/calibrate/test_layerwise.py)."""
     import transformers as tf
     from transformers.pytorch_utils import Conv1D
 

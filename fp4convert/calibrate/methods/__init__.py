@@ -2,7 +2,7 @@
 
 A method is a module here whose ``METHOD`` class implements :class:`Method`. ``rtn`` (round to nearest,
 every block on its own) is no method module: it is the quantize stage itself. A method runs while the
-model runs block by block on the calibration tokens (:meth:`~fp4convert.calibrate.runner.LayerwiseModel.blocks`),
+model runs block by block on the calibration tokens (:meth:`~fp4convert.calibrate.layerwise.LayerwiseModel.blocks`),
 quantizes each block's matrices, and keeps their bytes in a :class:`~fp4convert.calibrate.store.Store`;
 the quantize stage writes those instead of quantizing them again, and the manifest records
 :meth:`Method.record` (the card and ``inspect`` say its ``description``).
@@ -19,7 +19,7 @@ from fp4convert.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from fp4convert.calibrate.runner import LayerwiseModel
+    from fp4convert.calibrate.layerwise import LayerwiseModel
     from fp4convert.calibrate.stats import Observers
     from fp4convert.calibrate.store import Store
     from fp4convert.config import ConvertConfig

@@ -1,6 +1,6 @@
 """``--method gptq``: GPTQ on the block-by-block runner, sequentially (docs/numerics.md "GPTQ").
 
-For each block of the model (:meth:`~fp4convert.calibrate.runner.LayerwiseModel.blocks`): the block runs
+For each block of the model (:meth:`~fp4convert.calibrate.layerwise.LayerwiseModel.blocks`): the block runs
 on the calibration samples with every linear input's Hessian ``X^T X / n`` observed (inputs shared by
 q/k/v or gate/up observed once; a 3-D expert stack's gate/up input from every token, each expert's
 down input from every token sent through that expert); then every quantized matrix of the block is
@@ -28,7 +28,7 @@ import logging
 import re
 from typing import TYPE_CHECKING
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.calibrate.stats import Observers
 from fp4convert.calibrate.store import Store
 from fp4convert.calibrate.tail import HEAD, outside_names
@@ -37,7 +37,7 @@ from fp4convert.plan.types import QUANTIZE
 if TYPE_CHECKING:
     import torch
 
-    from fp4convert.calibrate.runner import LayerwiseModel, Visit
+    from fp4convert.calibrate.layerwise import LayerwiseModel, Visit
     from fp4convert.config import ConvertConfig
     from fp4convert.plan.planner import Plan
     from fp4convert.plan.types import Decision, Matrix
@@ -156,13 +156,13 @@ class GPTQ:
                 names = self.input_names(visit.prefix, step, observers)
                 observers.drop(names)
                 assert visit.again is not None  # (every block visit has it; the tail visit has no steps)
-                with stages.timed("gptq_again"):
+                with timing.timed("gptq_again"):
                     visit.again(names)
             self.asymmetric(step, observers)
             disk, got = self.sweep(visit.index, step, observers)
             replaced.update(disk)
             made += got
-            with stages.timed("gptq_reload"):
+            with timing.timed("gptq_reload"):
                 self.lm.reload_block(visit, {**read, **replaced})
             hooks += self.engine_activations(step, observers)
         self.keep(visit.index, made, smoothed)
@@ -219,7 +219,7 @@ class GPTQ:
             tokens.append((o, eff))
         if not changed:
             return {}
-        with stages.timed("gptq_smooth"):
+        with timing.timed("gptq_smooth"):
             assert visit.again is not None  # (every block visit has it, as in quantize_visit)
             before = visit.outputs  # (the block's first run, the weights as read)
             self.lm.reload_block(visit, {**kept, **changed})
@@ -343,7 +343,7 @@ class GPTQ:
                 if obs.amax is None or not float(obs.amax) > 0:
                     obs.asymmetric(None)  # (all zeros: nothing to round)
                     continue
-                with stages.timed("gptq_asymmetric"):
+                with timing.timed("gptq_asymmetric"):
                     obs.asymmetric(self.rounder(bf16_ceil(float(obs.amax))))
 
     def engine_activations(self, decisions: list[Decision], observers: Observers) -> list:
@@ -392,7 +392,7 @@ class GPTQ:
     def keep(self, index: int, made: list, kept: dict[str, torch.Tensor] | None = None) -> None:
         """The bytes of block ``index``'s matrices (:meth:`sweep`'s) and the kept tensors it changed, into
         the store."""
-        with stages.timed("gptq_store"):
+        with timing.timed("gptq_store"):
             self.store.add_block(index, [(name, res.packed, res.scale, res.gs, a if self.scheme.global_scale else None)
                                          for name, res, a in made], kept)
 
@@ -419,7 +419,7 @@ class GPTQ:
                     continue
                 p = prepared.get(id(obs))
                 if p is None:
-                    with stages.timed("gptq_prepare"):
+                    with timing.timed("gptq_prepare"):
                         p = prepared[id(obs)] = gptq.prepare(
                             h, self.config.gptq_damp, self.scheme.block_size if self.config.gptq_act_order else None,
                             obs.cross_matrix())
@@ -438,7 +438,7 @@ class GPTQ:
         for d, m, w, p in mats:
             group_amax = amax[m.group or d.group or m.module]
             try:
-                with stages.timed("gptq_sweep"):
+                with timing.timed("gptq_sweep"):
                     res = gptq.quantize(w, p, self.scheme.name, self.rule,
                                         group_amax if self.scheme.global_scale else None,
                                         self.config.gptq_block, sweep)

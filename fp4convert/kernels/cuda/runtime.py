@@ -14,7 +14,7 @@ import ctypes
 import functools
 import threading
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.errors import CUDAKernelError, CUDAUnavailableError
 
 MIN_CAPABILITY = (8, 9)  # the E4M3 conversion instructions (as in ops.py)
@@ -103,11 +103,11 @@ class _HostPool:
                 sz, ptr = min(fits)
                 self._free.remove((ptr, sz))
                 return HostBuffer(self, ptr, sz)
-        with stages.timed("pin_alloc"):
+        with timing.timed("pin_alloc"):
             self._rt.set_device()  # the calling thread's (the reader's, say) device is this one
             p = ctypes.c_void_p()
             self._rt.check(self._rt.lib.fp4c_host_alloc(ctypes.byref(p), size), f"pinned host memory ({size} B)")
-        stages.count("pinned_MB", size / 2**20)
+        timing.count("pinned_MB", size / 2**20)
         with self._lock:
             self._all.append(p.value)
         return HostBuffer(self, p.value, size)

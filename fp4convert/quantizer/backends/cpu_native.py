@@ -29,7 +29,7 @@ import threading
 from array import array
 from typing import ClassVar
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.errors import ConfigError
 from fp4convert.kernels import cpu_lib as cpu_kernel
 from fp4convert.kernels.cuda.runtime import HOST_CHECK_CODES, size_class
@@ -82,7 +82,7 @@ class _HostPool:
                 mem = min(fits, key=len)
                 self._free.remove(mem)
                 return HostBuffer(self, mem)
-        stages.count("host_buffer_MB", size / 2**20)
+        timing.count("host_buffer_MB", size / 2**20)
         return HostBuffer(self, mmap.mmap(-1, size))
 
     def put(self, mem: mmap.mmap) -> None:
@@ -185,7 +185,7 @@ class CpuNativeBackend:
 
         def amax_pass() -> list[float]:
             slots = (ctypes.c_float * n)()
-            with stages.timed("quantize_kernel"):
+            with timing.timed("quantize_kernel"):
                 for g, off, info, m, k, _, _ in launches:
                     status = lib.fp4c_cpu_amax(buf.ptr + off, KERNEL_DTYPES[info.dtype], rotate, len(g), m, k,
                                                ctypes.byref(slots, 4 * pos[g[0]]), threads)
@@ -196,7 +196,7 @@ class CpuNativeBackend:
             out = self.pool.get(max(size, 1))
             flags = (ctypes.c_uint8 * n)()
             gs = (ctypes.c_float * n)()
-            with stages.timed("quantize_kernel"):
+            with timing.timed("quantize_kernel"):
                 if ga is not None:
                     _check(lib.fp4c_cpu_global_scale((ctypes.c_float * n)(*[ga[i] for i in order]), gs, n) == 0,
                            "global scale")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from array import array
 from typing import ClassVar, cast
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.kernels.cuda.runtime import D2H, H2D, DeviceArena, HostBuffer, Runtime, align
 from fp4convert.numerics.swizzle import padded_shape
 from fp4convert.plan.types import QUANTIZE
@@ -144,7 +144,7 @@ class CudaBackend:
                                        st), f"the amax pass on {item.members[g[0]].name}")
             back = rt.pool.get(4 * n)
             rt.copy(back.ptr, d_amax, 4 * n, D2H)
-            with stages.timed("quantize_waits_gpu"):
+            with timing.timed("quantize_waits_gpu"):
                 rt.sync()  # the batch's one sync before pass 2: the unit's amax is taken on the host
             # the input copy is complete: the reader may refill the buffer (the Pending says so: inputs_free None)
             slots = array("f", bytes(back.view(0, 4 * n)))
@@ -202,7 +202,7 @@ class _Outputs(Pending):
         self.pos, self.layout, self.tail, self.n, self.nvfp4, self.ga = pos, layout, tail, n, nvfp4, ga
 
     def result(self) -> Result:
-        with stages.timed("write_waits_gpu"):
+        with timing.timed("write_waits_gpu"):
             self.done.synchronize()  # in the writer thread
         self.keep.clear()
         out, tail, n, pos, ga = self.out, self.tail, self.n, self.pos, self.ga

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.kernels.tensor import as_bytes
 from fp4convert.quantizer.backend import (
     IN_USE,
@@ -179,7 +179,7 @@ class StackedBackend:
                 per_group = [self.ops.amax(x, s.rotate) for x, _ in groups]
                 host = self._to_host(torch.cat(per_group)) if per_group else torch.zeros(0)
                 e = self._event()
-            with stages.timed("quantize_waits_gpu"):
+            with timing.timed("quantize_waits_gpu"):
                 if e is not None:
                     e.synchronize()  # the batch's first sync: each fused group's amax is taken on the host
             amax = [0.0] * n
@@ -238,7 +238,7 @@ class _Outputs(Pending):
 
     def result(self) -> Result:
         if self.done is not None:
-            with stages.timed("write_waits_gpu"):
+            with timing.timed("write_waits_gpu"):
                 self.done.synchronize()  # in the writer thread
         n, ga = self.n, self.ga
         matrices: list[MatrixOut | None] = [None] * n

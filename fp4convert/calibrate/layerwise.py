@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.calibrate.capture import (
     ExpertTap,
     block_calls,
@@ -147,7 +147,7 @@ class LayerwiseModel(BlockWeights):
 
         self.check_tokens(tokens)
         batches = [tokens[s: s + micro_batch].to(self.device) for s in range(0, tokens.shape[0], micro_batch)]
-        with stages.timed("calibrate_capture"):
+        with timing.timed("calibrate_capture"):
             calls = self.capture(batches)
         reps = repeats(calls, len(batches))
         hs = [self._hidden_of(0, *calls[0][k * reps[0]]) for k in range(len(batches))]
@@ -156,7 +156,7 @@ class LayerwiseModel(BlockWeights):
             never: list[str] = []
             for i, block in enumerate(self.layers):
                 prefix = f"{self.layers_name}.{i}."
-                with stages.timed("calibrate_load"):
+                with timing.timed("calibrate_load"):
                     self.load_block(i)
                 self.read_ahead(i + 1)
                 fed: dict[str, str] = {}
@@ -192,7 +192,7 @@ class LayerwiseModel(BlockWeights):
                         "statistics come from every token sent through them", len(never), never[0])
         names = set(outside) - {HEAD}
         if names or (head and self.heads):
-            with stages.timed("calibrate_tail"), fast_matmul(self.device):
+            with timing.timed("calibrate_tail"), fast_matmul(self.device):
                 tail_pass(self, self._forward, batches, names, head, observers, finals=hs)
             yield Visit(len(self.layers), "", tail=True)
 
@@ -237,7 +237,7 @@ class LayerwiseModel(BlockWeights):
         import torch
 
         outs = []
-        with stages.timed("calibrate_forward"), fast_matmul(self.device):
+        with timing.timed("calibrate_forward"), fast_matmul(self.device):
             for k in range(len(hs)):
                 h = hs[k]
                 for r in range(reps):
@@ -293,7 +293,7 @@ class LayerwiseModel(BlockWeights):
             for i, b in enumerate(self.layers):
                 handles.append(b.register_forward_pre_hook(lambda _m, _a, _i=i: self.load_block(_i)))
                 handles.append(b.register_forward_hook(lambda _m, _a, _o, _i=i: self.free_block(_i)))
-        stages.add("calibrate_generate_load", time.perf_counter() - t0)
+        timing.add("calibrate_generate_load", time.perf_counter() - t0)
         try:
             with reports_device(self.model, self.device):
                 yield self.model

@@ -8,17 +8,17 @@ import time
 
 from click.testing import CliRunner
 
-from fp4convert import stages
+from fp4convert import timing
 from fp4convert.cli.main import main
 
 from . import checkpoints as ck
 
 
 def test_totals_sum_over_threads_and_reset() -> None:
-    stages.reset()
+    timing.reset()
 
     def work() -> None:
-        with stages.timed("x"):
+        with timing.timed("x"):
             time.sleep(0.05)
 
     threads = [threading.Thread(target=work) for _ in range(4)]
@@ -26,12 +26,12 @@ def test_totals_sum_over_threads_and_reset() -> None:
         t.start()
     for t in threads:
         t.join()
-    stages.add("y", 0.25)
-    snap = stages.snapshot()
+    timing.add("y", 0.25)
+    snap = timing.snapshot()
     assert list(snap) == ["x", "y"] and snap["y"] == 0.25
     assert 0.2 <= snap["x"] < 1.0  # four threads' 50 ms each, not the 50 ms of wall time
-    stages.reset()
-    assert stages.snapshot() == {}
+    timing.reset()
+    assert timing.snapshot() == {}
 
 
 def test_json_summary_says_where_the_time_went(tmp_path) -> None:
@@ -46,13 +46,13 @@ def test_json_summary_says_where_the_time_went(tmp_path) -> None:
 
 
 def test_counts_and_process_age() -> None:
-    stages.reset()
-    stages.count("pinned_MB", 64)
-    stages.count("pinned_MB", 0.0625)
-    assert stages.counts() == {"pinned_MB": 64.062} and stages.snapshot() == {}
-    stages.reset()
-    assert stages.counts() == {}
-    age = stages.process_age()
+    timing.reset()
+    timing.count("pinned_MB", 64)
+    timing.count("pinned_MB", 0.0625)
+    assert timing.counts() == {"pinned_MB": 64.062} and timing.snapshot() == {}
+    timing.reset()
+    assert timing.counts() == {}
+    age = timing.process_age()
     assert age is None or 0 < age < time.monotonic() + 1  # /proc where there is one
 
 

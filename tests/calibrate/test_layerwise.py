@@ -1,4 +1,4 @@
-"""The block-by-block runner (fp4convert.calibrate.runner) against the whole model run normally.
+"""The block-by-block runner (fp4convert.calibrate.layerwise) against the whole model run normally.
 
 For a tiny model of every architecture class (dense, MoE routed per-expert on disk, MoE stacked 3-D
 on disk, hybrid attention/SSM, a VLM's text decoder, an encoder): the runner's statistics equal those
@@ -26,7 +26,7 @@ def whole_model_stats(path: Path, tokens: torch.Tensor, micro_batch: int,
     """The reference: the whole model loaded by transformers (fp32), the runner's observers hooked on
     every linear / expert stack of its blocks, one forward per micro-batch (on a GPU with the runner's
     TF32 matmuls)."""
-    from fp4convert.calibrate.runner import fast_matmul
+    from fp4convert.calibrate.layerwise import fast_matmul
 
     import json
 
