@@ -83,12 +83,14 @@ def gptq_pass(path: str, tokens, store_dir: Path) -> dict:
     from fp4convert.config import ConvertConfig
     from fp4convert.run.convert import plan_conversion
 
-    config = ConvertConfig(method="gptq", device="cpu", allow_no_config=True)
+    from fp4convert.calibrate.methods import settings
+
+    config = ConvertConfig(method=settings("gptq"), device="cpu", allow_no_config=True)
     source, plan, _ = plan_conversion(path, config)
     lm = calibrate.LayerwiseModel(source, torch.device("cpu"))
     store = Store.create(store_dir)
     try:
-        g = GPTQ(lm, plan, config, calibrate.plan_inputs(lm, plan), store)
+        g = GPTQ(lm, plan, config, config.method_settings, calibrate.plan_inputs(lm, plan), store)
         g.run(tokens, calibrate.Observers(hessian=True), head=False, micro_batch=8, progress=False)
         store.finish()
         in_blocks = sum(len(d.matrices) for ds in block_decisions(lm, plan).values() for d in ds)

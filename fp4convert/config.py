@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from typing import ClassVar, Protocol, runtime_checkable
 
 from fp4convert.errors import ConfigError
 from fp4convert.formats import DEFAULT_FORMAT, OUTPUT_FORMATS, get_format
@@ -30,13 +31,31 @@ RANDOM_SHAPE = (16, 256)  # samples x tokens of random token ids (--input-weight
 # BF16 stays, and non-float tensors (ints, bool, U8, FP8, F4) are never changed.
 KEPT_DTYPES = ("source", "bf16")
 # --method: how the weights are rounded. rtn: each block on its own (data-free unless a model run
-# measures input weights or activation scales); any other name is a calibrated method of
-# fp4convert/calibrate/methods/ (gptq: docs/numerics.md "GPTQ"), which owns the list of names.
+# measures input weights or activation scales; the recipe's ``method`` is None); any other is a calibrated
+# method of fp4convert/calibrate/methods/, which owns the list of names and each method's settings.
 RTN = "rtn"
-GPTQ_DAMP = 0.01  # (mirrors fp4convert/numerics/gptq.py DAMP and BLOCK, which import torch)
-GPTQ_BLOCK = 128
-SMOOTH = 0.5  # W4A4 GPTQ's default smoothing strength (NVFP4 activations; BENCHMARKS.md "W4A4 GPTQ with smoothing")
 KEPT_TO_BF16 = ("F32", "F64")
+
+
+@runtime_checkable
+class MethodSettings(Protocol):
+    """A calibrated method's settings, as the recipe carries them: a frozen value whose type, defaults,
+    checks and command-line options the method's own module defines (fp4convert/calibrate/methods/); the
+    config only calls these four members, so it knows no method by name."""
+
+    name: ClassVar[str]  # the method's --method name
+
+    def check(self, recipe: Recipe) -> None:
+        """Raise ConfigError for a setting this recipe cannot have (the recipe's other fields given)."""
+        ...
+
+    def resolved(self, recipe: Recipe) -> MethodSettings:
+        """The settings in effect: every default that depends on the rest of the recipe filled in."""
+        ...
+
+    def identity(self) -> dict:
+        """The resolved settings that decide the bytes (the manifest's and --resume's record)."""
+        ...
 
 
 def kept_output_dtype(dtype: str, kept_dtype: str) -> str:
@@ -74,16 +93,10 @@ class Recipe:
     # How kept tensors are stored (KEPT_DTYPES). Part of the identity only when not "source" (outputs,
     # manifests and resumes of default runs unchanged).
     kept_dtype: str = "source"
-    # How the weights are rounded (RTN, or a method of fp4convert/calibrate/methods/) and GPTQ's settings.
-    # Part of the identity only for a calibrated method (rtn outputs, manifests and resumes unchanged).
-    method: str = RTN
-    gptq_damp: float = GPTQ_DAMP
-    gptq_block: int = GPTQ_BLOCK
-    act_order: bool | None = None  # None: on for gptq (measured: BENCHMARKS.md "GPTQ"); see gptq_act_order
-    true_sequential: bool | None = None  # None: on for weight-only gptq, no rotation (measured); see gptq_true_sequential
-    # W4A4 GPTQ: SmoothQuant's migration strength (0: off); the norm-fed inputs divided per channel by
-    # s = amax_x^a / amax_w^(1-a), folded into the norm's weight (docs/numerics.md "GPTQ", smoothing)
-    smooth: float | None = None  # None: SMOOTH for NVFP4 W4A4 GPTQ without a rotation (measured); see gptq_smooth
+    # How the weights are rounded: None is rtn; a calibrated method's settings otherwise (its module in
+    # fp4convert/calibrate/methods/: ``methods.settings("gptq", damp=0.02)``). Part of the identity only for
+    # a calibrated method (rtn outputs, manifests and resumes unchanged).
+    method: MethodSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -168,34 +181,16 @@ class ConvertConfig(RunOptions, Recipe):
                               f"only (the engines' W4A4 conventions), not --format {self.format}")
 
     def _check_method(self) -> None:
-        if self.smooth and (self.method != "gptq" or self.activations == "none"):
-            raise ConfigError("--smooth applies to W4A4 GPTQ only (--method gptq with --activations): it moves the "
-                              "activations' rounding error into the weights, which GPTQ then compensates")
-        if self.smooth is not None and not (isinstance(self.smooth, (int, float)) and 0.0 <= self.smooth < 1.0):
-            raise ConfigError(f"--smooth {self.smooth!r}: give a migration strength in [0, 1), e.g. 0.5")
-        if self.smooth and self.kept_dtype != "source":
-            raise ConfigError("--smooth writes the norms it changes in their own dtype; drop --kept-dtype")
-        if self.smooth and self.rotate not in (None, "none"):
-            raise ConfigError("--smooth with --rotate: the rotation mixes the channels the smoothing scales; drop one")
-        if not (isinstance(self.method, str) and re.fullmatch(r"[a-z][a-z0-9-]*", self.method)):
-            # a name only: which methods exist is the calibration stage's registry, checked while planning
-            raise ConfigError(f"--method {self.method!r} is not a method name (rtn, or see --help for the choices)")
-        if self.method != "gptq" and (self.act_order is not None or self.true_sequential is not None
-                                      or self.gptq_damp != GPTQ_DAMP or self.gptq_block != GPTQ_BLOCK):
-            raise ConfigError("--act-order / --no-act-order, --true-sequential / --no-true-sequential, --gptq-damp "
-                              "and --gptq-block apply to --method gptq only")
-        if self.method == RTN:
+        if self.method is None:
             return
+        if not isinstance(self.method, MethodSettings):
+            raise ConfigError(f"method={self.method!r}: give a calibrated method's settings "
+                              "(fp4convert.calibrate.methods.settings(name, ...)), or None for rtn")
         if self.input_weights not in ("auto", "none"):
-            raise ConfigError(f"--input-weights {self.input_weights} does not apply to --method {self.method}: it weights "
-                              "the search rules' block error by its own statistics (GPTQ: its Hessian's diagonal); "
-                              "drop --input-weights")
-        if self.method != "gptq":
-            return
-        if not (0.0 < self.gptq_damp <= 10.0):
-            raise ConfigError(f"--gptq-damp {self.gptq_damp!r}: give a fraction of the Hessian's mean diagonal in (0, 10]")
-        if self.gptq_block < 32 or self.gptq_block % 32:
-            raise ConfigError(f"--gptq-block {self.gptq_block!r}: give a multiple of 32 (both schemes' blocks), e.g. 128")
+            raise ConfigError(f"--input-weights {self.input_weights} does not apply to --method {self.method.name}: "
+                              "it weights the search rules' block error by its own statistics (GPTQ: its Hessian's "
+                              "diagonal); drop --input-weights")
+        self.method.check(self)
 
     def _check_input_weights(self) -> None:
         if self.input_weights not in INPUT_WEIGHTS:
@@ -215,7 +210,7 @@ class ConvertConfig(RunOptions, Recipe):
         unless the rule asked for has no search."""
         if self.input_weights != "auto":
             return self.input_weights
-        if self.method != RTN:
+        if self.method is not None:
             return "none"  # a calibrated method weights the search rules itself (GPTQ: its Hessian's diagonal)
         if (self.activations == "nvfp4" and self.activation_scale == "calibrate"
                 and self._rule_searches()):
@@ -236,7 +231,7 @@ class ConvertConfig(RunOptions, Recipe):
     def rule(self) -> str:
         """The scale rule in effect: the one asked for, else ``mse`` when input weights are on (the best
         measured with them; GPTQ's are its Hessian's diagonal), else the scheme's default."""
-        if self.scale_rule is None and (self.input_weight_source != "none" or self.method != RTN):
+        if self.scale_rule is None and (self.input_weight_source != "none" or self.method is not None):
             return SCHEMES[self.scheme].check_rule(WEIGHTED_RULE)
         return SCHEMES[self.scheme].check_rule(self.scale_rule)
 
@@ -274,41 +269,21 @@ class ConvertConfig(RunOptions, Recipe):
         return out
 
     @property
-    def gptq_act_order(self) -> bool:
-        """GPTQ's act-order in effect: the one asked for, else on (SmolLM2-135M NVFP4: KL 0.066 without,
-        0.049 with, against llm-compressor GPTQ's 0.070; BENCHMARKS.md "GPTQ")."""
-        return self.act_order if self.act_order is not None else self.method == "gptq"
+    def method_name(self) -> str:
+        """The --method name: rtn, or the calibrated method's."""
+        return RTN if self.method is None else self.method.name
 
     @property
-    def gptq_smooth(self) -> float:
-        """W4A4 GPTQ's smoothing strength in effect: the one asked for, else SMOOTH for NVFP4 activations
-        without a rotation (measured, BENCHMARKS.md "W4A4 GPTQ with smoothing": NVFP4 W4A4 KL SmolLM2-135M
-        0.206 -> 0.180, Gemma 3 270M 0.376 -> 0.325), else 0 (MXFP4 activations: not measured)."""
-        if self.smooth is not None:
-            return float(self.smooth)
-        default = (self.method == "gptq" and self.activations == "nvfp4" and self.rotate in (None, "none")
-                   and self.kept_dtype == "source")
-        return SMOOTH if default else 0.0
-
-    @property
-    def gptq_true_sequential(self) -> bool:
-        """GPTQ's true-sequential order in effect: the one asked for, else on for weight-only GPTQ without a
-        rotation and off otherwise (measured, BENCHMARKS.md "Calibrated accuracy, 2026-11-29": NVFP4A16 KL
-        Gemma 3 270M 0.119 -> 0.102, SmolLM2-135M 0.0494 -> 0.0491; worse with --rotate had16, MXFP4A16
-        0.177 -> 0.184 and 0.073 -> 0.075, and with W4A4, SmolLM2 0.206 -> 0.215)."""
-        if self.true_sequential is not None:
-            return self.true_sequential
-        return self.method == "gptq" and self.activations == "none" and self.rotate in (None, "none")
+    def method_settings(self) -> MethodSettings | None:
+        """The calibrated method's settings in effect (its recipe-dependent defaults resolved), or None (rtn)."""
+        return None if self.method is None else self.method.resolved(self)
 
     def method_identity(self) -> dict:
         """A calibrated method's settings in the identity ({} for rtn: identities of earlier runs unchanged)."""
-        if self.method == RTN:
+        settings = self.method_settings
+        if settings is None:
             return {}
-        own = {"damp": self.gptq_damp, "block": self.gptq_block, "act_order": self.gptq_act_order,
-               "true_sequential": self.gptq_true_sequential} if self.method == "gptq" else {}
-        if self.gptq_smooth:
-            own["smooth"] = self.gptq_smooth
-        return {"method": {"name": self.method, **own, "calibration": self._calibration_identity()}}
+        return {"method": {"name": settings.name, **settings.identity(), "calibration": self._calibration_identity()}}
 
     def _calibration_identity(self) -> dict:
         samples, seq_len = self.calibration_shape

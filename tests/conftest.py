@@ -120,7 +120,7 @@ def _definition_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session", autouse=True)
 def _calibration_cache(tmp_path_factory):
-    """Kept calibration results (fp4convert.calibrate.keep) per test session, not in the user's cache."""
+    """Kept calibration results (fp4convert.calibrate.resume) per test session, not in the user's cache."""
     old = os.environ.get("FP4CONVERT_CALIBRATION_CACHE")
     os.environ["FP4CONVERT_CALIBRATION_CACHE"] = str(tmp_path_factory.mktemp("calibration"))
     yield

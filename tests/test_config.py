@@ -35,6 +35,7 @@ def test_the_recipe_is_the_identity_and_run_options_never_change_it() -> None:
     (to another valid value) changes it."""
     from dataclasses import fields, replace
 
+    from fp4convert.calibrate.methods import settings
     from fp4convert.config import Recipe, RunOptions
 
     base = ConvertConfig()
@@ -50,21 +51,38 @@ def test_the_recipe_is_the_identity_and_run_options_never_change_it() -> None:
                       "base_model": ("org/name",), "kept_dtype": ("bf16",), "input_weights": ("random",),
                       "calibration_samples": (4,), "calibration_seq_len": (8,), "calibration_seed": (1,),
                       "activations": ("nvfp4",), "activation_scale": ("constant",), "calibration_data": ("c.txt",),
-                      "method": ("gptq",), "gptq_damp": (0.05,), "gptq_block": (256,), "act_order": (False,),
-                      "true_sequential": (False,), "smooth": (0.3,)}
+                      "method": (settings("gptq"),)}
     assert set(recipe_changes) == {f.name for f in fields(Recipe)}
     # fields that only count with others on (W4A4 NVFP4 with calibration / input weights) are changed with them
     w4a4 = replace(base, activations="nvfp4", format="compressed-tensors")
     iw = replace(base, input_weights="random")
-    gptq = replace(base, method="gptq")
     for name, (value,) in recipe_changes.items():
-        start = replace(w4a4, method="gptq") if name == "smooth" else \
-            w4a4 if name in ("activation_scale", "calibration_data") else \
-            iw if name in ("calibration_samples", "calibration_seq_len", "calibration_seed") else \
-            gptq if name in ("gptq_damp", "gptq_block", "act_order", "true_sequential") else base
+        start = w4a4 if name in ("activation_scale", "calibration_data") else \
+            iw if name in ("calibration_samples", "calibration_seq_len", "calibration_seed") else base
         if name == "activations":
             start, changed = replace(base, format="compressed-tensors"), w4a4
         else:
             changed = replace(start, **{name: value})
         assert changed.identity() != start.identity(), name
         assert changed.recipe != start.recipe and changed.run_options == start.run_options, name
+
+
+def test_every_method_setting_changes_the_identity() -> None:
+    """Each field of a calibrated method's settings decides its bytes: changing it (to another valid value)
+    changes the recipe's identity (what --resume compares and the manifest records)."""
+    from dataclasses import fields, replace
+
+    from fp4convert.calibrate.methods import get_method, method_names, settings
+
+    other = {bool: lambda v: not v if v is not None else False, float: lambda v: 0.25, int: lambda v: 256}
+    w4a4 = {"activations": "nvfp4", "format": "compressed-tensors"}
+    for name in method_names():
+        base = settings(name)
+        kinds = {o.field: o.kind for o in get_method(name).Settings.options}
+        assert {f.name for f in fields(base)} == set(kinds), name  # every setting has its option
+        resolved = ConvertConfig(method=base, **w4a4).method_settings  # (a default changed to its own value is no change)
+        for f in fields(base):
+            changed = replace(base, **{f.name: other[kinds[f.name]](getattr(resolved, f.name))})
+            a, b = ConvertConfig(method=base, **w4a4), ConvertConfig(method=changed, **w4a4)
+            assert a.identity() != b.identity(), (name, f.name)
+

@@ -20,6 +20,7 @@ from fp4convert.plan.types import QUANTIZE
 
 if TYPE_CHECKING:
     from fp4convert.config import ConvertConfig
+    from fp4convert.plan.calibration import CalibrationPlan
     from fp4convert.plan.planner import Plan
     from fp4convert.source.source import Source
 
@@ -86,36 +87,26 @@ def share(amax: dict[str, float], plan: Plan) -> dict[str, float]:
 
 # -- refusing what cannot be calibrated, before anything is written ----------------------------
 
-def runs_model(config: ConvertConfig) -> bool:
-    """Does this conversion run the model (W4A4 NVFP4 activation calibration, input weights, GPTQ)?"""
-    return activation_calibration(config) or config.input_weight_source != "none" or config.method != "rtn"
+def plan_calibration(source: Source, config: ConvertConfig) -> CalibrationPlan:
+    """The conversion's :class:`~fp4convert.plan.calibration.CalibrationPlan`, decided once while planning; a
+    model run that cannot happen is refused here (exit 2, the reason), before anything is written. The
+    activation calibration of W4A4, the input weights' pass (``--input-weights``) and a calibrated method
+    have the same needs; random token ids need no tokenizer. The calibration file is read once here (its
+    sha256 and its texts checked)."""
+    from fp4convert.plan.calibration import CalibrationPlan
 
-
-def activation_calibration(config: ConvertConfig) -> bool:
-    return config.activations == "nvfp4" and config.activation_scale == "calibrate"
-
-
-def what_runs(config: ConvertConfig) -> tuple[str, str]:
-    """(what runs the model, the option that avoids it): the words of a refusal."""
-    if config.method != "rtn":
-        return f"--method {config.method}", "or use --method rtn"
-    if activation_calibration(config):
-        return "activation calibration", "or use --activation-scale constant"
-    return f"--input-weights {config.input_weight_source}", "or use --input-weights none"
-
-
-def check_runnable(source: Source, config: ConvertConfig) -> None:
-    """Refuse (exit 2, the reason) a model run that cannot happen: called while planning, before
-    anything is written. The activation calibration of W4A4 and the input weights' pass
-    (``--input-weights``) have the same needs; random token ids need no tokenizer."""
-    if not runs_model(config):
-        return
-    if config.method != "rtn":
+    amax = "none" if config.activations != "nvfp4" else config.activation_scale
+    method = config.method_settings
+    if method is not None:
         from fp4convert.calibrate.methods import get_method
 
-        get_method(config.method)  # an unknown name: ConfigError, before anything runs
+        get_method(method.name)  # an unknown name: ConfigError, before anything runs
     iw = config.input_weight_source
-    what, other = what_runs(config)
+    text = amax == "calibrate" or iw == "calibration" or method is not None
+    bare = CalibrationPlan(amax, iw, method, None, None, config.rotate, config.activations, config.scheme, config.rule)
+    if not bare.runs_model:
+        return bare
+    what, other = bare.words()
     if source.is_hub:
         raise PlanError(f"{what} runs the model from a local folder: download the checkpoint first "
                         f"(huggingface-cli download), {other}")
@@ -127,18 +118,39 @@ def check_runnable(source: Source, config: ConvertConfig) -> None:
         import transformers  # noqa: F401
     except ImportError:
         raise PlanError(f"{what} needs transformers (pip install transformers), {other}") from None
-    text = activation_calibration(config) or iw == "calibration" or config.method != "rtn"
     if text and not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise PlanError(f"{root}: no tokenizer (tokenizer.json / tokenizer.model / vocab.json); {what} needs one "
                         f"to tokenize or generate its samples ({other})")
     vocab = vocab_size(root, config_vocab(cfg)) if iw == "random" else None
-    if text and config.calibration_data is not None and not Path(config.calibration_data).is_file():
-        raise PlanError(f"--calibration-data {config.calibration_data}: no such file")
-    if text and config.calibration_data is not None:
-        from fp4convert.calibrate.samples import read_texts
+    samples = _samples(config) if text else None
+    random = None
+    if vocab is not None:
+        from fp4convert.plan.calibration import RANDOM, Samples
 
-        read_texts(Path(config.calibration_data))  # empty, binary, not UTF-8, JSON lines of the wrong shape
+        count, seq_len = config.random_shape
+        random = Samples(RANDOM, count, seq_len, config.calibration_seed, vocab=vocab)
     check_definition(source, cfg, other, vocab, self_generated=text and config.calibration_data is None)
+    return CalibrationPlan(amax, iw, method, samples, random, config.rotate, config.activations, config.scheme, config.rule)
+
+
+def _samples(config: ConvertConfig):
+    """The calibration samples of a text pass: the file (read once: its texts checked, its sha256 kept) or
+    the model's own generations."""
+    import hashlib
+
+    from fp4convert.plan.calibration import FILE, SELF_GENERATED, Samples
+
+    count, seq_len = config.calibration_shape
+    if config.calibration_data is None:
+        return Samples(SELF_GENERATED, count, seq_len, config.calibration_seed)
+    path = Path(config.calibration_data)
+    if not path.is_file():
+        raise PlanError(f"--calibration-data {config.calibration_data}: no such file")
+    from fp4convert.calibrate.samples import read_texts
+
+    read_texts(path)  # empty, binary, not UTF-8, JSON lines of the wrong shape
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return Samples(FILE, count, seq_len, config.calibration_seed, path=str(path), sha256=digest)
 
 
 def config_vocab(cfg: dict) -> object:

@@ -77,6 +77,9 @@ class Visit:
     # scale of that input: GPTQ's smoothing); inputs fed by anything else are absent
     fed: dict[str, str] = field(default_factory=dict)
     outputs: list = field(default_factory=list)  # the block's outputs of the run just observed (weights as read)
+    # the block's floating-point checkpoint tensors as read (key -> fp32 on the run's device), when the pass asked
+    # for them (blocks(keep_reads=True): a calibrated method quantizes them without reading them again)
+    reads: dict = field(default_factory=dict)
 
 
 class LayerwiseModel(BlockWeights):
@@ -133,7 +136,7 @@ class LayerwiseModel(BlockWeights):
 
     def blocks(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
                micro_batch: int = MICRO_BATCH, progress: bool = True, desc: str = "calibrate: blocks",
-               outside: Collection[str] = ()):
+               outside: Collection[str] = (), keep_reads: bool = False):
         """:meth:`observe` as a generator: after block ``i`` has run on every micro-batch with its inputs
         observed, it yields a :class:`Visit` while the block's weights are still loaded. The caller may
         quantize them and :meth:`reload_block` the block with the quantized weights (GPTQ's sequential
@@ -142,7 +145,8 @@ class LayerwiseModel(BlockWeights):
         the inputs named: those of linears after the ones already quantized and reloaded. Last, when
         there is any, the linears outside the blocks (``outside``, the head with ``head``) are observed
         on the last block's outputs (:func:`~fp4convert.calibrate.tail.tail_pass`) and a :class:`Visit`
-        with ``tail`` set is yielded."""
+        with ``tail`` set is yielded. ``keep_reads``: each visit carries the block's checkpoint tensors as read
+        (:attr:`Visit.reads`)."""
         import torch
 
         self.check_tokens(tokens)
@@ -157,7 +161,7 @@ class LayerwiseModel(BlockWeights):
             for i, block in enumerate(self.layers):
                 prefix = f"{self.layers_name}.{i}."
                 with timing.timed("calibrate_load"):
-                    self.load_block(i)
+                    reads = self.load_block(i, keep_reads=keep_reads)
                 self.read_ahead(i + 1)
                 fed: dict[str, str] = {}
                 outs, taps = self._observed_run(i, block, prefix, calls[i], hs, reps[i], observers, fed)
@@ -172,7 +176,7 @@ class LayerwiseModel(BlockWeights):
                     finally:
                         observers.only = None
 
-                visit = Visit(i, prefix, again=again, fed={k: v for k, v in fed.items() if v}, outputs=outs)
+                visit = Visit(i, prefix, again=again, fed={k: v for k, v in fed.items() if v}, outputs=outs, reads=reads)
                 yield visit
                 if visit.reloaded:
                     outs = self._run_block(i, block, calls[i], hs, reps[i])
@@ -261,6 +265,10 @@ class LayerwiseModel(BlockWeights):
             self._replaced = {}
         visit.reloaded = True
 
+    def _load_quietly(self, i: int) -> None:
+        """Load block ``i`` from a forward pre-hook (which must return None, or it replaces the arguments)."""
+        self.load_block(i)
+
     def _hidden_of(self, i: int, args: tuple, kwargs: dict):
         from fp4convert.calibrate.capture import hidden_slot
 
@@ -291,7 +299,7 @@ class LayerwiseModel(BlockWeights):
                 self.load_block(i)
         else:
             for i, b in enumerate(self.layers):
-                handles.append(b.register_forward_pre_hook(lambda _m, _a, _i=i: self.load_block(_i)))
+                handles.append(b.register_forward_pre_hook(lambda _m, _a, _i=i: self._load_quietly(_i)))
                 handles.append(b.register_forward_hook(lambda _m, _a, _o, _i=i: self.free_block(_i)))
         timing.add("calibrate_generate_load", time.perf_counter() - t0)
         try:

@@ -1,5 +1,6 @@
-"""W4A4 GPTQ's smoothing (``--smooth ALPHA``): SmoothQuant's per-channel migration of an input's range
-into the weights that read it, folded into the norm that makes the input (docs/numerics.md "GPTQ").
+"""Smoothing for W4A4 (GPTQ's ``--smooth ALPHA``): SmoothQuant's per-channel migration of an input's range
+into the weights that read it, folded into the norm that makes the input (docs/numerics.md "GPTQ"); a
+calibrated method applies it to each visited block with :func:`smooth_block`.
 
 An input ``x`` that is a norm's output and feeds only quantized linears is served as ``x / s`` with the
 linears' columns multiplied by ``s``: the product is unchanged, but NVFP4's 16-value activation blocks
@@ -12,10 +13,17 @@ really gives, so the fold is exact up to float rounding.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from fp4convert.calibrate.layerwise import LayerwiseModel, Visit
+    from fp4convert.calibrate.stats import Observers
+    from fp4convert.plan.types import Decision, Matrix
+
+log = logging.getLogger(__name__)
 
 RANGE = 2.0 ** 12  # s is clamped to [1/RANGE, RANGE] (a channel that never fires is not blown up)
 
@@ -73,3 +81,75 @@ def factor(before: torch.Tensor, after: torch.Tensor, offset: bool) -> torch.Ten
     base = 1.0 + before.float() if offset else before.float()
     new = 1.0 + after.float() if offset else after.float()
     return torch.where((base != 0) & (new != 0), base / new, torch.ones_like(base))
+
+
+TOLERANCE = 1e-3  # the block's outputs may move by this much of their largest before the smoothing is refused
+
+
+def smooth_block(lm: LayerwiseModel, visit: Visit, decisions: list[Decision], observers: Observers,
+                 inputs: dict[str, str], alpha: float) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Smooth the visited block's norm-fed inputs: the norm weights and the reading linears' columns changed
+    in :attr:`Visit.reads` (what the method quantizes and the block reloads), the held input tokens divided by
+    the factors (their amax with them). Kept only if the block, run again, gives the same outputs (within
+    TOLERANCE of their largest): a norm output read by anything else (a residual, an expert stack) would
+    change them, and the block is then loaded back as it was. Returns (the changed norm weights, checkpoint
+    name -> tensor in its dtype on the CPU, for the output; checkpoint name -> its readers and form, for
+    the record); ({}, {}) when nothing was smoothed."""
+    import torch
+
+    from fp4convert.calibrate.weights import matrix_view
+    from fp4convert.storage.safetensors import torch_dtypes
+
+    reads = visit.reads
+    modules = dict(lm.layers[visit.index].named_modules())
+    readers: dict[str, list[tuple[Decision, Matrix]]] = {}
+    for d in decisions:
+        for m in d.matrices:
+            readers.setdefault(inputs.get(m.module, ""), []).append((d, m))
+    by_norm: dict[str, list[str]] = {}
+    for name, norm in visit.fed.items():
+        by_norm.setdefault(norm, []).append(name)
+    changed: dict[str, torch.Tensor] = {}  # checkpoint name -> fp32 tensor the block loads
+    out: dict[str, torch.Tensor] = {}  # the norm weights in their dtype
+    held: list[tuple] = []
+    record: dict[str, dict] = {}
+    for norm, names in sorted(by_norm.items()):
+        key = lm.disk_of.get(norm + ".weight")
+        obs = {id(o): o for n in names if (o := observers.get(n)) is not None}
+        if key is None or key not in reads or any(n not in readers for n in names) or len(obs) != 1:
+            continue  # (a reader not quantized here, or inputs observed apart: left as it is)
+        o = next(iter(obs.values()))
+        if not o.tokens:
+            continue
+        mats = [dm for n in names for dm in readers[n]]
+        x_amax = torch.stack([t.abs().amax(0) for t in o.tokens]).amax(0)
+        w_amax = torch.stack([matrix_view(reads[d.info.name], m).abs().amax(0) for d, m in mats]).amax(0)
+        dtype = torch_dtypes()[lm.infos[key].dtype]
+        got = fold(modules[norm[len(visit.prefix):]], reads[key], scales(x_amax, w_amax, alpha), dtype)
+        if got is None:
+            continue
+        new, eff, offset = got
+        record[key] = {"readers": sorted({m.module for _, m in mats}), "offset": offset}
+        changed[key] = new
+        out[key] = new.to(dtype).cpu()
+        for d, m in mats:
+            t = changed.setdefault(d.info.name, reads[d.info.name].clone())
+            matrix_view(t, m).mul_(eff.to(t.device))
+        held.append((o, eff))
+    if not changed:
+        return {}, {}
+    assert visit.again is not None  # (every block visit has it)
+    before = visit.outputs  # (the block's first run, the weights as read)
+    lm.reload_block(visit, {**reads, **changed})
+    after = visit.again([])
+    worst = max((float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(after, before)), default=0.0)
+    if worst > TOLERANCE:
+        log.warning("%s: smoothing changes the block's outputs by %.2g of their largest (a norm's output is read by "
+                    "more than the quantized linears); not smoothed", visit.prefix[:-1], worst)
+        lm.reload_block(visit, dict(reads))
+        return {}, {}
+    reads.update(changed)
+    for o, eff in held:
+        o.tokens = [t / eff.to(t.device, t.dtype) for t in o.tokens]
+        o.amax = torch.stack([t.abs().amax() for t in o.tokens]).amax().float()
+    return out, record

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fp4convert import timing
-from fp4convert.calibrate.checks import check_runnable, config_vocab, model_errors, quantized_modules, share, vocab_size, what_runs
+from fp4convert.calibrate.checks import model_errors, quantized_modules, share
 from fp4convert.calibrate.layerwise import MICRO_BATCH, LayerwiseModel
 from fp4convert.calibrate.samples import file_tokens, generate, random_tokens, tokenizer_digest
 from fp4convert.calibrate.stats import Observers, Statistics, bf16_ceil
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from fp4convert.config import ConvertConfig
+    from fp4convert.plan.calibration import CalibrationPlan, Samples
     from fp4convert.plan.planner import Plan
     from fp4convert.source.source import Source
 
@@ -98,54 +99,52 @@ def plan_inputs(lm: LayerwiseModel, plan: Plan) -> dict[str, str]:
 
 
 def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Statistics:
-    """Run what this conversion needs, before anything is written: the activation calibration of W4A4
-    NVFP4 (the mean squares are recorded in the same pass when the input weights come from it) and,
-    for ``--input-weights random``, a pass over seeded random token ids."""
+    """Run what the plan's calibration (:attr:`Plan.calibration`, :class:`~fp4convert.plan.calibration.CalibrationPlan`)
+    asks, before anything is written: the activation calibration of W4A4 NVFP4 (the mean squares are
+    recorded in the same pass when the input weights come from it), a calibrated method's pass and, for
+    ``--input-weights random``, a pass over seeded random token ids."""
+    from fp4convert.calibrate.checks import plan_calibration
+
+    cal = plan.calibration if plan.calibration is not None else plan_calibration(source, config)
     out = Statistics()
     modules = quantized_modules(plan)
-    amax_pass = config.activations == "nvfp4"
-    if amax_pass and config.activation_scale == "constant":
+    if cal.amax == "constant":
         from fp4convert.formats.base import CONSTANT_AMAX
 
         out.amax = {m: CONSTANT_AMAX for m in modules}
         out.calibration = {"method": "constant", "amax": CONSTANT_AMAX}
-        amax_pass = False
-    iw = config.input_weight_source
-    if not amax_pass and iw == "none" and config.method == "rtn":
+    if not cal.runs_model:
         return out
 
-    from fp4convert.calibrate import keep
+    from fp4convert.calibrate import resume
 
-    check_runnable(source, config)
-    kept_key = keep.key(source, config, modules, None if device is None else str(device))
+    key = resume.key(source, cal, modules, None if device is None else str(device))
     if config.resume:
-        kept = keep.load(kept_key)
+        kept = resume.load(key)
         if kept is not None:
             return kept
     try:
-        measured = _measure(source, plan, config, device, out, modules, amax_pass, iw, keep.store_dir(kept_key))
+        measured = _measure(source, plan, config, cal, device, out, modules, resume.store_dir(key))
     except KeyboardInterrupt:
         from fp4convert.errors import Interrupted
 
         raise Interrupted("interrupted during calibration, before anything was written (nothing is kept: the "
                           "statistics are kept once measured); run the same command again") from None
-    keep.save(kept_key, measured)
+    resume.save(key, measured)
     return measured
 
 
-def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Statistics, modules: list[str],
-             amax_pass: bool, iw: str, store_dir: Path) -> Statistics:
+def _measure(source: Source, plan: Plan, config: ConvertConfig, cal: CalibrationPlan, device, out: Statistics,
+             modules: list[str], store_dir: Path) -> Statistics:
+    """The passes of ``cal`` on the model built from ``source`` (see :func:`statistics`)."""
     import torch
 
+    what, other = cal.words()
     if any(d.decode is not None for d in plan.decisions):
-        what = ("--method gptq" if config.method == "gptq" else "activation calibration" if amax_pass
-                else f"--input-weights {iw}")
         raise PlanError(f"{what} runs the model on bf16/fp16/fp32 weights; this checkpoint's weights are quantized "
-                        "(FP8/MXFP4) inputs" + (": use --activation-scale constant" if amax_pass else
-                                                ": use --input-weights none"))
+                        f"(FP8/MXFP4) inputs; {other}")
     dev = torch.device(device) if device is not None else torch.device("cpu")
     root = Path(source.root)
-    what, other = what_runs(config)
     with model_errors(root, source.config(), "build the model of", other):
         lm = LayerwiseModel(source, dev, other)
     inputs = plan_inputs(lm, plan)
@@ -158,6 +157,7 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
         """The forward's failures the plan-time check cannot see, as the same refusal."""
         return model_errors(root, source.config(), "run the model of", other)
 
+    amax_pass = cal.amax == "calibrate"
     with running():  # before any sample is made or any block runs: what no pass can observe
         blind, outside = blind_spots(lm, lm._forward, plan, inputs)
     if blind and amax_pass:
@@ -165,74 +165,80 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, device, out: Sta
 
     mean_square: dict[str, torch.Tensor] = {}
     described: dict = {}
-    rotated_amax = bool(config.rotate) and config.activations != "none"
-    if amax_pass or iw == "calibration" or config.method != "rtn":
-        import transformers as tf
-
-        try:
-            tok = tf.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
-        except Exception as exc:  # noqa: BLE001 - any loader failure is the same refusal, with its reason
-            raise PlanError(f"{root}: the tokenizer does not load ({type(exc).__name__}: {exc}); {what} needs it "
-                            f"to tokenize or generate its samples ({other})") from None
-        samples, seq_len = config.calibration_shape
-        if config.calibration_data is not None:
-            data = Path(config.calibration_data)
-            tokens = file_tokens(tok, data, samples, seq_len)
-            data_record: dict[str, object] = {"source": "file", "name": data.name, "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
-        else:
-            with running(), timing.timed("calibrate_generate"):
-                tokens = generate(lm, tok, samples, seq_len, config.calibration_seed)
-            data_record = {"source": "self-generated", "start_token": int(tokens[0, 0])}
-        if config.method != "rtn":
+    if cal.samples is not None:
+        tokens, data_record = _tokens(lm, root, cal.samples, running, what, other)
+        if cal.method is not None:
             with running():
-                raw = by_module(_method_pass(lm, plan, config, tokens, inputs, set(modules), store_dir, out))
+                raw = by_module(_method_pass(lm, plan, config, cal, tokens, inputs, set(modules), store_dir, out))
         else:
             with running():
-                raw = by_module(layerwise_amax(lm, tokens, set(modules), mean_square=mean_square if iw == "calibration"
-                                               else None, rotate=config.rotate, rotated_amax=rotated_amax,
+                raw = by_module(layerwise_amax(lm, tokens, set(modules),
+                                               mean_square=mean_square if cal.input_weights == "calibration" else None,
+                                               rotate=cal.rotate, rotated_amax=bool(cal.rotate) and cal.activations != "none",
                                                outside=outside))
         calibrated = {"data": data_record, "samples": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]),
-                      "seed": config.calibration_seed, "tokenizer_sha256": tokenizer_digest(root)}
+                      "seed": cal.samples.seed, "tokenizer_sha256": tokenizer_digest(root)}
         if amax_pass:
             out.amax, out.calibration = _activation_record(raw, modules, plan, calibrated)
-        if out.gptq_record is not None:
-            out.gptq_record["calibration"] = calibrated
+        if out.method_record is not None:
+            out.method_record["calibration"] = calibrated
         described = {"source": "calibration", **calibrated}
-    if iw == "random":
-        samples, seq_len = config.random_shape
-        vocab = vocab_size(root, config_vocab(source.config()))
-        tokens = random_tokens(vocab, samples, seq_len, config.calibration_seed)
+    if cal.random is not None:
+        r = cal.random
+        tokens = random_tokens(r.vocab or 1, r.count, r.seq_len, r.seed)
         with running():
-            layerwise_amax(lm, tokens, set(modules), mean_square=mean_square, rotate=config.rotate, outside=outside)
-        described = {"source": "random", "samples": samples, "seq_len": seq_len, "seed": config.calibration_seed,
-                     "vocab_size": vocab}
-    if iw != "none":
+            layerwise_amax(lm, tokens, set(modules), mean_square=mean_square, rotate=cal.rotate, outside=outside)
+        described = {"source": "random", "samples": r.count, "seq_len": r.seq_len, "seed": r.seed, "vocab_size": r.vocab}
+    if cal.input_weights != "none":
         out.input_weights, out.input_weight_record = input_weights_for(plan, by_module(mean_square), described,
-                                                                       config.rotate)
+                                                                       cal.rotate)
     return out
 
 
-def _method_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, tokens: torch.Tensor, inputs: dict[str, str],
-                 wanted: set[str], store_dir: Path, out: Statistics) -> dict[str, torch.Tensor]:
+def _tokens(lm: LayerwiseModel, root: Path, samples: Samples, running, what: str, other: str
+            ) -> tuple[torch.Tensor, dict[str, object]]:
+    """The calibration samples' token ids (the file's, or the model's own generations) and their record."""
+    import transformers as tf
+
+    from fp4convert.plan.calibration import FILE
+
+    try:
+        tok = tf.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - any loader failure is the same refusal, with its reason
+        raise PlanError(f"{root}: the tokenizer does not load ({type(exc).__name__}: {exc}); {what} needs it "
+                        f"to tokenize or generate its samples ({other})") from None
+    if samples.kind == FILE:
+        assert samples.path is not None
+        data = Path(samples.path)
+        tokens = file_tokens(tok, data, samples.count, samples.seq_len)
+        return tokens, {"source": "file", "name": data.name, "sha256": samples.sha256}
+    with running(), timing.timed("calibrate_generate"):
+        tokens = generate(lm, tok, samples.count, samples.seq_len, samples.seed)
+    return tokens, {"source": "self-generated", "start_token": int(tokens[0, 0])}
+
+
+def _method_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, cal: CalibrationPlan, tokens: torch.Tensor,
+                 inputs: dict[str, str], wanted: set[str], store_dir: Path, out: Statistics) -> dict[str, torch.Tensor]:
     """The calibrated method's pass over every block (``--method``, :mod:`fp4convert.calibrate.methods`):
-    the matrices it quantizes go to a store in ``store_dir`` (``out.gptq``); the inputs' amax, taken in
+    the matrices it quantizes go to a store in ``store_dir`` (``out.store``); the inputs' amax, taken in
     the same pass (W4A4), is returned by runner name."""
     from fp4convert.calibrate.methods import get_method
     from fp4convert.calibrate.store import Store, memory_budget
 
-    cls = get_method(config.method)
+    assert cal.method is not None
+    cls = get_method(cal.method.name)
     store = Store.create(store_dir, memory=memory_budget())
-    obs = Observers(squares=cls.squares, hessian=cls.hessian, rotate=config.rotate,
-                    rotated_amax=bool(config.rotate) and config.activations != "none")
-    method = cls(lm, plan, config, inputs, store)
+    obs = Observers(squares=cls.squares, hessian=cls.hessian, rotate=cal.rotate,
+                    rotated_amax=bool(cal.rotate) and cal.activations != "none")
+    method = cls(lm, plan, config, cal.method, inputs, store)
     try:
         method.run(tokens, obs, head="lm_head" in wanted, micro_batch=MICRO_BATCH, progress=True)
-        with timing.timed("gptq_store_wait"):  # (the block files still being written after the last block)
+        with timing.timed("calibrate_store_wait"):  # (the block files still being written after the last block)
             store.finish()
     except BaseException:
         store.remove()  # an interrupted pass keeps nothing (its index would be missing anyway)
         raise
-    out.gptq, out.gptq_record = store, method.record()
+    out.store, out.method_record = store, method.record()
     if method.unseen:
         log.warning("%d quantized matrices (e.g. %s) had no observed input: rounded to nearest "
                     "(data-free) instead of %s", len(method.unseen), method.unseen[0], cls.name)
@@ -262,7 +268,11 @@ def activation_amax(source: Source, plan: Plan, config: ConvertConfig, device) -
     """(module -> shared amax for every quantized module, the calibration record for the manifest)."""
     from dataclasses import replace
 
-    st = statistics(source, plan, replace(config, input_weights="none"), device)
+    from fp4convert.calibrate.checks import plan_calibration
+
+    config = replace(config, input_weights="none")
+    plan = replace(plan, calibration=plan_calibration(source, config))
+    st = statistics(source, plan, config, device)
     assert st.amax is not None and st.calibration is not None
     return st.amax, st.calibration
 

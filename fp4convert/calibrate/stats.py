@@ -42,21 +42,21 @@ class Observer:
     is far below the 1% dampening GPTQ adds), summed in fp64. Its last bits depend on the device and
     the GEMM library (docs/numerics.md "GPTQ").
 
-    ``keep`` (GPTQ with W4A4): the inputs themselves are kept (the Hessian is not summed yet): the
-    engine's rounding of an input needs the amax of every token first, so :meth:`asymmetric` takes the
-    Hessian of the rounded inputs and their cross term once the block has run.
+    ``keep_tokens`` (GPTQ with W4A4): the inputs themselves are held in :attr:`tokens` (the Hessian is not
+    summed yet): the engine's rounding of an input needs the amax of every token first, so :meth:`asymmetric`
+    takes the Hessian of the rounded inputs and their cross term once the block has run.
     """
 
     squares: bool = False
     hessian: bool = False
     rotate: str | None = None
     rotated_amax: bool = False
-    keep: bool = False
+    keep_tokens: bool = False
     amax: torch.Tensor | None = None
     sum_sq: torch.Tensor | None = None
     xtx: torch.Tensor | None = None
     cross: torch.Tensor | None = None
-    kept: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)  # the inputs held (keep_tokens), [n, K] each
     count: int = 0
     shapes: set = field(default_factory=set)
 
@@ -84,22 +84,22 @@ class Observer:
             x2 = flat.double()
             sq = (x2 * x2).sum(0)
             self.sum_sq = sq if self.sum_sq is None else self.sum_sq + sq
-        if self.hessian and self.keep:
-            self.kept.append(flat.clone())
+        if self.hessian and self.keep_tokens:
+            self.tokens.append(flat.clone())
         elif self.hessian:
             h = _gram(flat, flat)
             self.xtx = h if self.xtx is None else self.xtx.add_(h)
         self.count += flat.shape[0]
 
     def asymmetric(self, rounded) -> None:
-        """From the kept inputs ``X`` and ``X~ = rounded(X)`` (the engine's activation rounding, in the
+        """From the held inputs ``X`` and ``X~ = rounded(X)`` (the engine's activation rounding, in the
         domain the weights are quantized in; ``rounded`` None: nothing rounded): the Hessian becomes
         ``X~^T X~`` and :attr:`cross` holds ``(X - X~)^T X~``, the term that moves GPTQ's target to the
         weights that best reproduce the unrounded outputs ``X W^T`` from ``X~`` (docs/numerics.md
         "GPTQ", W4A4)."""
         import torch
 
-        for x in self.kept:
+        for x in self.tokens:
             xq = rounded(x) if rounded is not None else x
             h = _gram(xq, xq)
             self.xtx = h if self.xtx is None else self.xtx.add_(h)
@@ -108,7 +108,7 @@ class Observer:
             wide = torch.float32 if x.is_cuda else torch.float64  # (the precision _gram multiplies in)
             c = _gram(x.to(wide) - xq.to(wide), xq)
             self.cross = c if self.cross is None else self.cross.add_(c)
-        self.kept = []
+        self.tokens = []
 
     def mean_square(self) -> torch.Tensor | None:
         """E[x_j^2] per channel, rounded to bf16 (returned as fp32 on the CPU), or None if not kept."""
@@ -133,7 +133,7 @@ class Observer:
     def release(self) -> None:
         """Forget the Hessian-sized statistics (the amax stays: W4A4 records it)."""
         self.xtx = self.cross = None
-        self.kept = []
+        self.tokens = []
 
 
 def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -165,7 +165,7 @@ class Observers(dict):
         self.squares, self.hessian, self.rotate, self.rotated_amax = squares, hessian, rotate, rotated_amax
         self.enabled = True
         self.only: set[str] | None = None  # observe these inputs only (a block run again for some of them)
-        self.keep: set[str] = set()  # inputs whose tokens are kept (Observer.keep)
+        self.keep_tokens: set[str] = set()  # inputs whose tokens are held (Observer.keep_tokens)
         self._last: tuple[str, object] | None = None  # (name, tensor) of the latest add
         self._alias: dict[str, str] = {}  # name -> the name whose Observer it shares
 
@@ -184,7 +184,7 @@ class Observers(dict):
                 self[name] = self[last[0]]
                 return
             obs = self[name] = Observer(self.squares, self.hessian, self.rotate, self.rotated_amax,
-                                        keep=name in self.keep)
+                                        keep_tokens=name in self.keep_tokens)
         obs.add(x)
         self._last = (name, x)
 
@@ -216,13 +216,13 @@ class Statistics:
     groups at their max) and its manifest record; ``input_weights``: each quantized matrix's input
     weight (module -> :class:`~fp4convert.backend.InputWeight`; fused members share one object) and
     ``input_weight_record``, the identity entry that describes them (source, tokens, seed, digest);
-    ``gptq``: the matrices GPTQ quantized (``--method gptq``) and ``gptq_record``, what the manifest says
-    of the pass.
+    ``store``: the matrices a calibrated method quantized (``--method``) and ``method_record``, what the
+    manifest says of its pass.
     """
 
     amax: dict[str, float] | None = None
     calibration: dict | None = None
     input_weights: dict[str, InputWeight] | None = None
     input_weight_record: dict | None = None
-    gptq: Store | None = None
-    gptq_record: dict | None = None
+    store: Store | None = None
+    method_record: dict | None = None

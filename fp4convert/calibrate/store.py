@@ -49,10 +49,11 @@ class Store:
     """A folder of quantized matrices, by module name."""
 
     def __init__(self, root: Path, index: dict[str, str] | None = None, memory: int = 0,
-                 kept: dict[str, str] | None = None) -> None:
+                 changed: dict[str, str] | None = None, changed_by: dict[str, str] | None = None) -> None:
         self.root = Path(root)
         self.index: dict[str, str] = dict(index or {})  # module -> file name
-        self.kept: dict[str, str] = dict(kept or {})  # kept tensor changed by the pass (smoothing) -> file name
+        self.changed: dict[str, str] = dict(changed or {})  # unquantized tensor the pass changed (smoothing) -> file
+        self.changed_by: dict[str, str] = dict(changed_by or {})  # ... -> what changed it (the manifest's words)
         self.memory = memory  # bytes of blocks held in memory at most (the rest is written to disk)
         self._held: dict[str, dict[str, torch.Tensor]] = {}  # file name -> the tensors of a block not on disk
         self._held_bytes = 0
@@ -76,30 +77,32 @@ class Store:
         """The complete store in ``root``, or None (missing, or interrupted before its index)."""
         try:
             record = json.loads((Path(root) / INDEX).read_text())
-            index, kept = record["matrices"], record.get("kept", {})
+            index, changed, by = record["matrices"], record.get("changed", {}), record.get("changed_by", {})
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
-        if not isinstance(index, dict) or not isinstance(kept, dict) or \
-                not all((Path(root) / f).is_file() for f in {*index.values(), *kept.values()}):
+        if not isinstance(index, dict) or not isinstance(changed, dict) or not isinstance(by, dict) or \
+                not all((Path(root) / f).is_file() for f in {*index.values(), *changed.values()}):
             return None
-        return cls(Path(root), index, kept=kept)
+        return cls(Path(root), index, changed=changed, changed_by=by)
 
     def add_block(self, index: int, matrices: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                             torch.Tensor | None]],
-                  kept: dict[str, torch.Tensor] | None = None) -> None:
-        """Keep one block's matrices: (module, packed, scale, gs or None, amax or None) each, and the kept
-        tensors the pass changed (checkpoint name -> the tensor to write, in its output dtype). The bytes
+                  changed: dict[str, torch.Tensor] | None = None, why: str = "") -> None:
+        """Keep one block's matrices: (module, packed, scale, gs or None, amax or None) each, and the
+        unquantized tensors the pass changed (checkpoint name -> the tensor to write, in its output dtype; ``why``:
+        what changed them, in the manifest's words). The bytes
         come to the host now; they stay in memory while the budget allows, else the file is written on a
         thread while the next block runs (:meth:`finish` waits for it, and raises its error)."""
         import torch
 
-        if not matrices and not kept:
+        if not matrices and not changed:
             return
         name = f"block-{index:05d}.safetensors"
         tensors: dict[str, torch.Tensor] = {}
-        for key, t in (kept or {}).items():
-            tensors[f"{key}.kept"] = t.contiguous().cpu()
-            self.kept[key] = name
+        for key, t in (changed or {}).items():
+            tensors[f"{key}.changed"] = t.contiguous().cpu()
+            self.changed[key] = name
+            self.changed_by[key] = why
         for module, packed, scale, _gs, amax in matrices:
             tensors[f"{module}.packed"] = packed.contiguous().cpu()
             tensors[f"{module}.scale"] = scale.contiguous().view(torch.uint8).cpu()
@@ -143,7 +146,8 @@ class Store:
         if self._held:
             return
         tmp = self.root / (INDEX + ".partial")
-        tmp.write_text(json.dumps({"matrices": self.index, "kept": self.kept}, sort_keys=True))
+        tmp.write_text(json.dumps({"matrices": self.index, "changed": self.changed, "changed_by": self.changed_by},
+                                  sort_keys=True))
         os.replace(tmp, self.root / INDEX)
 
     @property
@@ -183,19 +187,19 @@ class Store:
             amax = float(f.get_tensor(f"{module}.amax")[0]) if f"{module}.amax" in keys else None  # type: ignore[attr-defined]
         return packed, scale, amax
 
-    def kept_tensor(self, key: str) -> torch.Tensor:
-        """The tensor the pass wrote in place of kept tensor ``key`` (:attr:`kept`)."""
+    def changed_tensor(self, key: str) -> torch.Tensor:
+        """The tensor the pass wrote in place of unquantized tensor ``key`` (:attr:`changed`)."""
         from safetensors import safe_open
 
-        name = self.kept[key]
+        name = self.changed[key]
         held = self._held.get(name)
         if held is not None:
-            return held[f"{key}.kept"]
+            return held[f"{key}.changed"]
         with self._lock:
             f = self._open.get(name)
             if f is None:
                 f = self._open[name] = safe_open(str(self.root / name), framework="pt")
-            return f.get_tensor(f"{key}.kept")  # type: ignore[attr-defined]
+            return f.get_tensor(f"{key}.changed")  # type: ignore[attr-defined]
 
     def close(self) -> None:
         with self._lock:

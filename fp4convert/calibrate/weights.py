@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from fp4convert.plan.types import Matrix
     from fp4convert.source.source import Source
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,7 @@ class BlockWeights:
         self.peak_loaded = 0
         self._ahead: dict = {}  # checkpoint key -> Future of its bytes (the next block's, read ahead)
         self._replaced: dict = {}  # checkpoint key -> tensor loaded instead (reload_block)
-        self.keep_block_reads = False  # keep each loaded block's checkpoint tensors (fp32, on the device) in .kept
-        self.kept: dict = {}  # checkpoint key -> its tensor as read for the block loaded last (keep_block_reads)
-        self._keeping = False
+        self._reads: dict | None = None  # while load_block(keep_reads=True) runs: checkpoint key -> tensor as read
         self._reader: ThreadPoolExecutor | None = None
         self._pinned: list = [None, None]  # GPU runs: the direct reads' and the read-ahead's pinned buffers
 
@@ -128,8 +127,8 @@ class BlockWeights:
         # (on a GPU the copy leaves the pinned buffer free again; on the CPU an fp32 tensor stays a view of its
         # block's fresh buffer)
         t = t.to(self.device).float() if self.device.type == "cuda" else t.to(torch.float32)
-        if self._keeping:
-            self.kept[name] = t
+        if self._reads is not None:
+            self._reads[name] = t
         return t
 
     def _readable(self, name: str) -> bool:
@@ -289,7 +288,11 @@ class BlockWeights:
                     o._parameters[lf] = empty
         _trim_heap()
 
-    def load_block(self, i: int) -> None:
+    def load_block(self, i: int, keep_reads: bool = False) -> dict[str, torch.Tensor]:
+        """Materialize block ``i``'s parameters from the checkpoint (read ahead, or read now). With
+        ``keep_reads``, returns the block's floating-point checkpoint tensors as read (key -> fp32 on the
+        run's device, before any converter merges them): what a calibrated method quantizes, with no
+        second read; else {}."""
         from concurrent.futures import Future
 
         prefix = f"{self.layers_name}.{i}."
@@ -300,12 +303,14 @@ class BlockWeights:
             done.set_result(self._read_raw(direct))
             for k in direct:
                 self._ahead[k] = done
-        self._keeping = self.keep_block_reads
+        reads: dict[str, torch.Tensor] = {}
+        self._reads = reads if keep_reads else None
         try:
             self._load_keys(keys)
         finally:
-            self._keeping = False
+            self._reads = None
         self._check_loaded(self.layers[i], prefix)
+        return reads
 
     def free_block(self, i: int) -> None:
         prefix = f"{self.layers_name}.{i}."
@@ -340,6 +345,17 @@ class BlockWeights:
     def total_bytes(self) -> int:
         """The fp32 bytes of every weight the model loads (what :meth:`whole` holds when resident)."""
         return sum(4 * numel(self.infos[k]) for k in self.keymap)
+
+
+def matrix_view(t: torch.Tensor, m: Matrix) -> torch.Tensor:
+    """The ``[N, K]`` matrix ``m`` of its on-disk tensor ``t``, as a view (writes go into ``t``): expert
+    ``m.expert`` of a 3-D stack, transposed where the checkpoint stores in-features first, rows ``m.rows``."""
+    v = t if m.expert is None else t[m.expert]
+    if m.transpose:
+        v = v.transpose(-1, -2)
+    if m.rows is not None:
+        v = v[m.rows[0]:m.rows[1]:m.rows[2]]
+    return v
 
 
 def numel(info) -> int:

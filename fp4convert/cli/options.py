@@ -8,12 +8,10 @@ from functools import wraps
 
 import click
 
-from fp4convert.calibrate.methods import method_names
+from fp4convert.calibrate.methods import Option, all_options, method_names, settings
 from fp4convert.config import (
     CALIBRATION_SHAPE,
     DEFAULT_MAX_SHARD,
-    GPTQ_BLOCK,
-    GPTQ_DAMP,
     INPUT_WEIGHTS,
     KEPT_DTYPES,
     RANDOM_SHAPE,
@@ -102,46 +100,58 @@ EXIT_CODE_HELP = "\b\nExit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code
 
 
 def method_options(fn: Callable) -> Callable:
-    """--method and GPTQ's settings, gathered into one ``rounding`` dict of ConvertConfig fields."""
-    opts = [
-        click.option("--method", type=click.Choice([RTN, *method_names()]), default=RTN, show_default=True,
-                     help="How weights are rounded. rtn: each block on its own (data-free). gptq: GPTQ on "
-                          "calibration samples (--calibration-data, else self-generated), block by block on the "
-                          "model (the GPU when there is one), each column's rounding error pushed onto the columns "
-                          "not yet quantized. Measured (BENCHMARKS.md): SmolLM2-135M NVFP4 next-token KL 0.049 against "
-                          "0.186 for rtn (llm-compressor's GPTQ: 0.070), NVFP4 W4A4 0.180 (llm-compressor's: 0.235); "
-                          "it runs the model first (H200, 8 Llama-3-8B layers: 7.6x the data-free run; on the same "
-                          "tokens 0.68x llm-compressor's GPTQ time). With --rotate had16: MR-GPTQ."),
-        click.option("--act-order/--no-act-order", default=None,
-                     help="--method gptq: quantize the scale blocks with the largest input energy first "
-                          "[default: on; measured: SmolLM2-135M NVFP4 KL 0.049 with, 0.066 without]."),
-        click.option("--true-sequential/--no-true-sequential", default=None,
-                     help="--method gptq: within each block, calibrate each linear on the outputs of the block's "
-                          "linears quantized before it (q/k/v, then o, then gate/up, then down: the block runs "
-                          "once more per step) [default: on without --activations and --rotate; measured: Gemma 3 270M "
-                          "NVFP4 KL 0.102 with, 0.119 without; off otherwise: SmolLM2-135M NVFP4 W4A4 0.215 with, "
-                          "0.206 without, Gemma 3 MXFP4 --rotate had16 0.184 with, 0.177 without]."),
-        click.option("--smooth", type=click.FloatRange(min=0.0, max=1.0, max_open=True), default=None,
-                     help="W4A4 GPTQ: SmoothQuant's migration strength; each norm-fed input (q/k/v's, gate/up's) is "
-                          "divided per channel by amax_x^a / amax_w^(1-a), folded into the norm's weight, the linears' "
-                          "columns multiplied by it; 0 turns it off [default: 0.5 with --activations nvfp4 and no "
-                          "rotation, else 0; measured: NVFP4 W4A4 KL SmolLM2-135M 0.180 with, 0.206 without; Gemma 3 "
-                          "270M 0.325 with, 0.376 without]."),
-        click.option("--gptq-damp", type=click.FloatRange(min=0.0, min_open=True, max=10.0), default=GPTQ_DAMP,
-                     show_default=True, help="--method gptq: dampening, a fraction of the Hessian's mean diagonal."),
-        click.option("--gptq-block", type=click.IntRange(min=32), default=GPTQ_BLOCK, show_default=True,
-                     help="--method gptq: columns per lazy batch update (a multiple of 32)."),
-    ]
-    keys = ("method", "act_order", "true_sequential", "smooth", "gptq_damp", "gptq_block")
+    """--method and every calibrated method's own options (declared by its settings type,
+    fp4convert.calibrate.methods), parsed into one ``rounding`` dict: ``{"method": settings or None}``. An option
+    of another method than the one chosen is refused, naming the method it belongs to."""
+    owned = all_options()
+    opts = [click.option("--method", type=click.Choice([RTN, *method_names()]), default=RTN, show_default=True,
+                         help="How weights are rounded. rtn: each block on its own (data-free). gptq: GPTQ on "
+                              "calibration samples (--calibration-data, else self-generated), block by block on the "
+                              "model (the GPU when there is one), each column's rounding error pushed onto the columns "
+                              "not yet quantized. Measured (BENCHMARKS.md): SmolLM2-135M NVFP4 next-token KL 0.049 "
+                              "against 0.186 for rtn (llm-compressor's GPTQ: 0.070), NVFP4 W4A4 0.180 (llm-compressor's: "
+                              "0.235); it runs the model first (H200, 8 Llama-3-8B layers: 7.6x the data-free run; on the "
+                              "same tokens 0.68x llm-compressor's GPTQ time). With --rotate had16: MR-GPTQ.")]
+    params: dict[str, tuple[str, Option]] = {}  # click parameter name -> (its method, its spec)
+    for name, specs in owned.items():
+        for spec in specs:
+            param = f"{name.replace('-', '_')}__{spec.field}"
+            params[param] = (name, spec)
+            opts.append(_click_option(spec, param))
 
     @wraps(fn)
     def wrapper(*args, **kwargs):
-        kwargs["rounding"] = {k: kwargs.pop(k) for k in keys}
+        chosen = kwargs.pop("method")
+        given: dict[str, dict] = {}
+        for param, (name, spec) in params.items():
+            value = kwargs.pop(param)
+            if value is not None:
+                given.setdefault(name, {})[spec.field] = (spec, value)
+        for name, values in given.items():
+            if name != chosen:
+                flags = " / ".join(spec.flags.replace("/", " / ") for spec, _ in values.values())
+                raise click.UsageError(f"{flags} {'apply' if len(values) > 1 else 'applies'} to --method {name} only")
+        chosen_values = {f: v for f, (_, v) in given.get(chosen, {}).items()}
+        kwargs["rounding"] = {"method": None if chosen == RTN else settings(chosen, **chosen_values)}
         return fn(*args, **kwargs)
 
     for opt in reversed(opts):
         wrapper = opt(wrapper)
     return wrapper
+
+
+def _click_option(spec: Option, param: str) -> Callable:
+    """The click option of a method's option spec (default None: the method's default applies)."""
+    if spec.kind is bool:
+        return click.option(spec.flags, param, default=None, help=spec.help)
+    if spec.low is None and spec.high is None:
+        kind: click.ParamType = click.FLOAT if spec.kind is float else click.INT
+    elif spec.kind is float:
+        kind = click.FloatRange(min=spec.low, max=spec.high, min_open=spec.low_open, max_open=spec.high_open)
+    else:
+        kind = click.IntRange(min=None if spec.low is None else int(spec.low), max=None if spec.high is None else int(spec.high),
+                              min_open=spec.low_open, max_open=spec.high_open)
+    return click.option(spec.flags, param, type=kind, default=None, help=spec.help)
 
 
 def activation_options(fn: Callable) -> Callable:

@@ -82,7 +82,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
 
     ages = {"cli_start": timing.process_age()}  # where a run's seconds outside convert() go (--json)
     from fp4convert.errors import PlanError
-    from fp4convert.run.convert import convert, plan_conversion, prewarm_device
+    from fp4convert.run.convert import convert, plan_conversion, start_early
     from fp4convert.run.runner import plan_warnings
     from fp4convert.source.open import open_source
 
@@ -103,7 +103,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
                           "shard); convert with one process, or keep the source shards")
     setup_logging(quiet, status=not as_json)
     if not dry_run:
-        prewarm_device(config)  # the GPU starts while the source is opened and planned
+        start_early(config)  # the GPU starts while the source is opened and planned
     source = open_source(src, revision, token=token, cache_dir=cache_dir)
     planned = plan_conversion(source, config, fetch_ahead=not dry_run)
     try:  # a Hub source is downloading since planning: stopped on any refusal before convert() owns it

@@ -75,7 +75,7 @@ def build_manifest(plan: Plan, fmt: OutputFormat, source: Source, identity: dict
         "files": files,
     }
     out.update(activation_section(fmt, calibration))
-    if method is not None:  # --method gptq: how its pass went (its settings are in "settings")
+    if method is not None:  # a calibrated method (--method): how its pass went (its settings are in "settings")
         out["method"] = method
     return out
 
@@ -202,7 +202,7 @@ SCHEMA = _Obj({
     "files": _MapOf(_FILE, key_check=_relative_file),
     "activations": _Missing(_Opt(_Obj({"scheme": _Missing(_Opt(str)), "input_scale_suffix": _Missing(_Opt(str)),
                                        "calibration": _Missing(_Opt(dict))}))),  # W4A4 (activation_section)
-    "method": _Missing(_Opt(_Obj({"method": str}))),  # --method gptq (build_manifest)
+    "method": _Missing(_Opt(_Obj({"method": str}))),  # a calibrated method (build_manifest)
 })
 
 _KIND = {str: "a string", int: "an integer", float: "a number", bool: "true/false", dict: "an object", list: "an array"}

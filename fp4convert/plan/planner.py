@@ -24,6 +24,7 @@ from fp4convert.formats import input_weights, quantized_tensor_names
 from fp4convert.formats.base import OutputFormat, OutputInfo
 from fp4convert.plan import families as arch
 from fp4convert.plan import name_roles
+from fp4convert.plan.calibration import CalibrationPlan
 from fp4convert.plan.collisions import check_part_names
 from fp4convert.plan.knowledge import UNKNOWN_ROLE, Knowledge, default_reason, fused_group, mtp_layers
 from fp4convert.plan.types import KEEP, QUANTIZE, Decision, Matrix
@@ -40,6 +41,9 @@ class Plan:
     config: ConvertConfig
     warnings: list[str] = field(default_factory=list)
     knowledge: Knowledge | None = None  # where the roles came from (the model definition or name rules)
+    # what the conversion measures on the model before writing (fp4convert.calibrate.plan_calibration; set while
+    # planning, by plan_conversion): every later stage reads it
+    calibration: CalibrationPlan | None = None
 
     @property
     def by_name(self) -> dict[str, Decision]:
@@ -116,6 +120,7 @@ class Plan:
         return {
             "settings": self.config.identity(),
             "planned_from": self.knowledge.describe() if self.knowledge else None,
+            **({"calibration": self.calibration.to_json()} if self.calibration and self.calibration.runs_model else {}),
             "summary": self.summary(),
             "warnings": self.warnings,
             "tensors": [

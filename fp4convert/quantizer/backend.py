@@ -22,20 +22,16 @@ module's source (:func:`backend_facts`), so no name of a backend is compared out
 
 from __future__ import annotations
 
-import ast
-import functools
 import importlib
-import importlib.util
 import logging
 import math
-import pkgutil
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from fp4convert.errors import ConfigError, nonfinite_error
 from fp4convert.numerics.scheme import Scheme
+from fp4convert.quantizer.backends import BACKENDS, BackendFacts
 
 log = logging.getLogger(__name__)
 
@@ -218,19 +214,10 @@ class Pending:
 class Backend(Protocol):
     """What the run loop asks of a backend (one instance per lane)."""
 
-    name: ClassVar[str]
-    devices: ClassVar[tuple[str, ...]]  # device types it runs on ("cpu", "cuda")
+    name: ClassVar[str]  # its row in fp4convert.quantizer.backends.BACKENDS (devices, auto rank, ...)
     batch_units: ClassVar[int]  # consecutive plain units one batch may hold (1: a unit at a time)
     batch_bytes: ClassVar[int]  # ... and their input bytes at most
     auto_lanes: ClassVar[int]  # lanes a one-process run of a local folder gets when --lanes is not given
-    # What the run asks before it opens a backend, read by the registry from the class's source without
-    # importing its module (:func:`backend_facts`; a torch backend's module imports torch): together with
-    # ``name`` and ``devices``, literal values in the class body itself.
-    needs_torch: ClassVar[bool]  # its module imports torch: opened once torch has resolved the device
-    auto_rank: ClassVar[int]  # without --backend: the highest rank of its kind (torch-free ones are tried
-    # first, before torch is imported) that runs on the device and supports the plan; 0: only by name
-    prewarm: ClassVar[bool]  # its device's start-up (the CPU kernel's build, a GPU's context) overlaps planning
-    input_weighted: ClassVar[bool]  # it runs the input-weighted search rules (--input-weights)
 
     @classmethod
     def supports(cls, plan: Plan) -> bool:
@@ -322,63 +309,23 @@ def refuse_nonfinite(item: Item, refused: Sequence[bool], rotate: str | None) ->
 # -- the registry -----------------------------------------------------------------------------------
 
 def backend_names() -> list[str]:
-    """Every backend's name, from the modules of :mod:`fp4convert.quantizer.backends` (none is imported)."""
-    from fp4convert.quantizer import backends
-
-    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(backends.__path__)
-                  if not m.name.startswith("_"))
+    """Every backend's name (:data:`fp4convert.quantizer.backends.BACKENDS`; none is imported)."""
+    return sorted(BACKENDS)
 
 
 def get_backend(name: str) -> type[Backend]:
     """The backend class registered under ``name`` (its module is imported now)."""
-    if name not in backend_names():
-        raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
-    cls = importlib.import_module(f".backends.{name.replace('-', '_')}", __package__).BACKEND
-    return cls
+    return importlib.import_module(f".backends.{backend_facts(name).module}", __package__).BACKEND
 
 
-@dataclass(frozen=True)
-class BackendFacts:
-    """A backend's class attributes that decide whether and how a run takes it (see :class:`Backend`)."""
-
-    name: str
-    devices: tuple[str, ...]
-    needs_torch: bool
-    auto_rank: int
-    prewarm: bool
-    input_weighted: bool
-
-
-@functools.lru_cache(maxsize=None)
 def backend_facts(name: str) -> BackendFacts:
-    """The :class:`BackendFacts` of the backend registered under ``name``, read from its module's source
-    (the literal class attributes of its ``BACKEND`` class) without importing it: choosing a backend,
-    and starting its device while the source is planned, import neither torch nor the backend."""
-    if name not in backend_names():
+    """The :class:`~fp4convert.quantizer.backends.BackendFacts` of the backend registered under ``name``
+    (from the table: choosing a backend, and starting its device while the source is planned, import
+    neither torch nor the backend)."""
+    facts = BACKENDS.get(name)
+    if facts is None:
         raise ConfigError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}")
-    spec = importlib.util.find_spec(f"{__package__}.backends.{name.replace('-', '_')}")
-    assert spec is not None and spec.origin is not None
-    tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
-    registered = next(n.value.id for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name)
-                      and any(isinstance(t, ast.Name) and t.id == "BACKEND" for t in n.targets))
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == registered)
-    wanted = {f.name for f in fields(BackendFacts)}
-    values: dict[str, Any] = {}
-    for node in cls.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
-            targets, value = [node.target.id], node.value
-        elif isinstance(node, ast.Assign):
-            targets, value = [t.id for t in node.targets if isinstance(t, ast.Name)], node.value
-        else:
-            continue
-        for t in targets:
-            if t in wanted:
-                values[t] = ast.literal_eval(value)
-    missing = sorted(wanted - set(values))
-    if missing:
-        raise TypeError(f"backend {name}: {registered} must set {', '.join(missing)} to literal values in its class body")
-    values["devices"] = tuple(values["devices"])
-    return BackendFacts(**values)
+    return facts
 
 
 def auto_backends(device_type: str, needs_torch: bool) -> list[BackendFacts]:

@@ -91,7 +91,7 @@ class Job:
     others: list[Path]  # the source's other files the finish copies (the one walk of the source folder)
     release: ShardReleaser | None = None  # --delete-source-shards: the Hub shards to let go of after their last unit
     calibration: dict | None = None  # W4A4 NVFP4: how the activation scales were calibrated (the manifest records it)
-    method: dict | None = None  # --method gptq: what the manifest says of the pass
+    method: dict | None = None  # a calibrated method (--method): what the manifest says of its pass
 
 
 @dataclass(frozen=True)

@@ -150,11 +150,11 @@ class QuantizeWork:
 
     def __init__(self, source: Source, fmt: OutputFormat, settings: Settings, backend: Backend,
                  input_weights: dict[str, InputWeight] | None = None,
-                 activation_amax: dict[str, float] | None = None, quantized: Store | None = None) -> None:
+                 activation_amax: dict[str, float] | None = None, store: Store | None = None) -> None:
         self.source, self.fmt, self.settings, self.backend = source, fmt, settings, backend
         self.input_weights = input_weights  # module -> its input weight (fp4convert.calibrate.statistics)
         self.activation_amax = activation_amax  # W4A4 NVFP4: module -> its calibrated input amax
-        self.quantized = quantized  # --method gptq: matrices quantized while calibrating, written as they are
+        self.store = store  # a calibrated method: matrices quantized while calibrating, written as they are
         self.reader: ReadAhead | None = None
         self.item_of: dict[int, Item] = {}  # id(first unit) -> its item
         self.stored: set[int] = set()  # id(unit) of the units the store holds whole
@@ -166,7 +166,7 @@ class QuantizeWork:
     def start(self, pending: list[list[Decision]]) -> None:
         """Batch the units this part will process and start reading them."""
         b = self.backend
-        q = self.quantized
+        q = self.store
         if q is not None:  # units quantized while calibrating: nothing to read or quantize
             whole = [u for u in pending if u[0].action == QUANTIZE and all(m.module in q for d in u for m in d.matrices)]
             self.stored = {id(u) for u in whole}
@@ -179,19 +179,19 @@ class QuantizeWork:
 
     def unit(self, unit: list[Decision]) -> tuple[dict[str, dict], list[WriteJob]]:
         d = unit[0]
-        if is_kept_copy(unit) and self.quantized is not None and d.name in self.quantized.kept:
-            return {d.name: {"changed_by": "gptq smoothing"}}, [KeptBytes(d, self.quantized)]
+        if is_kept_copy(unit) and self.store is not None and d.name in self.store.changed:
+            return {d.name: {"changed_by": self.store.changed_by[d.name]}}, [KeptBytes(d, self.store)]
         if is_kept_copy(unit):
             path = self.source.local_path(d.info.file)
             return {d.name: {}}, _copy_jobs(d, path)
         if id(unit) in self.stored:
             from fp4convert.calibrate.store import Stored
 
-            assert self.quantized is not None
+            assert self.store is not None
             whole = Complex(unit)
             records: dict[str, dict] = {m.name: {} for m in whole.members}
             s = self.settings
-            return records, [WriteItem(whole, Stored(whole, self.quantized, s.swizzle, s.scheme.name), records)]
+            return records, [WriteItem(whole, Stored(whole, self.store, s.swizzle, s.scheme.name), records)]
         item = self.item_of.get(id(unit))
         if item is None:
             return {}, []  # a later unit of a batch: quantized and queued with its first unit
@@ -211,7 +211,7 @@ class QuantizeWork:
         elif isinstance(job, KeptBytes):
             from fp4convert.kernels.tensor import as_bytes
 
-            t = job.store.kept_tensor(job.decision.name)
+            t = job.store.changed_tensor(job.decision.name)
             shards.write(job.decision.name, as_bytes(t), owner=t)
         else:
             assert isinstance(job, WriteItem)

@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from fp4convert.cli.main import main
+from fp4convert.calibrate.methods import settings
 from fp4convert.config import ConvertConfig
 from fp4convert.errors import ConfigError
 from tests import tiny_configs, zoo
@@ -123,7 +124,7 @@ def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, mo
     the same bytes as an uninterrupted run, without running the model again; the kept matrices are
     removed once written."""
     from fp4convert.calibrate.methods import gptq as gptq_mod
-    from fp4convert.calibrate.keep import keep_dir
+    from fp4convert.calibrate.resume import keep_dir
     from fp4convert.run import work
 
     src = add_tokenizer(zoo.build("llama", tmp_path / "llama"))
@@ -156,41 +157,60 @@ def test_resume_after_an_interruption_does_not_run_gptq_again(tmp_path, text, mo
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"act_order": True}, "apply to --method gptq only"),
-    ({"act_order": False}, "apply to --method gptq only"),
-    ({"true_sequential": True}, "apply to --method gptq only"),
-    ({"gptq_damp": 0.1}, "apply to --method gptq only"),
-    ({"method": "gptq", "input_weights": "random"}, "does not apply to --method gptq"),
-    ({"method": "gptq", "gptq_block": 48}, "multiple of 32"),
-    ({"method": "gptq", "gptq_damp": 0.0}, r"\(0, 10\]"),
-    ({"method": "GPTQ!"}, "not a method name"),
+    ({"method": {}, "input_weights": "random"}, "does not apply to --method gptq"),
+    ({"method": {"block": 48}}, "multiple of 32"),
+    ({"method": {"damp": 0.0}}, r"\(0, 10\]"),
+    ({"method": {"smooth": 0.5}}, "applies to W4A4 GPTQ only"),
+    ({"method": {"smooth": 0.5}, "activations": "nvfp4", "format": "compressed-tensors", "rotate": "had16"},
+     "drop one"),
+    ({"method": "gptq"}, "give a calibrated method's settings"),
 ])
 def test_settings_that_cannot_apply_are_refused(kwargs, match):
+    if isinstance(kwargs.get("method"), dict):
+        kwargs = {**kwargs, "method": settings("gptq", **kwargs["method"])}
     with pytest.raises(ConfigError, match=match):
         ConvertConfig(**kwargs)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--act-order"], "--act-order / --no-act-order applies to --method gptq only"),
+    (["--no-true-sequential", "--gptq-damp", "0.1"], "apply to --method gptq only"),
+    (["--method", "GPTQ!"], "Invalid value for '--method'"),
+])
+def test_options_of_another_method_are_refused_on_the_command_line(tmp_path, args, match):
+    r = cli("quantize", tmp_path / "src", tmp_path / "dst", *args)
+    assert r.exit_code == 2 and match in r.output, r.output
+
+
+def test_unknown_settings_name_the_method_fields():
+    with pytest.raises(ConfigError, match="--method gptq has no setting 'dampening'; its settings: act_order, block"):
+        settings("gptq", dampening=0.1)
 
 
 def test_gptq_defaults_and_identity():
     """rtn's identity is unchanged (no method key); gptq's names its settings and calibration; the rule
     defaults to mse (the search weighted by the Hessian's diagonal), and input weights stay off."""
-    assert "method" not in ConvertConfig().identity()
-    c = ConvertConfig(method="gptq")
-    assert c.input_weight_source == "none" and c.rule == "mse" and c.gptq_act_order and c.gptq_true_sequential
-    assert not ConvertConfig(method="gptq", activations="nvfp4", format="compressed-tensors").gptq_true_sequential
-    assert ConvertConfig(method="gptq", activations="nvfp4", format="compressed-tensors",
-                         true_sequential=True).gptq_true_sequential
-    assert not ConvertConfig(method="gptq", true_sequential=False).gptq_true_sequential
-    assert not ConvertConfig().gptq_true_sequential
-    assert not ConvertConfig(method="gptq", rotate="had16").gptq_true_sequential
-    w4a4 = {"method": "gptq", "activations": "nvfp4", "format": "compressed-tensors"}
-    assert ConvertConfig(**w4a4).gptq_smooth == 0.5 and c.gptq_smooth == 0.0  # NVFP4 W4A4 only
+    gptq = settings("gptq")
+    assert "method" not in ConvertConfig().identity() and ConvertConfig().method_settings is None
+    c = ConvertConfig(method=gptq)
+    s = c.method_settings
+    assert c.input_weight_source == "none" and c.rule == "mse" and s.act_order and s.true_sequential
+    w4a4 = {"method": gptq, "activations": "nvfp4", "format": "compressed-tensors"}
+    assert not ConvertConfig(**w4a4).method_settings.true_sequential
+    assert ConvertConfig(**{**w4a4, "method": settings("gptq", true_sequential=True)}).method_settings.true_sequential
+    assert not ConvertConfig(method=settings("gptq", true_sequential=False)).method_settings.true_sequential
+    assert not ConvertConfig(method=gptq, rotate="had16").method_settings.true_sequential
+    assert ConvertConfig(**w4a4).method_settings.smooth == 0.5 and s.smooth == 0.0  # NVFP4 W4A4 only
     assert ConvertConfig(**w4a4).identity()["method"]["smooth"] == 0.5 and "smooth" not in c.identity()["method"]
-    assert ConvertConfig(**w4a4, smooth=0.0).gptq_smooth == 0.0 and ConvertConfig(**w4a4, smooth=0.25).gptq_smooth == 0.25
-    assert ConvertConfig(**w4a4, rotate="had16").gptq_smooth == 0.0 and ConvertConfig(**w4a4, kept_dtype="bf16").gptq_smooth == 0.0
-    assert ConvertConfig(**{**w4a4, "activations": "mxfp4", "scheme": "mxfp4"}).gptq_smooth == 0.0
-    assert not ConvertConfig(method="gptq", act_order=False).gptq_act_order
-    assert c.identity()["method"]["name"] == "gptq"
-    assert ConvertConfig(method="gptq", scale_rule="4over6").rule == "4over6"
+    assert ConvertConfig(**{**w4a4, "method": settings("gptq", smooth=0.0)}).method_settings.smooth == 0.0
+    assert ConvertConfig(**{**w4a4, "method": settings("gptq", smooth=0.25)}).method_settings.smooth == 0.25
+    assert ConvertConfig(**w4a4, rotate="had16").method_settings.smooth == 0.0
+    assert ConvertConfig(**w4a4, kept_dtype="bf16").method_settings.smooth == 0.0
+    assert ConvertConfig(**{**w4a4, "activations": "mxfp4", "scheme": "mxfp4"}).method_settings.smooth == 0.0
+    assert not ConvertConfig(method=settings("gptq", act_order=False)).method_settings.act_order
+    assert c.identity()["method"] == {"name": "gptq", "damp": 0.01, "block": 128, "act_order": True,
+                                      "true_sequential": True, "calibration": c.identity()["method"]["calibration"]}
+    assert ConvertConfig(method=gptq, scale_rule="4over6").rule == "4over6"
 
 
 def _cuda() -> bool:
@@ -266,90 +286,6 @@ def test_resume_refuses_another_method(tmp_path, text):
     assert r.exit_code != 0 and "method" in r.output
 
 
-@pytest.mark.parametrize("acts,rotate", [("nvfp4", None), ("nvfp4", "had16"), ("mxfp4", None)])
-def test_w4a4_blocks_run_again_with_the_engine_activation_rounding(tmp_path, acts, rotate):
-    """W4A4 GPTQ: a quantized block runs again with each quantized linear's input rounded as the engine
-    rounds it (NVFP4 under the static scale of the amax the checkpoint records, MXFP4 dynamic; rotated
-    first with had16), so the next block is calibrated on what the served model computes."""
-    from types import SimpleNamespace
-
-    from fp4convert.calibrate.methods.gptq import GPTQ
-    from fp4convert.calibrate.stats import Observers, bf16_ceil
-    from fp4convert.numerics import reference as ref
-
-    lin = torch.nn.Linear(64, 8, bias=False)
-    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3)) * 3
-    obs = Observers(rotate=rotate, rotated_amax=rotate is not None)
-    obs.add("blk.lin", x)
-    seen = {}
-    lin.register_forward_pre_hook(lambda _m, a: seen.__setitem__("x", a[0]))  # runs after the engine's hook
-    gptq = GPTQ.__new__(GPTQ)
-    gptq.config = SimpleNamespace(activations=acts, rotate=rotate)
-    gptq.inputs = {"blk.lin": "blk.lin"}
-    gptq.lm = SimpleNamespace(modules={"blk.lin": lin})
-    decisions = [SimpleNamespace(matrices=[SimpleNamespace(module="blk.lin")])]
-    hooks = gptq.engine_activations(decisions, obs)  # type: ignore[arg-type]
-    assert len(hooks) == 1
-    lin._forward_pre_hooks.move_to_end(hooks[0].id, last=False)  # the engine's rounding first
-    lin(x)
-    if acts == "nvfp4":
-        p, s, g = ref.nvfp4_quantize(x, bf16_ceil(float(obs["blk.lin"].amax)), rotate, "max")
-        want = ref.nvfp4_dequantize(p, s, g, rotate)
-    else:
-        p, e = ref.mxfp4_quantize(x, rotate, "floor")
-        want = ref.mxfp4_dequantize(p, e, rotate)
-    assert torch.equal(seen["x"], want) and not torch.equal(seen["x"], x)
-    for h in hooks:
-        h.remove()
-    lin(x)
-    assert torch.equal(seen["x"], x)
-    gptq.config = SimpleNamespace(activations="none", rotate=rotate)
-    assert gptq.engine_activations(decisions, obs) == []  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("acts,rotate", [("nvfp4", None), ("nvfp4", "had16"), ("mxfp4", None)])
-def test_w4a4_hessians_are_taken_on_the_inputs_as_the_engine_rounds_them(acts, rotate):
-    """W4A4 GPTQ keeps a rounded input's tokens through the block's run; once the amax is known its
-    Hessian is that of the engine-rounded inputs ``X~`` and the cross term ``(X - X~)^T X~`` moves the
-    target (docs/numerics.md "GPTQ"), in the domain the weights are quantized in (rotated with had16).
-    Inputs the engine does not round (not kept) keep the plain Hessian."""
-    from types import SimpleNamespace
-
-    from fp4convert.calibrate.methods.gptq import GPTQ
-    from fp4convert.calibrate.stats import Observers, bf16_ceil
-    from fp4convert.numerics import reference as ref
-
-    x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 2
-    obs = Observers(hessian=True, rotate=rotate, rotated_amax=rotate is not None)
-    obs.keep = {"blk.lin"}
-    obs.add("blk.lin", x[:2])
-    obs.add("blk.lin", x[2:])  # (two micro-batches)
-    obs.add("blk.other", x)
-    o = obs["blk.lin"]
-    assert o.xtx is None and len(o.kept) == 2 and obs["blk.other"].xtx is not None
-    gptq = GPTQ.__new__(GPTQ)
-    gptq.config = SimpleNamespace(activations=acts, rotate=rotate)
-    gptq.inputs = {"blk.lin": "blk.lin", "blk.other": "blk.other"}
-    decisions = [SimpleNamespace(matrices=[SimpleNamespace(module="blk.lin"), SimpleNamespace(module="blk.other")])]
-    gptq.asymmetric(decisions, obs)  # type: ignore[arg-type]
-    flat = x.reshape(-1, 64)
-    xr = ref.had16(flat) if rotate else flat
-    if acts == "nvfp4":
-        p, s, g = ref.nvfp4_quantize(xr, bf16_ceil(float(o.amax)), None, "max")
-        xq = ref.nvfp4_dequantize(p, s, g, None).to(xr.dtype)
-    else:
-        p, e = ref.mxfp4_quantize(xr, None, "floor")
-        xq = ref.mxfp4_dequantize(p, e, None).to(xr.dtype)
-    assert not torch.equal(xq, xr) and o.kept == []
-    xq, xr = xq.double(), xr.double()
-    torch.testing.assert_close(o.hessian_matrix(), xq.T @ xq / 21, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(o.cross_matrix(), (xr - xq).T @ xq / 21, rtol=1e-12, atol=1e-12)
-    assert obs["blk.other"].cross_matrix() is None
-    torch.testing.assert_close(obs["blk.other"].hessian_matrix(), xr.T @ xr / 21, rtol=1e-12, atol=1e-12)
-    o.release()
-    assert o.hessian_matrix() is None and o.cross_matrix() is None and o.amax is not None
-
-
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -371,10 +307,10 @@ def test_true_sequential_quantizes_each_input_after_the_linears_before_it(tmp_pa
     calls: list[list[str]] = []
     real = GPTQ.sweep
 
-    def spy(self, index, decisions, observers):
+    def spy(self, index, decisions, observers, reads):
         if index == 0:
             calls.append(sorted(m.module.split(".layers.0.", 1)[-1] for d in decisions for m in d.matrices))
-        return real(self, index, decisions, observers)
+        return real(self, index, decisions, observers, reads)
 
     monkeypatch.setattr(GPTQ, "sweep", spy)
     plain = quantize(src, tmp_path / "plain", text, "--method", "gptq", "--no-true-sequential")

@@ -388,13 +388,13 @@ def test_a_visited_block_runs_again_observing_only_the_inputs_named(tmp_path):
     lm = calibrate.LayerwiseModel(open_source(str(src)), torch.device("cpu"))
     tokens = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(2))
     obs = calibrate.Observers(squares=True)
-    lm.keep_block_reads = True
-    visits = lm.blocks(tokens, obs, micro_batch=2, progress=False)
+    visits = lm.blocks(tokens, obs, micro_batch=2, progress=False, keep_reads=True)
     visit = next(visits)
     o_proj, q_proj = visit.prefix + "self_attn.o_proj", visit.prefix + "self_attn.q_proj"
     before = {n: (o.amax.clone(), o.sum_sq.clone(), o.count) for n, o in obs.items()}
     assert float(before[o_proj][0]) > 0
-    read = dict(lm.kept)
+    read = dict(visit.reads)
+    assert read and all(k.startswith(visit.prefix) for k in read)  # the block's checkpoint tensors, as read
     lm.reload_block(visit, read)
     obs.drop([o_proj])
     visit.again([o_proj])
@@ -410,4 +410,3 @@ def test_a_visited_block_runs_again_observing_only_the_inputs_named(tmp_path):
             assert torch.equal(obs[n].amax, a) and torch.equal(obs[n].sum_sq, sq) and obs[n].count == count, n
     assert q_proj in obs and obs.only is None
     visits.close()
-    lm.keep_block_reads = False

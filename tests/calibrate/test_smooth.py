@@ -76,17 +76,27 @@ def test_fold_refuses_a_norm_that_takes_more_than_its_input():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"smooth": 0.5, "method": "gptq"}, "W4A4 GPTQ only"),
-    ({"smooth": 0.5, "activations": "nvfp4", "format": "compressed-tensors"}, "W4A4 GPTQ only"),
-    ({"smooth": 1.5, "method": "gptq", "activations": "nvfp4", "format": "compressed-tensors"}, r"\[0, 1\)"),
-    ({"smooth": 0.5, "method": "gptq", "activations": "nvfp4", "format": "compressed-tensors", "rotate": "had16"},
-     "--rotate"),
-    ({"smooth": 0.5, "method": "gptq", "activations": "nvfp4", "format": "compressed-tensors", "kept_dtype": "bf16"},
-     "--kept-dtype"),
+    ({}, "W4A4 GPTQ only"),
+    ({"smooth": 1.5, "activations": "nvfp4", "format": "compressed-tensors"}, r"\[0, 1\)"),
+    ({"activations": "nvfp4", "format": "compressed-tensors", "rotate": "had16"}, "--rotate"),
+    ({"activations": "nvfp4", "format": "compressed-tensors", "kept_dtype": "bf16"}, "--kept-dtype"),
 ])
 def test_smoothing_settings_that_cannot_apply_are_refused(kwargs, match):
+    from fp4convert.calibrate.methods import settings
+
+    smooth = kwargs.pop("smooth", 0.5)
     with pytest.raises(ConfigError, match=match):
-        ConvertConfig(**kwargs)
+        ConvertConfig(method=settings("gptq", smooth=smooth), **kwargs)
+
+
+def test_smooth_without_gptq_is_refused_on_the_command_line(tmp_path):
+    from click.testing import CliRunner
+
+    from fp4convert.cli.main import main
+
+    r = CliRunner().invoke(main, ["quantize", str(tmp_path / "src"), str(tmp_path / "dst"), "--smooth", "0.5",
+                                  "--activations", "nvfp4", "--format", "compressed-tensors"])
+    assert r.exit_code == 2 and "--smooth applies to --method gptq only" in r.output, r.output
 
 
 def test_a_smoothed_conversion_moves_the_norms_factor_into_the_linears(tmp_path):

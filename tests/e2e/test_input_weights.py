@@ -157,7 +157,7 @@ def test_resume_refuses_other_input_weights(tmp_path, monkeypatch) -> None:
     with pytest.raises(OutputError, match="other settings.*seed"):
         convert(src, dst, ConvertConfig(**c, calibration_seed=1, resume=True))
     # same settings, other measured weights (another torch, say): the digest differs, refused
-    from fp4convert.calibrate import keep, stage
+    from fp4convert.calibrate import resume, stage
 
     real = stage.input_weights_for
 
@@ -166,8 +166,8 @@ def test_resume_refuses_other_input_weights(tmp_path, monkeypatch) -> None:
 
     with monkeypatch.context() as mp:
         mp.setattr(stage, "input_weights_for", skewed)
-        mp.setattr(keep, "load", lambda k: None)  # measured again, not the interrupted run's kept result
-        mp.setattr(keep, "save", lambda k, st: None)
+        mp.setattr(resume, "load", lambda k: None)  # measured again, not the interrupted run's kept result
+        mp.setattr(resume, "save", lambda k, st: None)
         with pytest.raises(OutputError, match="input_weights was"):
             convert(src, dst, ConvertConfig(**c, resume=True))
     # the interrupted run's statistics are kept: the resume does not run the model again

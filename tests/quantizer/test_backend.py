@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from fp4convert.quantizer.backend import (
-    BackendFacts,
     Result,
     auto_backends,
     backend_facts,
@@ -21,7 +20,8 @@ from fp4convert.quantizer.backend import (
     unit_amax,
 )
 from fp4convert.config import ConvertConfig
-from fp4convert.run.convert import choose_backend, plan_conversion
+from fp4convert.quantizer.choice import choose_backend
+from fp4convert.run.convert import plan_conversion
 from fp4convert.run.distributed import World
 from fp4convert.errors import ConfigError, NonFiniteError
 from fp4convert.quantizer.items import Batch
@@ -85,7 +85,7 @@ def test_two_passes_refuses_before_pass_2_and_frees_the_inputs() -> None:
 
 def test_registry_lists_the_backend_modules_without_importing_them() -> None:
     assert backend_names() == ["cpu", "cpu-native", "cuda", "stacked"]
-    assert get_backend("cpu").name == "cpu" and get_backend("stacked").devices == ("cuda", "cpu")
+    assert get_backend("cpu").name == "cpu" and backend_facts("stacked").devices == ("cuda", "cpu")
     with pytest.raises(ConfigError, match="unknown backend 'gguf'"):
         get_backend("gguf")
     with pytest.raises(ConfigError, match="--backend 'nope': choose one of cpu, cpu-native, cuda, stacked"):
@@ -97,14 +97,27 @@ def test_registry_lists_the_backend_modules_without_importing_them() -> None:
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
+def test_the_table_lists_exactly_the_backend_modules() -> None:
+    """BACKENDS (the facts table) and the modules of fp4convert/quantizer/backends/ name the same backends, and
+    each module's class carries its row's name."""
+    import pkgutil
+
+    from fp4convert.quantizer import backends
+
+    modules = sorted(m.name for m in pkgutil.iter_modules(backends.__path__) if not m.name.startswith("_"))
+    assert sorted(f.module for f in backends.BACKENDS.values()) == modules
+    for name in backend_names():
+        assert get_backend(name).name == name
+
+
 @pytest.mark.parametrize("name", backend_names())
-def test_the_facts_read_from_the_source_are_the_class_attributes(name: str) -> None:
-    """The registry reads a backend's facts from its source without importing it (the torch backends' modules
-    import torch); they must be what the class says once imported."""
-    cls = get_backend(name)
-    facts = backend_facts(name)
-    assert facts == BackendFacts(**{k: getattr(cls, k) for k in BackendFacts.__dataclass_fields__})
-    assert facts.name == name
+def test_needs_torch_says_whether_the_module_imports_torch(name: str) -> None:
+    """The row's ``needs_torch`` is what the run relies on to open a backend before torch is imported: a
+    torch-free backend's module must import no torch, and a torch one's does."""
+    code = (f"import sys; from fp4convert.quantizer.backend import get_backend; get_backend({name!r}); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(backend_facts(name).needs_torch)
 
 
 def test_automatic_choice_by_rank_and_kind() -> None:

@@ -17,7 +17,8 @@ from fp4convert.numerics import reference as ref
 from fp4convert.quantizer.backend import IN_USE, Settings
 from fp4convert.quantizer.backends.cuda import CudaBackend
 from fp4convert.config import ConvertConfig
-from fp4convert.run.convert import choose_backend, convert, plan_conversion
+from fp4convert.quantizer.choice import choose_backend
+from fp4convert.run.convert import convert, plan_conversion
 from fp4convert.run.distributed import World
 from fp4convert.formats import get_format
 from fp4convert.quantizer.items import Batch

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 import fp4convert
+import fp4convert.quantizer.choice as choice
 import fp4convert.run.convert as convert_mod
 import fp4convert.run.work as work
 from fp4convert.numerics import reference as ref
@@ -500,9 +501,9 @@ def test_cuda_device_always_has_an_index(monkeypatch, world, current, want) -> N
             from fp4convert.kernels.cuda import ops
 
             monkeypatch.setattr(ops, "ensure_loaded", lambda dev: None)
-        dev = convert_mod.resolve_device(name, w)
+        dev = choice.resolve_device(name, w)
         assert (dev.type, dev.index) == ("cuda", want)
-    assert convert_mod.resolve_device("cuda:0", w).index == 0
+    assert choice.resolve_device("cuda:0", w).index == 0
 
 
 @pytest.mark.parametrize("backend", ["cpu", "stacked"])
@@ -547,11 +548,11 @@ def test_prewarm_starts_the_device_the_run_will_take(monkeypatch, device, backen
     monkeypatch.setattr(cpu_lib, "prepare", lambda: started.append("cpu kernel"))
     monkeypatch.setattr(runtime, "prewarm", lambda index: started.append(f"gpu {index}"))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    convert_mod.prewarm_device(ConvertConfig(device=device, backend=backend))
+    choice.prewarm_device(ConvertConfig(device=device, backend=backend))
     assert started == ([want] if want else [])
     if want and want.startswith("gpu"):
         monkeypatch.setenv("WORLD_SIZE", "2")
         monkeypatch.setenv("RANK", "0")
         started.clear()
-        convert_mod.prewarm_device(ConvertConfig(device=device, backend=backend))
+        choice.prewarm_device(ConvertConfig(device=device, backend=backend))
         assert started == []  # torchrun: each rank's torch starts its own GPU

@@ -14,7 +14,8 @@ import fp4convert.run.work as work
 from fp4convert.quantizer.backends.cuda import CudaBackend
 from fp4convert.cli.main import main
 from fp4convert.config import ConvertConfig
-from fp4convert.run.convert import convert, lane_count, plan_conversion
+from fp4convert.quantizer.choice import lane_count
+from fp4convert.run.convert import convert, plan_conversion
 from fp4convert.run.distributed import World
 from fp4convert.errors import ConfigError
 from fp4convert.storage.names import LOCK_NAME

@@ -1,4 +1,5 @@
-"""``--method gptq``: GPTQ on the block-by-block runner, sequentially (docs/numerics.md "GPTQ").
+"""``--method gptq``: GPTQ on the block-by-block runner, sequentially (docs/numerics.md "GPTQ"): its settings
+(:class:`GPTQSettings`, with their command-line options), its pass (:class:`GPTQ`) and its record.
 
 For each block of the model (:meth:`~fp4convert.calibrate.layerwise.LayerwiseModel.blocks`): the block runs
 on the calibration samples with every linear input's Hessian ``X^T X / n`` observed (inputs shared by
@@ -26,34 +27,109 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar
 
 from fp4convert import timing
+from fp4convert.calibrate import act_rounding
+from fp4convert.calibrate.methods import Option
 from fp4convert.calibrate.stats import Observers
 from fp4convert.calibrate.store import Store
 from fp4convert.calibrate.tail import HEAD, outside_names
+from fp4convert.calibrate.weights import matrix_view
+from fp4convert.errors import ConfigError
 from fp4convert.plan.types import QUANTIZE
 
 if TYPE_CHECKING:
     import torch
 
     from fp4convert.calibrate.layerwise import LayerwiseModel, Visit
-    from fp4convert.config import ConvertConfig
+    from fp4convert.config import ConvertConfig, Recipe
     from fp4convert.plan.planner import Plan
     from fp4convert.plan.types import Decision, Matrix
 
 log = logging.getLogger(__name__)
 
+DAMP = 0.01  # (mirrors fp4convert/numerics/gptq.py DAMP and BLOCK, which import torch)
+BLOCK = 128
+SMOOTH = 0.5  # W4A4's default smoothing strength (NVFP4 activations; BENCHMARKS.md "W4A4 GPTQ with smoothing")
 
-def matrix_view(t: torch.Tensor, m: Matrix) -> torch.Tensor:
-    """The ``[N, K]`` matrix ``m`` of its on-disk tensor ``t``, as a view (writes go into ``t``): expert
-    ``m.expert`` of a 3-D stack, transposed where the checkpoint stores in-features first, rows ``m.rows``."""
-    v = t if m.expert is None else t[m.expert]
-    if m.transpose:
-        v = v.transpose(-1, -2)
-    if m.rows is not None:
-        v = v[m.rows[0]:m.rows[1]:m.rows[2]]
-    return v
+
+@dataclass(frozen=True)
+class GPTQSettings:
+    """GPTQ's settings (fp4convert.config.MethodSettings). None: the default for the recipe (:meth:`resolved`)."""
+
+    name: ClassVar[str] = "gptq"
+    damp: float = DAMP  # dampening, a fraction of the Hessian's mean diagonal
+    block: int = BLOCK  # columns per lazy batch update
+    act_order: bool | None = None  # None: on (measured: BENCHMARKS.md "GPTQ")
+    true_sequential: bool | None = None  # None: on for weight-only, no rotation (measured)
+    # W4A4: SmoothQuant's migration strength (0: off); the norm-fed inputs divided per channel by
+    # s = amax_x^a / amax_w^(1-a), folded into the norm's weight (docs/numerics.md "GPTQ", smoothing)
+    smooth: float | None = None  # None: SMOOTH for NVFP4 W4A4 without a rotation (measured)
+
+    options: ClassVar[tuple[Option, ...]] = (
+        Option("act_order", "--act-order/--no-act-order", bool,
+               "--method gptq: quantize the scale blocks with the largest input energy first "
+               "[default: on; measured: SmolLM2-135M NVFP4 KL 0.049 with, 0.066 without]."),
+        Option("true_sequential", "--true-sequential/--no-true-sequential", bool,
+               "--method gptq: within each block, calibrate each linear on the outputs of the block's linears "
+               "quantized before it (q/k/v, then o, then gate/up, then down: the block runs once more per step) "
+               "[default: on without --activations and --rotate; measured: Gemma 3 270M NVFP4 KL 0.102 with, 0.119 "
+               "without; off otherwise: SmolLM2-135M NVFP4 W4A4 0.215 with, 0.206 without, Gemma 3 MXFP4 --rotate "
+               "had16 0.184 with, 0.177 without]."),
+        Option("smooth", "--smooth", float,
+               "W4A4 GPTQ: SmoothQuant's migration strength; each norm-fed input (q/k/v's, gate/up's) is divided per "
+               "channel by amax_x^a / amax_w^(1-a), folded into the norm's weight, the linears' columns multiplied by "
+               "it; 0 turns it off [default: 0.5 with --activations nvfp4 and no rotation, else 0; measured: NVFP4 "
+               "W4A4 KL SmolLM2-135M 0.180 with, 0.206 without; Gemma 3 270M 0.325 with, 0.376 without].",
+               low=0.0, high=1.0, high_open=True),
+        Option("damp", "--gptq-damp", float,
+               f"--method gptq: dampening, a fraction of the Hessian's mean diagonal [default: {DAMP}].",
+               low=0.0, low_open=True, high=10.0),
+        Option("block", "--gptq-block", int,
+               f"--method gptq: columns per lazy batch update (a multiple of 32) [default: {BLOCK}].", low=32),
+    )
+
+    def check(self, recipe: Recipe) -> None:
+        """The settings a recipe cannot have (ConfigError, naming the option)."""
+        if self.smooth and recipe.activations == "none":
+            raise ConfigError("--smooth applies to W4A4 GPTQ only (--method gptq with --activations): it moves the "
+                              "activations' rounding error into the weights, which GPTQ then compensates")
+        if self.smooth is not None and not (isinstance(self.smooth, (int, float)) and 0.0 <= self.smooth < 1.0):
+            raise ConfigError(f"--smooth {self.smooth!r}: give a migration strength in [0, 1), e.g. 0.5")
+        if self.smooth and recipe.kept_dtype != "source":
+            raise ConfigError("--smooth writes the norms it changes in their own dtype; drop --kept-dtype")
+        if self.smooth and recipe.rotate not in (None, "none"):
+            raise ConfigError("--smooth with --rotate: the rotation mixes the channels the smoothing scales; drop one")
+        if not (isinstance(self.damp, (int, float)) and 0.0 < self.damp <= 10.0):
+            raise ConfigError(f"--gptq-damp {self.damp!r}: give a fraction of the Hessian's mean diagonal in (0, 10]")
+        if not isinstance(self.block, int) or self.block < 32 or self.block % 32:
+            raise ConfigError(f"--gptq-block {self.block!r}: give a multiple of 32 (both schemes' blocks), e.g. 128")
+
+    def resolved(self, recipe: Recipe) -> GPTQSettings:
+        """The settings in effect for ``recipe``: act-order on; true-sequential on for weight-only GPTQ
+        without a rotation (measured, BENCHMARKS.md "Calibrated accuracy, 2026-11-29": NVFP4A16 KL Gemma 3
+        270M 0.119 -> 0.102, SmolLM2-135M 0.0494 -> 0.0491; worse with --rotate had16, MXFP4A16 0.177 ->
+        0.184 and 0.073 -> 0.075, and with W4A4, SmolLM2 0.206 -> 0.215); smoothing SMOOTH for NVFP4
+        activations without a rotation (measured, "W4A4 GPTQ with smoothing": NVFP4 W4A4 KL SmolLM2-135M
+        0.206 -> 0.180, Gemma 3 270M 0.376 -> 0.325), else 0 (MXFP4 activations: not measured)."""
+        plain = recipe.rotate in (None, "none")
+        return replace(
+            self,
+            act_order=True if self.act_order is None else self.act_order,
+            true_sequential=(recipe.activations == "none" and plain) if self.true_sequential is None
+            else self.true_sequential,
+            smooth=float(self.smooth) if self.smooth is not None else
+            SMOOTH if recipe.activations == "nvfp4" and plain and recipe.kept_dtype == "source" else 0.0)
+
+    def identity(self) -> dict:
+        """The settings that decide the bytes (resolved): the manifest's and --resume's record."""
+        out: dict = {"damp": self.damp, "block": self.block, "act_order": self.act_order,
+                     "true_sequential": self.true_sequential}
+        if self.smooth:
+            out["smooth"] = self.smooth
+        return out
 
 
 def block_decisions(lm: LayerwiseModel, plan: Plan) -> dict[int, list[Decision]]:
@@ -75,15 +151,17 @@ def block_decisions(lm: LayerwiseModel, plan: Plan) -> dict[int, list[Decision]]
 class GPTQ:
     """The GPTQ pass of one conversion: settings, the plan's view of the runner, and what it made."""
 
-    name = "gptq"
+    name = GPTQSettings.name
+    Settings = GPTQSettings
     hessian = True
     squares = False
 
-    def __init__(self, lm: LayerwiseModel, plan: Plan, config: ConvertConfig, inputs: dict[str, str],
-                 store: Store) -> None:
+    def __init__(self, lm: LayerwiseModel, plan: Plan, config: ConvertConfig, settings: GPTQSettings,
+                 inputs: dict[str, str], store: Store) -> None:
         from fp4convert.numerics.scheme import SCHEMES
 
         self.lm, self.plan, self.config, self.inputs, self.store = lm, plan, config, inputs, store
+        self.settings = settings
         self.scheme = SCHEMES[config.scheme]
         self.rule = config.rule
         self.by_block = block_decisions(lm, plan)
@@ -101,7 +179,7 @@ class GPTQ:
         """The in-batch sweep: the CUDA kernel on a GPU (same bytes as the reference there), else the reference."""
         from fp4convert.numerics import gptq
 
-        if self.lm.device.type == "cuda" and self.config.gptq_block <= 384:  # (the kernel's shared memory)
+        if self.lm.device.type == "cuda" and self.settings.block <= 384:  # (the kernel's shared memory)
             from fp4convert.kernels.cuda.ops import gptq_sweep
 
             return gptq_sweep
@@ -114,11 +192,10 @@ class GPTQ:
                                           if m.module in self.inputs])
         tail = False
         hooks: list = []
-        observers.keep = self.rounded_inputs()
-        self.lm.keep_block_reads = True  # the block's weights as read, for the sweep (no second read)
+        observers.keep_tokens = act_rounding.rounded_inputs(self.lm, self.plan, self.inputs, self.config.activations)
         try:
             for visit in self.lm.blocks(tokens, observers, head=head or HEAD in outside, micro_batch=micro_batch,
-                                        progress=progress, desc="gptq: blocks", outside=outside):
+                                        progress=progress, desc="gptq: blocks", outside=outside, keep_reads=True):
                 if visit.tail:
                     tail = True
                     self.quantize_outside(visit.index, observers)
@@ -130,13 +207,10 @@ class GPTQ:
                 decisions = self.by_block.get(visit.index, [])
                 if decisions:
                     hooks = self.quantize_visit(visit, decisions, observers)
-                self.lm.kept = {}
                 self._drop_hessians(observers, visit.prefix)
         finally:
             for h in hooks:
                 h.remove()
-            self.lm.keep_block_reads = False
-            self.lm.kept = {}
         if not tail:
             self._unseen += [m.module for d in self.outside for m in d.matrices]
 
@@ -144,13 +218,20 @@ class GPTQ:
         """GPTQ of a visited block's quantized matrices, then the block reloaded with them dequantized; with
         true-sequential, one step per input in the order the block first fed them (:meth:`steps`), the
         block run again before each step after the first so its inputs come from the linears quantized
-        before it. Returns the W4A4 hooks (:meth:`engine_activations`) of every step."""
-        steps = self.steps(visit.prefix, decisions, observers) if self.config.gptq_true_sequential else [decisions]
-        smoothed = self.smooth(visit, decisions, observers) if self.config.gptq_smooth else {}
-        read = dict(self.lm.kept)  # the block's tensors as read (smoothed): the reloads take them, not the disk again
+        before it. Returns the W4A4 hooks (:func:`~fp4convert.calibrate.act_rounding.engine_hooks`) of every step."""
+        steps = self.steps(visit.prefix, decisions, observers) if self.settings.true_sequential else [decisions]
+        smoothed: dict[str, torch.Tensor] = {}
+        if self.settings.smooth:
+            from fp4convert.calibrate.smooth import smooth_block
+
+            with timing.timed("gptq_smooth"):
+                smoothed, record = smooth_block(self.lm, visit, decisions, observers, self.inputs, self.settings.smooth)
+            self.smoothed.update(record)
+        read = dict(visit.reads)  # the block's tensors as read (smoothed): the reloads take them, not the disk again
         replaced: dict[str, torch.Tensor] = {}
         made: list = []
         hooks: list = []
+        acts = self.config.activations
         for k, step in enumerate(steps):
             if k:
                 names = self.input_names(visit.prefix, step, observers)
@@ -158,85 +239,15 @@ class GPTQ:
                 assert visit.again is not None  # (every block visit has it; the tail visit has no steps)
                 with timing.timed("gptq_again"):
                     visit.again(names)
-            self.asymmetric(step, observers)
-            disk, got = self.sweep(visit.index, step, observers)
+            act_rounding.round_hessians(step, observers, self.inputs, acts)
+            disk, got = self.sweep(visit.index, step, observers, read)
             replaced.update(disk)
             made += got
             with timing.timed("gptq_reload"):
                 self.lm.reload_block(visit, {**read, **replaced})
-            hooks += self.engine_activations(step, observers)
+            hooks += act_rounding.engine_hooks(self.lm, step, observers, self.inputs, acts, self.config.rotate)
         self.keep(visit.index, made, smoothed)
         return hooks
-
-    def smooth(self, visit: Visit, decisions: list[Decision], observers: Observers) -> dict[str, torch.Tensor]:
-        """W4A4 smoothing of the block's norm-fed inputs (:mod:`~fp4convert.calibrate.smooth`): the
-        norm weights and the linears' columns changed in :attr:`LayerwiseModel.kept` (what the sweep and
-        the reloads read), the kept input tokens divided by the factors (their amax with them). Kept only
-        if the block, run again, gives the same outputs (within 1e-3 of their largest): a norm output read
-        by anything else (a residual, an expert stack) would change them. Returns the changed norm
-        weights (checkpoint name -> tensor in its dtype) for the output."""
-        import torch
-
-        from fp4convert.calibrate.smooth import fold, scales
-        from fp4convert.storage.safetensors import torch_dtypes
-
-        kept = self.lm.kept
-        block = self.lm.layers[visit.index]
-        modules = dict(block.named_modules())
-        readers: dict[str, list[tuple[Decision, Matrix]]] = {}
-        for d in decisions:
-            for m in d.matrices:
-                readers.setdefault(self.inputs.get(m.module, ""), []).append((d, m))
-        by_norm: dict[str, list[str]] = {}
-        for name, norm in visit.fed.items():
-            by_norm.setdefault(norm, []).append(name)
-        changed: dict[str, torch.Tensor] = {}  # checkpoint name -> fp32 tensor the block loads
-        out: dict[str, torch.Tensor] = {}  # the norm weights in their dtype
-        tokens: list[tuple] = []
-        record: dict[str, dict] = {}
-        for norm, names in sorted(by_norm.items()):
-            key = self.lm.disk_of.get(norm + ".weight")
-            obs = {id(o): o for n in names if (o := observers.get(n)) is not None}
-            if key is None or key not in kept or any(n not in readers for n in names) or len(obs) != 1:
-                continue  # (a reader not quantized here, or inputs observed apart: left as it is)
-            o = next(iter(obs.values()))
-            if not o.kept:
-                continue
-            mats = [dm for n in names for dm in readers[n]]
-            x_amax = torch.stack([t.abs().amax(0) for t in o.kept]).amax(0)
-            w_amax = torch.stack([matrix_view(kept[d.info.name], m).abs().amax(0) for d, m in mats]).amax(0)
-            dtype = torch_dtypes()[self.lm.infos[key].dtype]
-            got = fold(modules[norm[len(visit.prefix):]], kept[key], scales(x_amax, w_amax, self.config.gptq_smooth), dtype)
-            if got is None:
-                continue
-            new, eff, offset = got
-            record[key] = {"readers": sorted({m.module for _, m in mats}), "offset": offset}
-            changed[key] = new
-            out[key] = new.to(dtype).cpu()
-            for d, m in mats:
-                t = changed.setdefault(d.info.name, kept[d.info.name].clone())
-                matrix_view(t, m).mul_(eff.to(t.device))
-            tokens.append((o, eff))
-        if not changed:
-            return {}
-        with timing.timed("gptq_smooth"):
-            assert visit.again is not None  # (every block visit has it, as in quantize_visit)
-            before = visit.outputs  # (the block's first run, the weights as read)
-            self.lm.reload_block(visit, {**kept, **changed})
-            after = visit.again([])
-        worst = max((float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(after, before)),
-                    default=0.0)
-        if worst > 1e-3:
-            log.warning("%s: smoothing changes the block's outputs by %.2g of their largest (a norm's output is "
-                        "read by more than the quantized linears); not smoothed", visit.prefix[:-1], worst)
-            self.lm.reload_block(visit, dict(kept))
-            return {}
-        kept.update(changed)
-        for o, eff in tokens:
-            o.kept = [t / eff.to(t.device, t.dtype) for t in o.kept]
-            o.amax = torch.stack([t.abs().amax() for t in o.kept]).amax().float()
-        self.smoothed.update(record)
-        return out
 
     def steps(self, prefix: str, decisions: list[Decision], observers: Observers) -> list[list[Decision]]:
         """True-sequential steps: the decisions grouped by what their input feeds, in the order the block's
@@ -298,85 +309,6 @@ class GPTQ:
         if ready:
             self.quantize_block(index, ready, observers)
 
-    def rounded_inputs(self) -> set[str]:
-        """W4A4: the inputs the engine rounds (the quantized plain linears'), whose tokens the
-        observers keep for :meth:`asymmetric`; none without ``--activations``."""
-        import torch
-
-        if self.config.activations == "none":
-            return set()
-        names = {self.inputs.get(m.module, "") for d in self.plan.decisions if d.action == QUANTIZE
-                 for m in d.matrices}
-        return {n for n in names if n and isinstance(self.lm.modules.get(n), torch.nn.Linear)}
-
-    def rounder(self, amax: float, rotate: str | None = None):
-        """The engine's activation rounding of one input under its recorded amax (``amax`` already
-        bf16): NVFP4 under that static scale, MXFP4 dynamic. ``rotate`` None: in the domain the
-        statistics are in (rotated already with had16); "had16": of the plain input, rotated first and
-        back after (what the block's second run feeds its linears)."""
-        from fp4convert.numerics import reference as ref
-
-        acts = self.config.activations
-
-        def rounded(x):
-            if acts == "nvfp4":
-                p, s, g = ref.nvfp4_quantize(x, amax, rotate, "max")
-                y = ref.nvfp4_dequantize(p, s, g, rotate)
-            else:
-                p, e = ref.mxfp4_quantize(x, rotate, "floor")
-                y = ref.mxfp4_dequantize(p, e, rotate)
-            return y.to(x.dtype)
-        return rounded
-
-    def asymmetric(self, decisions: list[Decision], observers: Observers) -> None:
-        """W4A4: each kept input's Hessian and cross term from its tokens rounded as the engine rounds
-        them (docs/numerics.md "GPTQ"): GPTQ then minimises the served layer's output error."""
-        from fp4convert.calibrate.stats import bf16_ceil
-
-        done: set[int] = set()
-        for d in decisions:
-            for m in d.matrices:
-                obs = observers.get(self.inputs.get(m.module, ""))
-                if obs is None or id(obs) in done or not obs.kept:
-                    continue
-                done.add(id(obs))
-                if obs.amax is None or not float(obs.amax) > 0:
-                    obs.asymmetric(None)  # (all zeros: nothing to round)
-                    continue
-                with timing.timed("gptq_asymmetric"):
-                    obs.asymmetric(self.rounder(bf16_ceil(float(obs.amax))))
-
-    def engine_activations(self, decisions: list[Decision], observers: Observers) -> list:
-        """W4A4: forward pre-hooks that quantize the inputs of the block's quantized linears as the engine
-        will (NVFP4 under the static scale the checkpoint records, from the amax just measured; MXFP4
-        dynamic; rotated first with had16), for the block's second run: the next block is then
-        calibrated on what the served model computes, activation rounding included. Linears only (an
-        expert stack's inputs are not rounded here)."""
-        import torch
-
-        from fp4convert.calibrate.stats import bf16_ceil
-
-        if self.config.activations == "none":
-            return []
-        hooks = []
-        done: set[str] = set()
-        for d in decisions:
-            for m in d.matrices:
-                name = self.inputs.get(m.module, "")
-                obs = observers.get(name)
-                module = self.lm.modules.get(name)
-                if (name in done or obs is None or obs.amax is None or not float(obs.amax) > 0
-                        or not isinstance(module, torch.nn.Linear)):
-                    continue  # (an input never seen, or all zeros: left as it is)
-                done.add(name)
-                rounded = self.rounder(bf16_ceil(float(obs.amax)), self.config.rotate)
-
-                def engine(_m, args, _r=rounded):
-                    return (_r(args[0]), *args[1:])
-
-                hooks.append(module.register_forward_pre_hook(engine))
-        return hooks
-
     @staticmethod
     def _drop_hessians(observers: Observers, prefix: str) -> None:
         for n in [n for n in list(observers) if n.startswith(prefix)]:
@@ -385,28 +317,29 @@ class GPTQ:
     def quantize_block(self, index: int, decisions: list[Decision], observers: Observers) -> dict[str, torch.Tensor]:
         """GPTQ of every quantized matrix of block ``index``; returns the on-disk tensors with their
         quantized matrices dequantized (what the block is loaded with next) and keeps the bytes."""
-        disk, made = self.sweep(index, decisions, observers)
+        disk, made = self.sweep(index, decisions, observers, {})
         self.keep(index, made)
         return disk
 
-    def keep(self, index: int, made: list, kept: dict[str, torch.Tensor] | None = None) -> None:
-        """The bytes of block ``index``'s matrices (:meth:`sweep`'s) and the kept tensors it changed, into
-        the store."""
+    def keep(self, index: int, made: list, changed: dict[str, torch.Tensor] | None = None) -> None:
+        """The bytes of block ``index``'s matrices (:meth:`sweep`'s) and the unquantized tensors it changed,
+        into the store."""
         with timing.timed("gptq_store"):
             self.store.add_block(index, [(name, res.packed, res.scale, res.gs, a if self.scheme.global_scale else None)
-                                         for name, res, a in made], kept)
+                                         for name, res, a in made], changed, why=f"{self.name} smoothing")
 
-    def sweep(self, index: int, decisions: list[Decision], observers: Observers) -> tuple[dict[str, torch.Tensor], list]:
-        """GPTQ of these quantized matrices of block ``index``: the on-disk tensors with them dequantized,
-        and (module, result, group amax) of each."""
+    def sweep(self, index: int, decisions: list[Decision], observers: Observers, reads: dict[str, torch.Tensor]
+              ) -> tuple[dict[str, torch.Tensor], list]:
+        """GPTQ of these quantized matrices of block ``index`` (``reads``: the block's tensors as read, the
+        others are read now): the on-disk tensors with them dequantized, and (module, result, group amax) of
+        each."""
         import torch
 
         from fp4convert.numerics import gptq
         from fp4convert.numerics import reference as ref
 
         rotate = self.config.rotate
-        kept = self.lm.kept
-        disk = {d.info.name: kept[d.info.name].clone() if d.info.name in kept else self.lm.read_fp32(d.info.name)
+        disk = {d.info.name: reads[d.info.name].clone() if d.info.name in reads else self.lm.read_fp32(d.info.name)
                 for d in decisions}
         prepared: dict[int, gptq.Prepared] = {}
         mats: list[tuple[Decision, Matrix, torch.Tensor, gptq.Prepared]] = []
@@ -421,9 +354,9 @@ class GPTQ:
                 if p is None:
                     with timing.timed("gptq_prepare"):
                         p = prepared[id(obs)] = gptq.prepare(
-                            h, self.config.gptq_damp, self.scheme.block_size if self.config.gptq_act_order else None,
+                            h, self.settings.damp, self.scheme.block_size if self.settings.act_order else None,
                             obs.cross_matrix())
-                if p.damp != self.config.gptq_damp:
+                if p.damp != self.settings.damp:
                     self.damped[m.module] = p.damp
                 w = matrix_view(disk[d.info.name], m)
                 mats.append((d, m, gptq.target(ref.had16(w) if rotate == "had16" else w, p), p))
@@ -441,7 +374,7 @@ class GPTQ:
                 with timing.timed("gptq_sweep"):
                     res = gptq.quantize(w, p, self.scheme.name, self.rule,
                                         group_amax if self.scheme.global_scale else None,
-                                        self.config.gptq_block, sweep)
+                                        self.settings.block, sweep)
             except Exception as exc:
                 raise type(exc)(f"{m.module} (GPTQ, block {index}): {exc}") from exc
             made.append((m.module, res, group_amax))
@@ -453,22 +386,20 @@ class GPTQ:
         """What the manifest says of the pass (its settings are also in the recipe's identity); the
         statistics stage adds ``calibration`` (the data, samples, length, seed, tokenizer)."""
         device = "cuda" if self.lm.device.type == "cuda" else "cpu"
-        order = (", act-order" if self.config.gptq_act_order else "") + \
-            (", true-sequential" if self.config.gptq_true_sequential else "") + \
-            (f", inputs smoothed into their norms (SmoothQuant, alpha {self.config.gptq_smooth})"
-             if self.config.gptq_smooth else "")
+        s = self.settings
+        order = (", act-order" if s.act_order else "") + (", true-sequential" if s.true_sequential else "") + \
+            (f", inputs smoothed into their norms (SmoothQuant, alpha {s.smooth})" if s.smooth else "")
         w4a4 = ", against the served layer's outputs on the activations as the engine rounds them" \
             if self.config.activations != "none" else ""
-        return {"method": "gptq", "scale_rule": self.rule, "damp": self.config.gptq_damp,
-                "block": self.config.gptq_block, "act_order": self.config.gptq_act_order,
-                "true_sequential": self.config.gptq_true_sequential, "device": device,
+        return {"method": self.name, "scale_rule": self.rule, "damp": s.damp,
+                "block": s.block, "act_order": s.act_order,
+                "true_sequential": s.true_sequential, "device": device,
                 "target": "engine-rounded inputs" if self.config.activations != "none" else "inputs",
-                **({"smooth": self.config.gptq_smooth, "smoothed": dict(sorted(self.smoothed.items()))}
-                   if self.config.gptq_smooth else {}),
+                **({"smooth": s.smooth, "smoothed": dict(sorted(self.smoothed.items()))} if s.smooth else {}),
                 "quantized": len(self.store.index), "damp_raised": dict(sorted(self.damped.items())),
                 "rtn": sorted(self._unseen),
                 "description": f"GPTQ (each column's rounding error compensated on calibration tokens{w4a4}; "
-                               f"dampening {self.config.gptq_damp}{order}; run on {device})"}
+                               f"dampening {s.damp}{order}; run on {device})"}
 
 
 METHOD = GPTQ

@@ -75,14 +75,9 @@ class CpuBackend:
     """Row slices of every matrix on a pool of single-threaded workers (see the module's docstring)."""
 
     name: ClassVar[str] = "cpu"
-    devices: ClassVar[tuple[str, ...]] = ("cpu",)
     batch_units: ClassVar[int] = 1  # one unit at a time, each member quantized in place (stacking only copies)
     batch_bytes: ClassVar[int] = 0
     auto_lanes: ClassVar[int] = 1
-    needs_torch: ClassVar[bool] = True
-    auto_rank: ClassVar[int] = 2  # torch's default on the CPU (before ``stacked``, which runs there too)
-    prewarm: ClassVar[bool] = True  # the compiled CPU kernel it calls where it can
-    input_weighted: ClassVar[bool] = True
 
     def __init__(self, settings: Settings, workers: int, threads: int, owner: bool) -> None:
         self.s = settings

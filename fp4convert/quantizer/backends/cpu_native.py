@@ -100,16 +100,11 @@ class CpuNativeBackend:
     """A batch's two passes through the CPU kernel on every core, without torch (see the module's docstring)."""
 
     name: ClassVar[str] = "cpu-native"
-    devices: ClassVar[tuple[str, ...]] = ("cpu",)
     # The cuda backend's batches: a shape group of a batch is one kernel call, and two 64 MB input sets
     # per lane keep the memory a few hundred MB.
     batch_units: ClassVar[int] = 128
     batch_bytes: ClassVar[int] = 64 << 20
     auto_lanes: ClassVar[int] = 2  # two shards written side by side; the kernel runs one threaded call at a time
-    needs_torch: ClassVar[bool] = False
-    auto_rank: ClassVar[int] = 1  # --device cpu's default for the plans it supports
-    prewarm: ClassVar[bool] = True  # the CPU kernel's one-time build (or load)
-    input_weighted: ClassVar[bool] = False  # the CPU kernel has no input-weighted search
 
     def __init__(self, settings: Settings, lib: ctypes.CDLL, threads: int, pool: _HostPool, owner: bool) -> None:
         self.s, self.lib, self.threads, self.pool, self.owner = settings, lib, threads, pool, owner

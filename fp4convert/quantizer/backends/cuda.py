@@ -47,16 +47,11 @@ class CudaBackend:
     """The batches' two passes on one stream, with device arenas reused from batch to batch."""
 
     name: ClassVar[str] = "cuda"
-    devices: ClassVar[tuple[str, ...]] = ("cuda",)
     # Smaller batches than the stacked backend's (256 MB): pinned memory costs ~0.8 s per GB to allocate
     # on the H100 machine and the GPU's share of a batch is a few milliseconds, so two 64 MB sets suffice.
     batch_units: ClassVar[int] = 128
     batch_bytes: ClassVar[int] = 64 << 20
     auto_lanes: ClassVar[int] = 2  # several shards written side by side (fp4convert.run.runner)
-    needs_torch: ClassVar[bool] = False
-    auto_rank: ClassVar[int] = 1  # the default on a GPU (--device auto or cuda[:N]) for the plans it supports
-    prewarm: ClassVar[bool] = True  # the GPU's driver, kernel library and context start while the source is planned
-    input_weighted: ClassVar[bool] = True
 
     def __init__(self, settings: Settings, rt: Runtime, owner: bool) -> None:
         self.s, self.rt, self.owner = settings, rt, owner

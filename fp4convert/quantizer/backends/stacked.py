@@ -40,15 +40,10 @@ class StackedBackend:
     """Batched launches per shape group; CUDA: streams, pinned memory, events (see the module's docstring)."""
 
     name: ClassVar[str] = "stacked"
-    devices: ClassVar[tuple[str, ...]] = ("cuda", "cpu")
     # Consecutive units share launches up to these limits (pinned memory: two buffer sets).
     batch_units: ClassVar[int] = 128
     batch_bytes: ClassVar[int] = 256 << 20
     auto_lanes: ClassVar[int] = 1
-    needs_torch: ClassVar[bool] = True
-    auto_rank: ClassVar[int] = 1  # torch's default on a GPU (on the CPU ``cpu`` ranks higher)
-    prewarm: ClassVar[bool] = False  # torch starts its own device
-    input_weighted: ClassVar[bool] = True
 
     def __init__(self, settings: Settings, device: torch.device) -> None:
         self.s = settings

@@ -22,7 +22,7 @@ from fp4convert.quantizer.backend import InputWeight
 
 if TYPE_CHECKING:
     from fp4convert.calibrate.stats import Statistics
-    from fp4convert.config import ConvertConfig
+    from fp4convert.plan.calibration import CalibrationPlan
     from fp4convert.source.source import Source
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,10 @@ def keep_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp4convert" / "calibration"
 
 
-def key(source: Source, config: ConvertConfig, modules: list[str], device: str | None) -> str | None:
-    """The key of this pass (None for a Hub source: nothing local to fingerprint)."""
+def key(source: Source, cal: CalibrationPlan, modules: list[str], device: str | None) -> str | None:
+    """The key of this pass (None for a Hub source: nothing local to fingerprint): the calibration plan's
+    identity, the quantized modules, the device kind, the fp4convert version and every source file's name,
+    size and modification time."""
     from fp4convert.version import __version__
 
     if source.is_hub:
@@ -47,29 +49,20 @@ def key(source: Source, config: ConvertConfig, modules: list[str], device: str |
         if p.is_file():
             st = p.stat()
             files.append([p.name, st.st_size, st.st_mtime_ns])
-    data = None
-    if config.calibration_data is not None and Path(config.calibration_data).is_file():
-        data = hashlib.sha256(Path(config.calibration_data).read_bytes()).hexdigest()
-    what: dict[str, object] = {"version": __version__, "root": str(root.resolve()), "files": files, "modules": modules,
-            "activations": config.activations, "activation_scale": config.activation_scale,
-            "input_weights": config.input_weight_source, "data": data, "shape": list(config.calibration_shape),
-            "random_shape": list(config.random_shape), "seed": config.calibration_seed, "rotate": config.rotate,
-            "device": "cpu" if device in (None, "cpu") else "gpu"}
-    if config.method != "rtn":  # (keys of rtn passes unchanged)
-        what["method"] = config.method_identity()
-        what["scale_rule"] = config.rule
+    what = {"version": __version__, "root": str(root.resolve()), "files": files, "modules": modules,
+            "calibration": cal.identity(), "device": "cpu" if device in (None, "cpu") else "gpu"}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
 def store_dir(k: str | None) -> Path:
-    """Where a pass keyed ``k`` keeps its quantized matrices (GPTQ); a fresh temporary folder beside the
+    """Where a pass keyed ``k`` keeps its quantized matrices (a calibrated method's); a fresh temporary folder beside the
     cache for a pass that cannot be kept (a Hub source)."""
     if k is not None:
-        return keep_dir() / f"{k}.gptq"
+        return keep_dir() / f"{k}.store"
     import tempfile
 
     keep_dir().mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix="unkept-", suffix=".gptq", dir=keep_dir()))
+    return Path(tempfile.mkdtemp(prefix="unkept-", suffix=".store", dir=keep_dir()))
 
 
 def load(k: str | None) -> Statistics | None:
@@ -84,7 +77,7 @@ def load(k: str | None) -> Statistics | None:
     except (OSError, ValueError):
         return None
     store = None
-    if obj.get("gptq_record") is not None:
+    if obj.get("method_record") is not None:
         store = Store.load(store_dir(k))
         if store is None:  # the quantized matrices are gone (written and removed, or never finished)
             return None
@@ -99,7 +92,7 @@ def load(k: str | None) -> Statistics | None:
             weights[m] = made[src]
     log.info("statistics from the interrupted run kept in %s (the model does not run again)", p)
     return Statistics(obj.get("amax"), obj.get("calibration"), weights, obj.get("input_weight_record"), store,
-                      obj.get("gptq_record"))
+                      obj.get("method_record"))
 
 
 def save(k: str | None, st: Statistics) -> None:
@@ -107,7 +100,7 @@ def save(k: str | None, st: Statistics) -> None:
     if k is None:
         return
     obj = {"amax": st.amax, "calibration": st.calibration, "input_weight_record": st.input_weight_record,
-           "gptq_record": st.gptq_record,
+           "method_record": st.method_record,
            "input_weights": None if st.input_weights is None else
            {m: [w.key, w.data.hex()] for m, w in st.input_weights.items()}}
     d = keep_dir()
