@@ -196,3 +196,40 @@ def test_format_name_check_finds_a_planted_comparison(tmp_path: Path, monkeypatc
 
     with pytest.raises(AssertionError, match=r"run.py:2: config.format in"):
         test_no_format_name_is_compared_outside_formats()
+
+
+def test_no_method_name_is_compared_outside_methods() -> None:
+    """issue 43: what differs between calibrated methods is stated by each method (calibrate/methods/); a
+    comparison with a method's name anywhere else (``config.method == "gptq"``, ``name in ("rtn", "gptq")``) is
+    knowledge a new method would not get. Counted: a comparison one of whose sides is a registered method's name
+    (or ``rtn``, the name of no method) as a string constant."""
+    from fp4convert.calibrate.methods import method_names
+
+    names = {*method_names(), "rtn"}
+    offenders = []
+    for p in PKG.rglob("*.py"):
+        if "methods" in p.relative_to(PKG).parts:
+            continue
+        src = p.read_text()
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            consts = {c.value for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+            if consts & names:
+                offenders.append(f"{p.relative_to(PKG.parent)}:{node.lineno}: {ast.get_source_segment(src, node)}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_method_name_check_finds_a_planted_comparison(tmp_path: Path, monkeypatch) -> None:
+    """The check itself works: a comparison planted outside calibrate/methods/ is reported, one inside is not."""
+    pkg = tmp_path / "fp4convert"
+    (pkg / "calibrate" / "methods").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "calibrate" / "methods" / "x.py").write_text("def f(name):\n    return name == 'gptq'\n")
+    (pkg / "stage.py").write_text("def g(config):\n    return config.method in ('rtn', 'other')\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
+
+    with pytest.raises(AssertionError, match=r"stage.py:2: config.method in \('rtn', 'other'\)") as got:
+        test_no_method_name_is_compared_outside_methods()
+    assert "x.py" not in str(got.value)

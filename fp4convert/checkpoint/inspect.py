@@ -14,6 +14,7 @@ The verdict is ``ok`` (every check passed), ``failed`` (the report lists why) or
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -432,7 +433,10 @@ def _method(manifest: dict | None) -> dict | None:
     rec = (manifest or {}).get("method")
     if not isinstance(rec, dict) or not isinstance(rec.get("method"), str):
         return None
-    return {k: v for k, v in rec.items() if not isinstance(v, (dict, list)) or k in ("calibration", "rtn", "damp_raised")}
+    # any method's record: its scalars and the calibration as they are; another list or mapping as it is when short
+    # enough to read, else by its number of entries (every smoothed norm of a model, say)
+    return {k: v if not isinstance(v, (dict, list)) or k == "calibration" or len(json.dumps(v)) <= 400
+            else f"{len(v)} entries" for k, v in rec.items()}
 
 
 def _input_weights(manifest: dict | None) -> dict | None:

@@ -75,7 +75,9 @@ class CalibrationPlan:
 
     @property
     def method_name(self) -> str:
-        return "rtn" if self.method is None else self.method.name
+        from fp4convert.config import RTN
+
+        return RTN if self.method is None else self.method.name
 
     def words(self) -> tuple[str, str]:
         """(what runs the model, the option that avoids it): the words of a refusal."""
