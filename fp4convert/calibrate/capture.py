@@ -58,80 +58,97 @@ def block_calls(model, blocks, run_prefix, n_batches: int, stop=(),
     HRM's cycles), or runs weights outside the blocks between two calls of one block, is refused
     (``refuse(why)``): the runner runs the blocks once, in their order, each call on the one before's
     output."""
-    calls: list[list[tuple[tuple, dict]]] = [[] for _ in blocks]
-    last = len(blocks) - 1
-    slots = [hidden_slot(b) for b in blocks]
-    order: list[int] = []  # the blocks this micro-batch's forward called, in order
-    since: list[str] = []  # modules holding weights outside the blocks that ran since the last block call
-    inside = {id(m) for b in blocks for m in b.modules()}
-    stops = {id(m) for m in stop}
+    rec = _Recorder(blocks, stop, refuse)
+    handles = [m.register_forward_pre_hook(rec.watch(n, m)) for n, m in model.named_modules() if id(m) not in rec.inside]
+    for i, b in enumerate(blocks):
+        b.forward = rec.recorder(i, b)
+    try:
+        first: list[int] = []
+        for k in range(n_batches):
+            rec.run(run_prefix, k)
+            if k == 0:
+                first = list(rec.order)
+            rec.check(first)
+    finally:
+        for hd in handles:
+            hd.remove()
+        for b in blocks:
+            del b.forward
+    return rec.calls
 
-    def recorder(i: int, block):
-        slot = slots[i]
+
+class _Recorder:
+    """:func:`block_calls`' state: every block's recorded calls, the order of this micro-batch's calls, the
+    weighted modules run since the last block call."""
+
+    def __init__(self, blocks, stop, refuse: Callable[[str], PlanError]) -> None:
+        self.blocks, self.refuse = blocks, refuse
+        self.calls: list[list[tuple[tuple, dict]]] = [[] for _ in blocks]
+        self.last = len(blocks) - 1
+        self.slots = [hidden_slot(b) for b in blocks]
+        self.order: list[int] = []  # the blocks this micro-batch's forward called, in order
+        self.since: list[str] = []  # modules holding weights outside the blocks that ran since the last block call
+        self.inside = {id(m) for b in blocks for m in b.modules()}
+        self.stops = {id(m) for m in stop}
+
+    def recorder(self, i: int, block):
+        slot = self.slots[i]
         form: list = []  # the block's output on meta, made at its first call
 
         def forward(*args, **kwargs):
-            if order and i < order[-1]:
-                raise refuse(out_of_order(i, order[-1], blocks, i in order))
-            if order and i == order[-1] and since:
-                raise refuse(f"its forward runs {since[0]} between two calls of block {i} ({type(block).__name__}), "
-                             "and the layer-by-layer run carries each call's output straight to the next")
-            calls[i].append((args, dict(kwargs)))
-            order.append(i)
-            since.clear()
+            if self.order and i < self.order[-1]:
+                raise self.refuse(out_of_order(i, self.order[-1], self.blocks, i in self.order))
+            if self.order and i == self.order[-1] and self.since:
+                raise self.refuse(f"its forward runs {self.since[0]} between two calls of block {i} "
+                                  f"({type(block).__name__}), and the layer-by-layer run carries each call's output "
+                                  "straight to the next")
+            self.calls[i].append((args, dict(kwargs)))
+            self.order.append(i)
+            self.since.clear()
             h = args[0] if args else kwargs[slot]
             if not form:
                 form.append(output_like(block, args, kwargs))
             return with_hidden(form[0], h)
         return forward
 
-    def watch(name: str, module):
+    def watch(self, name: str, module):
         weighted = any(p is not None for p in module._parameters.values())
 
         def hook(_m, _a):
-            if order and order[-1] == last and (id(module) in stops or any(
+            if self.order and self.order[-1] == self.last and (id(module) in self.stops or any(
                     p is not None and p.device.type == "meta" for p in module._parameters.values())):
                 raise StopForward  # a head, or weights not loaded: nothing the blocks need comes after
-            if order and weighted:
-                since.append(name)
+            if self.order and weighted:
+                self.since.append(name)
         return hook
 
-    handles = [m.register_forward_pre_hook(watch(n, m)) for n, m in model.named_modules() if id(m) not in inside]
-    for i, b in enumerate(blocks):
-        b.forward = recorder(i, b)
-    try:
-        first: list[int] = []
-        for k in range(n_batches):
-            order.clear()
-            since.clear()
-            try:
-                run_prefix(k)
-            except StopForward:
-                pass
-            except PlanError:
+    def run(self, run_prefix, k: int) -> None:
+        """The forward on micro-batch ``k``, up to the head (or an error after the last block)."""
+        self.order.clear()
+        self.since.clear()
+        try:
+            run_prefix(k)
+        except StopForward:
+            pass
+        except PlanError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - after the last block: the forward's rest is not needed
+            if not self.order or self.order[-1] != self.last:
                 raise
-            except Exception as exc:  # noqa: BLE001 - after the last block: the forward's rest is not needed
-                if not order or order[-1] != last:
-                    raise
-                log.debug("the forward after the last block stopped at %s: %s", type(exc).__name__, exc)
-            if not order or order[-1] != last:
-                raise refuse("the model's forward returned without calling its last block: the blocks found are "
-                             "not the layers it runs")
-            if k == 0:
-                first = list(order)
-            missing = next((i for i in range(len(blocks)) if i not in order), None)
-            if missing is not None:
-                raise refuse(f"the model's forward did not call block {missing}; the layer-by-layer run cannot feed "
-                             "its blocks")
-            if order != first:
-                raise refuse("the model's forward called its blocks a different number of times on two micro-batches; "
-                             "the layer-by-layer run cannot feed its blocks")
-    finally:
-        for hd in handles:
-            hd.remove()
-        for b in blocks:
-            del b.forward
-    return calls
+            log.debug("the forward after the last block stopped at %s: %s", type(exc).__name__, exc)
+
+    def check(self, first: list[int]) -> None:
+        """This micro-batch's forward called every block, its last, and in the first micro-batch's order."""
+        if not self.order or self.order[-1] != self.last:
+            raise self.refuse("the model's forward returned without calling its last block: the blocks found are "
+                              "not the layers it runs")
+        missing = next((i for i in range(len(self.blocks)) if i not in self.order), None)
+        if missing is not None:
+            raise self.refuse(f"the model's forward did not call block {missing}; the layer-by-layer run cannot feed "
+                              "its blocks")
+        if self.order != first:
+            raise self.refuse("the model's forward called its blocks a different number of times on two micro-batches; "
+                              "the layer-by-layer run cannot feed its blocks")
 
 
 def repeats(calls: list[list[tuple[tuple, dict]]], n_batches: int) -> list[int]:

@@ -89,90 +89,107 @@ def tail_pass(lm: BlockWeights, forward: Callable, batches: list[torch.Tensor], 
     two blocks is not observed (its inputs there are not a whole-model forward's) and is dropped from
     ``observers``. The forward stops at the head (never loaded) and at a module no checkpoint tensor
     loads. Returns what the pass reached."""
-    import torch
-
-    names = set(outside_linears(lm) if names is None else names) - {HEAD}
-    reach = Reach()
-    last = len(lm.layers) - 1
-    state: dict = {"k": 0, "phase": BEFORE, "called": []}
-    forms: dict[type, object] = {}  # a block's output form, by class (computed on meta)
-
-    def add(name: str, x) -> None:
-        if x.numel() == 0:
-            return  # no token reaches it in this call (Higgs-Audio's audio head on text tokens)
-        phase = state["phase"]
-        reach.phases.setdefault(name, set()).add(phase)
-        if observers is not None and phase != BETWEEN:
-            observers.add(name, x)
-
-    def stand_in(i: int, block) -> Callable:
-        slot = hidden_slot(block)
-
-        def standing_in(*args, **kwargs):
-            h = args[0] if args else kwargs[slot]
-            called = state["called"]
-            if called and i < called[-1] and reach.out_of_order is None:
-                reach.out_of_order = out_of_order(i, called[-1], lm.layers, i in called)
-            called.append(i)
-            if type(block) not in forms:
-                forms[type(block)] = output_like(block, args, kwargs)
-            if i == last:
-                state["phase"] = AFTER
-                if finals is not None:
-                    h = finals[state["k"]]
-            else:
-                state["phase"] = BETWEEN
-            return with_hidden(forms[type(block)], h)
-        return standing_in
-
-    def head_hook(_m, a):
-        if head:
-            add(HEAD, a[0])
-        raise StopForward  # the head's weights are not loaded; nothing after it is observed
-
-    def unloaded(name: str) -> Callable:
-        def hook(_m, _a):
-            raise UnloadedWeights(name)
-        return hook
-
-    def weighted(name: str) -> Callable:
-        def hook(_m, _a):
-            if state["phase"] == BETWEEN and name not in reach.between:
-                reach.between.append(name)
-        return hook
-
-    handles = []
+    tail = _Tail(lm, set(outside_linears(lm) if names is None else names) - {HEAD}, head, observers, finals)
+    handles: list = []
     lm.load_outside()
     try:
-        for n in sorted(names):
-            handles.append(lm.modules[n].register_forward_pre_hook(lambda _m, a, _n=n: add(_n, a[0])))
-        for h in lm.heads:
-            handles.append(lm.modules[h].register_forward_pre_hook(head_hook))
-        for n, m in _weighted_modules(lm):
-            handles.append(m.register_forward_pre_hook(weighted(n)))
-        for n, m in _unloaded_modules(lm):
-            handles.append(m.register_forward_pre_hook(unloaded(n)))
-        for i, b in enumerate(lm.layers):
-            b.forward = stand_in(i, b)
-        for k, ids in enumerate(batches):
-            state["k"], state["phase"], state["called"] = k, BEFORE, []
-            try:
-                with torch.no_grad():
-                    forward(ids)
-            except StopForward:
-                pass
-            except UnloadedWeights as stop:
-                reach.stopped = stop.name
+        handles = tail.install()
+        tail.run(forward, batches)
     finally:
         for hd in handles:
             hd.remove()
         for b in lm.layers:
             b.__dict__.pop("forward", None)
         lm.free_outside()
+    reach = tail.reach
     between = [n for n, p in reach.phases.items() if BETWEEN in p]
     if observers is not None and between:
         observers.drop(between)
     return reach
+
+
+class _Tail:
+    """One tail pass's hooks and state: where the forward is (before, between or after the blocks, on which
+    micro-batch), the blocks' stand-ins, and what it reached."""
+
+    def __init__(self, lm: BlockWeights, names: set[str], head: bool, observers: Observers | None,
+                 finals: list[torch.Tensor] | None) -> None:
+        self.lm, self.names, self.head, self.observers, self.finals = lm, names, head, observers, finals
+        self.reach = Reach()
+        self.k, self.phase, self.called = 0, BEFORE, []  # (the micro-batch, the phase, the blocks it called)
+        self.forms: dict[type, object] = {}  # a block's output form, by class (computed on meta)
+
+    def add(self, name: str, x) -> None:
+        if x.numel() == 0:
+            return  # no token reaches it in this call (Higgs-Audio's audio head on text tokens)
+        self.reach.phases.setdefault(name, set()).add(self.phase)
+        if self.observers is not None and self.phase != BETWEEN:
+            self.observers.add(name, x)
+
+    def stand_in(self, i: int, block) -> Callable:
+        """Block ``i``'s stand-in: it records the call's order and phase and returns the hidden states (the
+        last block's real outputs, ``finals``, after the last block) in the form the block returns them."""
+        slot = hidden_slot(block)
+        last = len(self.lm.layers) - 1
+
+        def standing_in(*args, **kwargs):
+            h = args[0] if args else kwargs[slot]
+            if self.called and i < self.called[-1] and self.reach.out_of_order is None:
+                self.reach.out_of_order = out_of_order(i, self.called[-1], self.lm.layers, i in self.called)
+            self.called.append(i)
+            if type(block) not in self.forms:
+                self.forms[type(block)] = output_like(block, args, kwargs)
+            if i == last:
+                self.phase = AFTER
+                if self.finals is not None:
+                    h = self.finals[self.k]
+            else:
+                self.phase = BETWEEN
+            return with_hidden(self.forms[type(block)], h)
+        return standing_in
+
+    def head_hook(self, _m, a):
+        if self.head:
+            self.add(HEAD, a[0])
+        raise StopForward  # the head's weights are not loaded; nothing after it is observed
+
+    def install(self) -> list:
+        """The hooks and stand-ins in place (the returned handles remove the hooks)."""
+        lm = self.lm
+
+        def unloaded(name: str) -> Callable:
+            def hook(_m, _a):
+                raise UnloadedWeights(name)
+            return hook
+
+        def weighted(name: str) -> Callable:
+            def hook(_m, _a):
+                if self.phase == BETWEEN and name not in self.reach.between:
+                    self.reach.between.append(name)
+            return hook
+
+        handles = [lm.modules[n].register_forward_pre_hook(lambda _m, a, _n=n: self.add(_n, a[0]))
+                   for n in sorted(self.names)]
+        handles += [lm.modules[h].register_forward_pre_hook(self.head_hook) for h in lm.heads]
+        handles += [m.register_forward_pre_hook(weighted(n)) for n, m in _weighted_modules(lm)]
+        handles += [m.register_forward_pre_hook(unloaded(n)) for n, m in _unloaded_modules(lm)]
+        for i, b in enumerate(lm.layers):
+            b.forward = self.stand_in(i, b)
+        return handles
+
+    def run(self, forward: Callable, batches: list[torch.Tensor]) -> None:
+        """The model's forward on every micro-batch, up to the head or to weights nothing loads."""
+        import torch
+
+        for k, ids in enumerate(batches):
+            self.k, self.phase, self.called = k, BEFORE, []
+            try:
+                with torch.no_grad():
+                    forward(ids)
+            except StopForward:
+                pass
+            except UnloadedWeights as stop:
+                self.reach.stopped = stop.name
 
 
 def _weighted_modules(lm: BlockWeights) -> list[tuple[str, torch.nn.Module]]:
