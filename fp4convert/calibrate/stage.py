@@ -140,9 +140,6 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, cal: Calibration
     import torch
 
     what, other = cal.words()
-    if any(d.decode is not None for d in plan.decisions):
-        raise PlanError(f"{what} runs the model on bf16/fp16/fp32 weights; this checkpoint's weights are quantized "
-                        f"(FP8/MXFP4) inputs; {other}")
     dev = torch.device(device) if device is not None else torch.device("cpu")
     root = Path(source.root)
     with model_errors(root, source.config(), "build the model of", other):

@@ -45,8 +45,15 @@ class BlockWeights:
         self.root = Path(source.root)
         self.device = torch.device(device)
         self.other = other
-        self.infos = {t.name: t for t in source.tensors()}
         self.raw = source.config()
+        # the checkpoint as the plan sees it: a quantized input (FP8, INT4, MXFP4 blocks) is its decoded fp32 weight,
+        # read from its on-disk tensors (self.disk) and decoded exactly on the run's device when its block loads
+        from fp4convert.formats import input_weights
+
+        on_disk = source.tensors()
+        self.disk = {t.name: t for t in on_disk}
+        logical, self.decodes = input_weights(on_disk, self.raw)
+        self.infos = {t.name: t for t in logical}
         self.cfg, self.model = build_meta(self.root, self.raw, other)
         why = structure_problem(self.model, self.cfg)
         if why is not None:
@@ -118,10 +125,14 @@ class BlockWeights:
         if got is not None:
             return got.to(self.device, torch.float32)
         if not self._readable(name):
-            raise PlanError(f"{name}: dtype {info.dtype}; the layer-by-layer run reads F32/F16/BF16 checkpoints")
-        ahead = self._ahead.pop(name, None)
-        raw = ahead.result()[name] if ahead is not None else self._read_raw([name])[name]
-        t = raw.view(torch_dtypes()[info.dtype]).reshape(info.shape)
+            raise PlanError(f"{name}: dtype {info.dtype}; the layer-by-layer run reads F32/F16/BF16 checkpoints and "
+                            "the quantized inputs fp4convert decodes (FP8, INT4, MXFP4 blocks)")
+        if name in self.decodes:
+            t = self._decoded(name)
+            if self._reads is not None:
+                self._reads[name] = t
+            return t
+        t = self._fetch(name).view(torch_dtypes()[info.dtype]).reshape(info.shape)
         if info.dtype not in _FLOAT:
             return t.to(self.device)
         # (on a GPU the copy leaves the pinned buffer free again; on the CPU an fp32 tensor stays a view of its
@@ -131,9 +142,36 @@ class BlockWeights:
             self._reads[name] = t
         return t
 
+    def _fetch(self, disk_name: str) -> torch.Tensor:
+        """An on-disk tensor's bytes: from its block's read (:meth:`read_ahead`, :meth:`load_block`), else read now."""
+        ahead = self._ahead.pop(disk_name, None)
+        return ahead.result()[disk_name] if ahead is not None else self._read_raw([disk_name])[disk_name]
+
+    def _decoded(self, name: str) -> torch.Tensor:
+        """The exact fp32 weight quantized input ``name`` encodes: its on-disk tensors copied to the run's device
+        as they are (FP8 / packed bytes: the host and the link carry the source's size) and decoded there."""
+        import torch
+
+        from fp4convert.quantizer.matrices import decoded
+        from fp4convert.storage.safetensors import torch_dtypes
+
+        dec = self.decodes[name]
+        parts = [self._fetch(i.name).view(torch_dtypes()[i.dtype]).reshape(i.shape).to(self.device) for i in dec.inputs]
+        return decoded(dec, parts, f"{name} (in {dec.inputs[0].file})").to(torch.float32)
+
+    def _on_disk(self, keys: list[str]) -> list[str]:
+        """The on-disk tensors that hold checkpoint keys ``keys`` (a quantized input's: its codes and scales)."""
+        out: list[str] = []
+        for k in keys:
+            dec = self.decodes.get(k)
+            out += [i.name for i in dec.inputs] if dec is not None else [k]
+        return out
+
     def _readable(self, name: str) -> bool:
-        """A floating-point tensor, or an integer/bool one loading into a buffer (position ids, DeepSeek-V4's
-        token-to-expert table), kept as it is."""
+        """A floating-point tensor, a quantized input fp4convert decodes, or an integer/bool one loading into a
+        buffer (position ids, DeepSeek-V4's token-to-expert table), kept as it is."""
+        if name in self.decodes:
+            return True
         dtype = self.infos[name].dtype
         if dtype in _FLOAT:
             return True
@@ -141,7 +179,7 @@ class BlockWeights:
         return dtype in _INTEGER and target in self._buffer_names
 
     def _read_raw(self, keys: list[str], slot: int = 0) -> dict[str, torch.Tensor]:
-        """The keys' bytes (uint8 tensors, views of one buffer), read with plain reads at their header
+        """The on-disk tensors' bytes (uint8 tensors, views of one buffer), read with plain reads at their header
         offsets (no mmap: pages of blocks already done are not kept mapped) on READ_THREADS threads.
 
         Why: a block is hundreds of MB; one thread copying page-cache pages into a fresh buffer ran at
@@ -152,7 +190,7 @@ class BlockWeights:
 
         from fp4convert.storage.reads import read_many
 
-        infos = [self.infos[k] for k in keys]
+        infos = [self.disk[k] for k in keys]
         total = sum(i.nbytes for i in infos)
         buf = self._buffer(total, slot)
         out, items, at = {}, [], 0
@@ -186,7 +224,8 @@ class BlockWeights:
             return
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="fp4convert-calibrate-read")
-        keys = [k for k in self._keys_under(f"{self.layers_name}.{i}.") if k not in self._ahead and self._readable(k)]
+        keys = [k for k in self._on_disk([k for k in self._keys_under(f"{self.layers_name}.{i}.") if self._readable(k)])
+                if k not in self._ahead]
         if keys:
             fut = self._reader.submit(self._read_raw, keys, 1)
             for k in keys:
@@ -297,7 +336,8 @@ class BlockWeights:
 
         prefix = f"{self.layers_name}.{i}."
         keys = self._keys_under(prefix)
-        direct = [k for k in keys if k not in self._ahead and k not in self._replaced and self._readable(k)]
+        direct = [k for k in self._on_disk([k for k in keys if k not in self._replaced and self._readable(k)])
+                  if k not in self._ahead]
         if direct:  # one read of the block (its threads split it), not one per tensor
             done: Future = Future()
             done.set_result(self._read_raw(direct))
@@ -338,6 +378,10 @@ class BlockWeights:
 
         from fp4convert.storage.safetensors import torch_dtypes
 
+        if name in self.decodes:
+            for disk_name, raw in self._read_raw(self._on_disk([name])).items():
+                self._ahead[disk_name] = _done({disk_name: raw})
+            return self._decoded(name)
         info = self.infos[name]
         t = self._read_raw([name])[name].view(torch_dtypes()[info.dtype]).reshape(info.shape)
         return t.to(self.device).float() if self.device.type == "cuda" else t.to(torch.float32)
@@ -356,6 +400,15 @@ def matrix_view(t: torch.Tensor, m: Matrix) -> torch.Tensor:
     if m.rows is not None:
         v = v[m.rows[0]:m.rows[1]:m.rows[2]]
     return v
+
+
+def _done(value):
+    """A finished Future holding ``value`` (what a read ahead leaves for :meth:`BlockWeights._fetch`)."""
+    from concurrent.futures import Future
+
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
 
 
 def numel(info) -> int:

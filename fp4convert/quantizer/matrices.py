@@ -19,6 +19,7 @@ from fp4convert.errors import FP4ConvertError, kept_overflow_error
 from fp4convert.storage.safetensors import DTYPES, tensor_memoryview
 
 if TYPE_CHECKING:
+    from fp4convert.formats.base import Decode
     from fp4convert.plan.types import Decision, Matrix
     from fp4convert.quantizer.backend import Inputs
     from fp4convert.quantizer.items import Complex
@@ -54,13 +55,20 @@ def weight_of(d: Decision, tensors: list[torch.Tensor]) -> torch.Tensor:
     """The weight a decision works on: the tensor itself, or the fp32 weight a quantized input encodes."""
     if d.decode is None:
         return tensors[0]
+    return decoded(d.decode, tensors, f"{d.name} (in {d.info.file})")
+
+
+def decoded(decode: Decode, tensors: list[torch.Tensor], where: str) -> torch.Tensor:
+    """The exact fp32 weight a quantized input encodes (``tensors``: its on-disk tensors, ``decode.inputs``
+    in order), on the tensors' device: the one decode the quantize stage and the calibration both use.
+    ``where`` names the tensor in an error."""
     from fp4convert.kernels.tensor import dequantize_input
 
     try:
-        w = dequantize_input(d.decode.kind, tensors, block=d.decode.block)
+        w = dequantize_input(decode.kind, tensors, block=decode.block)
     except FP4ConvertError as exc:
-        raise type(exc)(f"{d.name} (in {d.info.file}): {exc}") from exc
-    return w.transpose(-1, -2) if d.decode.transpose else w
+        raise type(exc)(f"{where}: {exc}") from exc
+    return w.transpose(-1, -2) if decode.transpose else w
 
 
 def unit_weights(item: Complex, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
