@@ -156,7 +156,7 @@ class LayerwiseModel(BlockWeights):
         reps = repeats(calls, len(batches))
         hs = [self._hidden_of(0, *calls[0][k * reps[0]]) for k in range(len(batches))]
         try:
-            bar = progress_bar(len(self.layers), desc, progress)
+            bar = progress_bar(len(self.layers), desc, progress, tokens_per_unit=int(tokens.numel()))
             never: list[str] = []
             for i, block in enumerate(self.layers):
                 prefix = f"{self.layers_name}.{i}."

@@ -163,7 +163,7 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
                     total / 1e9, resident_bytes / 1e9, seq_len - 1, total / 2 * (seq_len - 1) / 1e9)
     t0 = time.perf_counter()
     bar = progress_bar(samples * (seq_len - 1), f"calibrate: generating {samples} samples x {seq_len} tokens", True,
-                       unit="token")
+                       unit="token", tokens_per_unit=1)
     cache = None
     first = None  # when the first step ended (it pays the start-up; the estimate times the steps after it)
     with lm.whole(resident) as model, torch.no_grad(), fast_matmul(lm.device):

@@ -30,18 +30,26 @@ class CliHandler(logging.Handler):
     ``ours``, other libraries' (huggingface_hub, transformers) from ``others``.
     """
 
-    def __init__(self, ours: int, others: int) -> None:
+    def __init__(self, ours: int, others: int, json_progress: bool = False) -> None:
         super().__init__(logging.NOTSET)
-        self.ours, self.others = ours, others
+        self.ours, self.others, self.json_progress = ours, others, json_progress
         self.setFormatter(logging.Formatter("%(message)s"))
 
     def filter(self, record: logging.LogRecord) -> bool:
         mine = record.name == "fp4convert" or record.name.startswith("fp4convert.")
         if mine and getattr(record, "serving", False):
             return False  # the command prints a format's serving warning itself, even with --quiet (warn_serving)
+        if mine and self.json_progress and getattr(record, "progress", None) is not None:
+            return True  # --json: a long step's progress, as data
         return record.levelno >= (self.ours if mine else self.others)
 
     def emit(self, record: logging.LogRecord) -> None:
+        progress = getattr(record, "progress", None)
+        if self.json_progress and progress is not None:
+            import json
+
+            tqdm.write(json.dumps({"progress": progress}), file=sys.stderr)  # one JSON object a line on stderr
+            return
         tqdm.write(self.format(record), file=sys.stderr)
 
 
@@ -71,10 +79,11 @@ def setup_logging(quiet: bool, status: bool = True) -> None:
     ours = logging.ERROR if quiet else logging.INFO if status else logging.WARNING
     others = logging.ERROR if quiet else logging.WARNING
     root = logging.getLogger()
-    handler = CliHandler(ours, others)
+    json_progress = not quiet and not status  # --json: the progress of long steps as JSON lines on stderr
+    handler = CliHandler(ours, others, json_progress)
     _installed.append((handler, root.level))
     root.addHandler(handler)
-    root.setLevel(min(ours, others))
+    root.setLevel(min(ours, others, logging.INFO if json_progress else ours))
     if quiet or not sys.stderr.isatty():
         from fp4convert.checkpoint.push import disable_hub_progress_bars
 

@@ -225,36 +225,66 @@ def test_self_generation_says_its_cost_and_offers_the_smaller_setting(caplog):
     assert [r.levelno for r in caplog.records] == [logging.INFO] and "--calibration-samples" not in caplog.text
 
 
-def test_calibration_progress_lines_on_a_log(monkeypatch, capsys, caplog):
-    """Not a terminal, status lines shown (the CLI without --quiet): a line every interval with the
-    count, the rate and the time left; nothing with --quiet (errors only)."""
+def test_calibration_progress_lines_on_a_log(monkeypatch, caplog):
+    """Not a terminal, status lines shown (the CLI without --quiet): a line every interval with the count, the
+    rate, the calibration tokens per second and the time left, each record carrying the same figures as data;
+    nothing with --quiet (errors only)."""
     import logging
     import time
 
     from fp4convert.calibrate.progress import PROGRESS_ENV, progress_bar
 
+    def lines():
+        got = [r for r in caplog.records if r.name == "fp4convert.calibrate.progress"]
+        caplog.clear()
+        return [r.getMessage() for r in got], [r.progress for r in got]
+
     monkeypatch.setenv(PROGRESS_ENV, "0")  # a line at every update
     caplog.set_level(logging.INFO, logger="fp4convert.calibrate.progress")
-    bar = progress_bar(40, "calibrate: generating 4 samples x 11 tokens", True, unit="token")
+    bar = progress_bar(40, "calibrate: generating 4 samples x 11 tokens", True, unit="token", tokens_per_unit=1)
     for _ in range(10):
         time.sleep(0.002)
         bar.update(4)
     bar.close()
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 10 and lines[-1].startswith("calibrate: generating 4 samples x 11 tokens: 40 of 40 tokens (100%)")
-    assert "36 of 40 tokens (90%)" in lines[8] and "s left" in lines[8] and "left" not in lines[-1], lines
+    text, figures = lines()
+    assert len(text) == 10 and text[-1].startswith("calibrate: generating 4 samples x 11 tokens: 40 of 40 tokens (100%)")
+    assert "36 of 40 tokens (90%)" in text[8] and "s left" in text[8] and "left" not in text[-1], text
+    assert "tokens/s" in text[8] and figures[8]["done"] == 36 and figures[8]["total"] == 40
+    assert figures[8]["tokens_per_s"] > 0 and figures[8]["eta_s"] is not None and figures[-1]["eta_s"] == 0
     monkeypatch.setenv(PROGRESS_ENV, "1000")  # no line before the interval: the last one at the end
-    bar = progress_bar(3, "calibrate: blocks", True)
+    bar = progress_bar(3, "calibrate: blocks", True, tokens_per_unit=64)
     bar.update(1)
     bar.update(2)
     bar.close()
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("calibrate: blocks: 3 of 3 blocks (100%)"), lines
+    text, figures = lines()
+    assert len(text) == 1 and text[0].startswith("calibrate: blocks: 3 of 3 blocks (100%)"), text
+    assert figures[0]["step"] == "calibrate: blocks" and figures[0]["tokens_per_s"] > 0
     caplog.set_level(logging.ERROR, logger="fp4convert.calibrate.progress")  # --quiet
     bar = progress_bar(3, "calibrate: blocks", True)
     bar.update(3)
     bar.close()
-    assert capsys.readouterr().err == ""
+    assert lines() == ([], [])
+
+
+def test_json_runs_print_the_progress_as_json_lines(tmp_path, monkeypatch):
+    """--json: the calibrated steps' progress (blocks done of the total, tokens per second, the time left) as one
+    JSON object a line on stderr, beside the result on stdout."""
+    import json
+
+    from fp4convert.calibrate.progress import PROGRESS_ENV
+    from tests import zoo
+    from tests.calibrate.test_calibrate import TEXT, add_tokenizer
+
+    monkeypatch.setenv(PROGRESS_ENV, "0")
+    src = add_tokenizer(zoo.build("llama", tmp_path / "llama"))
+    (tmp_path / "t.txt").write_text(TEXT)
+    r = _cli(src, tmp_path / "out", "--method", "gptq", "--calibration-data", tmp_path / "t.txt",
+             "--calibration-samples", 2, "--calibration-seq-len", 16, "--json")
+    assert r.exit_code == 0, r.output
+    progress = [json.loads(line)["progress"] for line in r.stderr.splitlines() if line.startswith('{"progress"')]
+    blocks = [p for p in progress if p["unit"] == "block"]
+    assert blocks and blocks[-1]["done"] == blocks[-1]["total"] == 2 and blocks[-1]["tokens_per_s"] > 0
+    assert json.loads(r.stdout)["quantized"] > 0
 
 
 def test_self_generated_w4a4_says_the_cost_and_shows_progress(tmp_path, monkeypatch):
