@@ -235,12 +235,30 @@ def _method_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, cal: Cal
     except BaseException:
         store.remove()  # an interrupted pass keeps nothing (its index would be missing anyway)
         raise
-    out.store, out.method_record = store, method.record()
+    out.store, out.method_record = store, {**method.record(), "numerics": numerics(lm.device)}
     if method.unseen:
         log.warning("%d quantized matrices (e.g. %s) had no observed input: rounded to nearest "
                     "(data-free) instead of %s", len(method.unseen), method.unseen[0], cls.name)
     log.info("%s: %d matrices quantized", cls.name, len(store.index))
     return obs.amax()
+
+
+def numerics(device) -> dict:
+    """What a calibrated method's bytes depend on besides the recipe and the source (docs/numerics.md "GPTQ",
+    "What the bytes depend on"): the kind of device its float arithmetic ran on and the torch build (its
+    matmuls, Cholesky and reductions). Not the thread count (tests/calibrate/test_gptq.py checks 1 and 2
+    threads give the same bytes) and not the number of torchrun ranks."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        cap = torch.cuda.get_device_capability(dev)
+        kind = f"cuda: {torch.cuda.get_device_name(dev)} (sm_{cap[0]}{cap[1]})"
+    else:
+        import platform
+
+        kind = f"cpu: {platform.machine()}"
+    return {"device": kind, "torch": torch.__version__}
 
 
 def _activation_record(raw: dict, modules: list[str], plan: Plan, calibrated: dict) -> tuple[dict[str, float], dict]:

@@ -334,3 +334,35 @@ def test_true_sequential_quantizes_each_input_after_the_linears_before_it(tmp_pa
     assert first and later
     assert all(torch.equal(a[k], b[k]) for k in first)
     assert any(not torch.equal(a[k], b[k]) for k in later)
+
+
+@pytest.mark.slow
+def test_gptq_bytes_do_not_depend_on_the_cpu_thread_count(tmp_path):
+    """issue 42 item 5: the same GPTQ command on a MoE gives the same bytes with 1 and 2 torch threads (its
+    reductions, matmuls and Hessian sums are split by rows, never across a sum); the manifest records what the
+    bytes do depend on (the device kind and the torch build)."""
+    import transformers as tf
+
+    cfg = tf.Qwen3MoeConfig(vocab_size=128, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
+                            num_experts_per_tok=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    tf.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(tmp_path / "src"))
+    src = add_tokenizer(tmp_path / "src")
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 8)
+    saved = torch.get_num_threads()
+    out = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            m = quantize(src, tmp_path / f"t{threads}", text, "--method", "gptq", "--calibration-samples", 8,
+                         "--calibration-seq-len", 128)
+            out[threads] = (_tensors(tmp_path / f"t{threads}"), m)
+    finally:
+        torch.set_num_threads(saved)
+    (one, m1), (two, m2) = out[1], out[2]
+    assert one.keys() == two.keys() and len(one) > 100
+    assert [k for k in one if not torch.equal(one[k].view(torch.uint8), two[k].view(torch.uint8))] == []
+    assert m1["method"]["numerics"] == m2["method"]["numerics"]
+    assert m1["method"]["numerics"]["device"].startswith("cpu") and m1["method"]["numerics"]["torch"] == torch.__version__
