@@ -80,6 +80,9 @@ class Visit:
     # the block's floating-point checkpoint tensors as read (key -> fp32 on the run's device), when the pass asked
     # for them (blocks(keep_reads=True): a calibrated method quantizes them without reading them again)
     reads: dict = field(default_factory=dict)
+    # the block's streamed expert stacks (blocks(stream_experts=True)): module path -> ExpertStack, their calls of the
+    # observed run recorded (fp4convert.calibrate.experts)
+    stacks: dict = field(default_factory=dict)
 
 
 class LayerwiseModel(BlockWeights):
@@ -136,7 +139,7 @@ class LayerwiseModel(BlockWeights):
 
     def blocks(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
                micro_batch: int = MICRO_BATCH, progress: bool = True, desc: str = "calibrate: blocks",
-               outside: Collection[str] = (), keep_reads: bool = False):
+               outside: Collection[str] = (), keep_reads: bool = False, stream_experts: bool = False):
         """:meth:`observe` as a generator: after block ``i`` has run on every micro-batch with its inputs
         observed, it yields a :class:`Visit` while the block's weights are still loaded. The caller may
         quantize them and :meth:`reload_block` the block with the quantized weights (GPTQ's sequential
@@ -146,7 +149,8 @@ class LayerwiseModel(BlockWeights):
         there is any, the linears outside the blocks (``outside``, the head with ``head``) are observed
         on the last block's outputs (:func:`~fp4convert.calibrate.tail.tail_pass`) and a :class:`Visit`
         with ``tail`` set is yielded. ``keep_reads``: each visit carries the block's checkpoint tensors as read
-        (:attr:`Visit.reads`)."""
+        (:attr:`Visit.reads`). ``stream_experts``: the block's expert stacks that can run a group of experts at a
+        time are streamed (:attr:`Visit.stacks`; their inputs are recorded, not observed)."""
         import torch
 
         self.check_tokens(tokens)
@@ -161,7 +165,7 @@ class LayerwiseModel(BlockWeights):
             for i, block in enumerate(self.layers):
                 prefix = f"{self.layers_name}.{i}."
                 with timing.timed("calibrate_load"):
-                    reads = self.load_block(i, keep_reads=keep_reads)
+                    reads = self.load_block(i, keep_reads=keep_reads, stream=stream_experts)
                 self.read_ahead(i + 1)
                 fed: dict[str, str] = {}
                 outs, taps = self._observed_run(i, block, prefix, calls[i], hs, reps[i], observers, fed)
@@ -176,7 +180,8 @@ class LayerwiseModel(BlockWeights):
                     finally:
                         observers.only = None
 
-                visit = Visit(i, prefix, again=again, fed={k: v for k, v in fed.items() if v}, outputs=outs, reads=reads)
+                visit = Visit(i, prefix, again=again, fed={k: v for k, v in fed.items() if v}, outputs=outs, reads=reads,
+                              stacks=self.stacks.get(i, {}))
                 yield visit
                 if visit.reloaded:
                     outs = self._run_block(i, block, calls[i], hs, reps[i])
@@ -204,7 +209,8 @@ class LayerwiseModel(BlockWeights):
                       observers: Observers, fed: dict[str, str] | None = None) -> tuple[list, list]:
         """Block ``i`` on every micro-batch with its linears' (and expert stacks') inputs observed: its
         outputs and the expert taps (their routing counts). ``fed``: filled with each linear input's
-        norm (:attr:`Visit.fed`; "" where some call's input was not a norm's output)."""
+        norm (:attr:`Visit.fed`; "" where some call's input was not a norm's output). A streamed expert stack
+        records its calls anew when every input is observed, or its path is among those observed alone."""
         import torch
         from transformers.pytorch_utils import Conv1D
 
@@ -218,7 +224,12 @@ class LayerwiseModel(BlockWeights):
                 fed[name] = got if fed.get(name, got) == got else ""
             observers.add(name, x)
 
+        stacks = {p: st for p, st in self.stacks.get(i, {}).items() if observers.only is None or p in observers.only}
+        for st in stacks.values():
+            st.recording, st.calls = True, []  # (its inputs recorded: a method takes their statistics by group)
         for n, m in block.named_modules():
+            if prefix + n in stacks:
+                continue
             if isinstance(m, (torch.nn.Linear, Conv1D)):
                 handles.append(m.register_forward_pre_hook(lambda _m, a, _n=prefix + n: linear_in(_n, a[0])))
             elif fed is not None and is_norm(m):
@@ -233,6 +244,8 @@ class LayerwiseModel(BlockWeights):
                 hd.remove()
             for t in taps:
                 t.remove()
+            for st in stacks.values():
+                st.recording = False
         return outs, taps
 
     def _run_block(self, i: int, block, calls: list, hs: list, reps: int = 1) -> list:
@@ -259,7 +272,7 @@ class LayerwiseModel(BlockWeights):
         converters, as the checkpoint's own tensors load."""
         self._replaced = replaced
         try:
-            self.free_block(visit.index)
+            self.free_block(visit.index, keep_stacks=True)
             self.load_block(visit.index)
         finally:
             self._replaced = {}

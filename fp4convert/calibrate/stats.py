@@ -188,6 +188,14 @@ class Observers(dict):
         obs.add(x)
         self._last = (name, x)
 
+    def note(self, name: str, x: torch.Tensor) -> None:
+        """Take the amax of ``x`` under ``name`` (an Observer of the amax alone, made on first use): what a
+        method observes itself, outside the hooks (a streamed expert stack's inputs, for W4A4's scales)."""
+        obs = self.get(name)
+        if obs is None:
+            obs = self[name] = Observer(rotate=self.rotate, rotated_amax=self.rotated_amax)
+        obs.add(x)
+
     def drop(self, names) -> None:
         """Forget these inputs' statistics (a block's Hessians, once its weights are quantized)."""
         for n in names:

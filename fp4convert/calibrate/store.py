@@ -87,7 +87,7 @@ class Store:
 
     def add_block(self, index: int, matrices: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                             torch.Tensor | None]],
-                  changed: dict[str, torch.Tensor] | None = None, why: str = "") -> None:
+                  changed: dict[str, torch.Tensor] | None = None, why: str = "", part: int = 0) -> None:
         """Keep one block's matrices: (module, packed, scale, gs or None, amax or None) each, and the
         unquantized tensors the pass changed (checkpoint name -> the tensor to write, in its output dtype; ``why``:
         what changed them, in the manifest's words). The bytes
@@ -97,7 +97,7 @@ class Store:
 
         if not matrices and not changed:
             return
-        name = f"block-{index:05d}.safetensors"
+        name = f"block-{index:05d}{f'-{part:04d}' if part else ''}.safetensors"  # (part: a block's expert group)
         tensors: dict[str, torch.Tensor] = {}
         for key, t in (changed or {}).items():
             tensors[f"{key}.changed"] = t.contiguous().cpu()

@@ -116,7 +116,8 @@ class _Tail:
                  finals: list[torch.Tensor] | None) -> None:
         self.lm, self.names, self.head, self.observers, self.finals = lm, names, head, observers, finals
         self.reach = Reach()
-        self.k, self.phase, self.called = 0, BEFORE, []  # (the micro-batch, the phase, the blocks it called)
+        self.k, self.phase = 0, BEFORE  # (the micro-batch, the phase)
+        self.called: list[int] = []  # the blocks this micro-batch called
         self.forms: dict[type, object] = {}  # a block's output form, by class (computed on meta)
 
     def add(self, name: str, x) -> None:

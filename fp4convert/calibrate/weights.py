@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from fp4convert.calibrate.experts import ExpertStack
     from fp4convert.plan.types import Matrix
     from fp4convert.source.source import Source
 
@@ -79,6 +80,10 @@ class BlockWeights:
         self._ahead: dict = {}  # checkpoint key -> Future of its bytes (the next block's, read ahead)
         self._replaced: dict = {}  # checkpoint key -> tensor loaded instead (reload_block)
         self._reads: dict | None = None  # while load_block(keep_reads=True) runs: checkpoint key -> tensor as read
+        # streamed expert stacks (fp4convert.calibrate.experts), per block index: path -> ExpertStack; their
+        # checkpoint tensors resident on the run's device as on disk (on-disk name -> typed tensor)
+        self.stacks: dict[int, dict[str, ExpertStack]] = {}
+        self._resident: dict[str, torch.Tensor] = {}
         self._reader: ThreadPoolExecutor | None = None
         self._pinned: list = [None, None]  # GPU runs: the direct reads' and the read-ahead's pinned buffers
 
@@ -299,10 +304,10 @@ class BlockWeights:
         else:
             owner._buffers[leaf] = t.to(owner._buffers[leaf].dtype)
 
-    def _check_loaded(self, module, prefix: str) -> None:
+    def _check_loaded(self, module, prefix: str, skip: set[str] | frozenset = frozenset()) -> None:
         meta_buffers = [(n, b) for n, b in module.named_buffers() if prefix + n in self._meta_buffers]
         for n, p in [*module.named_parameters(), *meta_buffers]:
-            if p.device.type == "meta":
+            if p.device.type == "meta" and prefix + n not in skip:
                 raise PlanError(f"{self.root}: no checkpoint tensor loads {prefix}{n} (its names differ from the "
                                 f"transformers model's); the layer-by-layer run cannot load it ({self.other})")
 
@@ -327,15 +332,22 @@ class BlockWeights:
                     o._parameters[lf] = empty
         _trim_heap()
 
-    def load_block(self, i: int, keep_reads: bool = False) -> dict[str, torch.Tensor]:
+    def load_block(self, i: int, keep_reads: bool = False, stream: bool = False) -> dict[str, torch.Tensor]:
         """Materialize block ``i``'s parameters from the checkpoint (read ahead, or read now). With
         ``keep_reads``, returns the block's floating-point checkpoint tensors as read (key -> fp32 on the
         run's device, before any converter merges them): what a calibrated method quantizes, with no
-        second read; else {}."""
+        second read; else {}. With ``stream``, an expert stack that can run a group of experts at a time
+        (:func:`~fp4convert.calibrate.experts.streamable`) is not materialized: its checkpoint tensors stay
+        resident as on disk and its forward reads them a group at a time (:attr:`stacks`; a stack already
+        there, as on a reload, is kept with what a method quantized of it)."""
         from concurrent.futures import Future
 
         prefix = f"{self.layers_name}.{i}."
         keys = self._keys_under(prefix)
+        if stream and i not in self.stacks:
+            self.stacks[i] = self._stream(i, prefix, keys)
+        streamed = {k for st in self.stacks.get(i, {}).values() for ks in st.keys.values() for k in ks}
+        keys = [k for k in keys if k not in streamed]
         direct = [k for k in self._on_disk([k for k in keys if k not in self._replaced and self._readable(k)])
                   if k not in self._ahead]
         if direct:  # one read of the block (its threads split it), not one per tensor
@@ -349,13 +361,76 @@ class BlockWeights:
             self._load_keys(keys)
         finally:
             self._reads = None
-        self._check_loaded(self.layers[i], prefix)
+        self._check_loaded(self.layers[i], prefix, skip={p + "." + n for p in self.stacks.get(i, {})
+                                                         for n in ("gate_up_proj", "down_proj")})
         return reads
 
-    def free_block(self, i: int) -> None:
+    def _stream(self, i: int, prefix: str, keys: list[str]) -> dict[str, ExpertStack]:
+        """Block ``i``'s streamable expert stacks, their checkpoint tensors made resident on the run's device as
+        they are on disk, their forwards replaced (per instance) by the stacks'."""
+        from fp4convert.calibrate.experts import ExpertStack, expert_index, group_size, streamable
+        from fp4convert.storage.safetensors import torch_dtypes
+
+        out: dict[str, ExpertStack] = {}
+        for n, m in self.layers[i].named_modules():
+            if not streamable(m):
+                continue
+            path = prefix + n
+            params = {path + ".gate_up_proj", path + ".down_proj"}
+            mine = [k for k in keys if self.keymap[k][0] in params]
+            by_expert: dict[int, list[str]] = {}
+            for k in mine:
+                e = expert_index(k)
+                if e is None or self.keymap[k][1] is None:
+                    break  # (a stack stored 3-D on disk, or unmerged names: materialized as it is)
+                by_expert.setdefault(e, []).append(k)
+            else:
+                gu = m._parameters["gate_up_proj"]
+                experts = int(gu.shape[0])
+                if sorted(by_expert) != list(range(experts)):
+                    continue
+                for disk in self._on_disk(mine):
+                    info = self.disk[disk]
+                    self._resident[disk] = self._fetch(disk).view(torch_dtypes()[info.dtype]).reshape(info.shape).to(
+                        self.device, copy=True)
+                per_expert = 4 * (gu[0].numel() + m._parameters["down_proj"][0].numel())
+                stack = ExpertStack(self, path, m, by_expert, {k: self.keymap[k][0] for k in mine},
+                                    group_size(per_expert, experts, self.device))
+                m.forward = stack.forward
+                out[path] = stack
+        return out
+
+    def resident_fp32(self, key: str) -> torch.Tensor:
+        """A streamed stack's checkpoint tensor ``key`` in fp32 on the run's device, from its resident bytes
+        (decoded there, for a quantized input)."""
+        import torch
+
+        from fp4convert.quantizer.matrices import decoded
+
+        dec = self.decodes.get(key)
+        if dec is None:
+            return self._resident[key].to(torch.float32)
+        parts = [self._resident[i.name] for i in dec.inputs]
+        return decoded(dec, parts, f"{key} (in {dec.inputs[0].file})").to(torch.float32)
+
+    def converter_of(self, pattern: str):
+        """A copy of transformers' converter for checkpoint keys matching ``pattern`` (to be fed and run once)."""
+        return self._converter_of[pattern]
+
+    def free_block(self, i: int, keep_stacks: bool = False) -> None:
+        """Block ``i``'s parameters back to ``meta``; its streamed stacks too unless ``keep_stacks`` (a reload)."""
         prefix = f"{self.layers_name}.{i}."
         self._free_params([(prefix + n, p) for n, p in [*self.layers[i].named_parameters(),
                                                         *self.layers[i].named_buffers()]])
+        if keep_stacks:
+            return
+        for stack in self.stacks.pop(i, {}).values():
+            stack.module.__dict__.pop("forward", None)
+            stack.release()
+            for ks in stack.keys.values():
+                for disk in self._on_disk(ks):
+                    self._resident.pop(disk, None)
+        _trim_heap()
 
     def load_outside(self) -> None:
         self._load_keys(self._keys_under(None))

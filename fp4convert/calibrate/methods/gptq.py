@@ -43,6 +43,7 @@ from fp4convert.plan.types import QUANTIZE
 if TYPE_CHECKING:
     import torch
 
+    from fp4convert.calibrate.experts import ExpertStack
     from fp4convert.calibrate.layerwise import LayerwiseModel, Visit
     from fp4convert.config import ConvertConfig, Recipe
     from fp4convert.plan.planner import Plan
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 DAMP = 0.01  # (mirrors fp4convert/numerics/gptq.py DAMP and BLOCK, which import torch)
 BLOCK = 128
 SMOOTH = 0.5  # W4A4's default smoothing strength (NVFP4 activations; BENCHMARKS.md "W4A4 GPTQ with smoothing")
+EXPERT_POLICY = ("each expert's Hessians from the tokens the router sent it; from every calibration token when it was sent "
+                 "fewer than its input width (the experts listed under all_tokens)")
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,7 @@ class GPTQ:
         self.damped: dict[str, float] = {}  # module -> the dampening that factorized, where above --gptq-damp
         self._unseen: list[str] = []  # quantized matrices whose input the pass never saw
         self.smoothed: dict[str, dict] = {}  # norm weight --smooth changed -> its readers, its form
+        self.experts: dict[str, dict] = {}  # streamed stack -> the tokens routed to each expert, the policy applied
 
     @property
     def unseen(self) -> list[str]:
@@ -195,7 +199,8 @@ class GPTQ:
         observers.keep_tokens = act_rounding.rounded_inputs(self.lm, self.plan, self.inputs, self.config.activations)
         try:
             for visit in self.lm.blocks(tokens, observers, head=head or HEAD in outside, micro_batch=micro_batch,
-                                        progress=progress, desc="gptq: blocks", outside=outside, keep_reads=True):
+                                        progress=progress, desc="gptq: blocks", outside=outside, keep_reads=True,
+                                        stream_experts=True):
                 if visit.tail:
                     tail = True
                     self.quantize_outside(visit.index, observers)
@@ -219,6 +224,9 @@ class GPTQ:
         true-sequential, one step per input in the order the block first fed them (:meth:`steps`), the
         block run again before each step after the first so its inputs come from the linears quantized
         before it. Returns the W4A4 hooks (:func:`~fp4convert.calibrate.act_rounding.engine_hooks`) of every step."""
+        streamed = {k: st for st in visit.stacks.values() for ks in st.keys.values() for k in ks}
+        experts = [d for d in decisions if d.info.name in streamed]
+        decisions = [d for d in decisions if d.info.name not in streamed]
         steps = self.steps(visit.prefix, decisions, observers) if self.settings.true_sequential else [decisions]
         smoothed: dict[str, torch.Tensor] = {}
         if self.settings.smooth:
@@ -247,6 +255,14 @@ class GPTQ:
                 self.lm.reload_block(visit, {**read, **replaced})
             hooks += act_rounding.engine_hooks(self.lm, step, observers, self.inputs, acts, self.config.rotate)
         self.keep(visit.index, made, smoothed)
+        if experts:
+            if self.settings.true_sequential and made:
+                assert visit.again is not None
+                with timing.timed("gptq_again"):
+                    visit.again(list(visit.stacks))  # (the stacks' inputs recorded again, the linears before them quantized)
+            for stack in visit.stacks.values():
+                with timing.timed("gptq_experts"):
+                    self.quantize_stack(visit, stack, [d for d in experts if streamed[d.info.name] is stack], observers)
         return hooks
 
     def steps(self, prefix: str, decisions: list[Decision], observers: Observers) -> list[list[Decision]]:
@@ -321,31 +337,35 @@ class GPTQ:
         self.keep(index, made)
         return disk
 
-    def keep(self, index: int, made: list, changed: dict[str, torch.Tensor] | None = None) -> None:
-        """The bytes of block ``index``'s matrices (:meth:`sweep`'s) and the unquantized tensors it changed,
-        into the store."""
+    def keep(self, index: int, made: list, changed: dict[str, torch.Tensor] | None = None, part: int = 0) -> None:
+        """The bytes of block ``index``'s matrices (:meth:`sweep`'s; ``part``: an expert group's) and the
+        unquantized tensors it changed, into the store."""
         with timing.timed("gptq_store"):
             self.store.add_block(index, [(name, res.packed, res.scale, res.gs, a if self.scheme.global_scale else None)
-                                         for name, res, a in made], changed, why=f"{self.name} smoothing")
+                                         for name, res, a in made], changed, why=f"{self.name} smoothing", part=part)
 
     def sweep(self, index: int, decisions: list[Decision], observers: Observers, reads: dict[str, torch.Tensor]
               ) -> tuple[dict[str, torch.Tensor], list]:
         """GPTQ of these quantized matrices of block ``index`` (``reads``: the block's tensors as read, the
         others are read now): the on-disk tensors with them dequantized, and (module, result, group amax) of
         each."""
-        import torch
+        disk = {d.info.name: reads[d.info.name].clone() if d.info.name in reads else self.lm.read_fp32(d.info.name)
+                for d in decisions}
+        mats = self.targets(decisions, lambda d, m: observers.get(self.inputs.get(m.module, "")), disk)
+        return disk, self.quantize_targets(index, mats, disk)
 
+    def targets(self, decisions: list[Decision], observer_of, disk: dict[str, torch.Tensor]) -> list:
+        """(decision, matrix, the weights the sweep starts from, the prepared Hessian) of every matrix of these
+        decisions whose input was observed (``observer_of(d, m)``: its Observer or None); the others are left
+        to round-to-nearest (:attr:`unseen`)."""
         from fp4convert.numerics import gptq
         from fp4convert.numerics import reference as ref
 
-        rotate = self.config.rotate
-        disk = {d.info.name: reads[d.info.name].clone() if d.info.name in reads else self.lm.read_fp32(d.info.name)
-                for d in decisions}
         prepared: dict[int, gptq.Prepared] = {}
-        mats: list[tuple[Decision, Matrix, torch.Tensor, gptq.Prepared]] = []
+        mats: list = []
         for d in decisions:
             for m in d.matrices:
-                obs = observers.get(self.inputs.get(m.module, ""))
+                obs = observer_of(d, m)
                 h = obs.hessian_matrix() if obs is not None else None
                 if obs is None or h is None:
                     self._unseen.append(m.module)
@@ -359,8 +379,18 @@ class GPTQ:
                 if p.damp != self.settings.damp:
                     self.damped[m.module] = p.damp
                 w = matrix_view(disk[d.info.name], m)
-                mats.append((d, m, gptq.target(ref.had16(w) if rotate == "had16" else w, p), p))
-        # each fused group's amax, from the weights before any sweep (docs/numerics.md "The global scale")
+                mats.append((d, m, gptq.target(ref.had16(w) if self.config.rotate == "had16" else w, p), p))
+        return mats
+
+    def quantize_targets(self, index: int, mats: list, disk: dict[str, torch.Tensor]) -> list:
+        """The sweep of :meth:`targets`' matrices, each fused group's global scale fixed first from its weights
+        before any sweep (docs/numerics.md "The global scale"); their dequantized values written into ``disk``.
+        Returns (module, result, group amax) of each."""
+        import torch
+
+        from fp4convert.numerics import gptq
+        from fp4convert.numerics import reference as ref
+
         amax: dict[str, torch.Tensor] = {}
         for d, m, w, _p in mats:
             key = m.group or d.group or m.module
@@ -378,9 +408,89 @@ class GPTQ:
             except Exception as exc:
                 raise type(exc)(f"{m.module} (GPTQ, block {index}): {exc}") from exc
             made.append((m.module, res, group_amax))
-            deq = ref.inverse_had16(res.dequantized) if rotate == "had16" else res.dequantized
+            deq = ref.inverse_had16(res.dequantized) if self.config.rotate == "had16" else res.dequantized
             matrix_view(disk[d.info.name], m).copy_(deq)
-        return disk, made
+        return made
+
+    def quantize_stack(self, visit: Visit, stack: ExpertStack, decisions: list[Decision], observers: Observers) -> None:
+        """GPTQ of a streamed expert stack's experts, a group at a time (docs/numerics.md "GPTQ", "Experts"): each
+        expert's Hessians from the tokens the router sent it (:func:`~fp4convert.calibrate.experts.expert_inputs`:
+        from every token when it was sent fewer than its input width, the stated policy), gate/up first, then
+        down on the gate/up's outputs (quantized ones with true-sequential); each group's bytes stored as it is
+        done, its Hessians and fp32 weights released before the next."""
+        from fp4convert.calibrate import experts as ex
+        from fp4convert.calibrate.experts import expert_index, expert_inputs
+
+        counts = stack.counts()
+        width = int(stack.calls[0][0].shape[-1]) if stack.calls else 0
+        few = {e for e, c in enumerate(counts) if c < ex.FEW_TOKENS * width}
+        self.experts[stack.path] = {"routed_tokens": counts, "all_tokens": sorted(few)}
+        w4a4 = self.config.activations != "none"
+        if w4a4:
+            for x, _i, _w in stack.calls:
+                observers.note(f"{stack.path}:in", x)
+        by_expert: dict[int, list[Decision]] = {}
+        for d in decisions:
+            by_expert.setdefault(expert_index(d.info.name) or 0, []).append(d)
+        group = ex.sweep_group(stack, self.lm.device)
+        for part, first in enumerate(range(0, stack.experts, group), start=1):
+            last = min(first + group, stack.experts)
+            inputs = expert_inputs(stack, first, last, few)
+            mine = [d for e in range(first, last) for d in by_expert.get(e, [])]
+            down = [d for d in mine if stack.targets[d.info.name].endswith("down_proj")]
+            gate_up = [d for d in mine if d not in down]
+            if not self.settings.true_sequential:
+                down_obs = self.down_observers(stack, first, last, inputs, observers if w4a4 else None)
+            made = self.sweep_experts(visit.index, gate_up, inputs, stack)
+            if self.settings.true_sequential:
+                down_obs = self.down_observers(stack, first, last, inputs, observers if w4a4 else None)
+            made += self.sweep_experts(visit.index, down, down_obs, stack)
+            self.keep(visit.index, made, part=part)
+            del inputs, down_obs
+            stack.release()
+        visit.reloaded = True  # (the block runs again: its experts now read their quantized weights)
+
+    def sweep_experts(self, index: int, decisions: list[Decision], inputs: dict, stack: ExpertStack) -> list:
+        """GPTQ of these experts' matrices on their inputs (expert -> the Observer of the tokens it sees, or the
+        tokens themselves for gate/up: observed here); their bytes kept by the stack for its next forwards."""
+        import torch
+
+        from fp4convert.calibrate.experts import Quantized, expert_index
+        from fp4convert.calibrate.stats import Observer
+
+        observers: dict[int, Observer] = {}
+        for e, got in inputs.items():
+            if isinstance(got, Observer):
+                observers[e] = got
+                continue
+            o = observers[e] = Observer(hessian=True, rotate=self.config.rotate)
+            for x in got:
+                o.add(x)
+        disk = {d.info.name: stack.tensor(d.info.name) for d in decisions}
+        mats = self.targets(decisions, lambda d, m: observers.get(expert_index(d.info.name) or 0), disk)
+        made = self.quantize_targets(index, mats, disk)
+        observers.clear()
+        for (d, _m, _w, _p), (_module, res, amax) in zip(mats, made):
+            stack.quantized[d.info.name] = Quantized(res.packed, res.scale.view(torch.uint8),
+                                                     float(amax) if self.scheme.global_scale else None)
+        return made
+
+    def down_observers(self, stack: ExpertStack, first: int, last: int, inputs: dict, observers: Observers | None) -> dict:
+        """Each expert's down-projection input observed (its Hessian) on the tokens it sees, through its gate/up as
+        the stack now holds them; with W4A4 (``observers``), also its amax over every token (the engine's
+        activation scale is the experts' max: docs/formats.md "W4A4")."""
+        from fp4convert.calibrate.stats import Observer
+
+        group = stack.materialize_range(first, last)["gate_up_proj"]
+        out: dict[int, Observer] = {}
+        for e in range(first, last):
+            o = out[e] = Observer(hessian=True, rotate=self.config.rotate)
+            for x in inputs[e]:
+                o.add(stack.gate(x, group[e - first]))
+            if observers is not None:
+                for x, _i, _w in stack.calls:
+                    observers.note(f"{stack.path}:down:{e}", stack.gate(x.to(group.device), group[e - first]))
+        return out
 
     def record(self) -> dict:
         """What the manifest says of the pass (its settings are also in the recipe's identity); the
@@ -398,6 +508,7 @@ class GPTQ:
                 **({"smooth": s.smooth, "smoothed": dict(sorted(self.smoothed.items()))} if s.smooth else {}),
                 "quantized": len(self.store.index), "damp_raised": dict(sorted(self.damped.items())),
                 "rtn": sorted(self._unseen),
+                **({"experts": {"policy": EXPERT_POLICY, **dict(sorted(self.experts.items()))}} if self.experts else {}),
                 "description": f"GPTQ (each column's rounding error compensated on calibration tokens{w4a4}; "
                                f"dampening {s.damp}{order}; run on {device})"}
 
