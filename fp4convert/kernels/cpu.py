@@ -169,12 +169,7 @@ def quantize(
 
 
 def _quantize_torch(
-    x: torch.Tensor,
-    fmt: str,
-    gs: torch.Tensor | None,
-    rotate: str | None,
-    swizzle: bool,
-    rule: str,
+    x: torch.Tensor, fmt: str, gs: torch.Tensor | None, rotate: str | None, swizzle: bool, rule: str,
     iw: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch path of :func:`quantize` and :func:`quantize_input_weighted` (``rule`` already checked).
