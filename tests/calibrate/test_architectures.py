@@ -33,7 +33,7 @@ from fp4convert import calibrate
 from fp4convert.calibrate.capture import block_calls, block_output, repeats, run_block
 from fp4convert.source.open import open_source
 from tests import tiny_configs
-from tests.calibrate.test_runner import _cli, compare
+from tests.calibrate.test_layerwise import _cli, compare
 
 
 def _tiny(model_type: str, tmp_path: Path) -> Path:

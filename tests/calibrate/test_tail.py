@@ -24,7 +24,7 @@ from fp4convert.calibrate import tail
 from fp4convert.source.open import open_source
 from tests import tiny_configs, zoo
 from tests.calibrate.test_calibrate import TEXT, add_tokenizer
-from tests.calibrate.test_runner import _cli
+from tests.calibrate.test_layerwise import _cli
 
 
 def _tiny(model_type: str, tmp_path: Path) -> Path:
