@@ -36,7 +36,7 @@ def one(model_type: str, root: Path) -> dict:
     from fp4convert.run.convert import plan_conversion
     from fp4convert.source.open import open_source
     from tests import tiny_configs
-    from tests.calibrate.test_runner import compare
+    from tests.calibrate.test_layerwise import compare
     from tests.calibrate.test_tail import compare_outside
 
     built = tiny_configs.build(model_type, root)
