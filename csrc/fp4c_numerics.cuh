@@ -100,7 +100,7 @@ __device__ __forceinline__ uint32_t nvfp4_byte4(float gs, uint32_t bmax_bits) {
 // RN(p / 6) for p in [0, FLT_MAX] without the IEEE division's slow path: q0 = RN(p * RN(1/6)), the
 // exact residual p - 6 q0 (one FMA), then one correction FMA (Markstein's sequence). Equal to
 // __fdiv_rn(p, 6) on every fp32 p in [6 * 2^-126, FLT_MAX]; below, both are < 2^-125, so the E4M3 byte
-// (the only use) is 0 either way (benchmarks/check_sm90_numerics.cpp checks every p in [0, FLT_MAX]).
+// (the only use) is 0 either way (benchmarks/device/check_sm90_numerics.cpp checks every p in [0, FLT_MAX]).
 // Callers clamp p to FLT_MAX first (inf / 6 = inf and FLT_MAX / 6 both saturate E4M3 at 448).
 __device__ __forceinline__ float div6_rn(float p) {
   const float y = 0.16666667163372039795f;  // RN(1/6)
@@ -255,7 +255,7 @@ __device__ __forceinline__ float e2m1_p_from_cs(float ys, float cs) {
 // / 2 = max(cs / 2, S) (one integer add-and-max on the bits: cs is a normal power of 2) the same chain
 // with 2^23 and 2^-23 ends at value(E2M1(y / 2)) * 2^-126, the packed form of e + 1's own code. It
 // also takes the unmasked m = max(ys, S) of e2m1_p_unmasked for cs (halving m is exact), with that
-// chain's exceptions at y / 2 (benchmarks/check_sm90_numerics.cpp).
+// chain's exceptions at y / 2 (benchmarks/device/check_sm90_numerics.cpp).
 __device__ __forceinline__ float e2m1_p_half_from_cs(float ys, float cs) {
   const float ch = __int_as_float(max(__float_as_int(cs) - 0x00800000, __float_as_int(0x1p-104f)));
   const float t = __fmaf_rn(ch, 8388608.0f, ys);
@@ -272,7 +272,7 @@ __device__ __forceinline__ void pack_idx22(uint32_t* codes, int i, float p) {
 // The same chain with m = max(ys, S) itself in place of its exponent bits cs (one instruction fewer):
 // t = RN(m 2^22 + ys) still rounds ys to the grid of m's binade (m 2^22 is a multiple of its half
 // step; a tie y has a short significand, so m = y or S is even there), except where m 2^22 + ys
-// overflows into the next binade: exactly y in E2M1_UNMASKED_BAD (benchmarks/check_sm90_numerics.cpp
+// overflows into the next binade: exactly y in E2M1_UNMASKED_BAD (benchmarks/device/check_sm90_numerics.cpp
 // enumerates every y in [0, 7)). nvfp4_unmasked_safe tells the candidates that no input can hit.
 __device__ __forceinline__ float e2m1_p_unmasked(float ys) {
   const float m = fmaxf(ys, 0x1p-104f);

@@ -13,7 +13,7 @@ namespace {
 // reference.E2M1_VALUES, with the clamp, and without it where every |v| < 7 (compared where finite:
 // a huge input's square overflows and would hide a wrong value, and its batch neighbours are
 // within ~1/32 octave); on the software path also the scaled fast paths and div6_rn (see below;
-// benchmarks/check_sm90_numerics.cpp proves the same identities on the CPU).
+// benchmarks/device/check_sm90_numerics.cpp proves the same identities on the CPU).
 __global__ void e2m1_selftest_kernel(uint64_t start, uint64_t count, unsigned long long* mismatches) {
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   unsigned long long bad = 0;

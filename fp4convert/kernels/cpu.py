@@ -83,11 +83,14 @@ def _e2m1_magnitude_(y: torch.Tensor) -> torch.Tensor:
     return y.div_(step).round_().mul_(step).clamp_(max=ref.E2M1_MAX)
 
 
-def _block_error(a: torch.Tensor, r: torch.Tensor, d: torch.Tensor, weighted: bool = False) -> torch.Tensor:
+def _block_error(
+    a: torch.Tensor, r: torch.Tensor, d: torch.Tensor, weighted: bool = False, iw: torch.Tensor | None = None
+) -> torch.Tensor:
     """docs/numerics.md's block error ("Block error") of |x| blocks a [R, nb, n] under multiplier r and step d [R, nb].
 
     ``e = |value| * d - |x|`` (times ``|x|`` when ``weighted``: ``(e * x)^2`` equals
-    ``(e' * |x|)^2`` exactly, e' = +-e), squared, then added in element order (0 + e_0^2 is e_0^2
+    ``(e' * |x|)^2`` exactly, e' = +-e), squared, times the input-channel weight ``iw`` [nb, n] when
+    given (the reference's ``(e * e) * c_i``), then added in element order (0 + e_0^2 is e_0^2
     exactly, so the sum starts from the first term).
     """
     e = _e2m1_magnitude_(a * r[..., None])
@@ -95,6 +98,8 @@ def _block_error(a: torch.Tensor, r: torch.Tensor, d: torch.Tensor, weighted: bo
     if weighted:
         e.mul_(a)
     e.mul_(e)
+    if iw is not None:
+        e.mul_(iw)
     err = e[..., 0].clone()
     for i in range(1, e.shape[-1]):
         err.add_(e[..., i])
@@ -107,22 +112,24 @@ def _nvfp4_r_d(c: torch.Tensor, gsb: torch.Tensor) -> tuple[torch.Tensor, torch.
     return r, sf / gsb
 
 
-def _nvfp4_search(a: torch.Tensor, gsb: torch.Tensor, s: torch.Tensor, rule: str) -> torch.Tensor:
+def _nvfp4_search(
+    a: torch.Tensor, gsb: torch.Tensor, s: torch.Tensor, rule: str, iw: torch.Tensor | None = None
+) -> torch.Tensor:
     """The scale bytes that ``4over6`` / ``mse`` / ``wmse`` choose (see reference._nvfp4_choose)."""
     b6 = ref.e4m3_encode(torch.nan_to_num(s / ref.E2M1_MAX, nan=0.0))
     b4 = ref.e4m3_encode(torch.nan_to_num(s / 4.0, nan=0.0))
     w = rule == "wmse"
-    best, best_err = b6, _block_error(a, *_nvfp4_r_d(b6, gsb), w)
+    best, best_err = b6, _block_error(a, *_nvfp4_r_d(b6, gsb), w, iw)
     if rule == "4over6":
-        return torch.where(_block_error(a, *_nvfp4_r_d(b4, gsb)) < best_err, b4, b6)
+        return torch.where(_block_error(a, *_nvfp4_r_d(b4, gsb), False, iw) < best_err, b4, b6)
     for c in (b4, (b6.to(torch.int32) - 1).clamp(min=0).to(torch.uint8)):
-        e = _block_error(a, *_nvfp4_r_d(c, gsb), w)
+        e = _block_error(a, *_nvfp4_r_d(c, gsb), w, iw)
         take = (e < best_err) | ((e == best_err) & (c > best))
         best, best_err = torch.where(take, c, best), torch.where(take, e, best_err)
     return best
 
 
-def _mxfp4_choose(a: torch.Tensor, bmax: torch.Tensor, rule: str) -> torch.Tensor:
+def _mxfp4_choose(a: torch.Tensor, bmax: torch.Tensor, rule: str, iw: torch.Tensor | None = None) -> torch.Tensor:
     """The E8M0 exponents of ``floor`` / ``rceil`` / ``mse`` / ``wmse`` (see reference._mxfp4_choose)."""
     e = ref.e8m0_encode_from_bmax(bmax)
     if rule == "floor":
@@ -132,8 +139,8 @@ def _mxfp4_choose(a: torch.Tensor, bmax: torch.Tensor, rule: str) -> torch.Tenso
     if rule == "rceil":
         return torch.where(bmax * ref.pow2_f32(127 - ei) > ref.E2M1_MAX, up, ei).to(torch.uint8)
     w = rule == "wmse"
-    err_e = _block_error(a, ref.pow2_f32(127 - ei), ref.pow2_f32(ei - 127), w)
-    err_up = _block_error(a, ref.pow2_f32(127 - up), ref.pow2_f32(up - 127), w)
+    err_e = _block_error(a, ref.pow2_f32(127 - ei), ref.pow2_f32(ei - 127), w, iw)
+    err_up = _block_error(a, ref.pow2_f32(127 - up), ref.pow2_f32(up - 127), w, iw)
     return torch.where(err_up < err_e, up, ei).to(torch.uint8)
 
 
@@ -162,9 +169,13 @@ def quantize(
 
 
 def _quantize_torch(
-    x: torch.Tensor, fmt: str, gs: torch.Tensor | None, rotate: str | None, swizzle: bool, rule: str
+    x: torch.Tensor, fmt: str, gs: torch.Tensor | None, rotate: str | None, swizzle: bool, rule: str,
+    iw: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch path of :func:`quantize` (``rule`` already checked)."""
+    """The torch path of :func:`quantize` and :func:`quantize_input_weighted` (``rule`` already checked).
+
+    ``iw``: the checked input-channel weights [nb, bs] that the search rules' block errors carry, or None.
+    """
     b, m, k = x.shape
     bs = ref.NVFP4_BLOCK if fmt == "nvfp4" else ref.MXFP4_BLOCK
     packed = torch.empty(b, m, k // 2, dtype=torch.uint8)
@@ -184,11 +195,11 @@ def _quantize_torch(
                 if rule == "max":
                     sbits = ref.e4m3_encode(torch.nan_to_num((gsb * bmax) / ref.E2M1_MAX, nan=0.0))
                 else:
-                    sbits = _nvfp4_search(a, gsb, gsb * bmax, rule)
+                    sbits = _nvfp4_search(a, gsb, gsb * bmax, rule, iw)
                 sf = ref.e4m3_decode(sbits)
                 mult = torch.where(sf > 0, torch.clamp(gsb / sf, max=ref.FLT_MAX), torch.zeros_like(sf))
             else:
-                sbits = ref.e8m0_encode_from_bmax(bmax) if rule == "floor" else _mxfp4_choose(a, bmax, rule)
+                sbits = ref.e8m0_encode_from_bmax(bmax) if rule == "floor" else _mxfp4_choose(a, bmax, rule, iw)
                 mult = ref.pow2_f32(127 - sbits.to(torch.int32))
             codes = ref.e2m1_encode((blocks * mult[..., None]).reshape(r1 - r0, k))
             packed[i, r0:r1] = codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -199,8 +210,6 @@ def _quantize_torch(
         scale = swizzle_scales(scale)
     return packed, scale, nonfinite
 
-
-# -- input-channel-weighted search rules (issue 22/24; self-contained so the rework above stays free) --
 
 def quantize_input_weighted(
     x: torch.Tensor,
@@ -219,61 +228,8 @@ def quantize_input_weighted(
     the same ``input_weight`` bit for bit. Rules without a search (max, floor, rceil) ignore it.
     """
     rule = ref.check_scale_rule(fmt, scale_rule)
-    b, m, k = x.shape
     bs = ref.NVFP4_BLOCK if fmt == "nvfp4" else ref.MXFP4_BLOCK
-    iw = ref.check_input_weight(input_weight, k, bs)  # [nb, bs]
+    iw = ref.check_input_weight(input_weight, x.shape[-1], bs)  # [nb, bs]
     if not get_scheme(fmt).rule(rule).searches:
         return quantize(x, fmt, gs, rotate, swizzle, rule)
-    wmse = rule == "wmse"
-
-    def err(a: torch.Tensor, r: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        e = _e2m1_magnitude_(a * r[..., None])
-        e.mul_(d[..., None]).sub_(a)
-        if wmse:
-            e.mul_(a)
-        e.mul_(e).mul_(iw)
-        out = e[..., 0].clone()
-        for i in range(1, e.shape[-1]):
-            out.add_(e[..., i])
-        return out
-
-    packed = torch.empty(b, m, k // 2, dtype=torch.uint8)
-    scale = torch.empty(b, m, k // bs, dtype=torch.uint8)
-    nonfinite = torch.zeros((), dtype=torch.bool)
-    for i in range(b):
-        gsb = gs[i] if gs is not None else None
-        for r0, r1 in _chunks(m, k):
-            blocks = _prepared(x[i, r0:r1], rotate).reshape(r1 - r0, -1, bs)
-            a = blocks.abs()
-            bmax = a.amax(dim=-1)
-            nonfinite |= ~torch.isfinite(bmax).all()
-            if fmt == "nvfp4":
-                s = gsb * bmax
-                b6 = ref.e4m3_encode(torch.nan_to_num(s / ref.E2M1_MAX, nan=0.0))
-                b4 = ref.e4m3_encode(torch.nan_to_num(s / 4.0, nan=0.0))
-                best, best_err = b6, err(a, *_nvfp4_r_d(b6, gsb))
-                if rule == "4over6":
-                    sbits = torch.where(err(a, *_nvfp4_r_d(b4, gsb)) < best_err, b4, b6)
-                else:
-                    for c in (b4, (b6.to(torch.int32) - 1).clamp(min=0).to(torch.uint8)):
-                        e = err(a, *_nvfp4_r_d(c, gsb))
-                        take = (e < best_err) | ((e == best_err) & (c > best))
-                        best, best_err = torch.where(take, c, best), torch.where(take, e, best_err)
-                    sbits = best
-                sf = ref.e4m3_decode(sbits)
-                mult = torch.where(sf > 0, torch.clamp(gsb / sf, max=ref.FLT_MAX), torch.zeros_like(sf))
-            else:
-                ei = ref.e8m0_encode_from_bmax(bmax).to(torch.int32)
-                up = (ei + 1).clamp(max=ref.E8M0_MAX_EXP)
-                e0 = err(a, ref.pow2_f32(127 - ei), ref.pow2_f32(ei - 127))
-                e1 = err(a, ref.pow2_f32(127 - up), ref.pow2_f32(up - 127))
-                sbits = torch.where(e1 < e0, up, ei).to(torch.uint8)
-                mult = ref.pow2_f32(127 - sbits.to(torch.int32))
-            codes = ref.e2m1_encode((blocks * mult[..., None]).reshape(r1 - r0, k))
-            packed[i, r0:r1] = codes[:, 0::2] | (codes[:, 1::2] << 4)
-            scale[i, r0:r1] = sbits
-    if fmt == "nvfp4":
-        scale = scale.view(torch.float8_e4m3fn)
-    if swizzle:
-        scale = swizzle_scales(scale)
-    return packed, scale, nonfinite
+    return _quantize_torch(x, fmt, gs, rotate, swizzle, rule, iw)

@@ -203,6 +203,23 @@ def find_parts(model, modules: dict, unbuilt: dict[str, str] | None = None) -> P
         if type(cfg) in (type(top), type(text_cfg), type(dec_cfg)):
             continue  # not built from another sub-config (GitEncoder holds the model's own config)
         parts[path] = describe(path, cfg)
+    parts = _encoder_parts(model, inv, dec_path, parts, describe)
+    if not generates(model) or getattr(top, "is_encoder_decoder", False) or not (parts or (text_cfg is not top
+                                                                                        and own_lm)):
+        return Parts(None, classes=classes)
+    if dec_path in ("", getattr(model, "base_model_prefix", "")) and text_cfg is not top:
+        # the text config builds a sub-model of its own, yet transformers' decoder is the whole model (CLVP: a
+        # contrastive speech-text model whose generation is a speech decoder): no language model beside parts
+        return Parts(None, classes=classes)
+    lm = _language_model_path(dec_path, dec_cfg, modules, parts) if dec is not model else dec_path
+    text_parts = [t for t in text_parts if not _under(t, lm) and not any(_under(t, p) for p in parts)]
+    return Parts(lm, classes.get(lm, "-"), (lm, *text_parts), parts, unbuilt, classes)
+
+
+def _encoder_parts(model, inv: dict, dec_path: str, parts: dict[str, str], describe) -> dict[str, str]:
+    """``parts`` with the encoders transformers' ``get_encoder`` names for another modality (they replace the
+    parts found inside them)."""
+    top = model.config
     for modality in (None, "image", "audio"):
         try:
             enc = model.get_encoder(modality=modality) if modality else model.get_encoder()
@@ -217,23 +234,19 @@ def find_parts(model, modules: dict, unbuilt: dict[str, str] | None = None) -> P
         parts = {q: d for q, d in parts.items() if not _under(q, p)}
         parts[p] = describe(p, getattr(enc, "config", None)).replace("encoder part", "encoder", 1) \
             if getattr(enc, "config", None) is top else describe(p, getattr(enc, "config", None))
-    if not generates(model) or getattr(top, "is_encoder_decoder", False) or not (parts or (text_cfg is not top
-                                                                                        and own_lm)):
-        return Parts(None, classes=classes)
-    if dec_path in ("", getattr(model, "base_model_prefix", "")) and text_cfg is not top:
-        # the text config builds a sub-model of its own, yet transformers' decoder is the whole model (CLVP: a
-        # contrastive speech-text model whose generation is a speech decoder): no language model beside parts
-        return Parts(None, classes=classes)
+    return parts
+
+
+def _language_model_path(dec_path: str, dec_cfg, modules: dict, parts: dict[str, str]) -> str:
+    """The decoder's path, climbed to the outermost ancestor built from the same config that holds no part."""
     lm = dec_path
-    if dec is not model:
-        while lm:
-            parent = lm.rpartition(".")[0]
-            pm = modules.get(parent)
-            if pm is None or getattr(pm, "config", None) is not dec_cfg or any(_under(p, parent) for p in parts):
-                break
-            lm = parent
-    text_parts = [t for t in text_parts if not _under(t, lm) and not any(_under(t, p) for p in parts)]
-    return Parts(lm, classes.get(lm, "-"), (lm, *text_parts), parts, unbuilt, classes)
+    while lm:
+        parent = lm.rpartition(".")[0]
+        pm = modules.get(parent)
+        if pm is None or getattr(pm, "config", None) is not dec_cfg or any(_under(p, parent) for p in parts):
+            break
+        lm = parent
+    return lm
 
 
 def missing_packages(exc: BaseException) -> list[str]:

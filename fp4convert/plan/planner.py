@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from fp4convert.config import ConvertConfig
 from fp4convert.errors import PlanError
 from fp4convert.formats import input_weights, quantized_tensor_names
-from fp4convert.formats.base import OutputFormat, OutputInfo
+from fp4convert.formats.base import Decode, OutputFormat, OutputInfo
 from fp4convert.plan import families as arch
 from fp4convert.plan import name_roles
 from fp4convert.plan.calibration import CalibrationPlan
@@ -186,7 +186,24 @@ def make_plan(
     mtp = mtp_layers(model_config)
     knowledge = Knowledge.of(model_config, sources)
 
-    # 1. Per-tensor decision.
+    reasons, ignored = _reasons(sources, config, knowledge, mtp)  # 1. per-tensor decision
+    groups, group_warnings = _fused_groups(sources, reasons, ignored, model_config, knowledge)  # 2. fused groups
+    decisions = _decisions(sources, reasons, groups, decodes, config, fmt, model_config, knowledge)  # 3. in order
+
+    check_collisions(decisions)
+    check_part_names(decisions, fmt)  # a kept tensor named like a part of a quantized one (issue 34)
+    plan = Plan(decisions, {g: m for g, m in groups.items()}, layout_shards(decisions, config.max_shard_size), config,
+                knowledge=knowledge)
+    plan.warnings += _plan_notes(decisions, knowledge, fmt.transformers_loads) + group_warnings
+    if not any(d.action == QUANTIZE for d in decisions):
+        plan.warnings.insert(0, "no tensor is quantized: check --only / --ignore and the checkpoint's layer names")
+    return plan
+
+
+def _reasons(
+    sources: list[TensorInfo], config: ConvertConfig, knowledge: Knowledge, mtp: tuple[int, int] | None
+) -> tuple[dict[str, str | None], dict[str, str]]:
+    """1. Per-tensor decision: why each tensor is kept (None: quantized), and the --ignore pattern each matched."""
     reasons: dict[str, str | None] = {}
     ignored: dict[str, str] = {}
     for info in sources:
@@ -198,8 +215,20 @@ def make_plan(
         elif config.only and reason is None and not any(matches(p, info.name) for p in config.only):
             reason = "not matched by --only"
         reasons[info.name] = reason
+    return reasons, ignored
 
-    # 2. Fused groups (from the architecture's packed mappings): whole or not at all.
+
+def _fused_groups(
+    sources: list[TensorInfo],
+    reasons: dict[str, str | None],
+    ignored: dict[str, str],
+    model_config: dict,
+    knowledge: Knowledge,
+) -> tuple[dict[str, list[str]], list[str]]:
+    """2. Fused groups (from the architecture's packed mappings): whole or not at all.
+
+    Updates ``reasons`` (a group with a kept member is kept whole); returns the groups and their warnings.
+    """
     by_name = {i.name: i for i in sources}
     groups: dict[str, list[str]] = OrderedDict()
     for info in sources:
@@ -230,8 +259,21 @@ def make_plan(
 
     for g in unfused:
         del groups[g]
+    return groups, group_warnings
 
-    # 3. Decisions in processing order: a group is processed at its first member.
+
+def _decisions(
+    sources: list[TensorInfo],
+    reasons: dict[str, str | None],
+    groups: dict[str, list[str]],
+    decodes: dict[str, Decode],
+    config: ConvertConfig,
+    fmt: OutputFormat,
+    model_config: dict,
+    knowledge: Knowledge,
+) -> list[Decision]:
+    """3. Decisions in processing order: a group is processed at its first member."""
+    by_name = {i.name: i for i in sources}
     decisions: list[Decision] = []
     done: set[str] = set()
     for info in sources:
@@ -244,34 +286,41 @@ def make_plan(
             i = by_name[name]
             done.add(name)
             decode = decodes.get(name)
-            if reasons[name] is None:
-                matrices = _matrices(i, g, knowledge)
-                layout = knowledge.layout(name, i.shape)
-                what = name_roles.describe_layout(layout) if layout is not None else knowledge.describe_weight(name, i.shape)
-                if any(m.transpose and m.expert is None for m in matrices):
-                    what = ("Conv1D weight stored [in, out] (GPT-2 style): quantized along its input axis and "
-                            "written [out, in], as vLLM's GPT-2 loader reads it")
-                reason = what + (f", fused group of {len(groups[g])} sharing one global scale" if g else "")
-                if len(matrices) > 1:
-                    reason += f"; {len(matrices)} matrices, gate and up of each expert sharing one global scale" \
-                        if any(m.group for m in matrices) else f"; {len(matrices)} matrices"
-                if decode:
-                    reason += f"; decoded from {decode.describe()}"
-                outputs = tuple(e for m in matrices for e in fmt.entries(m.module, m.shape, config.scheme, config.rotate))
-                decisions.append(Decision(name, QUANTIZE, reason, i, g, outputs, matrices, decode))
+            kept = reasons[name]
+            if kept is None:
+                decisions.append(_quantize_decision(i, g, groups, decode, config, fmt, knowledge))
             else:
-                reason = reasons[name] + (f"; written decoded ({i.dtype}) from {decode.describe()}" if decode else "")
+                reason = kept + (f"; written decoded ({i.dtype}) from {decode.describe()}" if decode else "")
                 out = OutEntry(name, config.kept_output_dtype(i.dtype), i.shape)  # --kept-dtype bf16: F32/F64 -> BF16
                 decisions.append(Decision(name, KEEP, reason, i, g, (out,), (), decode))
+    return decisions
 
-    check_collisions(decisions)
-    check_part_names(decisions, fmt)  # a kept tensor named like a part of a quantized one (issue 34)
-    plan = Plan(decisions, {g: m for g, m in groups.items()}, layout_shards(decisions, config.max_shard_size), config,
-                knowledge=knowledge)
-    plan.warnings += _plan_notes(decisions, knowledge, fmt.transformers_loads) + group_warnings
-    if not any(d.action == QUANTIZE for d in decisions):
-        plan.warnings.insert(0, "no tensor is quantized: check --only / --ignore and the checkpoint's layer names")
-    return plan
+
+def _quantize_decision(
+    i: TensorInfo,
+    g: str | None,
+    groups: dict[str, list[str]],
+    decode: Decode | None,
+    config: ConvertConfig,
+    fmt: OutputFormat,
+    knowledge: Knowledge,
+) -> Decision:
+    """The decision to quantize ``i`` (in fused group ``g`` or none): its matrices, outputs and why."""
+    name = i.name
+    matrices = _matrices(i, g, knowledge)
+    layout = knowledge.layout(name, i.shape)
+    what = name_roles.describe_layout(layout) if layout is not None else knowledge.describe_weight(name, i.shape)
+    if any(m.transpose and m.expert is None for m in matrices):
+        what = ("Conv1D weight stored [in, out] (GPT-2 style): quantized along its input axis and "
+                "written [out, in], as vLLM's GPT-2 loader reads it")
+    reason = what + (f", fused group of {len(groups[g])} sharing one global scale" if g else "")
+    if len(matrices) > 1:
+        reason += f"; {len(matrices)} matrices, gate and up of each expert sharing one global scale" \
+            if any(m.group for m in matrices) else f"; {len(matrices)} matrices"
+    if decode:
+        reason += f"; decoded from {decode.describe()}"
+    outputs = tuple(e for m in matrices for e in fmt.entries(m.module, m.shape, config.scheme, config.rotate))
+    return Decision(name, QUANTIZE, reason, i, g, outputs, matrices, decode)
 
 
 def _in_features(info: TensorInfo, knowledge: Knowledge) -> int | tuple:

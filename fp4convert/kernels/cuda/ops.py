@@ -251,16 +251,7 @@ def quantize(
         gs = torch.empty(lead, dtype=torch.float32, device=dev)
     nb = k // bs
     rows, cols = padded(m, nb) if swizzle else (m, nb)
-    if out is None:  # scale in its final dtype: no view afterwards (each dispatcher call is ~1-2 us)
-        packed = torch.empty((*lead, m, k // 2), dtype=torch.uint8, device=dev)
-        scale = torch.empty((*lead, rows, cols), dtype=_SCALE_DTYPE[scheme], device=dev)
-    else:
-        packed, scale = out
-        if packed.shape != (*lead, m, k // 2) or scale.shape != (*lead, rows, cols) or not (
-            packed.dtype == scale.dtype == torch.uint8 and packed.is_contiguous() and scale.is_contiguous()
-            and packed.data_ptr() % 16 == 0
-        ):
-            raise CUDAKernelError("out buffers do not match the expected shapes / uint8 / contiguous")
+    packed, scale = _out_buffers(out, (*lead, m, k // 2), (*lead, rows, cols), _SCALE_DTYPE[scheme], dev)
     mapped = host_flag and x.numel() > 0
     flag = None if mapped else torch.zeros(lead, dtype=torch.int32, device=dev)  # the launcher only sets flags
     if x.numel():
@@ -273,13 +264,7 @@ def quantize(
         else:
             _check(lib, lib.fp4c_quantize_iw(*args, _ptr(iw), stream))
     else:  # no launch: the same results the kernel would give an empty matrix
-        if swizzle:
-            scale.view(torch.uint8).zero_()
-        if gs is not None:
-            a = amax.reshape(gs.shape)
-            gs.copy_(torch.where(a == 0, torch.ones_like(a),
-                                 torch.clamp(torch.full_like(a, 2688.0) / a, max=torch.finfo(torch.float32).max)))
-            flag.copy_((~torch.isfinite(a)).to(torch.int32))
+        _empty_results(scale, swizzle, amax, gs, flag)
     if scheme == "nvfp4" and out is not None:
         scale = scale.view(torch.float8_e4m3fn)
     if mapped:
@@ -293,6 +278,39 @@ def quantize(
         bad = bool(flag.any())
         return packed, scale, gs, lambda: bad
     return packed, scale, gs, flag
+
+
+def _out_buffers(
+    out: tuple[torch.Tensor, torch.Tensor] | None,
+    packed_shape: tuple[int, ...],
+    scale_shape: tuple[int, ...],
+    scale_dtype: torch.dtype,
+    dev: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize`'s (packed, scale) buffers: new ones, or the caller's ``out`` once checked."""
+    if out is None:  # scale in its final dtype: no view afterwards (each dispatcher call is ~1-2 us)
+        return (torch.empty(packed_shape, dtype=torch.uint8, device=dev),
+                torch.empty(scale_shape, dtype=scale_dtype, device=dev))
+    packed, scale = out
+    if packed.shape != packed_shape or scale.shape != scale_shape or not (
+        packed.dtype == scale.dtype == torch.uint8 and packed.is_contiguous() and scale.is_contiguous()
+        and packed.data_ptr() % 16 == 0
+    ):
+        raise CUDAKernelError("out buffers do not match the expected shapes / uint8 / contiguous")
+    return packed, scale
+
+
+def _empty_results(
+    scale: torch.Tensor, swizzle: bool, amax: torch.Tensor | None, gs: torch.Tensor | None, flag: torch.Tensor | None
+) -> None:
+    """Fill :func:`quantize`'s outputs for an empty input as the kernel would (it is not launched)."""
+    if swizzle:
+        scale.view(torch.uint8).zero_()
+    if gs is not None:
+        a = amax.reshape(gs.shape)
+        gs.copy_(torch.where(a == 0, torch.ones_like(a),
+                             torch.clamp(torch.full_like(a, 2688.0) / a, max=torch.finfo(torch.float32).max)))
+        flag.copy_((~torch.isfinite(a)).to(torch.int32))
 
 
 # device index -> (library, several GPUs visible, empty uint8 / E4M3 / fp32 tensors there: new_empty

@@ -28,6 +28,7 @@ from fp4convert.quantizer.backend import (
     Context,
     Event,
     Inputs,
+    InputWeight,
     MatrixOut,
     Pending,
     Result,
@@ -124,12 +125,7 @@ class CudaBackend:
         # Input weights (fp32 [K] each, once per key) after the amax slots; a launch takes one weight,
         # so pass 2 cuts a shape group into runs of members with the same one (backend.weight_runs).
         weights = matrix_weights(item)
-        iw_off: dict[str, int] = {}
-        small_n = align(8 * n)
-        for w in weights:
-            if w is not None and w.key not in iw_off:
-                iw_off[w.key] = small_n
-                small_n = align(small_n + len(w.data))
+        iw_off, small_n = _weight_slots(weights, align(8 * n))
         small = self.dev_small.at_least(small_n)  # pass 1's amax, pass 2's (unit) amax, the input weights
         d_amax, d_ga = small, small + 4 * n
 
@@ -155,14 +151,7 @@ class CudaBackend:
                 rt.copy(d_ga, up.ptr, 4 * n, H2D)
                 keep.append(up)
             if iw_off:
-                n_iw = small_n - iw_off[next(iter(iw_off))]
-                up_iw = rt.pool.get(n_iw)
-                base = small_n - n_iw
-                for w in weights:
-                    if w is not None:
-                        up_iw.view(iw_off[w.key] - base, len(w.data))[:] = w.data
-                rt.copy(small + base, up_iw.ptr, n_iw, H2D)
-                keep.append(up_iw)
+                keep.append(_upload_weights(rt, weights, iw_off, small, small_n))
             rt.memset(d_flag, 0, 4 * n)  # the launches only set flags
             for g, off, info, m, k, p_off, s_off in launches:
                 x_n = info.nbytes
@@ -184,6 +173,32 @@ class CudaBackend:
                             nvfp4, ga)
 
         return two_passes(item, s, amax_pass, quantize_pass)
+
+
+def _weight_slots(weights: list[InputWeight | None], start: int) -> tuple[dict[str, int], int]:
+    """Each input weight's offset in the small arena (once per key, aligned, from ``start``) and the arena's end."""
+    iw_off: dict[str, int] = {}
+    end = start
+    for w in weights:
+        if w is not None and w.key not in iw_off:
+            iw_off[w.key] = end
+            end = align(end + len(w.data))
+    return iw_off, end
+
+
+def _upload_weights(
+    rt: Runtime, weights: list[InputWeight | None], iw_off: dict[str, int], small: int, small_n: int
+) -> HostBuffer:
+    """Queue the copy of the input weights into their slots of the small arena at device address ``small``;
+    returns the pinned buffer the asynchronous copy reads (kept until the batch completes)."""
+    n_iw = small_n - iw_off[next(iter(iw_off))]
+    up_iw = rt.pool.get(n_iw)
+    base = small_n - n_iw
+    for w in weights:
+        if w is not None:
+            up_iw.view(iw_off[w.key] - base, len(w.data))[:] = w.data
+    rt.copy(small + base, up_iw.ptr, n_iw, H2D)
+    return up_iw
 
 
 class _Outputs(Pending):

@@ -2,7 +2,7 @@
 # One device call: where the threads of a CUDA conversion spend their time (py-spy, carried as a
 # wheel in .whl/), on the dense 8-layer checkpoint of e2e_vs_copy.py; raw samples in $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps .whl/py_spy-*.whl 2>&1 | tail -1

@@ -1,6 +1,6 @@
 """Where a public-API call's host microseconds go (issue 10's given-amax row): each piece of
 ``fp4convert.quantize(x, "nvfp4", global_amax=a)`` timed alone on a tiny CUDA matrix, then a cProfile
-of the whole call. ``python benchmarks/api_overhead.py [--out FILE]``; needs a CUDA GPU."""
+of the whole call. ``python benchmarks/probes/api_overhead.py [--out FILE]``; needs a CUDA GPU."""
 
 from __future__ import annotations
 

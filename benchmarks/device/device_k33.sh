@@ -2,17 +2,17 @@
 # Issue 33 on the GPU host: the searching scale rules before (A, e.g. cdc6cfa) and after (B) in ONE call each
 # step, so the figures compare within one run. Two trees side by side (each a plain copy of the package,
 # e.g. `git archive cdc6cfa | tar -x -C A`; the kernel cache is keyed by source hash, so one cache holds both):
-#   A=/path/to/before B=/path/to/after bash benchmarks/device_k33.sh kernels   # ~6 min
-#   A=/path/to/before B=/path/to/after bash benchmarks/device_k33.sh e2e       # ~6 min
+#   A=/path/to/before B=/path/to/after bash benchmarks/device/device_k33.sh kernels   # ~6 min
+#   A=/path/to/before B=/path/to/after bash benchmarks/device/device_k33.sh e2e       # ~6 min
 # kernels: builds both trees' CUDA and CPU kernels (in parallel); B's bit-exact tests on this GPU and CPU
-#   (tests/kernels/test_cuda_kernels.py, the CPU kernel's rule tests, tests/kernels/test_cpu_simd.py); benchmarks/kernels.py
+#   (tests/kernels/test_cuda_kernels.py, the CPU kernel's rule tests, tests/kernels/test_cpu_simd.py); benchmarks/kernel_speed.py
 #   --sizes 16384 --no-peers for A then B (bare kernels, every rule, and the public-API rows); Nsight Compute on
 #   the NVFP4 4over6 and MXFP4 wmse kernels of each tree (one launch each, --clock-control none); the CPU
 #   kernel's throughput per thread count (benchmarks/cpu_kernel.py --threads 1,16).
 # e2e: benchmarks/ab_vs_copy.py (A and B beside `cp -r` + sync, interleaved, median of 3) at default settings,
 #   dense (8 Llama-3-8B layers) and MoE (64 experts x 8 layers), --device cpu then --device cuda.
 # Results under $OUT (flat: the device tool brings back at most 8 files). Both trees must have the package
-# layout of 2026-11-28 or later (fp4convert.kernels.*); benchmarks/device_k33_final.sh is the later before/after.
+# layout of 2026-11-28 or later (fp4convert.kernels.*); benchmarks/device/device_k33_final.sh is the later before/after.
 set -uo pipefail
 MODE="${1:-kernels}"
 A="$(cd "${A:?A: the before tree}" && pwd)"; B="$(cd "${B:?B: the after tree}" && pwd)"
@@ -23,6 +23,9 @@ stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 in_tree() {  # tree, command...: run with that tree's package and kernel cache
     local tree="$1"; shift
     (cd "$tree" && PYTHONPATH="$tree" "$@")
+}
+speed_script() {  # tree: its GPU kernel benchmark (benchmarks/kernels.py before issue 43 renamed it)
+    if [ -f "$1/benchmarks/kernel_speed.py" ]; then echo benchmarks/kernel_speed.py; else echo benchmarks/kernels.py; fi
 }
 build() {
     in_tree "$1" python3 -c "
@@ -48,7 +51,7 @@ if [ "$MODE" = kernels ]; then
     cat "$OUT/tests.txt"; stamp "tests"
     for T in "$A" "$B"; do
         echo "== $(basename "$T")"
-        in_tree "$T" timeout 150 python3 benchmarks/kernels.py --sizes 16384 --no-peers --json "$OUT/kernels_$(basename "$T").json" 2>&1 | tail -40
+        in_tree "$T" timeout 150 python3 "$(speed_script "$T")" --sizes 16384 --no-peers --json "$OUT/kernels_$(basename "$T").json" 2>&1 | tail -40
     done > "$OUT/kernels.txt"
     stamp "kernels"
     cat > /tmp/ncu_one.py <<'EOF'

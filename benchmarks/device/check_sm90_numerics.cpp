@@ -17,7 +17,7 @@
 // subnormal d), the per-element error terms of block_err_codes_scaled / mxfp4_block_mse_iw against the
 // reference's e = RN(RN(value * d) - x), f = RN(e * x), s = RN(f * f) (the block sums add these in the same
 // order). Build and run (about a minute on one core):
-//   g++ -O2 -ffp-contract=off -march=native -o /tmp/check benchmarks/check_sm90_numerics.cpp && /tmp/check
+//   g++ -O2 -ffp-contract=off -march=native -o /tmp/check benchmarks/device/check_sm90_numerics.cpp && /tmp/check
 // -ffp-contract=off matters: a contracted a * b + c would not be the kernels' separate operations.
 #include <cfloat>
 #include <cmath>

@@ -7,7 +7,7 @@ on ``meta``), and fp4convert's own CLI module. A calibrated conversion cannot fi
 so these bound the ratio of a calibrated run to the data-free one (which imports neither torch nor
 transformers) from below.
 
-    python benchmarks/import_floor.py --repeats 3 --json out.json
+    python benchmarks/probes/import_floor.py --repeats 3 --json out.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call after a change to the backends or the pipeline: the GPU tests in one process, then the dense
-# end-to-end row beside `cp -r` + sync (defaults). Results under $OUT.  bash benchmarks/device_gpu_suite.sh
+# end-to-end row beside `cp -r` + sync (defaults). Results under $OUT.  bash benchmarks/device/device_gpu_suite.sh
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FP4CONVERT_CACHE_DIR=/tmp/fp4convert-cache

@@ -5,10 +5,10 @@
 #   fp4convert --device cuda | fp4convert --device cpu        (+ every fp4convert run's --json stage times)
 # Results in $OUT: e2e_vs_copy.{json,md,txt}, env.txt, and with TESTS=1 the GPU tests of every changed GPU path
 # (tests.txt). The kernel build is cached in FP4CONVERT_CACHE_DIR.
-#   TESTS=1 bash benchmarks/device_e2e.sh          # build, GPU tests, then the benchmark
+#   TESTS=1 bash benchmarks/device/device_e2e.sh          # build, GPU tests, then the benchmark
 #   E2E_ONLY=dense|moe, E2E_REPEATS=N, E2E_EXTRA="--shard 512MB --lane-rows 1,3 --torch-row" for more rows
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; lscpu | head -20; df -h /tmp | tail -1

@@ -17,7 +17,7 @@ Variants are ``scheme:rule[:option=value,...]``:
   ``act=nvfp4`` evaluates W4A4 (activations quantized per 16-block under the calibrated static
   global scale, as engines run it); ``rot=had16`` rotates weights and (with act) activations.
 
-    PYTHONPATH=. python benchmarks/accuracy_explore.py --tokens 2048 nvfp4:max nvfp4:4over6:gs=search
+    PYTHONPATH=. python benchmarks/probes/accuracy_explore.py --tokens 2048 nvfp4:max nvfp4:4over6:gs=search
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(1, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # benchmarks/: accuracy, accuracy_w4a4
 from fp4convert.numerics import reference as ref  # noqa: E402
 
 import accuracy as acc  # noqa: E402

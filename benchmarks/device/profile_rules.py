@@ -1,7 +1,7 @@
 """One launch per scale rule at 16384x16384 bf16, for Nsight Compute (instruction mix, stalls).
 
     ncu --kernel-name regex:quantize_kernel --launch-skip 6 --section SchedulerStats \\
-        --section WarpStateStats --section InstructionStats python benchmarks/profile_rules.py
+        --section WarpStateStats --section InstructionStats python benchmarks/device/profile_rules.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ sha256 per thread, memcpy, reading from the page cache (pageable and pinned buff
 the page cache, and fsync of what was written: the converter's reader, writer and hash threads
 cannot beat these. Prints JSON.
 
-    python benchmarks/host_io.py --work /tmp/hostio [--pinned]
+    python benchmarks/probes/host_io.py --work /tmp/hostio [--pinned]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: build the kernels, run the GPU tests, benchmark. Logs go to $OUT (or ./out).
-#   bash benchmarks/device_check.sh [all|tests|bench|quick]   (quick: tests minus the > 1 GiB ones)
+#   bash benchmarks/device/device_check.sh [all|tests|bench|quick]   (quick: tests minus the > 1 GiB ones)
 set -uo pipefail
 MODE="${1:-all}"
 OUT="${OUT:-$PWD/out}"
@@ -52,6 +52,6 @@ if [ "$MODE" = all ] || [ "$MODE" = tests ] || [ "$MODE" = quick ]; then
     rc=${PIPESTATUS[0]}
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ] || [ "$MODE" = quick ]; then
-    python3 benchmarks/kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+    python3 benchmarks/kernel_speed.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
 fi
 exit $rc

@@ -16,7 +16,7 @@ in the machine's load hits all rows alike), median of ``--repeats``:
 Every fp4convert row's output is byte-compared with the first fp4convert row's. The checkpoints are
 e2e_vs_copy.py's (made here when ``--work`` lacks them).
 
-    python benchmarks/cpu_backend_ab.py --work /tmp/e2e --out $OUT --repeats 3 --defaults
+    python benchmarks/probes/cpu_backend_ab.py --work /tmp/e2e --out $OUT --repeats 3 --defaults
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

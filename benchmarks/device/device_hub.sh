@@ -7,7 +7,7 @@
 #   "before=bench_main after=." with an older tree unpacked in bench_main/ by git archive; bench_main/ is
 #   git-ignored, so pass it to the device with carry=["bench_main"]).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nproc; df -h /tmp | tail -1; git log -1 --oneline; } > "$OUT/env.txt" 2>&1

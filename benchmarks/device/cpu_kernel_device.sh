@@ -7,14 +7,14 @@
 #   3. kernel throughput per thread count beside memcpy (benchmarks/cpu_kernel.py);
 #   4. --device cpu beside `cp -r` + sync and the GPU on e2e_vs_copy.py's dense (8 Llama-3-8B layers, 5.6 GB)
 #      and MoE (64 experts x 8 layers, 3 GB) checkpoints, interleaved, median of 3, with two CPU rows
-#      (benchmarks/cpu_backend_ab.py): the default (the torch-free cpu-native backend) and --backend cpu
+#      (benchmarks/probes/cpu_backend_ab.py): the default (the torch-free cpu-native backend) and --backend cpu
 #      (torch); at default settings (the issue's yardstick). AB_ARGS adds
 #      options: --torch-row (one torch-path run per case, ~1 min), --layers N, --only dense|moe.
 # Results in $OUT: env.txt, build*.txt, tests.txt, cpu_kernel.{txt,json}, cpu_backend_ab.{md,json,txt}.
 # Budget: ~7-8 min on an H100 host with 16 cores (checkpoint generation ~1-2 min of it); under the 10-min
 # limit of one call (the tests stop at 300 s, the throughput step at 150 s).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 WORK="${E2E_WORK:-/tmp/e2e}"
@@ -54,7 +54,7 @@ timeout 150 python3 benchmarks/cpu_kernel.py --threads 1,2,4,8,16 --repeats 3 --
 echo "after throughput: $(( $(date +%s) - t0 )) s"
 
 # 4. --device cpu vs the GPU (and cp -r), interleaved, with the CPU backend A/B
-python3 benchmarks/cpu_backend_ab.py --work "$WORK" --out "$OUT" --repeats "${E2E_REPEATS:-3}" --defaults ${AB_ARGS:-} 2>&1 \
+python3 benchmarks/probes/cpu_backend_ab.py --work "$WORK" --out "$OUT" --repeats "${E2E_REPEATS:-3}" --defaults ${AB_ARGS:-} 2>&1 \
     | tee "$OUT/cpu_backend_ab.txt"
 echo "total: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/cpu_backend_ab.txt"
 rm -rf "$WORK"

@@ -5,7 +5,7 @@ writable bytecode cache, to tell compiling torch's modules from running them); `
 --version``; ``torchrun`` starting N copies of that (the launcher's own cost, as the workers import
 no torch); and N workers that import torch and join a gloo group (what a torch rank costs). Prints JSON.
 
-    python benchmarks/launch_overhead.py [--nproc 2] [--repeats 3]
+    python benchmarks/probes/launch_overhead.py [--nproc 2] [--repeats 3]
 """
 
 from __future__ import annotations

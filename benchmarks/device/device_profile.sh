@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # One device call (issue 10): where the end-to-end time goes. Optional parts by environment:
-# HOST_IO=1 the host's own ceilings (benchmarks/host_io.py); TESTS="pytest args" GPU tests first;
-# API=1 the public-API rows and benchmarks/api_overhead.py; then the dense and MoE checkpoints beside `cp -r` + sync with every
+# HOST_IO=1 the host's own ceilings (benchmarks/probes/host_io.py); TESTS="pytest args" GPU tests first;
+# API=1 the public-API rows and benchmarks/probes/api_overhead.py; then the dense and MoE checkpoints beside `cp -r` + sync with every
 # fp4convert run's --json stage times (e2e_vs_copy.py; E2E_ONLY=dense|moe, TORCH_ROW=1 adds the stacked
 # backend's row, LANE_ROWS=1,4 rows with those --lanes); CPU_ROW=1 one 16-core --device cpu run of the dense checkpoint. Results in $OUT.
-# Next call for issue 10: E2E_ONLY=moe API=1 HOST_IO=1 TESTS="-m cuda tests/quantizer/test_backend_cuda.py" bash benchmarks/device_profile.sh
+# Next call for issue 10: E2E_ONLY=moe API=1 HOST_IO=1 TESTS="-m cuda tests/quantizer/test_backend_cuda.py" bash benchmarks/device/device_profile.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; lscpu | head -20; df -h /tmp | tail -1
   git log -1 --oneline 2>/dev/null; } > "$OUT/env.txt" 2>&1
-[ -n "${HOST_IO:-}" ] && python3 benchmarks/host_io.py --pinned --work /tmp/hostio 2>&1 | tee "$OUT/host_io.json"
+[ -n "${HOST_IO:-}" ] && python3 benchmarks/probes/host_io.py --pinned --work /tmp/hostio 2>&1 | tee "$OUT/host_io.json"
 t0=$(date +%s)
 python3 -c "import torch; from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda')); print('kernels ready')" 2>&1 | tail -2
 echo "build: $(( $(date +%s) - t0 )) s"
@@ -19,8 +19,8 @@ if [ -n "${TESTS:-}" ]; then
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -x $TESTS 2>&1 | tail -15 | tee "$OUT/tests.txt"
 fi
 if [ -n "${API:-}" ]; then  # issue 10's public-API rows only (~20 s), and where a call's microseconds go
-    python3 benchmarks/kernels.py --sizes 16384 --no-peers --api-only --json "$OUT/api.json" 2>&1 | grep -i "api\|copy" | tee "$OUT/api.txt"
-    python3 benchmarks/api_overhead.py --out "$OUT/api_overhead.txt" 2>&1 | head -20
+    python3 benchmarks/kernel_speed.py --sizes 16384 --no-peers --api-only --json "$OUT/api.json" 2>&1 | grep -i "api\|copy" | tee "$OUT/api.txt"
+    python3 benchmarks/probes/api_overhead.py --out "$OUT/api_overhead.txt" 2>&1 | head -20
 fi
 python3 -X importtime -c "import torch" 2> "$OUT/importtime.txt"; tail -1 "$OUT/importtime.txt"
 python3 -c "

@@ -5,11 +5,11 @@
 // Input: 16384 x 16384 bf16 (torch.randn-like normals from a counter hash, fixed seed), 512 MiB, larger than
 // L2, so repeated launches read DRAM. Times each rule with CUDA events (median of REPS launches) beside a
 // device-to-device copy of the same input (read + write), and prints, per rule, the median ms, the % of the
-// copy's bandwidth (docs/numerics.md's bytes: input + codes + scales, as benchmarks/kernels.py counts them)
+// copy's bandwidth (docs/numerics.md's bytes: input + codes + scales, as benchmarks/kernel_speed.py counts them)
 // and a 64-bit FNV-1a hash of every output byte (codes, scales, global scale), so that variants can be
 // checked for identical bytes. The bytes themselves are the reference's by tests/kernels/test_cuda_kernels.py.
 //
-//   nvcc -O3 -std=c++17 -fmad=false -lineinfo -arch=sm_90 -I csrc -o k33 benchmarks/k33_bench.cu
+//   nvcc -O3 -std=c++17 -fmad=false -lineinfo -arch=sm_90 -I csrc -o k33 benchmarks/device/k33_bench.cu
 //   ./k33 [reps] [rows] [amax] (rows: a comma list of fmt:rule[:rot], default the search rules and max;
 //                               amax: a given NVFP4 global amax instead of the data's)
 #include "fp4c_quantize.cu"

@@ -8,15 +8,15 @@ input's amax); scored as benchmarks/accuracy.py scores (mean next-token KL again
 its 2048 held-out tokens). Alpha 0 is the same simulation without smoothing. The real thing is
 ``--smooth`` (fp4convert/calibrate/smooth.py), measured by benchmarks/accuracy_gptq.py.
 
-    python benchmarks/smoothing_probe.py smollm2-135m 0,0.3,0.5 [out.json]
+    python benchmarks/probes/smoothing_probe.py smollm2-135m 0,0.3,0.5 [out.json]
 """
 import json
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: accuracy, accuracy_gptq, accuracy_w4a4
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import accuracy as acc  # noqa: E402
 import accuracy_gptq as ag  # noqa: E402
 import accuracy_w4a4 as w4  # noqa: E402

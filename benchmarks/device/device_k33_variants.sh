@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Issue 33 on the GPU host: variants of the quantize kernels side by side in one call, without Python.
-# Each variant is benchmarks/k33_bench.cu built against a csrc/ tree with its own -D flags (built in
+# Each variant is benchmarks/device/k33_bench.cu built against a csrc/ tree with its own -D flags (built in
 # parallel), then every variant is timed in ROUNDS interleaved rounds (the median of each row over the rounds
 # is the figure), then Nsight Compute profiles the rows named in NCU.
 #   VARIANTS="base:;ctas4:-DFP4C_SM90_SEARCH_CTAS=4;landed@out/k33/head:" NCU="base:0:1 ctas4:0:1" AMAX="0 6.0" \
-#       bash benchmarks/device_k33_variants.sh
+#       bash benchmarks/device/device_k33_variants.sh
 # AMAX: each variant also runs with these NVFP4 global amax values (0: the data's own), each another global
 # scale and so another (r, d) table; NCU_AMAX: the one the profiles use.
 # A variant is NAME:FLAGS, or NAME@TREE:FLAGS for another tree's csrc (a git-ignored copy carried along).
 # Results under $OUT: env.txt, builds.txt, bench.jsonl (one line per variant and round), summary.txt, ncu.txt.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 ROUNDS="${ROUNDS:-3}"; REPS="${REPS:-30}"; ROWS="${ROWS:-0:0,0:1,0:2,0:3,1:0,1:2,1:3,0:1:1}"
 t0=$(date +%s); stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv,noheader
@@ -25,7 +25,7 @@ for v in "${VS[@]}"; do
     [ "$head" != "$name" ] && tree="$ROOT/${head#*@}"
     names+=("$name")
     ( nvcc -O3 -std=c++17 -fmad=false -lineinfo -arch=sm_90 -I"$tree/csrc" $flags -Xptxas -v \
-        -o "/tmp/k33_$name" "$ROOT/benchmarks/k33_bench.cu" > "/tmp/k33_build_$name.log" 2>&1 \
+        -o "/tmp/k33_$name" "$ROOT/benchmarks/device/k33_bench.cu" > "/tmp/k33_build_$name.log" 2>&1 \
         && echo "$name built ($flags, $tree)" || echo "$name FAILED" ) &
 done > "$OUT/builds.txt"
 wait

@@ -3,7 +3,7 @@
 # (GPU rows, bytes compared across runs), and an A/B of the CPU converter's single malloc arena on a
 # 2-layer dense checkpoint with 16 cores (the 16-core --device cpu row fell from 22.9 s to 80 s).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 python3 -c "import torch; from fp4convert.kernels.cuda import ops; ops.ensure_loaded(torch.device('cuda'))"

@@ -14,7 +14,7 @@ Peers: torch.compile of the reference (NVFP4 with the global amax given, MXFP4),
 Triton NVFP4 quantizer when its wheel is installed. Each peer's bytes are compared with ours
 (exact-match share) so a fast-but-different peer is visible as such.
 
-    python benchmarks/kernels.py [--sizes 8192 16384] [--json out.json] [--no-peers]
+    python benchmarks/kernel_speed.py [--sizes 8192 16384] [--json out.json] [--no-peers]
 """
 
 from __future__ import annotations

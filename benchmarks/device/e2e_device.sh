@@ -5,7 +5,7 @@
 # and a 64-expert x 8-layer MoE (~3 GB), both generated here. JSON + markdown table in $OUT.
 # Budget: < 9 min on an H100 with 16 cores and 64 GB disk (E2E_REPEATS / E2E_LAYERS shrink it).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FP4CONVERT_CACHE_DIR="${FP4CONVERT_CACHE_DIR:-/tmp/fp4c-cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 WORK="${E2E_WORK:-/tmp/e2e}"

@@ -3,12 +3,12 @@
 # the GPU run against the CPU's, the quantize kernels bit for bit), the kernels' throughput, then the cost rows
 # of benchmarks/iw_cost.py on 8 Llama-3-8B-shaped layers (data-free, --input-weights random, W4A4, GPTQ; a
 # warm-up run first). Results under $OUT.
-# IMPORTS=1 (default): first the start-up floor (benchmarks/import_floor.py), $OUT/import_floor.json.
+# IMPORTS=1 (default): first the start-up floor (benchmarks/probes/import_floor.py), $OUT/import_floor.json.
 # PROFILE=1: then a cProfile of the GPTQ row, $OUT/gptq_profile.txt.
 # SWEEP=1: meanwhile, on the host's CPU cores, GPTQ on the tiny checkpoint of every sweep architecture the
 # runner runs that benchmarks/results/cpu2_20261128_gptq_sweep.jsonl has no run of (benchmarks/calibration_sweep.py
 # --method gptq, 12 processes of one thread, CUDA hidden); its rows in $OUT/gptq_sweep.jsonl.
-#   ROWS="none random w4a4 gptq" REPEATS=2 bash benchmarks/device_gptq.sh
+#   ROWS="none random w4a4 gptq" REPEATS=2 bash benchmarks/device/device_gptq.sh
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"; mkdir -p "$OUT"
 # the imports' bytecode cached where it can be written (the host's site-packages are read-only: without this
@@ -50,15 +50,17 @@ if [ "${SWEEP:-0}" = 1 ]; then
     echo "sweep: $(wc -l < /tmp/sweep_todo.txt) types, $(wc -l < "$OUT/gptq_sweep.jsonl") rows"; grep -h -c '"outcome": "ran"' "$OUT/gptq_sweep.jsonl"
 fi
 if [ "${KERNELS:-1}" = 1 ]; then  # this tree's kernels, and (BEFORE=dir: a copy of an earlier tree) those before, in one run
-    timeout "${KERNELS_S:-120}" python3 benchmarks/kernels.py --sizes 16384 --no-peers --json "$OUT/kernels.json" 2>&1 \
+    timeout "${KERNELS_S:-120}" python3 benchmarks/kernel_speed.py --sizes 16384 --no-peers --json "$OUT/kernels.json" 2>&1 \
         | tail -n 40
     if [ -n "${BEFORE:-}" ] && [ -d "$BEFORE" ]; then
-        (cd "$BEFORE" && PYTHONPATH="$PWD:/tmp/site" timeout "${KERNELS_S:-120}" python3 benchmarks/kernels.py --sizes 16384 \
+        # an earlier tree may hold benchmarks/kernels.py (kernel_speed.py's name before issue 43)
+        (cd "$BEFORE" && PYTHONPATH="$PWD:/tmp/site" timeout "${KERNELS_S:-120}" python3 \
+            "$(ls benchmarks/kernel_speed.py benchmarks/kernels.py 2>/dev/null | head -n 1)" --sizes 16384 \
             --no-peers --json "$OUT/kernels_before.json") 2>&1 | tail -n 40
     fi
 fi
 if [ "${IMPORTS:-1}" = 1 ]; then  # the start-up floor of a calibrated run (fresh processes, bytecode warm)
-    timeout 120 python3 benchmarks/import_floor.py --repeats 3 --json "$OUT/import_floor.json" 2>&1 | tee "$OUT/import_floor.txt"
+    timeout 120 python3 benchmarks/probes/import_floor.py --repeats 3 --json "$OUT/import_floor.json" 2>&1 | tee "$OUT/import_floor.txt"
 fi
 if [ "${BENCH:-1}" = 1 ]; then
     timeout "${BENCH_S:-300}" python3 benchmarks/iw_cost.py --work /tmp/iw_cost --layers 8 --device auto --warmup \

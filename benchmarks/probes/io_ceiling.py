@@ -2,7 +2,7 @@
 kept tensors, sha256, shards, index, manifest) with quantization replaced by zero outputs, beside
 `cp -r` + `sync` of the same checkpoint. What stays when the kernels cost nothing (issue 10).
 
-    python benchmarks/io_ceiling.py --work /tmp/ioc --layers 2 --repeats 5
+    python benchmarks/probes/io_ceiling.py --work /tmp/ioc --layers 2 --repeats 5
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
