@@ -25,14 +25,26 @@ import re
 from copy import deepcopy
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     import torch
 
-    from fp4convert.calibrate.weights import BlockWeights
+
+class Weights(Protocol):
+    """What a stack reads of the block weights that hold it (:class:`fp4convert.calibrate.weights.BlockWeights`)."""
+
+    keymap: dict[str, tuple[str, str | None]]
+    model: Any
+    device: Any
+
+    def converter_of(self, pattern: str) -> Any: ...
+
+    def resident_fp32(self, key: str) -> torch.Tensor: ...
+
+    def make_resident(self, keys: list[str]) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +107,7 @@ class ExpertStack:
     """One block's expert stack (module path ``path``): its checkpoint tensors resident as on disk, its groups
     materialized in fp32 on demand, the calls recorded while :attr:`recording`."""
 
-    weights: BlockWeights
+    weights: Weights
     path: str
     module: object
     keys: dict[int, list[str]]  # expert -> the checkpoint keys that load it (its gate, up, down)
@@ -223,6 +235,37 @@ class ExpertStack:
         return self.module._apply_gate(F.linear(x, gate_up))  # type: ignore[attr-defined]
 
 
+def stream_stacks(weights: Weights, block, prefix: str, keys: list[str]) -> dict[str, ExpertStack]:
+    """The streamable expert stacks of ``block`` (its checkpoint keys ``keys``, names under ``prefix``), their
+    checkpoint tensors made resident on the run's device as they are on disk, their forwards replaced (per
+    instance) by the stacks'. A stack whose experts are not one checkpoint key per expert matrix (stored 3-D on
+    disk: gpt-oss, Llama 4) is left to be materialized whole."""
+    out: dict[str, ExpertStack] = {}
+    for n, m in block.named_modules():
+        if not streamable(m):
+            continue
+        path = prefix + n
+        params = {path + ".gate_up_proj", path + ".down_proj"}
+        mine = [k for k in keys if weights.keymap[k][0] in params]
+        by_expert: dict[int, list[str]] = {}
+        for k in mine:
+            e = expert_index(k)
+            if e is None or weights.keymap[k][1] is None:
+                break
+            by_expert.setdefault(e, []).append(k)
+        else:
+            gu, down = m._parameters["gate_up_proj"], m._parameters["down_proj"]
+            experts = int(gu.shape[0])
+            if sorted(by_expert) != list(range(experts)):
+                continue
+            weights.make_resident(mine)
+            stack = ExpertStack(weights, path, m, by_expert, {k: weights.keymap[k][0] for k in mine},
+                                group_size(4 * (gu[0].numel() + down[0].numel()), experts, weights.device))
+            m.forward = stack.forward
+            out[path] = stack
+    return out
+
+
 def expert_index(key: str) -> int | None:
     """The expert a per-expert checkpoint key belongs to (``...experts.12.gate_proj.weight`` -> 12)."""
     hit = _EXPERT.search(key)
@@ -254,6 +297,38 @@ def expert_inputs(stack: ExpertStack, first: int, last: int, every: set[int]) ->
             x = x.to(stack.weights.device)
             xs.append(x if e in every else x[idx])
         out[e] = xs
+    return out
+
+
+def input_observers(inputs: dict[int, list[torch.Tensor]], rotate: str | None) -> dict:
+    """Expert -> an Observer of its tokens (``inputs``: :func:`expert_inputs`'), its Hessian taken (gate/up's)."""
+    from fp4convert.calibrate.stats import Observer
+
+    out = {}
+    for e, xs in inputs.items():
+        o = out[e] = Observer(hessian=True, rotate=rotate)
+        for x in xs:
+            o.add(x)
+    return out
+
+
+def down_observers(stack: ExpertStack, first: int, last: int, inputs: dict[int, list[torch.Tensor]], rotate: str | None,
+                   note: Callable | None = None) -> dict:
+    """Expert -> an Observer of its down projection's input on the tokens it sees (``inputs``), through its gate/up
+    as the stack now holds them (quantized, once a method quantized them). ``note(name, x)``: also every
+    expert's down input over every recorded token (W4A4's activation scale is the experts' max, docs/formats.md
+    "W4A4"), under the runner's name ``{path}:down:{e}``."""
+    from fp4convert.calibrate.stats import Observer
+
+    group = stack.materialize_range(first, last)["gate_up_proj"]
+    out = {}
+    for e in range(first, last):
+        o = out[e] = Observer(hessian=True, rotate=rotate)
+        for x in inputs[e]:
+            o.add(stack.gate(x, group[e - first]))
+        if note is not None:
+            for x, _i, _w in stack.calls:
+                note(f"{stack.path}:down:{e}", stack.gate(x.to(group.device), group[e - first]))
     return out
 
 

@@ -345,7 +345,9 @@ class BlockWeights:
         prefix = f"{self.layers_name}.{i}."
         keys = self._keys_under(prefix)
         if stream and i not in self.stacks:
-            self.stacks[i] = self._stream(i, prefix, keys)
+            from fp4convert.calibrate.experts import stream_stacks
+
+            self.stacks[i] = stream_stacks(self, self.layers[i], prefix, keys)
         streamed = {k for st in self.stacks.get(i, {}).values() for ks in st.keys.values() for k in ks}
         keys = [k for k in keys if k not in streamed]
         direct = [k for k in self._on_disk([k for k in keys if k not in self._replaced and self._readable(k)])
@@ -365,40 +367,15 @@ class BlockWeights:
                                                          for n in ("gate_up_proj", "down_proj")})
         return reads
 
-    def _stream(self, i: int, prefix: str, keys: list[str]) -> dict[str, ExpertStack]:
-        """Block ``i``'s streamable expert stacks, their checkpoint tensors made resident on the run's device as
-        they are on disk, their forwards replaced (per instance) by the stacks'."""
-        from fp4convert.calibrate.experts import ExpertStack, expert_index, group_size, streamable
+    def make_resident(self, keys: list[str]) -> None:
+        """Checkpoint keys ``keys`` kept on the run's device as they are on disk (a streamed stack's: read ahead
+        with their block, or now)."""
         from fp4convert.storage.safetensors import torch_dtypes
 
-        out: dict[str, ExpertStack] = {}
-        for n, m in self.layers[i].named_modules():
-            if not streamable(m):
-                continue
-            path = prefix + n
-            params = {path + ".gate_up_proj", path + ".down_proj"}
-            mine = [k for k in keys if self.keymap[k][0] in params]
-            by_expert: dict[int, list[str]] = {}
-            for k in mine:
-                e = expert_index(k)
-                if e is None or self.keymap[k][1] is None:
-                    break  # (a stack stored 3-D on disk, or unmerged names: materialized as it is)
-                by_expert.setdefault(e, []).append(k)
-            else:
-                gu = m._parameters["gate_up_proj"]
-                experts = int(gu.shape[0])
-                if sorted(by_expert) != list(range(experts)):
-                    continue
-                for disk in self._on_disk(mine):
-                    info = self.disk[disk]
-                    self._resident[disk] = self._fetch(disk).view(torch_dtypes()[info.dtype]).reshape(info.shape).to(
-                        self.device, copy=True)
-                per_expert = 4 * (gu[0].numel() + m._parameters["down_proj"][0].numel())
-                stack = ExpertStack(self, path, m, by_expert, {k: self.keymap[k][0] for k in mine},
-                                    group_size(per_expert, experts, self.device))
-                m.forward = stack.forward
-                out[path] = stack
-        return out
+        for disk in self._on_disk(keys):
+            info = self.disk[disk]
+            self._resident[disk] = self._fetch(disk).view(torch_dtypes()[info.dtype]).reshape(info.shape).to(
+                self.device, copy=True)
 
     def resident_fp32(self, key: str) -> torch.Tensor:
         """A streamed stack's checkpoint tensor ``key`` in fp32 on the run's device, from its resident bytes

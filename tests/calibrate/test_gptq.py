@@ -305,27 +305,37 @@ def test_true_sequential_quantizes_each_input_after_the_linears_before_it(tmp_pa
 
     src = add_tokenizer(zoo.build(family, tmp_path / family))
     calls: list[list[str]] = []
-    real = GPTQ.sweep
+    real = GPTQ.quantize_targets
 
-    def spy(self, index, decisions, observers, reads):
+    def spy(self, index, mats, disk):
         if index == 0:
-            calls.append(sorted(m.module.split(".layers.0.", 1)[-1] for d in decisions for m in d.matrices))
-        return real(self, index, decisions, observers, reads)
+            calls.append(sorted(m.module.split(".layers.0.", 1)[-1] for _d, m, _w, _p in mats))
+        return real(self, index, mats, disk)
 
-    monkeypatch.setattr(GPTQ, "sweep", spy)
+    monkeypatch.setattr(GPTQ, "quantize_targets", spy)
     plain = quantize(src, tmp_path / "plain", text, "--method", "gptq", "--no-true-sequential")
-    assert len(calls) == 1
+    if family == "qwen3_moe":  # the block's linears at once, then its streamed experts by group (gate/up, down)
+        assert calls[0] == sorted(f"self_attn.{p}_proj" for p in "qkvo") and len(calls) >= 3
+    else:
+        assert len(calls) == 1
     calls.clear()
     seq = quantize(src, tmp_path / "seq", text, "--method", "gptq", "--true-sequential")
     assert seq["method"]["true_sequential"] is True and plain["method"]["true_sequential"] is False
     assert seq["settings"]["method"]["true_sequential"] is True
     assert "true-sequential" in seq["method"]["description"]
     assert seq["method"]["rtn"] == [] and seq["method"]["quantized"] == plain["method"]["quantized"]
-    assert 3 <= len(calls) <= 4 and len(set(sum(calls, []))) == len(sum(calls, []))  # (each matrix in one step)
+    assert len(set(sum(calls, []))) == len(sum(calls, []))  # (each matrix in one step)
+    attention = [[f"self_attn.{p}_proj" for p in "kqv"], ["self_attn.o_proj"]]
     if family == "llama":
-        assert calls == [[f"self_attn.{p}_proj" for p in "kqv"], ["self_attn.o_proj"],
-                         ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
-    else:  # every expert's down projection in one step, after every expert's gate/up
+        assert calls == [*attention, ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    elif family == "qwen3_moe":  # a streamed stack: per expert group, its gate/up, then its down on their outputs
+        assert calls[:2] == attention and len(calls) > 2 and len(calls) % 2 == 0
+        for gate_up, down in zip(calls[2::2], calls[3::2]):
+            experts = {n.split(".")[2] for n in gate_up}
+            assert gate_up and all(n.endswith(("gate_proj", "up_proj")) for n in gate_up)
+            assert down and all(n.endswith("down_proj") and n.split(".")[2] in experts for n in down)
+    else:  # 3-D experts on disk (not streamed): every expert's down projection in one step, after their gate/up
+        assert 3 <= len(calls) <= 4
         assert all("down" in n for n in calls[-1]) and not any("down" in n for c in calls[:-1] for n in c)
     a, b = _tensors(tmp_path / "plain"), _tensors(tmp_path / "seq")
     assert a.keys() == b.keys()

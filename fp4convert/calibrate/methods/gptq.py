@@ -419,7 +419,7 @@ class GPTQ:
         down on the gate/up's outputs (quantized ones with true-sequential); each group's bytes stored as it is
         done, its Hessians and fp32 weights released before the next."""
         from fp4convert.calibrate import experts as ex
-        from fp4convert.calibrate.experts import expert_index, expert_inputs
+        from fp4convert.calibrate.experts import down_observers, expert_index, expert_inputs, input_observers
 
         counts = stack.counts()
         width = int(stack.calls[0][0].shape[-1]) if stack.calls else 0
@@ -439,58 +439,33 @@ class GPTQ:
             mine = [d for e in range(first, last) for d in by_expert.get(e, [])]
             down = [d for d in mine if stack.targets[d.info.name].endswith("down_proj")]
             gate_up = [d for d in mine if d not in down]
-            if not self.settings.true_sequential:
-                down_obs = self.down_observers(stack, first, last, inputs, observers if w4a4 else None)
-            made = self.sweep_experts(visit.index, gate_up, inputs, stack)
-            if self.settings.true_sequential:
-                down_obs = self.down_observers(stack, first, last, inputs, observers if w4a4 else None)
+            note = observers.note if w4a4 else None
+            rotate = self.config.rotate
+            if not self.settings.true_sequential:  # (down on the gate/up as they were)
+                down_obs = down_observers(stack, first, last, inputs, rotate, note)
+            made = self.sweep_experts(visit.index, gate_up, input_observers(inputs, rotate), stack)
+            if self.settings.true_sequential:  # (down on the quantized gate/up's outputs)
+                down_obs = down_observers(stack, first, last, inputs, rotate, note)
             made += self.sweep_experts(visit.index, down, down_obs, stack)
             self.keep(visit.index, made, part=part)
             del inputs, down_obs
             stack.release()
         visit.reloaded = True  # (the block runs again: its experts now read their quantized weights)
 
-    def sweep_experts(self, index: int, decisions: list[Decision], inputs: dict, stack: ExpertStack) -> list:
-        """GPTQ of these experts' matrices on their inputs (expert -> the Observer of the tokens it sees, or the
-        tokens themselves for gate/up: observed here); their bytes kept by the stack for its next forwards."""
+    def sweep_experts(self, index: int, decisions: list[Decision], observers: dict, stack: ExpertStack) -> list:
+        """GPTQ of these experts' matrices (``observers``: expert -> the Observer of its matrices' input); their
+        bytes kept by the stack for its next forwards."""
         import torch
 
         from fp4convert.calibrate.experts import Quantized, expert_index
-        from fp4convert.calibrate.stats import Observer
 
-        observers: dict[int, Observer] = {}
-        for e, got in inputs.items():
-            if isinstance(got, Observer):
-                observers[e] = got
-                continue
-            o = observers[e] = Observer(hessian=True, rotate=self.config.rotate)
-            for x in got:
-                o.add(x)
         disk = {d.info.name: stack.tensor(d.info.name) for d in decisions}
         mats = self.targets(decisions, lambda d, m: observers.get(expert_index(d.info.name) or 0), disk)
         made = self.quantize_targets(index, mats, disk)
-        observers.clear()
         for (d, _m, _w, _p), (_module, res, amax) in zip(mats, made):
             stack.quantized[d.info.name] = Quantized(res.packed, res.scale.view(torch.uint8),
                                                      float(amax) if self.scheme.global_scale else None)
         return made
-
-    def down_observers(self, stack: ExpertStack, first: int, last: int, inputs: dict, observers: Observers | None) -> dict:
-        """Each expert's down-projection input observed (its Hessian) on the tokens it sees, through its gate/up as
-        the stack now holds them; with W4A4 (``observers``), also its amax over every token (the engine's
-        activation scale is the experts' max: docs/formats.md "W4A4")."""
-        from fp4convert.calibrate.stats import Observer
-
-        group = stack.materialize_range(first, last)["gate_up_proj"]
-        out: dict[int, Observer] = {}
-        for e in range(first, last):
-            o = out[e] = Observer(hessian=True, rotate=self.config.rotate)
-            for x in inputs[e]:
-                o.add(stack.gate(x, group[e - first]))
-            if observers is not None:
-                for x, _i, _w in stack.calls:
-                    observers.note(f"{stack.path}:down:{e}", stack.gate(x.to(group.device), group[e - first]))
-        return out
 
     def record(self) -> dict:
         """What the manifest says of the pass (its settings are also in the recipe's identity); the
