@@ -116,6 +116,7 @@ class ExpertStack:
     scheme: str = "nvfp4"
     rotate: str | None = None
     recording: bool = False
+    idle: bool = False  # a run whose outputs nobody reads (a true-sequential step): recorded, not computed (zeros)
     calls: list = field(default_factory=list)  # (hidden states, top-k index, top-k weights) per call, when recording
     quantized: dict[str, Quantized] = field(default_factory=dict)  # checkpoint key -> its quantized form
     _group: tuple[tuple[int, int], dict[str, torch.Tensor]] | None = None  # ((first, last), parameter -> fp32 slice)
@@ -182,6 +183,8 @@ class ExpertStack:
         if self.recording:
             self.calls.append(tuple(t.detach().to(self.home(hidden_states)) for t in
                                     (hidden_states, top_k_index, top_k_weights)))
+        if self.idle:
+            return torch.zeros_like(hidden_states)
         n = self.experts
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():

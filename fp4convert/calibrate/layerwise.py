@@ -71,8 +71,8 @@ class Visit:
     tail: bool = False  # the linears outside the blocks (index len(layers), prefix ""): nothing runs after them
     # run the block again on the same inputs, its weights as now loaded, observing only these inputs (GPTQ's
     # true-sequential order: a linear calibrated on the outputs of the block's linears quantized before it);
-    # returns the block's outputs
-    again: Callable[[Collection[str]], list] | None = None
+    # returns the block's outputs (outputs=False: not wanted; a streamed expert stack not observed is then idle)
+    again: Callable[..., list] | None = None
     # input name -> the norm module whose output every call of it was (its weight can take a per-channel
     # scale of that input: GPTQ's smoothing); inputs fed by anything else are absent
     fed: dict[str, str] = field(default_factory=dict)
@@ -173,12 +173,18 @@ class LayerwiseModel(BlockWeights):
                     if t.routed is not None:
                         never += [f"{t.name}.{e}" for e in (t.routed == 0).nonzero().flatten().tolist()]
 
-                def again(names: Collection[str], _i=i, _block=block, _prefix=prefix, _hs=hs) -> list:
+                def again(names: Collection[str], outputs: bool = True, _i=i, _block=block, _prefix=prefix,
+                          _hs=hs) -> list:
                     observers.only = set(names)
+                    idle = [] if outputs else list(self.stacks.get(_i, {}).values())
+                    for st in idle:
+                        st.idle = True  # (its output is not wanted: nothing observed comes after a block's experts)
                     try:
                         return self._observed_run(_i, _block, _prefix, calls[_i], _hs, reps[_i], observers)[0]
                     finally:
                         observers.only = None
+                        for st in idle:
+                            st.idle = False
 
                 visit = Visit(i, prefix, again=again, fed={k: v for k, v in fed.items() if v}, outputs=outs, reads=reads,
                               stacks=self.stacks.get(i, {}))

@@ -246,7 +246,7 @@ class GPTQ:
                 observers.drop(names)
                 assert visit.again is not None  # (every block visit has it; the tail visit has no steps)
                 with timing.timed("gptq_again"):
-                    visit.again(names)
+                    visit.again(names, outputs=False)
             act_rounding.round_hessians(step, observers, self.inputs, acts)
             disk, got = self.sweep(visit.index, step, observers, read)
             replaced.update(disk)
@@ -259,7 +259,8 @@ class GPTQ:
             if self.settings.true_sequential and made:
                 assert visit.again is not None
                 with timing.timed("gptq_again"):
-                    visit.again(list(visit.stacks))  # (the stacks' inputs recorded again, the linears before them quantized)
+                    visit.again(list(visit.stacks), outputs=False)  # (the stacks' inputs recorded again: the linears
+                    # before them quantized)
             for stack in visit.stacks.values():
                 with timing.timed("gptq_experts"):
                     self.quantize_stack(visit, stack, [d for d in experts if streamed[d.info.name] is stack], observers)
