@@ -50,10 +50,14 @@ def shape_config(shape: str, layers: int) -> dict:
             num_attention_heads=32 if big else 4, num_key_value_heads=4 if big else 2, head_dim=128 if big else 32,
             num_hidden_layers=layers, norm_topk_prob=True, max_position_embeddings=40960, tie_word_embeddings=False,
             rms_norm_eps=1e-6)
-    elif shape == "deepseek-v3":
+    elif shape in ("deepseek-v3", "tiny-deepseek"):
         import transformers as tf
 
-        cfg = tf.DeepseekV3Config(num_hidden_layers=layers)
+        small = {} if shape == "deepseek-v3" else dict(
+            vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=16,
+            num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=128, kv_lora_rank=64,
+            qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, num_attention_heads=4, num_key_value_heads=4)
+        cfg = tf.DeepseekV3Config(num_hidden_layers=layers, **small)
     else:
         raise SystemExit(f"unknown shape {shape}")
     out = cfg.to_dict()
@@ -75,7 +79,7 @@ def checkpoint_tensors(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
     with torch.device("meta"):
         model = getattr(tf, cfg["architectures"][0])(config)
     out = []
-    for name, p in model.named_parameters():
+    for name, p in model.state_dict().items():  # (persistent buffers too: DeepSeek's e_score_correction_bias)
         shape = tuple(p.shape)
         if name.endswith("experts.gate_up_proj"):
             e, two_i, h = shape
@@ -285,7 +289,7 @@ def run_peer(src: Path, dst: Path, text: Path, samples: int, seq_len: int, pytho
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "deepseek-v3", "tiny"])
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "deepseek-v3", "tiny", "tiny-deepseek"])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--samples", type=int, default=256)
     ap.add_argument("--seq-len", type=int, default=2048)

@@ -35,13 +35,21 @@ def _moe_block(lm) -> int:
     raise AssertionError("no streamed expert stack")
 
 
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")])]
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
 @pytest.mark.parametrize("group", [1, 2, None])
-def test_the_streamed_forward_is_the_module_s_own_bit_for_bit(models, family, group):
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_streamed_forward_is_the_module_s_own_bit_for_bit(models, family, group, device):
     """The stack's canonical eager forward with its weights read a group at a time gives the module's own outputs
     bit for bit, whatever the group size (None: the whole stack at once), for a routing that leaves some
     experts unused; the stack's tensors are materialized only a group at a time."""
-    lm = calibrate.LayerwiseModel(open_source(str(models[family])), torch.device("cpu"))
+    lm = calibrate.LayerwiseModel(open_source(str(models[family])), torch.device(device))
     i = _moe_block(lm)
     (stack,) = lm.stacks[i].values()
     assert ex.streamable(stack.module) and stack.module.forward == stack.forward
@@ -50,10 +58,10 @@ def test_the_streamed_forward_is_the_module_s_own_bit_for_bit(models, family, gr
         stack.group = group
     h = stack.module._parameters["gate_up_proj"].shape[2]
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(37, h, generator=g)
+    x = torch.randn(37, h, generator=g).to(device)
     k = min(2, n)
-    idx = torch.stack([torch.randperm(n - 1, generator=g)[:k] for _ in range(37)])  # expert n-1 never chosen
-    w = torch.rand(37, k, generator=g)
+    idx = torch.stack([torch.randperm(n - 1, generator=g)[:k] for _ in range(37)]).to(device)  # expert n-1 never chosen
+    w = torch.rand(37, k, generator=g).to(device)
     streamed = stack.forward(x, idx, w)
     assert stack.peak_bytes <= 4 * stack.group * (stack.module._parameters["gate_up_proj"][0].numel()
                                                   + stack.module._parameters["down_proj"][0].numel())

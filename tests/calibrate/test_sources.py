@@ -51,8 +51,8 @@ def _variants(tmp_path: Path, family: str, kind: str) -> tuple[Path, Path]:
     return add_tokenizer(q), add_tokenizer(twin)
 
 
-def _quantize(src: Path, dst: Path, text: Path, *extra) -> dict[str, torch.Tensor]:
-    r = CliRunner().invoke(main, ["quantize", str(src), str(dst), "--device", "cpu", "--calibration-data", str(text),
+def _quantize(src: Path, dst: Path, text: Path, *extra, device: str = "cpu") -> dict[str, torch.Tensor]:
+    r = CliRunner().invoke(main, ["quantize", str(src), str(dst), "--device", device, "--calibration-data", str(text),
                                   "--calibration-samples", "4", "--calibration-seq-len", "32", "-q", *extra],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
@@ -114,3 +114,17 @@ def test_the_decoded_block_is_on_the_run_device_and_never_written(tmp_path, monk
     assert set(decoded) >= set(fp8)  # every FP8 weight decoded as its block loaded
     new = {p for p in tmp_path.rglob("*") if p.is_file()} - before
     assert all(p.is_relative_to(tmp_path / "out") for p in new if p.suffix == ".safetensors"), new
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_an_fp8_source_calibrates_on_the_gpu_as_its_twin(tmp_path, text, family):
+    """On a GPU the FP8 codes cross to the device as they are and the CUDA decode kernel makes the fp32 weights: the
+    GPTQ bytes equal the fp32 twin's on the same GPU (deterministic there, docs/numerics.md "GPTQ")."""
+    src, twin = _variants(tmp_path, family, "fp8-block")
+    got = _quantize(src, tmp_path / "from-source", text, "--method", "gptq", device="cuda")
+    want = _quantize(twin, tmp_path / "from-twin", text, "--method", "gptq", device="cuda")
+    keys = [k for k in want if k.endswith(("weight_packed", "weight_scale", "weight_global_scale"))]
+    assert keys and all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in keys)
+
