@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from fp4convert.calibrate.resume import Checkpoint
     from fp4convert.calibrate.stats import Observers
 
 log = logging.getLogger(__name__)
@@ -128,18 +129,20 @@ class LayerwiseModel(BlockWeights):
             return block_output(run_block(self.layers[i], i, args, kwargs))
 
     def observe(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
-                micro_batch: int = MICRO_BATCH, progress: bool = True, outside: Collection[str] = ()) -> None:
+                micro_batch: int = MICRO_BATCH, progress: bool = True, outside: Collection[str] = (),
+                checkpoint: Checkpoint | None = None) -> None:
         """Run the calibration tokens block by block, feeding ``observers`` with every linear's input
         (names: the module's; expert stacks ``{path}:in`` and ``{path}:down:{e}``; ``lm_head``'s input with
         ``head``; the linears outside the blocks named in ``outside``, :mod:`~fp4convert.calibrate.tail`).
         Raises PlanError when a block's output is not finite."""
         for _ in self.blocks(tokens, observers, head=head, micro_batch=micro_batch, progress=progress,
-                             outside=outside):
+                             outside=outside, checkpoint=checkpoint):
             pass
 
     def blocks(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
                micro_batch: int = MICRO_BATCH, progress: bool = True, desc: str = "calibrate: blocks",
-               outside: Collection[str] = (), keep_reads: bool = False, stream_experts: bool = False):
+               outside: Collection[str] = (), keep_reads: bool = False, stream_experts: bool = False,
+               checkpoint: Checkpoint | None = None):
         """:meth:`observe` as a generator: after block ``i`` has run on every micro-batch with its inputs
         observed, it yields a :class:`Visit` while the block's weights are still loaded. The caller may
         quantize them and :meth:`reload_block` the block with the quantized weights (GPTQ's sequential
@@ -150,7 +153,9 @@ class LayerwiseModel(BlockWeights):
         on the last block's outputs (:func:`~fp4convert.calibrate.tail.tail_pass`) and a :class:`Visit`
         with ``tail`` set is yielded. ``keep_reads``: each visit carries the block's checkpoint tensors as read
         (:attr:`Visit.reads`). ``stream_experts``: the block's expert stacks that can run a group of experts at a
-        time are streamed (:attr:`Visit.stacks`; their inputs are recorded, not observed)."""
+        time are streamed (:attr:`Visit.stacks`; their inputs are recorded, not observed). ``checkpoint``: the
+        pass starts where an interrupted one stopped (its saved block index and hidden states) and keeps its own
+        progress as blocks finish (:class:`~fp4convert.calibrate.resume.PassCheckpoint`)."""
         import torch
 
         self.check_tokens(tokens)
@@ -159,10 +164,22 @@ class LayerwiseModel(BlockWeights):
             calls = self.capture(batches)
         reps = repeats(calls, len(batches))
         hs = [self._hidden_of(0, *calls[0][k * reps[0]]) for k in range(len(batches))]
+        first = 0
+        resumed = checkpoint.start(len(batches)) if checkpoint is not None else None
+        if resumed is not None:
+            first, hs = resumed
+            hs = [h.to(self.device) for h in hs]
+            for j in range(first):
+                calls[j] = []
+            log.info("calibration resumed at block %d of %d (the blocks before it kept)", first, len(self.layers))
         try:
-            bar = progress_bar(len(self.layers), desc, progress, tokens_per_unit=int(tokens.numel()))
+            bar = progress_bar(len(self.layers) - first, desc, progress, tokens_per_unit=int(tokens.numel()))
             never: list[str] = []
+            if first:
+                self.read_ahead(first)
             for i, block in enumerate(self.layers):
+                if i < first:
+                    continue
                 prefix = f"{self.layers_name}.{i}."
                 with timing.timed("calibrate_load"):
                     reads = self.load_block(i, keep_reads=keep_reads, stream=stream_experts)
@@ -198,6 +215,8 @@ class LayerwiseModel(BlockWeights):
                                     f"no activation statistics can be taken from it: give other calibration data, {self.other}")
                 hs = outs
                 calls[i] = []  # this block's recorded arguments are not needed again
+                if checkpoint is not None:
+                    checkpoint.save(i + 1, hs)
                 bar.update(1)
             bar.close()
         finally:

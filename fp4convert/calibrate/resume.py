@@ -15,8 +15,10 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from fp4convert.quantizer.backend import InputWeight
 
@@ -111,3 +113,86 @@ def save(k: str | None, st: Statistics) -> None:
         os.replace(tmp, d / f"{k}.json")
     except OSError as exc:
         log.debug("calibration result not kept (%s)", exc)
+
+
+class Checkpoint(Protocol):
+    """What the block runner asks of a pass's checkpoint (:meth:`fp4convert.calibrate.layerwise.LayerwiseModel.blocks`)."""
+
+    def start(self, batches: int) -> tuple[int, list] | None:
+        """(the first block to run, the hidden states entering it per micro-batch) of an interrupted pass, or None."""
+        ...
+
+    def save(self, done: int, hidden: list) -> None:
+        """Blocks ``0 .. done-1`` are finished; ``hidden``: the inputs of block ``done``."""
+        ...
+
+
+SAVE_EVERY_S = 60.0  # a pass's state larger than SMALL is kept at most this often (a resume redoes the blocks since)
+SMALL = 256 << 20  # ... a smaller one after every block
+
+
+class PassCheckpoint:
+    """A calibration pass's progress, kept as its blocks finish (``--resume`` after a Ctrl-C, a kill or an
+    out-of-memory stop continues at the block it was kept at, with the bytes of an uninterrupted run): the hidden
+    states entering the next block, the observers' statistics (amax, mean squares: never a Hessian, a pass drops
+    a block's once done), the method's own state (``state`` / ``restore``), and the blocks its store holds on disk
+    (``store``: flushed at each save). Kept in ``root`` (the resume cache's folder of the pass); None: nothing."""
+
+    def __init__(self, root: Path | None, observers, device, state=None, restore=None, store=None) -> None:
+        self.root = None if root is None else Path(root)
+        self.observers, self.device, self.state, self.restore, self.store = observers, device, state, restore, store
+        self._last = time.monotonic()
+
+    def start(self, batches: int) -> tuple[int, list] | None:
+        from safetensors.torch import load_file
+
+        if self.root is None:
+            return None
+        try:
+            rec = json.loads((self.root / "state.json").read_text())
+            if rec.get("batches") != batches:
+                return None
+            hidden = load_file(str(self.root / "hidden.safetensors"))
+            stats = load_file(str(self.root / "observers.safetensors"))
+        except (OSError, ValueError, KeyError):
+            return None
+        self.observers.restore(rec["observers"], stats, self.device)
+        if self.restore is not None:
+            self.restore(rec.get("method") or {})
+        return int(rec["done"]), [hidden[f"h{k}"] for k in range(batches)]
+
+    def save(self, done: int, hidden: list) -> None:
+        """Keep the pass's state now if it is small, or once SAVE_EVERY_S passed since the last save."""
+        if self.root is None:
+            return
+        size = sum(h.numel() * h.element_size() for h in hidden)
+        if size > SMALL and time.monotonic() - self._last < SAVE_EVERY_S:
+            return
+        from safetensors.torch import save_file
+
+        from fp4convert import timing
+
+        with timing.timed("calibrate_checkpoint"):
+            if self.store is not None:
+                self.store.persist_partial()  # (the finished blocks' bytes on disk first)
+            record, stats = self.observers.state()
+            tmp = self.root.with_name(self.root.name + ".partial")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            save_file({f"h{k}": h.detach().contiguous().cpu() for k, h in enumerate(hidden)}, str(tmp / "hidden.safetensors"))
+            save_file(stats, str(tmp / "observers.safetensors"))
+            (tmp / "state.json").write_text(json.dumps({"done": done, "batches": len(hidden), "observers": record,
+                                                        "method": self.state() if self.state is not None else {}}))
+            shutil.rmtree(self.root, ignore_errors=True)
+            os.replace(tmp, self.root)
+        self._last = time.monotonic()
+
+    def remove(self) -> None:
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def pass_dir(k: str | None, which: str = "") -> Path | None:
+    """Where a pass keyed ``k`` keeps its progress (``which``: one of several passes of a run, e.g. "random"); None
+    for a pass that cannot be kept (a Hub source)."""
+    return None if k is None else keep_dir() / f"{k}{'.' + which if which else ''}.pass"

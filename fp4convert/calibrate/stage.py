@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import shutil
 from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,7 +46,7 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
                    micro_batch: int = MICRO_BATCH,
                    mean_square: dict[str, torch.Tensor] | None = None,
                    rotate: str | None = None, rotated_amax: bool = False,
-                   outside: set[str] | None = None) -> dict[str, torch.Tensor]:
+                   outside: set[str] | None = None, checkpoint: Path | None = None) -> dict[str, torch.Tensor]:
     """The fp32 amax of every observed input, by the runner's names (a linear's module name; expert
     stacks ``{path}:in`` / ``{path}:down:{e}``), block by block; also ``lm_head`` (the head's input)
     when ``wanted`` or ``outside`` names it. ``outside``: the runner names outside the blocks to observe
@@ -56,10 +57,14 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
     weight scale rules' block error track the layer's output error (reference.block_error).
     ``rotate`` ("had16"): the mean squares are those of the rotated inputs ``x H``; the amax stays
     that of the plain inputs unless ``rotated_amax`` (W4A4 with a rotation: the engine quantizes x H).
+    ``checkpoint``: where the pass keeps its progress as blocks finish (and finds an interrupted one's).
     """
+    from fp4convert.calibrate.resume import PassCheckpoint
+
     obs = Observers(squares=mean_square is not None, rotate=rotate, rotated_amax=rotated_amax)
     head = bool(wanted and HEAD in wanted) or bool(outside and HEAD in outside)
-    lm.observe(tokens, obs, head=head, micro_batch=micro_batch, outside=outside or ())
+    kept = PassCheckpoint(checkpoint, obs, lm.device) if checkpoint is not None else None
+    lm.observe(tokens, obs, head=head, micro_batch=micro_batch, outside=outside or (), checkpoint=kept)
     if mean_square is not None:
         mean_square.update(obs.mean_squares())
     return obs.amax()
@@ -123,21 +128,34 @@ def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Sta
         kept = resume.load(key)
         if kept is not None:
             return kept
+    if not config.resume:  # (a pass an earlier run left unfinished is not continued without --resume)
+        for where in (resume.pass_dir(key), resume.pass_dir(key, "random")):
+            if where is not None:
+                shutil.rmtree(where, ignore_errors=True)
     try:
-        measured = _measure(source, plan, config, cal, device, out, modules, resume.store_dir(key))
+        measured = _measure(source, plan, config, cal, device, out, modules, key)
     except KeyboardInterrupt:
         from fp4convert.errors import Interrupted
 
-        raise Interrupted("interrupted during calibration, before anything was written (nothing is kept: the "
-                          "statistics are kept once measured); run the same command again") from None
+        if key is None:
+            raise Interrupted("interrupted during calibration, before anything was written (a Hub source's "
+                              "calibration is not kept); run the same command again") from None
+        raise Interrupted("interrupted during calibration, before anything was written; the blocks it finished are "
+                          "kept: run the same command with --resume to continue from them") from None
     resume.save(key, measured)
+    for where in (resume.pass_dir(key), resume.pass_dir(key, "random")):
+        if where is not None:
+            shutil.rmtree(where, ignore_errors=True)
     return measured
 
 
 def _measure(source: Source, plan: Plan, config: ConvertConfig, cal: CalibrationPlan, device, out: Statistics,
-             modules: list[str], store_dir: Path) -> Statistics:
-    """The passes of ``cal`` on the model built from ``source`` (see :func:`statistics`)."""
+             modules: list[str], key: str | None) -> Statistics:
+    """The passes of ``cal`` on the model built from ``source`` (see :func:`statistics`); each keeps its progress
+    under the resume cache's ``key`` as its blocks finish (``--resume`` continues it)."""
     import torch
+
+    from fp4convert.calibrate import resume
 
     what, other = cal.words()
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -166,13 +184,13 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, cal: Calibration
         tokens, data_record = _tokens(lm, root, cal.samples, running, what, other)
         if cal.method is not None:
             with running():
-                raw = by_module(_method_pass(lm, plan, config, cal, tokens, inputs, set(modules), store_dir, out))
+                raw = by_module(_method_pass(lm, plan, config, cal, tokens, inputs, set(modules), key, out))
         else:
             with running():
                 raw = by_module(layerwise_amax(lm, tokens, set(modules),
                                                mean_square=mean_square if cal.input_weights == "calibration" else None,
                                                rotate=cal.rotate, rotated_amax=bool(cal.rotate) and cal.activations != "none",
-                                               outside=outside))
+                                               outside=outside, checkpoint=resume.pass_dir(key)))
         calibrated = {"data": data_record, "samples": int(tokens.shape[0]), "seq_len": int(tokens.shape[1]),
                       "seed": cal.samples.seed, "tokenizer_sha256": tokenizer_digest(root)}
         if amax_pass:
@@ -184,7 +202,8 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, cal: Calibration
         r = cal.random
         tokens = random_tokens(r.vocab or 1, r.count, r.seq_len, r.seed)
         with running():
-            layerwise_amax(lm, tokens, set(modules), mean_square=mean_square, rotate=cal.rotate, outside=outside)
+            layerwise_amax(lm, tokens, set(modules), mean_square=mean_square, rotate=cal.rotate, outside=outside,
+                           checkpoint=resume.pass_dir(key, "random"))
         described = {"source": "random", "samples": r.count, "seq_len": r.seq_len, "seed": r.seed, "vocab_size": r.vocab}
     if cal.input_weights != "none":
         out.input_weights, out.input_weight_record = input_weights_for(plan, by_module(mean_square), described,
@@ -215,25 +234,30 @@ def _tokens(lm: LayerwiseModel, root: Path, samples: Samples, running, what: str
 
 
 def _method_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, cal: CalibrationPlan, tokens: torch.Tensor,
-                 inputs: dict[str, str], wanted: set[str], store_dir: Path, out: Statistics) -> dict[str, torch.Tensor]:
+                 inputs: dict[str, str], wanted: set[str], key: str | None, out: Statistics) -> dict[str, torch.Tensor]:
     """The calibrated method's pass over every block (``--method``, :mod:`fp4convert.calibrate.methods`):
-    the matrices it quantizes go to a store in ``store_dir`` (``out.store``); the inputs' amax, taken in
-    the same pass (W4A4), is returned by runner name."""
+    the matrices it quantizes go to a store (``out.store``); the inputs' amax, taken in the same pass (W4A4), is
+    returned by runner name. Its progress is kept as blocks finish (an interrupted pass's store, observers and
+    method state, :class:`~fp4convert.calibrate.resume.PassCheckpoint`); ``--resume`` continues from them."""
+    from fp4convert.calibrate import resume
     from fp4convert.calibrate.methods import get_method
     from fp4convert.calibrate.store import Store, memory_budget
 
     assert cal.method is not None
     cls = get_method(cal.method.name)
-    store = Store.create(store_dir, memory=memory_budget())
+    where = resume.store_dir(key)
+    store = Store.resume(where, memory=memory_budget()) if config.resume else Store.create(where, memory=memory_budget())
     obs = Observers(squares=cls.squares, hessian=cls.hessian, rotate=cal.rotate,
                     rotated_amax=bool(cal.rotate) and cal.activations != "none")
     method = cls(lm, plan, config, cal.method, inputs, store)
+    checkpoint = resume.PassCheckpoint(resume.pass_dir(key), obs, lm.device, method.state, method.restore, store)
     try:
-        method.run(tokens, obs, head="lm_head" in wanted, micro_batch=MICRO_BATCH, progress=True)
+        method.run(tokens, obs, head="lm_head" in wanted, micro_batch=MICRO_BATCH, progress=True, checkpoint=checkpoint)
         with timing.timed("calibrate_store_wait"):  # (the block files still being written after the last block)
             store.finish()
     except BaseException:
-        store.remove()  # an interrupted pass keeps nothing (its index would be missing anyway)
+        if key is None:
+            store.remove()  # (a pass that cannot be kept: a Hub source's)
         raise
     out.store, out.method_record = store, {**method.record(), "numerics": numerics(lm.device)}
     if method.unseen:

@@ -203,6 +203,34 @@ class Observers(dict):
             self._alias.pop(n, None)
         self._last = None
 
+    def state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What these observers hold between blocks (amax, mean-square sums, counts; never a Hessian: a pass drops
+        a block's once it is quantized), as (JSON-able record, tensors by key), for a pass's checkpoint."""
+        record: dict = {"alias": dict(self._alias), "observers": {}}
+        tensors: dict[str, torch.Tensor] = {}
+        for n, o in self.items():
+            if n in self._alias:
+                continue
+            record["observers"][n] = {"count": o.count, "shapes": sorted(o.shapes)}
+            for field_name in ("amax", "sum_sq"):
+                t = getattr(o, field_name)
+                if t is not None:
+                    tensors[f"{n}:{field_name}"] = t.detach().cpu()
+        return record, tensors
+
+    def restore(self, record: dict, tensors: dict[str, torch.Tensor], device) -> None:
+        """Take back :meth:`state`'s statistics (on ``device``)."""
+        for n, rec in record["observers"].items():
+            o = self[n] = Observer(self.squares, self.hessian, self.rotate, self.rotated_amax, keep_tokens=n in self.keep_tokens)
+            o.count, o.shapes = int(rec["count"]), set(rec["shapes"])
+            for field_name in ("amax", "sum_sq"):
+                t = tensors.get(f"{n}:{field_name}")
+                if t is not None:
+                    setattr(o, field_name, t.to(device))
+        for n, target in record["alias"].items():
+            self._alias[n] = target
+            self[n] = self[target]
+
     def amax(self) -> dict[str, torch.Tensor]:
         """name -> fp32 amax on the CPU (one sync at the end)."""
         return {n: o.amax.cpu() for n, o in self.items() if o.amax is not None}

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 INDEX = "index.json"
+PARTIAL = "partial.json"  # the blocks an interrupted pass finished (its checkpoint's)
 MEMORY_MAX = 16 << 30  # block files held in memory at most (bytes)
 MEMORY_SHARE = 0.25  # ... and at most this share of the host's free memory
 
@@ -71,6 +72,33 @@ class Store:
             shutil.rmtree(root)
         root.mkdir(parents=True)
         return cls(root, memory=memory)
+
+    @classmethod
+    def resume(cls, root: Path, memory: int = 0) -> Store:
+        """The store an interrupted pass left in ``root`` (the blocks its last checkpoint flushed,
+        :meth:`persist_partial`), to add the rest to; an empty one when there is none."""
+        root = Path(root)
+        try:
+            record = json.loads((root / PARTIAL).read_text())
+            index, changed, by = record["matrices"], record.get("changed", {}), record.get("changed_by", {})
+            if all((root / f).is_file() for f in {*index.values(), *changed.values()}):
+                return cls(root, index, memory=memory, changed=changed, changed_by=by)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        return cls.create(root, memory=memory)
+
+    def persist_partial(self) -> None:
+        """Every block added so far on disk, and listed (``partial.json``): what :meth:`resume` continues from
+        after an interruption."""
+        self.wait()
+        for name, tensors in list(self._held.items()):
+            self._save(name, tensors)
+            del self._held[name]
+        self._held_bytes = 0
+        tmp = self.root / (PARTIAL + ".partial")
+        tmp.write_text(json.dumps({"matrices": self.index, "changed": self.changed, "changed_by": self.changed_by},
+                                  sort_keys=True))
+        os.replace(tmp, self.root / PARTIAL)
 
     @classmethod
     def load(cls, root: Path) -> Store | None:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from fp4convert.calibrate.layerwise import LayerwiseModel
+    from fp4convert.calibrate.resume import Checkpoint
     from fp4convert.calibrate.stats import Observers
     from fp4convert.calibrate.store import Store
     from fp4convert.config import ConvertConfig, MethodSettings
@@ -71,8 +72,18 @@ class Method(Protocol):
         runner's name of the input it multiplies."""
         ...
 
-    def run(self, tokens: torch.Tensor, observers: Observers, head: bool, micro_batch: int, progress: bool) -> None:
-        """The pass over every block: observe, quantize into the store, reload the block quantized."""
+    def run(self, tokens: torch.Tensor, observers: Observers, head: bool, micro_batch: int, progress: bool,
+            checkpoint: Checkpoint | None = None) -> None:
+        """The pass over every block: observe, quantize into the store, reload the block quantized (``checkpoint``:
+        passed to the block runner, which starts where an interrupted pass stopped and keeps its progress)."""
+        ...
+
+    def state(self) -> dict:
+        """What the method has gathered so far besides the store's bytes (JSON-able): kept with a pass's progress."""
+        ...
+
+    def restore(self, state: dict) -> None:
+        """Take back :meth:`state` (an interrupted pass continued by ``--resume``)."""
         ...
 
     @property

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from fp4convert.calibrate.experts import ExpertStack
     from fp4convert.calibrate.layerwise import LayerwiseModel, Visit
+    from fp4convert.calibrate.resume import Checkpoint
     from fp4convert.config import ConvertConfig, Recipe
     from fp4convert.plan.planner import Plan
     from fp4convert.plan.types import Decision, Matrix
@@ -189,7 +190,15 @@ class GPTQ:
             return gptq_sweep
         return gptq.sweep_batch
 
-    def run(self, tokens: torch.Tensor, observers: Observers, head: bool, micro_batch: int, progress: bool) -> None:
+    def state(self) -> dict:
+        return {"damped": self.damped, "unseen": self._unseen, "smoothed": self.smoothed, "experts": self.experts}
+
+    def restore(self, state: dict) -> None:
+        self.damped, self._unseen = dict(state.get("damped", {})), list(state.get("unseen", []))
+        self.smoothed, self.experts = dict(state.get("smoothed", {})), dict(state.get("experts", {}))
+
+    def run(self, tokens: torch.Tensor, observers: Observers, head: bool, micro_batch: int, progress: bool,
+            checkpoint: Checkpoint | None = None) -> None:
         """The sequential pass over every block, then the linears outside the blocks (observers must keep
         Hessians)."""
         outside = outside_names(self.lm, [self.inputs[m.module] for d in self.outside for m in d.matrices
@@ -200,7 +209,7 @@ class GPTQ:
         try:
             for visit in self.lm.blocks(tokens, observers, head=head or HEAD in outside, micro_batch=micro_batch,
                                         progress=progress, desc="gptq: blocks", outside=outside, keep_reads=True,
-                                        stream_experts=True):
+                                        stream_experts=True, checkpoint=checkpoint):
                 if visit.tail:
                     tail = True
                     self.quantize_outside(visit.index, observers)
