@@ -116,8 +116,9 @@ class ExpertStack:
     scheme: str = "nvfp4"
     rotate: str | None = None
     recording: bool = False
+    chunk: int = 0  # the chunk of calibration samples the micro-batch being run belongs to (Observer.parts)
     idle: bool = False  # a run whose outputs nobody reads (a true-sequential step): recorded, not computed (zeros)
-    calls: list = field(default_factory=list)  # (hidden states, top-k index, top-k weights) per call, when recording
+    calls: list = field(default_factory=list)  # (chunk, hidden states, top-k index, top-k weights) per call, recorded
     quantized: dict[str, Quantized] = field(default_factory=dict)  # checkpoint key -> its quantized form
     _group: tuple[tuple[int, int], dict[str, torch.Tensor]] | None = None  # ((first, last), parameter -> fp32 slice)
     peak_bytes: int = 0  # the most fp32 expert bytes materialized at once (tests check the bound)
@@ -181,8 +182,8 @@ class ExpertStack:
         import torch.nn.functional as F
 
         if self.recording:
-            self.calls.append(tuple(t.detach().to(self.home(hidden_states)) for t in
-                                    (hidden_states, top_k_index, top_k_weights)))
+            self.calls.append((self.chunk, *(t.detach().to(self.home(hidden_states)) for t in
+                                             (hidden_states, top_k_index, top_k_weights))))
         if self.idle:
             return torch.zeros_like(hidden_states)
         n = self.experts
@@ -215,7 +216,7 @@ class ExpertStack:
         import torch
 
         out: dict[int, list[torch.Tensor]] = {e: [] for e in range(first, last)}
-        for _, idx, _w in self.calls:
+        for _c, _x, idx, _w in self.calls:
             idx = idx.to(self.weights.device)
             for e in range(first, last):
                 out[e].append(torch.nonzero((idx == e).any(dim=-1)).flatten())
@@ -227,7 +228,7 @@ class ExpertStack:
 
         n = self.experts
         total = torch.zeros(n + 1, dtype=torch.long)
-        for _, idx, _w in self.calls:
+        for _c, _x, idx, _w in self.calls:
             total += torch.bincount(idx.reshape(-1).clamp(0, n).long().cpu(), minlength=n + 1)[: n + 1]
         return [int(c) for c in total[:n]]
 
@@ -288,17 +289,17 @@ def dequantized(q: Quantized, scheme: str, rotate: str | None) -> torch.Tensor:
     return ref.mxfp4_dequantize(q.packed, q.scale, rotate)
 
 
-def expert_inputs(stack: ExpertStack, first: int, last: int, every: set[int]) -> dict[int, list[torch.Tensor]]:
-    """For experts ``first .. last-1``: the recorded tokens each sees, call by call, on the run's device: the
-    tokens the router sent it, or every token for the experts in ``every`` (the policy for an expert sent too
-    few for a sound Hessian, docs/numerics.md "GPTQ", "Experts")."""
+def expert_inputs(stack: ExpertStack, first: int, last: int, every: set[int]) -> dict[int, list[tuple[int, torch.Tensor]]]:
+    """For experts ``first .. last-1``: the recorded tokens each sees, call by call, on the run's device, with their
+    chunk: the tokens the router sent it, or every token for the experts in ``every`` (the policy for an expert sent
+    too few for a sound Hessian, docs/numerics.md "GPTQ", "Experts")."""
     routed = stack.routed(first, last)
     out: dict[int, list] = {}
     for e in range(first, last):
         xs = []
-        for (x, _i, _w), idx in zip(stack.calls, routed[e]):
+        for (chunk, x, _i, _w), idx in zip(stack.calls, routed[e]):
             x = x.to(stack.weights.device)
-            xs.append(x if e in every else x[idx])
+            xs.append((chunk, x if e in every else x[idx]))
         out[e] = xs
     return out
 
@@ -310,8 +311,8 @@ def input_observers(inputs: dict[int, list[torch.Tensor]], rotate: str | None) -
     out = {}
     for e, xs in inputs.items():
         o = out[e] = Observer(hessian=True, rotate=rotate)
-        for x in xs:
-            o.add(x)
+        for chunk, x in xs:
+            o.add(x, chunk)
     return out
 
 
@@ -327,10 +328,10 @@ def down_observers(stack: ExpertStack, first: int, last: int, inputs: dict[int, 
     out = {}
     for e in range(first, last):
         o = out[e] = Observer(hessian=True, rotate=rotate)
-        for x in inputs[e]:
-            o.add(stack.gate(x, group[e - first]))
+        for chunk, x in inputs[e]:
+            o.add(stack.gate(x, group[e - first]), chunk)
         if note is not None:
-            for x, _i, _w in stack.calls:
+            for _c, x, _i, _w in stack.calls:
                 note(f"{stack.path}:down:{e}", stack.gate(x.to(group.device), group[e - first]))
     return out
 

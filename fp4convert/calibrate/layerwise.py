@@ -59,7 +59,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MICRO_BATCH = 8  # samples per forward (bounds the intermediates; the statistics do not depend on it)
+MICRO_BATCH = 8  # samples per forward (bounds the intermediates)
+CHUNK = 4  # micro-batches whose statistics are summed together before the chunks are added (Observer.parts): the
+# unit of calibration samples a torchrun rank owns, so the sums do not depend on how many ranks share the work
 
 
 @dataclass
@@ -155,11 +157,15 @@ class LayerwiseModel(BlockWeights):
         (:attr:`Visit.reads`). ``stream_experts``: the block's expert stacks that can run a group of experts at a
         time are streamed (:attr:`Visit.stacks`; their inputs are recorded, not observed). ``checkpoint``: the
         pass starts where an interrupted one stopped (its saved block index and hidden states) and keeps its own
-        progress as blocks finish (:class:`~fp4convert.calibrate.resume.PassCheckpoint`)."""
+        progress as blocks finish (:class:`~fp4convert.calibrate.resume.PassCheckpoint`). Under torchrun
+        (:attr:`group`) this process runs its own chunks of micro-batches only (:func:`share`)."""
         import torch
 
         self.check_tokens(tokens)
-        batches = [tokens[s: s + micro_batch].to(self.device) for s in range(0, tokens.shape[0], micro_batch)]
+        mine = share(tokens.shape[0], micro_batch, self.group)
+        self._chunks = [k // CHUNK for k in mine]
+        timing.count("calibrate_micro_batches", len(mine))
+        batches = [tokens[k * micro_batch: (k + 1) * micro_batch].to(self.device) for k in mine]
         with timing.timed("calibrate_capture"):
             calls = self.capture(batches)
         reps = repeats(calls, len(batches))
@@ -227,7 +233,7 @@ class LayerwiseModel(BlockWeights):
         names = set(outside) - {HEAD}
         if names or (head and self.heads):
             with timing.timed("calibrate_tail"), fast_matmul(self.device):
-                tail_pass(self, self._forward, batches, names, head, observers, finals=hs)
+                tail_pass(self, self._forward, batches, names, head, observers, finals=hs, chunks=self._chunks)
             yield Visit(len(self.layers), "", tail=True)
 
     def _observed_run(self, i: int, block, prefix: str, calls: list, hs: list, reps: int,
@@ -262,9 +268,11 @@ class LayerwiseModel(BlockWeights):
                     lambda _m, _a, out, _n=prefix + n: last.__setitem__(0, (_n, out))))
             elif is_expert_stack(m):
                 taps.append(ExpertTap(prefix + n, m, observers))
+        self._observing = observers
         try:
             outs = self._run_block(i, block, calls, hs, reps)
         finally:
+            self._observing = None
             for hd in handles:
                 hd.remove()
             for t in taps:
@@ -279,8 +287,13 @@ class LayerwiseModel(BlockWeights):
         import torch
 
         outs = []
+        observers = self._observing
         with timing.timed("calibrate_forward"), fast_matmul(self.device):
             for k in range(len(hs)):
+                if observers is not None:
+                    observers.chunk = self._chunks[k]
+                for st in self.stacks.get(i, {}).values():
+                    st.chunk = self._chunks[k]
                 h = hs[k]
                 for r in range(reps):
                     a, kw = calls[k * reps + r]
@@ -356,6 +369,21 @@ class LayerwiseModel(BlockWeights):
                 else:
                     self._free_params([(f"{h}.{n}", p) for n, p in head.named_parameters()])
             self.free_outside()
+
+
+def share(samples: int, micro_batch: int, group=None) -> list[int]:
+    """The micro-batches (of ``samples`` samples, ``micro_batch`` each) this process runs: all of them in one
+    process; under torchrun, the chunks of CHUNK micro-batches whose index modulo the ranks is this rank's.
+    Refused when some rank would get none (every rank runs every block)."""
+    n = -(-samples // micro_batch)
+    if group is None or not group.distributed:
+        return list(range(n))
+    chunks = -(-n // CHUNK)
+    if chunks < group.size:
+        raise PlanError(f"{samples} calibration samples make {chunks} chunk(s) of {CHUNK * micro_batch} samples, fewer "
+                        f"than the {group.size} torchrun ranks (each runs whole chunks); give --calibration-samples "
+                        f"{group.size * CHUNK * micro_batch} or more, or run fewer ranks")
+    return [k for k in range(n) if (k // CHUNK) % group.size == group.rank]
 
 
 def is_norm(module) -> bool:

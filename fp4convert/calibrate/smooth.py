@@ -87,14 +87,15 @@ TOLERANCE = 1e-3  # the block's outputs may move by this much of their largest b
 
 
 def smooth_block(lm: LayerwiseModel, visit: Visit, decisions: list[Decision], observers: Observers,
-                 inputs: dict[str, str], alpha: float) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+                 inputs: dict[str, str], alpha: float, group=None) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """Smooth the visited block's norm-fed inputs: the norm weights and the reading linears' columns changed
     in :attr:`Visit.reads` (what the method quantizes and the block reloads), the held input tokens divided by
     the factors (their amax with them). Kept only if the block, run again, gives the same outputs (within
     TOLERANCE of their largest): a norm output read by anything else (a residual, an expert stack) would
     change them, and the block is then loaded back as it was. Returns (the changed norm weights, checkpoint
     name -> tensor in its dtype on the CPU, for the output; checkpoint name -> its readers and form, for
-    the record); ({}, {}) when nothing was smoothed."""
+    the record); ({}, {}) when nothing was smoothed. ``group``: this process's place in a torchrun job (the
+    inputs' per-channel amax and the outputs' change are every rank's)."""
     import torch
 
     from fp4convert.calibrate.weights import matrix_view
@@ -122,7 +123,7 @@ def smooth_block(lm: LayerwiseModel, visit: Visit, decisions: list[Decision], ob
         if not o.tokens:
             continue
         mats = [dm for n in names for dm in readers[n]]
-        x_amax = torch.stack([t.abs().amax(0) for t in o.tokens]).amax(0)
+        x_amax = _everyone_max(torch.stack([t.abs().amax(0) for _, t in o.tokens]).amax(0), group)
         w_amax = torch.stack([matrix_view(reads[d.info.name], m).abs().amax(0) for d, m in mats]).amax(0)
         dtype = torch_dtypes()[lm.infos[key].dtype]
         got = fold(modules[norm[len(visit.prefix):]], reads[key], scales(x_amax, w_amax, alpha), dtype)
@@ -143,6 +144,7 @@ def smooth_block(lm: LayerwiseModel, visit: Visit, decisions: list[Decision], ob
     lm.reload_block(visit, {**reads, **changed})
     after = visit.again([])
     worst = max((float((a - b).abs().max() / b.abs().max().clamp(min=1e-30)) for a, b in zip(after, before)), default=0.0)
+    worst = max(group.gather(worst)) if group is not None and group.distributed else worst
     if worst > TOLERANCE:
         log.warning("%s: smoothing changes the block's outputs by %.2g of their largest (a norm's output is read by "
                     "more than the quantized linears); not smoothed", visit.prefix[:-1], worst)
@@ -150,6 +152,15 @@ def smooth_block(lm: LayerwiseModel, visit: Visit, decisions: list[Decision], ob
         return {}, {}
     reads.update(changed)
     for o, eff in held:
-        o.tokens = [t / eff.to(t.device, t.dtype) for t in o.tokens]
-        o.amax = torch.stack([t.abs().amax() for t in o.tokens]).amax().float()
+        o.tokens = [(c, t / eff.to(t.device, t.dtype)) for c, t in o.tokens]
+        o.amax = _everyone_max(torch.stack([t.abs().amax() for _, t in o.tokens]).amax().float(), group)
     return out, record
+
+
+def _everyone_max(t: torch.Tensor, group) -> torch.Tensor:
+    """``t``'s elementwise maximum over the ranks of a torchrun job (``group``; one process: ``t``)."""
+    import torch
+
+    if group is None or not group.distributed:
+        return t
+    return torch.stack([x.to(t.device) for x in group.gather(t.cpu())]).amax(0)

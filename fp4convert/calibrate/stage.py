@@ -65,6 +65,7 @@ def layerwise_amax(lm: LayerwiseModel, tokens: torch.Tensor, wanted: set[str] | 
     head = bool(wanted and HEAD in wanted) or bool(outside and HEAD in outside)
     kept = PassCheckpoint(checkpoint, obs, lm.device) if checkpoint is not None else None
     lm.observe(tokens, obs, head=head, micro_batch=micro_batch, outside=outside or (), checkpoint=kept)
+    obs.gather(lm.group)  # (torchrun: every rank's amax and sums)
     if mean_square is not None:
         mean_square.update(obs.mean_squares())
     return obs.amax()
@@ -103,11 +104,13 @@ def plan_inputs(lm: LayerwiseModel, plan: Plan) -> dict[str, str]:
     return out
 
 
-def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Statistics:
+def statistics(source: Source, plan: Plan, config: ConvertConfig, device, group=None) -> Statistics:
     """Run what the plan's calibration (:attr:`Plan.calibration`, :class:`~fp4convert.plan.calibration.CalibrationPlan`)
     asks, before anything is written: the activation calibration of W4A4 NVFP4 (the mean squares are
     recorded in the same pass when the input weights come from it), a calibrated method's pass and, for
-    ``--input-weights random``, a pass over seeded random token ids."""
+    ``--input-weights random``, a pass over seeded random token ids. ``group``: this process's place in a torchrun
+    job (:class:`fp4convert.run.distributed.World`): the ranks share the calibration tokens by chunks and the
+    method's sweeps by matrices, and end with every rank's statistics (the bytes of one process)."""
     from fp4convert.calibrate.checks import plan_calibration
 
     cal = plan.calibration if plan.calibration is not None else plan_calibration(source, config)
@@ -124,6 +127,8 @@ def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Sta
     from fp4convert.calibrate import resume
 
     key = resume.key(source, cal, modules, None if device is None else str(device))
+    if key is not None and group is not None and group.distributed:
+        key = f"{key}.rank{group.rank}-of-{group.size}"  # (each rank keeps its own share's progress)
     if config.resume:
         kept = resume.load(key)
         if kept is not None:
@@ -133,7 +138,7 @@ def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Sta
             if where is not None:
                 shutil.rmtree(where, ignore_errors=True)
     try:
-        measured = _measure(source, plan, config, cal, device, out, modules, key)
+        measured = _measure(source, plan, config, cal, device, out, modules, key, group)
     except KeyboardInterrupt:
         from fp4convert.errors import Interrupted
 
@@ -150,7 +155,7 @@ def statistics(source: Source, plan: Plan, config: ConvertConfig, device) -> Sta
 
 
 def _measure(source: Source, plan: Plan, config: ConvertConfig, cal: CalibrationPlan, device, out: Statistics,
-             modules: list[str], key: str | None) -> Statistics:
+             modules: list[str], key: str | None, group=None) -> Statistics:
     """The passes of ``cal`` on the model built from ``source`` (see :func:`statistics`); each keeps its progress
     under the resume cache's ``key`` as its blocks finish (``--resume`` continues it)."""
     import torch
@@ -161,7 +166,7 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, cal: Calibration
     dev = torch.device(device) if device is not None else torch.device("cpu")
     root = Path(source.root)
     with model_errors(root, source.config(), "build the model of", other):
-        lm = LayerwiseModel(source, dev, other)
+        lm = LayerwiseModel(source, dev, other, group=group)
     inputs = plan_inputs(lm, plan)
 
     def by_module(stats: dict) -> dict:
@@ -259,6 +264,7 @@ def _method_pass(lm: LayerwiseModel, plan: Plan, config: ConvertConfig, cal: Cal
         if key is None:
             store.remove()  # (a pass that cannot be kept: a Hub source's)
         raise
+    obs.gather(lm.group, sums=False)  # (torchrun: the amax W4A4 records are every rank's)
     out.store, out.method_record = store, {**method.record(), "numerics": numerics(lm.device)}
     if method.unseen:
         log.warning("%d quantized matrices (e.g. %s) had no observed input: rounded to nearest "

@@ -53,15 +53,44 @@ class Observer:
     rotated_amax: bool = False
     keep_tokens: bool = False
     amax: torch.Tensor | None = None
-    sum_sq: torch.Tensor | None = None
-    xtx: torch.Tensor | None = None
-    cross: torch.Tensor | None = None
-    tokens: list = field(default_factory=list)  # the inputs held (keep_tokens), [n, K] each
+    # the sums, per chunk of calibration samples (CHUNK micro-batches: the unit a torchrun rank owns); each chunk's
+    # sum runs over its micro-batches in order, and the chunks are added in their order (:meth:`total`), so the
+    # result is the same however the chunks are spread over ranks (one chunk: exactly the running sum)
+    parts: dict = field(default_factory=dict)  # "xtx" | "sq" | "cross" -> {chunk: fp64 sum}
+    tokens: list = field(default_factory=list)  # (chunk, the inputs held [n, K]) when keep_tokens
     count: int = 0
     shapes: set = field(default_factory=set)
+    merged: bool = False  # the ranks' sums gathered (gather adds them once)
 
-    def add(self, x: torch.Tensor) -> None:
-        """Take one batch of inputs ``[..., K]`` (any leading shape; rows are tokens)."""
+    def _add(self, kind: str, chunk: int, t: torch.Tensor) -> None:
+        got = self.parts.setdefault(kind, {})
+        got[chunk] = t if chunk not in got else got[chunk].add_(t)
+
+    def total(self, kind: str) -> torch.Tensor | None:
+        """The sum of ``kind`` over every chunk, the chunks added in their order (None: nothing)."""
+        got = self.parts.get(kind)
+        if not got:
+            return None
+        chunks = sorted(got)
+        out = got[chunks[0]]
+        for c in chunks[1:]:
+            out = out + got[c]
+        return out
+
+    @property
+    def xtx(self) -> torch.Tensor | None:
+        return self.total("xtx")
+
+    @property
+    def sum_sq(self) -> torch.Tensor | None:
+        return self.total("sq")
+
+    @property
+    def cross(self) -> torch.Tensor | None:
+        return self.total("cross")
+
+    def add(self, x: torch.Tensor, chunk: int = 0) -> None:
+        """Take one batch of inputs ``[..., K]`` (any leading shape; rows are tokens) of chunk ``chunk``."""
         import torch
 
         x = x.detach()
@@ -82,13 +111,11 @@ class Observer:
         flat = x.reshape(-1, x.shape[-1])
         if self.squares:
             x2 = flat.double()
-            sq = (x2 * x2).sum(0)
-            self.sum_sq = sq if self.sum_sq is None else self.sum_sq + sq
+            self._add("sq", chunk, (x2 * x2).sum(0))
         if self.hessian and self.keep_tokens:
-            self.tokens.append(flat.clone())
+            self.tokens.append((chunk, flat.clone()))
         elif self.hessian:
-            h = _gram(flat, flat)
-            self.xtx = h if self.xtx is None else self.xtx.add_(h)
+            self._add("xtx", chunk, _gram(flat, flat))
         self.count += flat.shape[0]
 
     def asymmetric(self, rounded) -> None:
@@ -99,40 +126,42 @@ class Observer:
         "GPTQ", W4A4)."""
         import torch
 
-        for x in self.tokens:
+        for chunk, x in self.tokens:
             xq = rounded(x) if rounded is not None else x
-            h = _gram(xq, xq)
-            self.xtx = h if self.xtx is None else self.xtx.add_(h)
+            self._add("xtx", chunk, _gram(xq, xq))
             if xq is x:
                 continue  # (no cross term: the plain Hessian)
             wide = torch.float32 if x.is_cuda else torch.float64  # (the precision _gram multiplies in)
-            c = _gram(x.to(wide) - xq.to(wide), xq)
-            self.cross = c if self.cross is None else self.cross.add_(c)
+            self._add("cross", chunk, _gram(x.to(wide) - xq.to(wide), xq))
         self.tokens = []
 
     def mean_square(self) -> torch.Tensor | None:
         """E[x_j^2] per channel, rounded to bf16 (returned as fp32 on the CPU), or None if not kept."""
         import torch
 
-        if self.sum_sq is None or self.count == 0:
+        sq = self.sum_sq
+        if sq is None or self.count == 0:
             return None
-        return (self.sum_sq / self.count).to(torch.bfloat16).float().cpu()
+        return (sq / self.count).to(torch.bfloat16).float().cpu()
 
     def hessian_matrix(self) -> torch.Tensor | None:
         """``(1/n) X^T X`` (fp64, on the device it was accumulated on), or None if not kept."""
-        if self.xtx is None or self.count == 0:
+        xtx = self.xtx
+        if xtx is None or self.count == 0:
             return None
-        return self.xtx / self.count
+        return xtx / self.count
 
     def cross_matrix(self) -> torch.Tensor | None:
         """``(1/n) (X - X~)^T X~`` (fp64) after :meth:`asymmetric`, else None."""
-        if self.cross is None or self.count == 0:
+        cross = self.cross
+        if cross is None or self.count == 0:
             return None
-        return self.cross / self.count
+        return cross / self.count
 
     def release(self) -> None:
         """Forget the Hessian-sized statistics (the amax stays: W4A4 records it)."""
-        self.xtx = self.cross = None
+        self.parts.pop("xtx", None)
+        self.parts.pop("cross", None)
         self.tokens = []
 
 
@@ -164,6 +193,7 @@ class Observers(dict):
         super().__init__()
         self.squares, self.hessian, self.rotate, self.rotated_amax = squares, hessian, rotate, rotated_amax
         self.enabled = True
+        self.chunk = 0  # the chunk of calibration samples the inputs being added belong to (Observer.parts)
         self.only: set[str] | None = None  # observe these inputs only (a block run again for some of them)
         self.keep_tokens: set[str] = set()  # inputs whose tokens are held (Observer.keep_tokens)
         self._last: tuple[str, object] | None = None  # (name, tensor) of the latest add
@@ -185,7 +215,7 @@ class Observers(dict):
                 return
             obs = self[name] = Observer(self.squares, self.hessian, self.rotate, self.rotated_amax,
                                         keep_tokens=name in self.keep_tokens)
-        obs.add(x)
+        obs.add(x, self.chunk)
         self._last = (name, x)
 
     def note(self, name: str, x: torch.Tensor) -> None:
@@ -211,25 +241,74 @@ class Observers(dict):
         for n, o in self.items():
             if n in self._alias:
                 continue
-            record["observers"][n] = {"count": o.count, "shapes": sorted(o.shapes)}
-            for field_name in ("amax", "sum_sq"):
-                t = getattr(o, field_name)
-                if t is not None:
-                    tensors[f"{n}:{field_name}"] = t.detach().cpu()
+            record["observers"][n] = {"count": o.count, "shapes": sorted(o.shapes), "merged": o.merged}
+            if o.amax is not None:
+                tensors[f"{n}:amax"] = o.amax.detach().cpu()
+            for c, t in o.parts.get("sq", {}).items():
+                tensors[f"{n}:sq:{c}"] = t.detach().cpu()
         return record, tensors
 
     def restore(self, record: dict, tensors: dict[str, torch.Tensor], device) -> None:
         """Take back :meth:`state`'s statistics (on ``device``)."""
         for n, rec in record["observers"].items():
             o = self[n] = Observer(self.squares, self.hessian, self.rotate, self.rotated_amax, keep_tokens=n in self.keep_tokens)
-            o.count, o.shapes = int(rec["count"]), set(rec["shapes"])
-            for field_name in ("amax", "sum_sq"):
-                t = tensors.get(f"{n}:{field_name}")
-                if t is not None:
-                    setattr(o, field_name, t.to(device))
+            o.count, o.shapes, o.merged = int(rec["count"]), set(rec["shapes"]), bool(rec.get("merged"))
+            if f"{n}:amax" in tensors:
+                o.amax = tensors[f"{n}:amax"].to(device)
+            prefix = f"{n}:sq:"
+            for key, t in tensors.items():
+                if key.startswith(prefix):
+                    o.parts.setdefault("sq", {})[int(key[len(prefix):])] = t.to(device)
         for n, target in record["alias"].items():
             self._alias[n] = target
             self[n] = self[target]
+
+    def gather(self, group, names=None, sums: bool = True) -> None:
+        """Make these observers (``names``: those named; None: all) hold every rank's statistics: the amax at its
+        maximum over the ranks and, with ``sums``, the chunks' sums of every rank and the total count (once: an
+        observer merged already keeps its sums). ``group``: this process's place in a torchrun job (its
+        ``gather(obj)`` returns every rank's ``obj``); one process: nothing to do."""
+        import torch
+
+        if group is None or not group.distributed:
+            return
+        wanted = [n for n in (self if names is None else names) if n in self and n not in self._alias]
+        mine = {}
+        for n in sorted(set(names or []) | set(wanted)):
+            o = self.get(n) if n not in self._alias else None
+            if o is None:
+                continue
+            send_sums = sums and not o.merged
+            mine[n] = {"amax": None if o.amax is None else o.amax.cpu(),
+                       "count": o.count if send_sums else None, "shapes": sorted(o.shapes),
+                       "parts": {k: {c: t.cpu() for c, t in v.items()} for k, v in o.parts.items()} if send_sums else None}
+        everyone = group.gather({"observers": mine, "alias": {n: a for n, a in self._alias.items()
+                                                             if names is None or n in names}})
+        device = next((o.amax.device for o in self.values() if o.amax is not None), torch.device("cpu"))
+        for got in everyone:
+            for n, a in got["alias"].items():
+                self._alias.setdefault(n, a)
+        for n in sorted({n for got in everyone for n in got["observers"]}):
+            theirs = [got["observers"][n] for got in everyone if n in got["observers"]]
+            o = self.get(n)
+            if o is None:
+                o = self[n] = Observer(self.squares, self.hessian, self.rotate, self.rotated_amax,
+                                       keep_tokens=n in self.keep_tokens)
+            amaxes = [t["amax"] for t in theirs if t["amax"] is not None]
+            if amaxes:
+                o.amax = torch.stack(amaxes).amax().to(device)
+            for t in theirs:
+                o.shapes |= set(t["shapes"])
+            if sums and not o.merged and all(t["count"] is not None for t in theirs):
+                o.count = sum(t["count"] for t in theirs)
+                parts: dict = {}
+                for t in theirs:
+                    for kind, chunks in t["parts"].items():
+                        parts.setdefault(kind, {}).update({c: v.to(device) for c, v in chunks.items()})
+                o.parts, o.merged = parts, True
+        for n, a in self._alias.items():
+            if a in self:
+                self[n] = self[a]
 
     def amax(self) -> dict[str, torch.Tensor]:
         """name -> fp32 amax on the CPU (one sync at the end)."""

@@ -79,7 +79,8 @@ def outside_names(lm: BlockWeights, names: Collection[str]) -> set[str]:
 
 
 def tail_pass(lm: BlockWeights, forward: Callable, batches: list[torch.Tensor], names: Collection[str] | None,
-              head: bool, observers: Observers | None = None, finals: list[torch.Tensor] | None = None) -> Reach:
+              head: bool, observers: Observers | None = None, finals: list[torch.Tensor] | None = None,
+              chunks: list[int] | None = None) -> Reach:
     """The model's forward (``forward(ids)``: the runner's, :meth:`~fp4convert.calibrate.layerwise.LayerwiseModel._forward`)
     on each micro-batch of ``batches`` with the blocks replaced by stand-ins (the last
     returns ``finals[k]``, the last block's outputs on micro-batch ``k``; without ``finals`` its input),
@@ -90,6 +91,7 @@ def tail_pass(lm: BlockWeights, forward: Callable, batches: list[torch.Tensor], 
     ``observers``. The forward stops at the head (never loaded) and at a module no checkpoint tensor
     loads. Returns what the pass reached."""
     tail = _Tail(lm, set(outside_linears(lm) if names is None else names) - {HEAD}, head, observers, finals)
+    tail.chunks = chunks or [0] * len(batches)
     handles: list = []
     lm.load_outside()
     try:
@@ -119,6 +121,7 @@ class _Tail:
         self.k, self.phase = 0, BEFORE  # (the micro-batch, the phase)
         self.called: list[int] = []  # the blocks this micro-batch called
         self.forms: dict[type, object] = {}  # a block's output form, by class (computed on meta)
+        self.chunks: list[int] = []  # the chunk of each micro-batch (the observers' sums, Observer.parts)
 
     def add(self, name: str, x) -> None:
         if x.numel() == 0:
@@ -184,6 +187,8 @@ class _Tail:
 
         for k, ids in enumerate(batches):
             self.k, self.phase, self.called = k, BEFORE, []
+            if self.observers is not None:
+                self.observers.chunk = self.chunks[k]
             try:
                 with torch.no_grad():
                     forward(ids)

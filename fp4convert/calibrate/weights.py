@@ -14,7 +14,7 @@ import logging
 from copy import deepcopy
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fp4convert.calibrate.diagnose import WAYS_OUT
 from fp4convert.calibrate.model import build_meta, find_blocks, is_tower, structure_problem
@@ -40,8 +40,12 @@ PINNED_MAX = 4 << 30  # a GPU run reads blocks up to this size into reused pinne
 class BlockWeights:
     """A model built on ``meta``; weights materialized from the source one block at a time."""
 
-    def __init__(self, source: Source, device: torch.device, other: str = WAYS_OUT) -> None:
+    def __init__(self, source: Source, device: torch.device, other: str = WAYS_OUT, group=None) -> None:
         import torch
+
+        self.group = group  # this process's place in a torchrun job (None: one process): it runs its share of tokens
+        self._chunks: list[int] = []  # the chunk of each micro-batch this process runs (LayerwiseModel.blocks)
+        self._observing: Any = None  # the Observers of the block run now (their chunk follows the micro-batch)
 
         self.root = Path(source.root)
         self.device = torch.device(device)

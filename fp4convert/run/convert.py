@@ -96,10 +96,11 @@ class Measured:
     method: dict | None = None  # a calibrated method: what the manifest says of its pass
 
 
-def _statistics(source: Source, plan: Plan, config: ConvertConfig) -> Measured:
+def _statistics(source: Source, plan: Plan, config: ConvertConfig, world: World) -> Measured:
     """The layer-by-layer stage, before anything is written: whatever the plan's calibration
     (:attr:`Plan.calibration`) asks: W4A4 NVFP4's activation amax, the weight scale rules' input weights,
-    a calibrated method's pass. Nothing runs for the data-free default."""
+    a calibrated method's pass. Nothing runs for the data-free default. Under torchrun the ranks share it
+    (fp4convert.calibrate.statistics) and every rank ends with the result one process would have."""
     from fp4convert.calibrate import statistics
 
     cal = plan.calibration
@@ -110,8 +111,13 @@ def _statistics(source: Source, plan: Plan, config: ConvertConfig) -> Measured:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if world.distributed and device == "cuda":
+        import torch
+
+        device = f"cuda:{world.local_rank % max(torch.cuda.device_count(), 1)}"  # (each rank its own GPU)
+    world.init()  # (torchrun: the ranks share the calibration, run/distributed.py)
     with timing.timed("calibrate"):
-        st = statistics(source, plan, config, device)
+        st = statistics(source, plan, config, device, world.calibration_group(device))
     if st.input_weights is not None:
         log.info("input weights (%s): %d matrices weighted", cal.input_weights, len(st.input_weights))
     amax = cal.amax != "none"
@@ -188,7 +194,7 @@ def _convert(source: Source, plan_: Plan, fmt: OutputFormat, dst: Path, config: 
     try:
         if world.rank == 0 and plan_.calibration is not None and plan_.calibration.runs_model:
             check_destination(dst, source, config)  # before the model runs: a refusal costs no calibration
-        measured = _statistics(source, plan_, config)
+        measured = _statistics(source, plan_, config, world)
         _advise_source(source, plan_, assign(plan_, world))
         others = source.other_files(exclude=dst)  # the one walk of the source folder
 

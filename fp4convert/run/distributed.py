@@ -91,6 +91,11 @@ class World:
         dist.all_gather_object(out, obj)
         return out
 
+    def calibration_group(self, device: str | None) -> Group:
+        """The ranks as a calibration pass exchanges statistics between them: over NCCL when the pass runs on GPUs
+        (a group of its own, made now; gloo if NCCL is not there), over gloo on CPUs."""
+        return Group(self, device)
+
     def from_rank0(self, fn: Callable[[], object]) -> object:
         """Run ``fn`` on rank 0 only; every rank gets its result or raises its error."""
         if not self.distributed:
@@ -174,3 +179,32 @@ def assign(plan: Plan, world: World) -> set[str]:
         if r == world.rank:
             mine.add(f)
     return mine
+
+
+class Group:
+    """A torchrun job's ranks for a calibration pass (:meth:`World.calibration_group`): ``gather(obj)`` returns every
+    rank's ``obj`` (tensors inside travel pickled: over NCCL between GPUs, gloo between CPUs)."""
+
+    def __init__(self, world: World, device: str | None) -> None:
+        self.world = world
+        self.rank, self.size, self.distributed = world.rank, world.size, world.distributed
+        self._group = None
+        if self.distributed and device is not None and str(device).startswith("cuda"):
+            import torch
+            import torch.distributed as dist
+
+            try:
+                torch.cuda.set_device(torch.device(device))
+                self._group = dist.new_group(backend="nccl")
+            except Exception as exc:  # noqa: BLE001 - the default (gloo) group still works, slower
+                log.warning("calibration statistics exchanged over gloo, NCCL is not usable here (%s)", exc)
+
+    def gather(self, obj) -> list:
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list = [None] * self.size
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+

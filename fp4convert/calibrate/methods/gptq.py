@@ -242,7 +242,8 @@ class GPTQ:
             from fp4convert.calibrate.smooth import smooth_block
 
             with timing.timed("gptq_smooth"):
-                smoothed, record = smooth_block(self.lm, visit, decisions, observers, self.inputs, self.settings.smooth)
+                smoothed, record = smooth_block(self.lm, visit, decisions, observers, self.inputs, self.settings.smooth,
+                                                self.lm.group)
             self.smoothed.update(record)
         read = dict(visit.reads)  # the block's tensors as read (smoothed): the reloads take them, not the disk again
         replaced: dict[str, torch.Tensor] = {}
@@ -256,7 +257,10 @@ class GPTQ:
                 assert visit.again is not None  # (every block visit has it; the tail visit has no steps)
                 with timing.timed("gptq_again"):
                     visit.again(names, outputs=False)
+            names = self.input_names(visit.prefix, step, observers)
+            observers.gather(self.lm.group, names, sums=False)  # (the amax: W4A4 rounds by every rank's)
             act_rounding.round_hessians(step, observers, self.inputs, acts)
+            observers.gather(self.lm.group, names)  # (every rank's sums, added chunk by chunk)
             disk, got = self.sweep(visit.index, step, observers, read)
             replaced.update(disk)
             made += got
@@ -326,6 +330,8 @@ class GPTQ:
     def quantize_outside(self, index: int, observers: Observers) -> None:
         """GPTQ of the quantized matrices outside the blocks whose every input was observed (stored as
         group ``index``); the others are left to round-to-nearest (:attr:`unseen`)."""
+        observers.gather(self.lm.group, sorted({self.inputs.get(m.module, "") for d in self.outside for m in d.matrices} - {""}))
+
         def seen(d: Decision) -> bool:
             return all((o := observers.get(self.inputs.get(m.module, ""))) is not None
                        and o.xtx is not None and o.count > 0 for m in d.matrices)
@@ -407,20 +413,55 @@ class GPTQ:
             a = w.abs().amax()
             amax[key] = a if key not in amax else torch.maximum(amax[key], a)
         sweep = self.sweep_fn()
-        made = []
-        for d, m, w, p in mats:
-            group_amax = amax[m.group or d.group or m.module]
+        owners = owner_ranks(mats, self.lm.group)
+        results = {}
+        for i, (d, m, w, p) in enumerate(mats):
+            if owners[i] != owners.rank:
+                continue  # (another torchrun rank sweeps it)
             try:
                 with timing.timed("gptq_sweep"):
-                    res = gptq.quantize(w, p, self.scheme.name, self.rule,
-                                        group_amax if self.scheme.global_scale else None,
-                                        self.settings.block, sweep)
+                    results[i] = gptq.quantize(w, p, self.scheme.name, self.rule,
+                                               amax[m.group or d.group or m.module] if self.scheme.global_scale else None,
+                                               self.settings.block, sweep)
             except Exception as exc:
                 raise type(exc)(f"{m.module} (GPTQ, block {index}): {exc}") from exc
+        group = self.lm.group
+        if group is not None and group.distributed:  # (every rank takes part in the exchange, even one that swept all)
+            results.update(self.gathered(results, mats, amax))
+        made = []
+        for i, (d, m, w, p) in enumerate(mats):
+            res, group_amax = results[i], amax[m.group or d.group or m.module]
             made.append((m.module, res, group_amax))
             deq = ref.inverse_had16(res.dequantized) if self.config.rotate == "had16" else res.dequantized
             matrix_view(disk[d.info.name], m).copy_(deq)
         return made
+
+    def gathered(self, mine: dict, mats: list, amax: dict) -> dict:
+        """The other ranks' sweeps of ``mats`` (torchrun: each rank sweeps its share, :func:`owner_ranks`), as the
+        results their stored bytes decode to exactly (:func:`~fp4convert.calibrate.experts.dequantized`)."""
+        import torch
+
+        from fp4convert.calibrate.experts import Quantized, dequantized
+        from fp4convert.numerics import gptq
+
+        group = self.lm.group
+        payload = {i: (r.packed.cpu(), r.scale.view(torch.uint8).cpu(), r.damp) for i, r in mine.items()}
+        out = {}
+        for got in group.gather(payload):
+            for i, (packed, scale, damp) in got.items():
+                if i in mine or i in out:
+                    continue
+                d, m, w, _p = mats[i]
+                a = amax[m.group or d.group or m.module] if self.scheme.global_scale else None
+                packed, scale = packed.to(w.device), scale.to(w.device)
+                values = dequantized(Quantized(packed, scale, None if a is None else float(a)), self.scheme.name, None)
+                gs = None
+                if a is not None:
+                    from fp4convert.numerics import reference as ref
+
+                    gs = ref.global_scale(a.to(torch.float32))
+                out[i] = gptq.Result(packed, scale.view(torch.float8_e4m3fn) if gs is not None else scale, gs, values, damp)
+        return out
 
     def quantize_stack(self, visit: Visit, stack: ExpertStack, decisions: list[Decision], observers: Observers) -> None:
         """GPTQ of a streamed expert stack's experts, a group at a time (docs/numerics.md "GPTQ", "Experts"): each
@@ -432,12 +473,15 @@ class GPTQ:
         from fp4convert.calibrate.experts import down_observers, expert_index, expert_inputs, input_observers
 
         counts = stack.counts()
-        width = int(stack.calls[0][0].shape[-1]) if stack.calls else 0
+        group = self.lm.group
+        if group is not None and group.distributed:
+            counts = [sum(c) for c in zip(*group.gather(counts))]
+        width = int(stack.calls[0][1].shape[-1]) if stack.calls else 0
         few = {e for e, c in enumerate(counts) if c < ex.FEW_TOKENS * width}
         self.experts[stack.path] = {"routed_tokens": counts, "all_tokens": sorted(few)}
         w4a4 = self.config.activations != "none"
         if w4a4:
-            for x, _i, _w in stack.calls:
+            for _c, x, _i, _w in stack.calls:
                 observers.note(f"{stack.path}:in", x)
         by_expert: dict[int, list[Decision]] = {}
         for d in decisions:
@@ -453,14 +497,25 @@ class GPTQ:
             rotate = self.config.rotate
             if not self.settings.true_sequential:  # (down on the gate/up as they were)
                 down_obs = down_observers(stack, first, last, inputs, rotate, note)
-            made = self.sweep_experts(visit.index, gate_up, input_observers(inputs, rotate), stack)
+            made = self.sweep_experts(visit.index, gate_up, self.merged(input_observers(inputs, rotate)), stack)
             if self.settings.true_sequential:  # (down on the quantized gate/up's outputs)
                 down_obs = down_observers(stack, first, last, inputs, rotate, note)
-            made += self.sweep_experts(visit.index, down, down_obs, stack)
+            made += self.sweep_experts(visit.index, down, self.merged(down_obs), stack)
             self.keep(visit.index, made, part=part)
             del inputs, down_obs
             stack.release()
         visit.reloaded = True  # (the block runs again: its experts now read their quantized weights)
+
+    def merged(self, per_expert: dict) -> dict:
+        """Expert -> Observer with every torchrun rank's sums (one process: as they are)."""
+        group = self.lm.group
+        if group is None or not group.distributed:
+            return per_expert
+        tmp = Observers(hessian=True, rotate=self.config.rotate)
+        for e, o in per_expert.items():
+            tmp[str(e)] = o
+        tmp.gather(group, [str(e) for e in per_expert])
+        return {int(n): o for n, o in tmp.items()}
 
     def sweep_experts(self, index: int, decisions: list[Decision], observers: dict, stack: ExpertStack) -> list:
         """GPTQ of these experts' matrices (``observers``: expert -> the Observer of its matrices' input); their
@@ -496,6 +551,31 @@ class GPTQ:
                 **({"experts": {"policy": EXPERT_POLICY, **dict(sorted(self.experts.items()))}} if self.experts else {}),
                 "description": f"GPTQ (each column's rounding error compensated on calibration tokens{w4a4}; "
                                f"dampening {s.damp}{order}; run on {device})"}
+
+
+class _Owners(list):
+    rank = 0
+
+
+def owner_ranks(mats: list, group) -> _Owners:
+    """Which torchrun rank sweeps each of ``mats``: a fused group's members together (they share a global scale),
+    greedy by cost (N x K^2, the lazy update) to the least loaded rank, ties to the lower rank and the earlier
+    matrix; deterministic from the matrices alone, so every rank computes the same split. One process: its own."""
+    owners = _Owners([0] * len(mats))
+    if group is None or not group.distributed:
+        return owners
+    owners.rank = group.rank
+    by_group: dict[str, list[int]] = {}
+    for i, (d, m, _w, _p) in enumerate(mats):
+        by_group.setdefault(m.group or d.group or m.module, []).append(i)
+    cost = {g: sum(int(mats[i][2].shape[0]) * int(mats[i][2].shape[1]) ** 2 for i in idx) for g, idx in by_group.items()}
+    load = [0] * group.size
+    for g in sorted(by_group, key=lambda g: (-cost[g], by_group[g][0])):
+        r = min(range(group.size), key=lambda r: (load[r], r))
+        load[r] += cost[g]
+        for i in by_group[g]:
+            owners[i] = r
+    return owners
 
 
 METHOD = GPTQ
