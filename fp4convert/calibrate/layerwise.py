@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from fp4convert.calibrate.estimate import BlockClock
     from fp4convert.calibrate.resume import Checkpoint
     from fp4convert.calibrate.stats import Observers
 
@@ -144,7 +145,7 @@ class LayerwiseModel(BlockWeights):
     def blocks(self, tokens: torch.Tensor, observers: Observers, head: bool = False,
                micro_batch: int = MICRO_BATCH, progress: bool = True, desc: str = "calibrate: blocks",
                outside: Collection[str] = (), keep_reads: bool = False, stream_experts: bool = False,
-               checkpoint: Checkpoint | None = None):
+               checkpoint: Checkpoint | None = None, clock: BlockClock | None = None):
         """:meth:`observe` as a generator: after block ``i`` has run on every micro-batch with its inputs
         observed, it yields a :class:`Visit` while the block's weights are still loaded. The caller may
         quantize them and :meth:`reload_block` the block with the quantized weights (GPTQ's sequential
@@ -183,6 +184,8 @@ class LayerwiseModel(BlockWeights):
             never: list[str] = []
             if first:
                 self.read_ahead(first)
+            if clock is not None:
+                clock.start()
             for i, block in enumerate(self.layers):
                 if i < first:
                     continue
@@ -223,6 +226,8 @@ class LayerwiseModel(BlockWeights):
                 calls[i] = []  # this block's recorded arguments are not needed again
                 if checkpoint is not None:
                     checkpoint.save(i + 1, hs)
+                if clock is not None:
+                    clock.done(i)
                 bar.update(1)
             bar.close()
         finally:

@@ -178,6 +178,10 @@ def _measure(source: Source, plan: Plan, config: ConvertConfig, cal: Calibration
         return model_errors(root, source.config(), "run the model of", other)
 
     amax_pass = cal.amax == "calibrate"
+    from fp4convert.calibrate.estimate import plan_lines
+
+    for line in plan_lines(cal, plan, dev):  # (what will happen, and a rough time, before the long work)
+        log.info("calibration: %s", line)
     with running():  # before any sample is made or any block runs: what no pass can observe
         blind, outside = blind_spots(lm, lm._forward, plan, inputs)
     if blind and amax_pass:

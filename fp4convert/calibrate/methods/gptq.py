@@ -197,6 +197,12 @@ class GPTQ:
         self.damped, self._unseen = dict(state.get("damped", {})), list(state.get("unseen", []))
         self.smoothed, self.experts = dict(state.get("smoothed", {})), dict(state.get("experts", {}))
 
+    def clock(self, tokens: torch.Tensor):
+        """The blocks' time estimate (:class:`~fp4convert.calibrate.estimate.BlockClock`)."""
+        from fp4convert.calibrate.estimate import BlockClock, block_work
+
+        return BlockClock(block_work(self.plan, int(tokens.numel())), len(self.lm.layers), "gptq")
+
     def run(self, tokens: torch.Tensor, observers: Observers, head: bool, micro_batch: int, progress: bool,
             checkpoint: Checkpoint | None = None) -> None:
         """The sequential pass over every block, then the linears outside the blocks (observers must keep
@@ -209,7 +215,7 @@ class GPTQ:
         try:
             for visit in self.lm.blocks(tokens, observers, head=head or HEAD in outside, micro_batch=micro_batch,
                                         progress=progress, desc="gptq: blocks", outside=outside, keep_reads=True,
-                                        stream_experts=True, checkpoint=checkpoint):
+                                        stream_experts=True, checkpoint=checkpoint, clock=self.clock(tokens)):
                 if visit.tail:
                     tail = True
                     self.quantize_outside(visit.index, observers)
