@@ -27,6 +27,7 @@ DEFAULT_FORMAT = next(iter(OUTPUT_FORMATS))
 INPUT_FORMATS: dict[str, str] = {
     "fp8": "fp8",
     "gpt-oss-mxfp4": "mxfp4_blocks",
+    "int4-pack-quantized": "pack_quantized",
 }
 
 

@@ -51,13 +51,17 @@ def tensors(inputs: Inputs) -> list[torch.Tensor]:
 
 
 def weight_of(d: Decision, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The weight a decision works on: the tensor itself, or the fp32 weight a quantized input encodes."""
+    """The weight a decision works on: the tensor itself, or the exact fp32 weight a quantized input encodes
+    (FP8, gpt-oss MXFP4, INT4 pack-quantized, an FP4 checkpoint's), on the tensors' device.
+
+    ``tensors``: what ``d.reads`` names, in that order (the on-disk tensors, as read). The one place a
+    decision's on-disk tensors become its weight: the quantize stage and calibration both call it."""
     if d.decode is None:
         return tensors[0]
     from fp4convert.kernels.tensor import dequantize_input
 
     try:
-        w = dequantize_input(d.decode.kind, tensors, block=d.decode.block)
+        w = dequantize_input(d.decode.kind, tensors, **d.decode.arguments())
     except FP4ConvertError as exc:
         raise type(exc)(f"{d.name} (in {d.info.file}): {exc}") from exc
     return w.transpose(-1, -2) if d.decode.transpose else w
