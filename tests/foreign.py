@@ -148,7 +148,7 @@ def nvfp4_variant(src: Path, dst: Path, *, scheme: str = "nvfp4", pick: Pick = d
         scale, _ = calculate_qparams(lo, hi, args, global_scale=gs)
         state["weight_scale"] = scale
         if w4a4 and scheme == "nvfp4":
-            act = 4.0 + (hash(member_of.get(name, name)) % 7)  # any positive activation amax, shared per group
+            act = 4.0 + sum(map(ord, member_of.get(name, name))) % 7  # any positive amax, shared per fused group
             state["input_global_scale"] = generate_gparam(torch.tensor([-act]), torch.tensor([act]))
         module = name[: -len("weight")]
         for k, v in compressor.compress(state, preset).items():

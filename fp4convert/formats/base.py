@@ -73,7 +73,7 @@ class Decode:
             what = (f"INT4 pack-quantized ({'asymmetric' if self.zero_point else 'symmetric'}, "
                     + (f"a scale per {self.group}" if self.group else "a scale per row") + ")")
         elif self.kind in ("nvfp4", "mxfp4"):
-            what = f"{self.kind.upper()} in {self.layout}'s layout"
+            what = f"{self.kind.upper()} in the {self.layout} layout"
         else:
             what = {"fp8_block": f"FP8 E4M3 with {self.block[0]}x{self.block[1]} block scales" if self.block else "FP8",
                     "fp8_scaled": "FP8 E4M3 with a per-tensor/per-channel scale",
@@ -156,6 +156,8 @@ class OutputFormat:
     activation_modes: tuple[str, ...] = ()  # --activations it can write besides "none" (the engines' W4A4 conventions)
     transformers_loads = False  # transformers loads its outputs (the plan then says what it cannot load of a model)
     described_by_manifest = False  # only the manifest (fp4convert.json) says what its tensors are (inspect expects one)
+    stores_decode_scale = False  # the stored global (and activation) scale is the DECODE scale 1/gs (ModelOpt's)
+    config_files: tuple[str, ...] = ()  # files it writes beside config.json (a re-layout does not copy a source's)
 
     def __init__(self, activations: str = "none") -> None:
         """``activations``: the W4A4 activation quantization this writer's outputs carry ("none": weight-only;
@@ -277,12 +279,20 @@ class OutputFormat:
     # -- reading ---------------------------------------------------------------------------
 
     def detect(self, root: Path, config: dict) -> bool:
-        """Is this folder (without a manifest) in this format?"""
+        """Is this folder (without a manifest) in this format? (Its config.json says so, by default.)"""
+        return self.detect_config(config)
+
+    def detect_config(self, config: dict) -> bool:
+        """Does config.json (``config``) alone declare an FP4 checkpoint in this format?"""
         return False
 
     def rotation(self, root: Path, config: dict, manifest: dict | None) -> str | None:
-        """The rotation the folder's weights carry."""
-        return (manifest or {}).get("rotate")
+        """The rotation the folder's weights carry: the manifest's, else what config.json records."""
+        return manifest.get("rotate") if manifest is not None else self.rotation_of_config(config)
+
+    def rotation_of_config(self, config: dict) -> str | None:
+        """The rotation config.json records for this format's weights (None: none)."""
+        return None
 
     def is_swizzled(self, manifest: dict | None) -> bool:
         return self.swizzled
