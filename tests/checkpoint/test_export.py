@@ -183,6 +183,20 @@ def test_foreign_modelopt_checkpoint_relays_with_the_reciprocal_of_its_decode_sc
     assert (tmp_path / "ct" / "config.json").read_bytes() == \
         (direct(root, "llama", "compressed-tensors") / "config.json").read_bytes()
     assert not (tmp_path / "ct" / "hf_quant_config.json").exists()  # the source format's own file is not copied
+    # ...and it loads where compressed-tensors is loaded: transformers' weights are the files' dequantization
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.bfloat16,
+                                                 quantization_config=CompressedTensorsConfig(dequantize=True))
+    params = dict(model.named_parameters())
+    checked = 0
+    for name in got:
+        if name.endswith(".weight_packed"):
+            m = name[: -len("_packed")]
+            q = fp4convert.QuantizedTensor(got[name], got[m + "_scale"], got[m + "_global_scale"].reshape(()), "nvfp4")
+            assert torch.equal(params[m].data.view(torch.int16), fp4convert.dequantize(q).view(torch.int16)), m
+            checked += 1
+    assert checked == 14
 
 
 def _clean_ct(src: Path, dst: Path, **kw) -> dict[str, torch.Tensor]:
