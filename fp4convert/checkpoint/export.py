@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from fp4convert.checkpoint.layout import CheckpointLayout, manifest_disagreements, module_shape_problems, read_layout
-from fp4convert.checkpoint.relay import RelayWork, activations_held, carried_calibration, relay_method
+from fp4convert.checkpoint.relay import (
+    RelayWork,
+    activations_held,
+    carried_calibration,
+    check_global_scales,
+    relay_method,
+    verify_files,
+)
 from fp4convert.config import ConvertConfig
 from fp4convert.errors import CheckpointFormatError, ConfigError, PlanError
 from fp4convert.formats import get_format
@@ -291,14 +298,13 @@ def export(src: str, dst: str | Path, config: ConvertConfig, progress: bool = Fa
     if planned is None:
         raise ConfigError(f"{src}: holds no FP4 weights; export re-lays an FP4 checkpoint (fp4convert's, "
                           "compressed-tensors' or ModelOpt's): convert this one with fp4convert quantize")
-    return relayout(planned, dst, progress=progress)
+    return relayout(planned, dst, progress=progress, command="export")
 
 
-def relayout(planned: Relayout, dst: str | Path, *, progress: bool = False,
-             delete_source_shards: bool = False) -> ConvertResult:
-    """Write a planned re-layout into ``dst`` (the files our manifest lists checked first), through the run loop."""
-    from fp4convert.checkpoint.relay import check_global_scales, verify_files
-
+def relayout(planned: Relayout, dst: str | Path, *, progress: bool = False, delete_source_shards: bool = False,
+             command: str = "quantize") -> ConvertResult:
+    """Write a planned re-layout into ``dst`` (the files our manifest lists checked first), through the run loop;
+    ``command`` names its progress display."""
     if delete_source_shards:
         raise ConfigError("--delete-source-shards: a re-layout reads the source's shards to the end; keep them")
     t0 = time.perf_counter()
@@ -306,7 +312,7 @@ def relayout(planned: Relayout, dst: str | Path, *, progress: bool = False,
     source, plan, fmt, layout, origin = planned
     manifest = layout.manifest
     listed = sum(rec["size"] for rec in manifest["files"].values()) if manifest and not source.is_hub else 0
-    with progress_bar(listed + plan.summary()["bytes_in"], "re-lay", progress) as bar:
+    with progress_bar(listed + plan.summary()["bytes_in"], command, progress) as bar:
         if manifest is not None and not source.is_hub:
             verify_files(source.root, manifest, source.weight_files, progress=bar)
             check_global_scales(source, manifest, layout)
