@@ -20,7 +20,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
-from fp4convert.checkpoint.layout import CheckpointLayout, manifest_disagreements, module_shape_problems, read_layout
+from fp4convert.checkpoint.layout import (
+    CheckpointLayout,
+    load_quantized,
+    manifest_disagreements,
+    module_shape_problems,
+    read_layout,
+)
 from fp4convert.checkpoint.relay import (
     RelayWork,
     activations_held,
@@ -85,6 +91,14 @@ def plan_relayout(source: Source, config: ConvertConfig, *, keep_settings: bool 
     scale rule and kept dtype; otherwise ``config`` must describe what the source holds. Refused, before anything
     is written: a source already in the target format, settings the bytes cannot give (PlanError, exit 2), a
     checkpoint that does not match its manifest (CheckpointFormatError, exit 4)."""
+    from fp4convert.formats import detect
+    from fp4convert.output.manifest import load_manifest
+
+    try:  # (a plain source is told by its config files and manifest alone: its headers are not read here)
+        if detect(source.root, source.config(), load_manifest(source.root, source.roots)) is None:
+            return None
+    except (AttributeError, TypeError):  # a value of the wrong type in an engine config: the planner reports it
+        return None
     layout = read_layout(source)
     if not layout.quantized or not layout.modules:  # (config files of a format beside no FP4 tensor: the
         return None  # conversion's own gate refuses the folder, fp4convert.plan.sources.check_source)
@@ -323,6 +337,6 @@ def relayout(planned: Relayout, dst: str | Path, *, progress: bool = False, dele
         others = [p for p in source.other_files(exclude=dst) if p.name not in src_fmt.config_files]
         job = Job(source, plan, fmt, dst, plan.config, identity, others,
                   calibration=carried_calibration(layout, fmt), method=relay_method(layout, origin))
-        done = run(job, world, [RelayWork(source, layout, fmt)], bar)
+        done = run(job, world, [RelayWork(source, layout, fmt, load_quantized)], bar)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return ConvertResult(dst, plan, time.perf_counter() - t0, peak, sorted(f for f in done if f in dict(plan.shards)))

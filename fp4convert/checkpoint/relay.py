@@ -13,6 +13,7 @@ there is one. Every other tensor is copied unchanged.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -133,8 +134,9 @@ class RelayWork:
 
     read_wait_s = 0.0
 
-    def __init__(self, source: Source, layout: CheckpointLayout, fmt: OutputFormat) -> None:
-        self.source, self.layout, self.fmt = source, layout, fmt
+    def __init__(self, source: Source, layout: CheckpointLayout, fmt: OutputFormat,
+                 load: Callable[[Source, CheckpointLayout, QuantizedModule], QuantizedTensor] = load_quantized) -> None:
+        self.source, self.layout, self.fmt, self.load = source, layout, fmt, load
         self.src_fmt = get_format(layout.format)
         self.manifest = layout.manifest
         cal = ((self.manifest or {}).get("activations") or {}).get("calibration")
@@ -162,7 +164,7 @@ class RelayWork:
             rec = (self.manifest or {}).get("tensors", {}).get(d.name)
             for mx in d.matrices:
                 m = self.layout.modules[mx.module]
-                q = load_quantized(self.source, self.layout, m)
+                q = self.load(self.source, self.layout, m)
                 gs = self._global(m, q, rec)
                 if gs is not None and self.manifest is None:
                     job.records[d.name]["global_scale"] = gs  # (one matrix per foreign decision)

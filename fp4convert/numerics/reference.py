@@ -613,7 +613,10 @@ def _int4_nibbles(words: torch.Tensor) -> torch.Tensor:
     if shifts is None:
         shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
         _INT4_SHIFTS[words.device] = shifts
-    return ((words[..., None] >> shifts) & 0xF) - 8
+    q = words[..., None] >> shifts
+    q &= 0xF
+    q -= 8
+    return q
 
 
 def int4_unpack(packed: torch.Tensor, cols: int) -> torch.Tensor:
@@ -660,15 +663,16 @@ def int4_pack_dequantize(packed: torch.Tensor, scale: torch.Tensor, cols: int, g
         raise ShapeError(f"scale {tuple(scale.shape)} has {g} groups per row but no group size was given")
     if group is not None and g * group != cols:
         raise ShapeError(f"scale {tuple(scale.shape)}: {g} groups of {group} do not cover rows of {cols} values")
+    d = q.reshape(*q.shape[:-1], g, -1)
     if zero_point is not None:
         z = int4_unpack_zero_point(zero_point, m)
         if z.shape[-1] != g:
             raise ShapeError(f"zero point {tuple(zero_point.shape)} does not match scale {tuple(scale.shape)}")
         _check_leading(q, z, "zero point")
-        d = q.reshape(*q.shape[:-1], g, -1) - z[..., None]
-    else:
-        d = q.reshape(*q.shape[:-1], g, -1)
-    return (d.to(_F32) * s[..., None]).reshape(q.shape)
+        d = d - z[..., None]
+    w = d.to(_F32)
+    w *= s[..., None]  # one fp32 multiply per element (in place: the weight's size once more, not twice)
+    return w.reshape(q.shape)
 
 
 def nvfp4_dequantize_decode_global(packed: torch.Tensor, scale: torch.Tensor, decode_scale: torch.Tensor
