@@ -59,7 +59,7 @@ def _write_config(src: Path, dst: Path, qconfig) -> None:
 
 
 def _ignored(tensors: dict[str, torch.Tensor], pick: Pick) -> list[str]:
-    """The modules of the 2-D weights left unquantized (compressed-tensors' ``ignore``), with a tied head."""
+    """The modules of the 2-D weights left unquantized: compressed-tensors' ``ignore``."""
     return sorted(n[: -len(".weight")] for n, t in tensors.items()
                   if n.endswith(".weight") and t.dim() == 2 and not pick(n, tuple(t.shape)))
 
