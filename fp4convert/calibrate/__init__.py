@@ -30,8 +30,8 @@ from fp4convert.calibrate.checks import (
     sharing_groups,
     vocab_size,
 )
-from fp4convert.calibrate.layerwise import MICRO_BATCH, LayerwiseModel
 from fp4convert.calibrate.model import build_meta, find_blocks, structure_problem
+from fp4convert.calibrate.layerwise import MICRO_BATCH, LayerwiseModel
 from fp4convert.calibrate.samples import TOKENIZER_FILES, file_tokens, generate, random_tokens, read_texts, start_token, tokenizer_digest
 from fp4convert.calibrate.stage import Statistics, activation_amax, input_weights_for, layerwise_amax, plan_inputs, statistics
 from fp4convert.calibrate.stats import Observer, Observers, bf16_ceil

@@ -146,8 +146,8 @@ def generate(lm: LayerwiseModel, tokenizer, samples: int, seq_len: int, seed: in
     import torch
 
     from fp4convert.calibrate.decode import graphed_steps
-    from fp4convert.calibrate.layerwise import fast_matmul
     from fp4convert.calibrate.progress import progress_bar
+    from fp4convert.calibrate.layerwise import fast_matmul
 
     gen = torch.Generator(lm.device).manual_seed(seed)
     tokens = torch.full((samples, 1), start_token(tokenizer), dtype=torch.long, device=lm.device)
