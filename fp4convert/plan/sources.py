@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp4convert.config import ConvertConfig
+from fp4convert.config import RTN, ConvertConfig
 from fp4convert.errors import PlanError
 
 
@@ -85,7 +85,7 @@ def relayout_problems(src: FP4Source, config: ConvertConfig, target_activation_m
                    + ("compressed-tensors or modelopt" if src.activations == "nvfp4" else "compressed-tensors"))
     if config.scale_rule is not None and config.scale_rule != src.scale_rule:
         out.append(f"--scale-rule {config.scale_rule} would choose other block scales: drop it, or --requantize")
-    if config.method != "rtn" or config.input_weights not in ("auto", "none"):
+    if config.method not in (None, RTN) or config.input_weights not in ("auto", "none"):  # (None: rtn)
         out.append("--method / --input-weights choose the codes and scales: a re-layout keeps the source's; "
                    "add --requantize to quantize its exact values again")
     if config.ignore or config.only:

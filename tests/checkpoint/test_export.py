@@ -39,6 +39,15 @@ def root(tmp_path_factory) -> Path:
 _DIRECT: dict[tuple, Path] = {}
 
 
+def gptq():
+    """``--method gptq`` as the recipe carries it: the method's settings value (or, before the method seam,
+    its name)."""
+    import importlib
+
+    methods = importlib.import_module("fp4convert.calibrate.methods")
+    return methods.settings("gptq") if hasattr(methods, "settings") else "gptq"
+
+
 def direct(root: Path, family: str, fmt: str, scheme: str = "nvfp4", **extra) -> Path:
     """``family``'s tiny bf16 model converted straight to ``fmt`` (cached per module)."""
     key = (family, fmt, scheme, tuple(sorted(extra.items())))
@@ -273,7 +282,7 @@ def test_compressed_tensors_w4a4_activation_scales_become_modelopt_decode_scales
      r"holds NVFP4 weights, not MXFP4: pass --scheme nvfp4 to re-lay them, or --requantize"),
     ("fp4convert", "mxfp4", dict(format="modelopt", scheme="mxfp4"), r"--format modelopt cannot hold MXFP4"),
     ("fp4convert", "mxfp4", dict(format="compressed-tensors"), r"holds MXFP4 weights, not NVFP4: pass --scheme mxfp4"),
-    ("fp4convert", "nvfp4", dict(format="compressed-tensors", method="gptq"), r"--method / --input-weights"),
+    ("fp4convert", "nvfp4", dict(format="compressed-tensors", method=gptq()), r"--method / --input-weights"),
     ("fp4convert", "nvfp4", dict(format="compressed-tensors", ignore=("*o_proj*",)), r"--ignore / --only"),
     ("fp4convert", "nvfp4", dict(format="compressed-tensors", scale_rule="max"), r"--scale-rule max"),
     ("fp4convert", "nvfp4", dict(format="modelopt", activations="nvfp4"), r"carries no NVFP4 activation scales"),

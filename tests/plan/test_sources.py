@@ -19,6 +19,15 @@ INT4 = {"quantization_config": {"quant_method": "compressed-tensors", "format": 
                                 "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int"}}}}}
 
 
+def gptq():
+    """``--method gptq`` as the recipe carries it: the method's settings value (or, before the method seam,
+    its name)."""
+    import importlib
+
+    methods = importlib.import_module("fp4convert.calibrate.methods")
+    return methods.settings("gptq") if hasattr(methods, "settings") else "gptq"
+
+
 def test_plain_and_decodable_sources_go_on_to_the_planner(tmp_path: Path) -> None:
     for cfg in ({}, INT4, {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}):
         check_source(tmp_path, cfg, None)  # no exception: the planner decodes them (or refuses what it cannot)
@@ -68,7 +77,7 @@ def test_the_settings_that_describe_the_source_have_no_problem() -> None:
     (FP4Source("compressed-tensors", "nvfp4", None, "nvfp4"), dict(format="fp4convert"),
      "--format fp4convert has no activation convention for it: choose --format compressed-tensors or modelopt"),
     (NV, dict(format="fp4convert", scale_rule="mse"), "--scale-rule mse would choose other block scales"),
-    (NV, dict(format="fp4convert", method="gptq"), "--method / --input-weights"),
+    (NV, dict(format="fp4convert", method=gptq()), "--method / --input-weights"),
     (NV, dict(format="fp4convert", input_weights="random"), "--method / --input-weights"),
     (NV, dict(format="fp4convert", only=("*mlp*",)), "--ignore / --only"),
     (NV, dict(format="fp4convert", kept_dtype="bf16"), "--kept-dtype bf16"),
