@@ -154,10 +154,12 @@ def _report(path_or_repo: str, *, check_files: bool = False, verify: str | None 
         problems += _check_against_manifest(manifest, layout, stored)
     engine = check_engine_config(source, layout) if layout.quantized else []
     problems += engine
-    problems += check_activation_scales(source, layout) if layout.quantized else []
+    problems += quantized_routers(source, layout)
+    act_warnings: list[str] = []
+    problems += check_activation_scales(source, layout, act_warnings) if layout.quantized else []
     checksums = _check_files(source, manifest, layout, problems, full=check_files, progress=progress)
     report = _summary(source, layout, globals_, groups)
-    report["warnings"] = []
+    report["warnings"] = act_warnings
     serving = get_format(layout.format).serving_warning(layout.rotate) if layout.format in OUTPUT_FORMATS else None
     if serving:  # e.g. transformers ignores compressed-tensors' transform_config (the issue 23 campaign: cosine ~0)
         report["warnings"].append(serving)
@@ -183,13 +185,28 @@ def _report(path_or_repo: str, *, check_files: bool = False, verify: str | None 
     return report
 
 
-def check_activation_scales(source: Source, layout: CheckpointLayout) -> list[str]:
+def quantized_routers(source: Source, layout: CheckpointLayout) -> list[str]:
+    """MoE routers stored in FP4: vLLM and SGLang build routers unquantized and fail to load them ("Tried to
+    load weights of size [E, H] to a parameter of size [E, H/2]"); they belong in the ignore list."""
+    from fp4convert.plan.name_roles import role_of
+
+    cfg = source.config()
+    return [f"{m}: a MoE router stored in FP4 ({', '.join(t.name for t in q.tensors)}); engines load routers "
+            "unquantized and refuse it: keep it in higher precision and list it in the ignore list"
+            for m, q in sorted(layout.modules.items()) if role_of(m + ".weight", q.shape, cfg) == "router"]
+
+
+def check_activation_scales(source: Source, layout: CheckpointLayout, warnings: list[str] | None = None) -> list[str]:
     """W4A4 (docs/formats.md "W4A4"): every quantized layer has a finite positive activation scale, and
     the members of each fused group (q/k/v, gate/up; per MoE layer all experts' w13, all experts' w2)
     share it. W4A4 is what the checkpoint declares: compressed-tensors NVFP4 ``input_activations``
     (``dynamic: local``), a ModelOpt ``config.json`` group with ``input_activations``, a manifest
     ``activations`` section, or any stored activation scale. A weight-only ModelOpt file (no input
-    scale at all) is not judged here. A W4A4 layer without a scale is a problem (FAILED)."""
+    scale at all) is not judged here. A W4A4 layer without a scale is a problem (FAILED).
+
+    fp4convert writes one value per MoE layer's w13 and w2; other tools calibrate each expert on its own
+    tokens, and the engines reduce them (vLLM's FlashInfer MoE takes their max): in a checkpoint fp4convert
+    did not write (no manifest), experts that differ are a warning (``warnings``), not a problem."""
     import re
 
     if layout.format not in OUTPUT_FORMATS:
@@ -238,9 +255,15 @@ def check_activation_scales(source: Source, layout: CheckpointLayout) -> list[st
         if g:
             share[g].append(module)
     for g, members in sorted(share.items()):
-        if len({values[m] for m in members}) > 1:
-            problems.append(f"fused group {g} has {len({values[m] for m in members})} different activation scales "
-                            "(engines take one; members must share it)")
+        n = len({values[m] for m in members})
+        if n > 1 and g.endswith((":w13", ":w2")) and layout.manifest is None:
+            if warnings is not None:
+                warnings.append(f"the experts of {g} have {n} different activation scales (e.g. "
+                                f"{sorted(members)[0] + suffix}); the engines use one per layer (vLLM's FlashInfer "
+                                "MoE takes their max)")
+        elif n > 1:
+            problems.append(f"fused group {g} has {n} different activation scales (engines take one; members must "
+                            "share it)")
     return problems
 
 

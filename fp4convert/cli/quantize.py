@@ -62,6 +62,9 @@ from fp4convert.quantizer.backend import backend_names
 @click.option("--dry-run", is_flag=True, help="Print the plan (decisions, sizes) and write nothing.")
 @click.option("--base-model", metavar="REPO", default=None,
               help="The model card's base_model (default: the Hub repo id, or a Hub id config.json names).")
+@click.option("--requantize", is_flag=True,
+              help="An FP4 SRC (NVFP4/MXFP4: fp4convert's, compressed-tensors', ModelOpt's) is re-laid into --format "
+                   "bit for bit by default; with this, its exactly decoded weights are quantized again instead.")
 @kept_dtype_option
 @output_options
 @push_options
@@ -70,8 +73,8 @@ from fp4convert.quantizer.backend import backend_names
 @library_errors
 def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, max_shard_size, ignore, only,
              allow_nothing_quantized, allow_no_config, revision, cache_dir, delete_source_shards, dry_run, base_model,
-             kept_dtype, overwrite, resume, verify_source, quiet, as_json, push_repo, private, token, rounding,
-             activation) -> None:
+             requantize, kept_dtype, overwrite, resume, verify_source, quiet, as_json, push_repo, private, token,
+             rounding, activation) -> None:
     """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST.
 
     \b
@@ -81,6 +84,7 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
     from fp4convert import timing
 
     ages = {"cli_start": timing.process_age()}  # where a run's seconds outside convert() go (--json)
+    from fp4convert.checkpoint.export import plan_relayout, relayout
     from fp4convert.errors import PlanError
     from fp4convert.run.convert import convert, plan_conversion, start_early
     from fp4convert.run.runner import plan_warnings
@@ -105,7 +109,9 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
     if not dry_run:
         start_early(config)  # the GPU starts while the source is opened and planned
     source = open_source(src, revision, token=token, cache_dir=cache_dir)
-    planned = plan_conversion(source, config, fetch_ahead=not dry_run)
+    # An FP4 source is re-laid, not quantized again (issue 44; fp4convert.checkpoint.export), unless --requantize.
+    relaid = None if requantize else plan_relayout(source, config)
+    planned = relaid or plan_conversion(source, config, fetch_ahead=not dry_run, requantize=requantize)
     try:  # a Hub source is downloading since planning: stopped on any refusal before convert() owns it
         plan = planned[1]
         nothing = plan.summary()["quantized"] == 0 and not allow_nothing_quantized
@@ -128,7 +134,8 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
                             "(--dry-run shows every decision); --allow-nothing-quantized writes the copy anyway")
         ages["convert_start"] = timing.process_age()
         result = convert(source, dst, config, progress=not (quiet or as_json),
-                         delete_source_shards=delete_source_shards, plan=planned)
+                         delete_source_shards=delete_source_shards, plan=planned) if relaid is None else \
+            relayout(relaid, dst, progress=not (quiet or as_json), delete_source_shards=delete_source_shards)
     except BaseException:
         source.stop_prefetch()
         raise

@@ -27,6 +27,8 @@ DEFAULT_FORMAT = next(iter(OUTPUT_FORMATS))
 INPUT_FORMATS: dict[str, str] = {
     "fp8": "fp8",
     "gpt-oss-mxfp4": "mxfp4_blocks",
+    "int4-pack-quantized": "pack_quantized",
+    "fp4": "fp4_checkpoint",  # decoded only when a conversion asks to quantize again (fp4convert.plan.sources)
 }
 
 

@@ -43,28 +43,57 @@ class OutputInfo:
 
 @dataclass(frozen=True)
 class Decode:
-    """How a quantized INPUT tensor becomes the exact fp32 weight it encodes (docs/numerics.md).
+    """How a quantized INPUT tensor becomes the exact fp32 weight it encodes (docs/numerics.md, docs/formats.md
+    "Sources"). Everything :func:`fp4convert.quantizer.matrices.weight_of` needs besides the tensors' data.
 
-    ``kind``: "fp8_block" (``weight`` E4M3 x ``weight_scale_inv`` per ``block``), "fp8_scaled"
-    (x ``weight_scale`` per tensor or per row), "mxfp4_blocks" (gpt-oss ``*_blocks``/``*_scales``).
-    ``transpose``: the planner's weight is the decoded tensor with its last two dims swapped (gpt-oss
-    stores experts ``[E, out, in]`` as MXFP4 and ``[E, in, out]`` in bf16).
+    ``kind``: "fp8_block" (``weight`` E4M3 x ``weight_scale_inv`` per ``block``), "fp8_scaled" (x ``weight_scale``
+    per tensor or per row), "mxfp4_blocks" (gpt-oss ``*_blocks``/``*_scales``), "int4_pack" (compressed-tensors
+    ``pack-quantized``: ``weight_packed`` int32, ``weight_scale`` per ``group`` weights or per row, the packed
+    ``weight_zero_point`` when ``zero_point``, ``weight_shape``), "nvfp4" / "mxfp4" (an FP4 checkpoint in
+    ``layout``, a registered output format's name: its codes, block scales and global, each format's own
+    decode). ``transpose``: the planner's weight is the decoded tensor with its last two dims swapped (gpt-oss
+    stores experts ``[E, out, in]`` as MXFP4 and ``[E, in, out]`` in bf16). ``cols``: INT4, the row length
+    (packed rows are padded to whole int32 words). Inputs past the ones a kind decodes (an FP8 activation
+    scale, an FP4 checkpoint's activation scale or Had16 transform) are consumed: read, not decoded.
     """
 
     kind: str
     inputs: tuple[TensorInfo, ...]  # the on-disk tensors it reads, the main one first
     block: tuple[int, int] | None = None
     transpose: bool = False
+    group: int | None = None  # int4_pack: weights per scale along a row (None: one scale per row or tensor)
+    cols: int | None = None  # int4_pack: the unpacked row length K
+    zero_point: bool = False  # int4_pack: inputs[2] is the packed zero point (asymmetric)
+    layout: str | None = None  # nvfp4 / mxfp4: the output format whose conventions the inputs follow
+    swizzled: bool = False  # nvfp4 / mxfp4: block scales in the 128x4 layout (the native format's)
+    decode_global: bool = False  # nvfp4: the stored global is the DECODE scale 1/gs (ModelOpt's weight_scale_2)
 
     def describe(self) -> str:
-        what = {"fp8_block": f"FP8 E4M3 with {self.block[0]}x{self.block[1]} block scales" if self.block else "FP8",
-                "fp8_scaled": "FP8 E4M3 with a per-tensor/per-channel scale",
-                "mxfp4_blocks": "MXFP4 blocks (gpt-oss)"}[self.kind]
+        if self.kind == "int4_pack":
+            what = (f"INT4 pack-quantized ({'asymmetric' if self.zero_point else 'symmetric'}, "
+                    + (f"a scale per {self.group}" if self.group else "a scale per row") + ")")
+        elif self.kind in ("nvfp4", "mxfp4"):
+            what = f"{self.kind.upper()} in the {self.layout} layout"
+        else:
+            what = {"fp8_block": f"FP8 E4M3 with {self.block[0]}x{self.block[1]} block scales" if self.block else "FP8",
+                    "fp8_scaled": "FP8 E4M3 with a per-tensor/per-channel scale",
+                    "mxfp4_blocks": "MXFP4 blocks (gpt-oss)"}[self.kind]
         return f"{what} ({', '.join(t.name for t in self.inputs)})"
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "inputs": [t.name for t in self.inputs],
-                "block": list(self.block) if self.block else None, "transpose": self.transpose}
+        out = {"kind": self.kind, "inputs": [t.name for t in self.inputs],
+               "block": list(self.block) if self.block else None, "transpose": self.transpose}
+        extra = {"group": self.group, "cols": self.cols, "zero_point": self.zero_point, "layout": self.layout,
+                 "swizzled": self.swizzled, "decode_global": self.decode_global}
+        return {**out, **{k: v for k, v in extra.items() if v}}  # only what a kind sets (FP8's record unchanged)
+
+    def arguments(self) -> dict:
+        """The keywords :func:`fp4convert.kernels.tensor.dequantize_input` takes for this kind."""
+        if self.kind == "int4_pack":
+            return {"group": self.group, "cols": self.cols, "zero_point": self.zero_point}
+        if self.kind in ("nvfp4", "mxfp4"):
+            return {"swizzled": self.swizzled, "decode_global": self.decode_global}
+        return {"block": self.block}
 
 
 class InputFormat:
@@ -127,6 +156,8 @@ class OutputFormat:
     activation_modes: tuple[str, ...] = ()  # --activations it can write besides "none" (the engines' W4A4 conventions)
     transformers_loads = False  # transformers loads its outputs (the plan then says what it cannot load of a model)
     described_by_manifest = False  # only the manifest (fp4convert.json) says what its tensors are (inspect expects one)
+    stores_decode_scale = False  # the stored global (and activation) scale is the DECODE scale 1/gs (ModelOpt's)
+    config_files: tuple[str, ...] = ()  # files it writes beside config.json (a re-layout does not copy a source's)
 
     def __init__(self, activations: str = "none") -> None:
         """``activations``: the W4A4 activation quantization this writer's outputs carry ("none": weight-only;
@@ -248,12 +279,20 @@ class OutputFormat:
     # -- reading ---------------------------------------------------------------------------
 
     def detect(self, root: Path, config: dict) -> bool:
-        """Is this folder (without a manifest) in this format?"""
+        """Is this folder (without a manifest) in this format? (Its config.json says so, by default.)"""
+        return self.detect_config(config)
+
+    def detect_config(self, config: dict) -> bool:
+        """Does config.json (``config``) alone declare an FP4 checkpoint in this format?"""
         return False
 
     def rotation(self, root: Path, config: dict, manifest: dict | None) -> str | None:
-        """The rotation the folder's weights carry."""
-        return (manifest or {}).get("rotate")
+        """The rotation the folder's weights carry: the manifest's, else what config.json records."""
+        return manifest.get("rotate") if manifest is not None else self.rotation_of_config(config)
+
+    def rotation_of_config(self, config: dict) -> str | None:
+        """The rotation config.json records for this format's weights (None: none)."""
+        return None
 
     def is_swizzled(self, manifest: dict | None) -> bool:
         return self.swizzled

@@ -228,8 +228,9 @@ class CompressedTensorsFormat(OutputFormat):
 
     # -- reading ---------------------------------------------------------------------------
 
-    def detect(self, root: Path, config: dict) -> bool:
-        """An FP4 compressed-tensors checkpoint (its FP8 ``float-quantized`` ones are inputs, not this)."""
+    def detect_config(self, config: dict) -> bool:
+        """An FP4 compressed-tensors checkpoint (its FP8 ``float-quantized`` and INT4 ``pack-quantized`` ones are
+        inputs, not this)."""
         qc = config.get("quantization_config")
         if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
             return False
@@ -241,9 +242,7 @@ class CompressedTensorsFormat(OutputFormat):
                                              and (g.get("weights") or {}).get("type") == "float"))
                    for g in groups.values())
 
-    def rotation(self, root: Path, config: dict, manifest: dict | None) -> str | None:
-        if manifest is not None:
-            return manifest.get("rotate")
+    def rotation_of_config(self, config: dict) -> str | None:
         qc = config.get("quantization_config") or {}
         groups = (qc.get("transform_config") or {}).get("config_groups", {})
         had16 = any(g.get("type") == "hadamard" and g.get("head_dim") == 16 for g in groups.values())

@@ -27,6 +27,8 @@ class ModelOptFormat(OutputFormat):
     packed_suffix, scale_suffix, global_suffix = ".weight", ".weight_scale", ".weight_scale_2"
     activation_modes = ("nvfp4",)  # quant_algo NVFP4 with a static input_scale per linear
     input_suffix = ".input_scale"  # W4A4: the activation DECODE scale amax / 2688, F32 scalar like weight_scale_2
+    stores_decode_scale = True
+    config_files = (HF_QUANT_CONFIG,)
 
     def check(self, scheme: str, rotate: str | None) -> None:
         if scheme != "nvfp4":
@@ -117,12 +119,16 @@ class ModelOptFormat(OutputFormat):
     # -- reading ---------------------------------------------------------------------------
 
     def detect(self, root: Path, config: dict) -> bool:
-        """A ModelOpt NVFP4 checkpoint (its FP8 ones are inputs, not this)."""
+        """A ModelOpt NVFP4 checkpoint (its FP8 ones are inputs, not this): config.json, or hf_quant_config.json."""
         qc = config.get("quantization_config")
         if isinstance(qc, dict) and qc.get("quant_method") == "modelopt":
             return qc.get("quant_algo") == "NVFP4"
         hq = read_json(root / HF_QUANT_CONFIG).get("quantization")
         return isinstance(hq, dict) and hq.get("quant_algo") == "NVFP4"
+
+    def detect_config(self, config: dict) -> bool:
+        qc = config.get("quantization_config")
+        return isinstance(qc, dict) and qc.get("quant_method") == "modelopt" and qc.get("quant_algo") == "NVFP4"
 
 
 FORMAT = ModelOptFormat()

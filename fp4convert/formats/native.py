@@ -89,10 +89,15 @@ class NativeFormat(OutputFormat):
     def is_swizzled(self, manifest: dict | None) -> bool:
         return (manifest or {}).get("scale_layout", "128x4") == "128x4"
 
-    def detect(self, root: Path, config: dict) -> bool:
+    def detect_config(self, config: dict) -> bool:
         """A native folder is known by its manifest, or (manifest lost) by config.json's quant_method."""
         qc = config.get("quantization_config")
         return isinstance(qc, dict) and qc.get("quant_method") == NATIVE_QUANT_METHOD
+
+    def rotation_of_config(self, config: dict) -> str | None:
+        qc = config.get("quantization_config")
+        rotate = qc.get("rotate") if isinstance(qc, dict) else None
+        return rotate if isinstance(rotate, str) else None
 
 
 FORMAT = NativeFormat()

@@ -283,21 +283,32 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.bfloat16, *, backe
     return w.to(dtype)
 
 
-INPUT_DECODES = ("fp8_block", "fp8_scaled", "mxfp4_blocks")
+INPUT_DECODES = ("fp8_block", "fp8_scaled", "mxfp4_blocks", "int4_pack", "nvfp4", "mxfp4")
 
 
 def dequantize_input(kind: str, tensors: list[torch.Tensor], *, block: tuple[int, int] | None = None,
-                     backend: Backend = "auto") -> torch.Tensor:
-    """The exact fp32 weight a quantized INPUT encodes (FP8 block/per-tensor, gpt-oss MXFP4 blocks).
+                     group: int | None = None, cols: int | None = None, zero_point: bool = False,
+                     swizzled: bool = False, decode_global: bool = False, backend: Backend = "auto") -> torch.Tensor:
+    """The exact fp32 weight a quantized INPUT encodes, on the tensors' device (docs/formats.md "Sources").
 
-    ``tensors`` are the on-disk tensors, the main one first (``weight``, then its scale; or
-    ``blocks``, ``scales``). CUDA tensors use the kernels; every backend gives the same bits.
+    ``tensors`` are the on-disk tensors, the main one first: FP8 ``weight`` then its scale (``block``: the
+    block-scaled kind's block); gpt-oss ``blocks``, ``scales``; INT4 pack-quantized ``weight_packed``,
+    ``weight_scale``, the packed ``weight_zero_point`` (``zero_point``) and ``weight_shape`` when present
+    (``cols``: the row length; ``group``: weights per scale, None for one per row or tensor); FP4 (``nvfp4``,
+    ``mxfp4``) the packed codes, the block scales (``swizzled``: in the 128x4 layout) and NVFP4's global
+    (``decode_global``: stored as the decode scale 1/gs, ModelOpt's). Tensors past those are ignored. FP8
+    and gpt-oss CUDA tensors use the kernels; the other kinds are the reference's torch arithmetic on any
+    device (integer unpacking and one fp32 multiply: the same bits everywhere).
     """
     if kind not in INPUT_DECODES:
         raise ConfigError(f"unknown input encoding {kind!r}; expected one of {', '.join(INPUT_DECODES)}")
     if backend not in BACKENDS:
         raise ConfigError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     main = tensors[0]
+    if kind == "int4_pack":
+        return _int4_input(tensors, cols, group, zero_point)
+    if kind in ("nvfp4", "mxfp4"):
+        return _fp4_input(kind, tensors, swizzled, decode_global)
     if _use_cuda(main, backend):
         ops = _cuda_ops()
         if kind == "fp8_block":
@@ -310,6 +321,41 @@ def dequantize_input(kind: str, tensors: list[torch.Tensor], *, block: tuple[int
     if kind == "fp8_scaled":
         return ref.fp8_scaled_dequantize(main, tensors[1])
     return ref.mxfp4_blocks_dequantize(main, tensors[1])
+
+
+def _int4_input(tensors: list[torch.Tensor], cols: int | None, group: int | None, zero_point: bool) -> torch.Tensor:
+    """INT4 pack-quantized: decoded, then checked against its ``weight_shape`` when it has one."""
+    packed = tensors[0]
+    if cols is None:
+        raise ConfigError("an INT4 pack-quantized input needs its row length (cols)")
+    zp = tensors[2] if zero_point else None
+    w = ref.int4_pack_dequantize(packed, tensors[1], cols, group, zp)
+    rest = tensors[3 if zero_point else 2:]
+    if rest:  # weight_shape: the shape compressed-tensors recorded (what the header-only plan inferred)
+        recorded = [int(v) for v in rest[0].reshape(-1).tolist()]
+        if recorded != list(w.shape):
+            raise ShapeError(f"weight_shape says {recorded}, the packed weight and its scales give {list(w.shape)} "
+                             "(a row length that is not a multiple of 8 cannot be told from the headers)")
+    return w
+
+
+def _fp4_input(kind: str, tensors: list[torch.Tensor], swizzled: bool, decode_global: bool) -> torch.Tensor:
+    """An FP4 checkpoint's weight, each format's own decode (the rotation, if any, is not undone)."""
+    packed, scale = tensors[0], tensors[1]
+    if packed.dim() < 2:
+        raise ShapeError(f"expected packed codes [..., M, K/2], got {tuple(packed.shape)}")
+    m, k = packed.shape[-2], packed.shape[-1] * 2
+    s = get_scheme(kind)
+    if swizzled:
+        scale = unswizzle_scales(scale, m, k // s.block_size)
+    if not s.global_scale:
+        return ref.mxfp4_dequantize(packed, scale.view(torch.uint8))
+    if len(tensors) < 3:
+        raise ShapeError("an NVFP4 weight needs its global scale to be decoded")
+    g = tensors[2].to(torch.float32)
+    if decode_global:
+        return ref.nvfp4_dequantize_decode_global(packed, scale, g)
+    return ref.nvfp4_dequantize(packed, scale, g.reshape(packed.shape[:-2]))
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:

@@ -596,3 +596,97 @@ def mxfp4_blocks_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch
         )
     vals = e2m1_decode(unpack_nibbles(blocks))  # [..., G, 32], low nibble first
     return (vals * e8m0_decode(scales)[..., None]).reshape(*blocks.shape[:-2], -1)
+
+
+# INT4 as compressed-tensors' ``pack-quantized`` format stores it (Kimi-K2-Thinking and later): eight 4-bit
+# values per int32 word, element ``8w + i`` in bits ``4i .. 4i + 3`` of word ``w`` (the low nibble first), each
+# stored as the unsigned ``q + 8`` (q in [-8, 7]); rows are padded to whole words. An asymmetric zero point
+# is packed the same way along the ROWS (one word holds eight rows' zero points of one group).
+_INT4_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _int4_nibbles(words: torch.Tensor) -> torch.Tensor:
+    """int32 [..., W] -> int32 [..., W, 8]: each word's eight signed 4-bit values, the low nibble first."""
+    if words.dtype != torch.int32:
+        raise QuantizationError(f"expected int32 packed words, got {words.dtype}")
+    shifts = _INT4_SHIFTS.get(words.device)
+    if shifts is None:
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+        _INT4_SHIFTS[words.device] = shifts
+    q = words[..., None] >> shifts
+    q &= 0xF
+    q -= 8
+    return q
+
+
+def int4_unpack(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """pack-quantized int32 [..., M, ceil(cols / 8)] -> the int32 values q [..., M, cols] in [-8, 7]."""
+    if packed.dim() < 2 or packed.shape[-1] != -(-cols // 8):
+        raise ShapeError(f"packed INT4 {tuple(packed.shape)} does not hold rows of {cols} values "
+                         f"(expected [..., M, {-(-cols // 8)}] int32 words)")
+    q = _int4_nibbles(packed)
+    return q.reshape(*packed.shape[:-1], -1)[..., :cols]
+
+
+def int4_unpack_zero_point(zero_point: torch.Tensor, rows: int) -> torch.Tensor:
+    """A pack-quantized zero point, int32 [..., ceil(rows / 8), G] packed along the rows -> int32 [..., rows, G]."""
+    if zero_point.dim() < 2 or zero_point.shape[-2] != -(-rows // 8):
+        raise ShapeError(f"packed zero point {tuple(zero_point.shape)} does not hold {rows} rows "
+                         f"(expected [..., {-(-rows // 8)}, G] int32 words)")
+    z = _int4_nibbles(zero_point.transpose(-1, -2))  # [..., G, ceil(rows/8), 8]
+    return z.reshape(*z.shape[:-2], -1)[..., :rows].transpose(-1, -2)
+
+
+def int4_pack_dequantize(packed: torch.Tensor, scale: torch.Tensor, cols: int, group: int | None = None,
+                         zero_point: torch.Tensor | None = None) -> torch.Tensor:
+    """compressed-tensors ``pack-quantized`` INT4 -> fp32: ``w[i, j] = fp32(q[i, j] - z[i, g]) * fp32(scale[i, g])``.
+
+    ``packed`` int32 [..., M, ceil(cols/8)]; ``scale`` fp32/bf16/fp16 [..., M, G], one per ``group`` weights
+    along the row (``group``: cols / G), or one per row ([..., M, 1], channel) or per tensor (one element),
+    ``group`` None; ``zero_point`` None (symmetric: z = 0) or int32 packed along the rows (see
+    :func:`int4_unpack_zero_point`). ``q - z`` is an integer in [-15, 15], exact in fp32, so each element is
+    one fp32 multiply: exact for a bf16 or fp16 scale (at most 4 + 11 significant bits), rounded once for
+    an fp32 one. Leading dims are experts, decoded one matrix at a time.
+    """
+    m = packed.shape[-2] if packed.dim() >= 2 else 0
+    q = int4_unpack(packed, cols)
+    s = _as_f32_scale(scale, "scale")
+    if s.numel() == 1:
+        s = s.reshape([1] * q.dim())
+    elif s.dim() != q.dim() or s.shape[-2] != m:
+        raise ShapeError(f"scale {tuple(scale.shape)} is neither per group, per row nor per tensor of a weight "
+                         f"{(*packed.shape[:-1], cols)}")
+    else:
+        _check_leading(q, s, "scale")
+    g = s.shape[-1]
+    if group is None and g != 1:
+        raise ShapeError(f"scale {tuple(scale.shape)} has {g} groups per row but no group size was given")
+    if group is not None and g * group != cols:
+        raise ShapeError(f"scale {tuple(scale.shape)}: {g} groups of {group} do not cover rows of {cols} values")
+    d = q.reshape(*q.shape[:-1], g, -1)
+    if zero_point is not None:
+        z = int4_unpack_zero_point(zero_point, m)
+        if z.shape[-1] != g:
+            raise ShapeError(f"zero point {tuple(zero_point.shape)} does not match scale {tuple(scale.shape)}")
+        _check_leading(q, z, "zero point")
+        d = d - z[..., None]
+    w = d.to(_F32)
+    w *= s[..., None]  # one fp32 multiply per element (in place: the weight's size once more, not twice)
+    return w.reshape(q.shape)
+
+
+def nvfp4_dequantize_decode_global(packed: torch.Tensor, scale: torch.Tensor, decode_scale: torch.Tensor
+                                   ) -> torch.Tensor:
+    """An NVFP4 weight whose global is stored as a DECODE scale (ModelOpt's ``weight_scale_2``) -> fp32:
+    ``w = (value(code) * sf) * weight_scale_2``. ``value(code) * sf`` is exact in fp32 (an E2M1 value
+    times an E4M3 one), so each element is the exact product rounded once, what ModelOpt's own decode
+    computes. ``decode_scale``: one fp32 per matrix (shape = the leading dims, or one element)."""
+    vals = e2m1_decode(unpack_nibbles(packed))
+    vals = vals.reshape(*vals.shape[:-1], -1, NVFP4_BLOCK)
+    sf = e4m3_decode(scale)
+    if sf.shape != vals.shape[:-1]:
+        raise ShapeError(f"block scales {tuple(scale.shape)} do not fit packed codes {tuple(packed.shape)} "
+                         f"(expected {tuple(vals.shape[:-1])})")
+    d2 = decode_scale.to(_F32).reshape(*packed.shape[:-2], 1, 1, 1) if decode_scale.numel() > 1 else \
+        decode_scale.to(_F32).reshape(())
+    return ((vals * sf[..., None]) * d2).reshape(*packed.shape[:-1], -1)

@@ -19,7 +19,7 @@ def activations_of(manifest: dict | None) -> dict | None:
     out: dict = {"scheme": rec["scheme"], "scales": "dynamic", "calibration": None}
     if cal is not None:
         method = cal.get("method")
-        out["scales"] = "constant" if method == "constant" else "calibrated"
+        out["scales"] = "constant" if method == "constant" else "stored" if method == "stored" else "calibrated"
         keep = ("method", "samples", "seq_len", "seed", "data", "amax", "tokenizer_sha256")
         out["calibration"] = {k: cal[k] for k in keep if k in cal and not (k == "amax" and isinstance(cal[k], dict))}
     return out
@@ -53,6 +53,8 @@ def describe_method(manifest: dict | None) -> str:
     weights, or a calibrated method (the manifest's ``method`` record: its own description and the
     calibration data it ran on)."""
     g = (manifest or {}).get("method")
+    if isinstance(g, dict) and isinstance(g.get("description"), str) and "calibration" not in g:
+        return g["description"]  # a record of no calibration pass (a re-layout of another tool's checkpoint)
     if isinstance(g, dict) and isinstance(g.get("description"), str):
         cal: dict = g["calibration"] if isinstance(g.get("calibration"), dict) else {}
         return (f"{g['description']}, on {cal.get('samples', '?')} x {cal.get('seq_len', '?')} calibration tokens "

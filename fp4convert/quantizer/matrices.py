@@ -52,7 +52,11 @@ def tensors(inputs: Inputs) -> list[torch.Tensor]:
 
 
 def weight_of(d: Decision, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The weight a decision works on: the tensor itself, or the fp32 weight a quantized input encodes."""
+    """The weight a decision works on: the tensor itself, or the exact fp32 weight a quantized input encodes
+    (FP8, gpt-oss MXFP4, INT4 pack-quantized, an FP4 checkpoint's), on the tensors' device.
+
+    ``tensors``: what ``d.reads`` names, in that order (the on-disk tensors, as read). The one place a
+    decision's on-disk tensors become its weight: the quantize stage and calibration both call it."""
     if d.decode is None:
         return tensors[0]
     return decoded(d.decode, tensors, f"{d.name} (in {d.info.file})")
@@ -65,7 +69,7 @@ def decoded(decode: Decode, tensors: list[torch.Tensor], where: str) -> torch.Te
     from fp4convert.kernels.tensor import dequantize_input
 
     try:
-        w = dequantize_input(decode.kind, tensors, block=decode.block)
+        w = dequantize_input(decode.kind, tensors, **decode.arguments())
     except FP4ConvertError as exc:
         raise type(exc)(f"{where}: {exc}") from exc
     return w.transpose(-1, -2) if decode.transpose else w

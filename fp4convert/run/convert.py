@@ -44,26 +44,24 @@ log = logging.getLogger(__name__)
 __all__ = ["ConvertResult", "convert", "plan_conversion", "plan_warnings", "start_early"]
 
 
-def plan_conversion(src: str | Source, config: ConvertConfig, fetch_ahead: bool = False
+def plan_conversion(src: str | Source, config: ConvertConfig, fetch_ahead: bool = False, requantize: bool = False
                     ) -> tuple[Source, Plan, OutputFormat]:
     """Open the source and plan it from headers alone (what ``--dry-run`` shows).
 
     ``fetch_ahead`` (a conversion follows): a Hub source starts downloading its first shards while
     the plan is made (:meth:`Source.prefetch_early`; not for ``--resume`` or under torchrun, whose
-    runs read another order); stopped again if planning fails."""
+    runs read another order); stopped again if planning fails. ``requantize``: an FP4 source is decoded
+    and quantized again (by default it is refused here: ``fp4convert.checkpoint.export`` re-lays it)."""
     from fp4convert.calibrate import plan_calibration
-    from fp4convert.formats import detect, get_format
-    from fp4convert.output.manifest import MANIFEST_NAME, load_manifest
+    from fp4convert.formats import get_format
+    from fp4convert.output.manifest import load_manifest
     from fp4convert.plan.planner import make_plan
+    from fp4convert.plan.sources import check_source
     from fp4convert.source.open import open_source
     from fp4convert.source.source import Source
 
     source = src if isinstance(src, Source) else open_source(src, config.revision)
-    manifest = load_manifest(source.root)
-    found = detect(source.root, source.config(), manifest)
-    if manifest is not None or found is not None:
-        marker = MANIFEST_NAME if manifest is not None else f"{found.name} files"
-        raise PlanError(f"the source is already quantized (it has {marker}); fp4convert needs a bf16/fp16/fp32 checkpoint")
+    check_source(source.root, source.config(), load_manifest(source.root), requantize)  # decode, re-lay or refuse
     fmt = get_format(config.format)
     if not source.config() and not config.allow_no_config:
         raise PlanError(f"{source.label} has no config.json: no loader (transformers, vLLM, SGLang) can load the "

@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from fp4convert.output.manifest import MANIFEST_VERSION
@@ -892,3 +893,173 @@ def test_kept_dtype_in_the_manifest_must_match_the_kept_tensors(fp32_src, tmp_pa
     m["settings"]["kept_dtype"] = "bf16"
     _save_manifest(plain, m)
     _one_problem_exit_6(plain, "model.norm.weight: recorded as kept F32 [64], its output is F32 [64] (kept_dtype 'bf16')")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints fp4convert did not write (issue 44): compressed-tensors' own, ModelOpt's (our writer, no manifest)
+# ---------------------------------------------------------------------------------------------
+
+def _fused(shapes) -> dict[str, list[str]]:
+    """Every group an engine fuses (q/k/v; gate/up, per expert too) -> its member weights."""
+    from fp4convert.plan.knowledge import fused_group
+
+    out: dict[str, list[str]] = {}
+    for name in shapes:
+        g = fused_group(name)
+        if g:
+            out.setdefault(g, []).append(name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def foreign_ct(tmp_path_factory) -> dict[str, Path]:
+    """compressed-tensors' own NVFP4 checkpoints of a tiny Qwen3-MoE (written by its compressors, every fused
+    group sharing its global scale): weight-only, W4A4 (per-expert activation scales, as llm-compressor
+    calibrates them), and one with its routers quantized too."""
+    pytest.importorskip("compressed_tensors")
+    from tests import foreign, zoo
+
+    root = tmp_path_factory.mktemp("foreign")
+    src = zoo.build("qwen3_moe", root / "bf16")
+    shared = _fused(zoo.read_shapes(src))
+    out = {"bf16": src}
+    for name, kw in (("ct", {}), ("w4a4", {"w4a4": True}),
+                     ("router", {"pick": lambda n, s: foreign.default_pick(n, s) or n.endswith("mlp.gate.weight")})):
+        out[name] = root / name
+        foreign.nvfp4_variant(src, out[name], shared=shared, **kw)
+    return out
+
+
+def _planted(src: Path, dst: Path, edit_tensors=None, edit_config=None) -> Path:
+    from safetensors.torch import save_file
+
+    from tests import zoo
+
+    shutil.copytree(src, dst)
+    if edit_tensors is not None:
+        t = zoo.read_tensors(dst)
+        edit_tensors(t)
+        assert [p.name for p in zoo.shard_files(dst)] == ["model.safetensors"]
+        save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        (dst / "model.safetensors.index.json").unlink(missing_ok=True)  # (one shard: its index is optional)
+    if edit_config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("which", ["ct", "w4a4"])
+def test_a_clean_compressed_tensors_checkpoint_passes(foreign_ct, which) -> None:
+    r = inspect_checkpoint(str(foreign_ct[which]), check_files=True)
+    assert r["verdict"] == "ok", r["checks"]["problems"]
+    assert r["format"] == "compressed-tensors" and r["scheme"] == "nvfp4"
+    assert r["checks"]["manifest"].startswith("not expected") and r["checks"]["engine_config"] == "agrees with the tensors"
+    assert r["quantized"] == 2 * (4 + 3 * 4)  # per layer: q/k/v/o and 4 experts' gate/up/down
+    if which == "w4a4":  # each expert calibrated on its own: the engines take their max (a warning, not a problem)
+        assert r["activations"]["scales"] == "stored"
+        assert any("experts:w13 have" in w for w in r["warnings"]), r["warnings"]
+
+
+E0 = "model.layers.1.mlp.experts.2"
+
+
+def _scaled(name: str, by: float):
+    def edit(t):
+        t[name] = t[name] * by
+    return edit
+
+
+def _set(name: str, value: float):
+    def edit(t):
+        t[name] = torch.full_like(t[name], value)
+    return edit
+
+
+def _drop(name: str):
+    def edit(t):
+        del t[name]
+    return edit
+
+
+FOREIGN_PLANTS = {
+    # gate and up of one expert with different global scales (vLLM takes w1's, TensorRT-LLM refuses)
+    "expert gate/up global scales": ("ct", _scaled(f"{E0}.up_proj.weight_global_scale", 2.0), None,
+                                     f"fused group {E0}.{{gate_proj,up_proj}} has 2 different global scales"),
+    "q/k/v global scales": ("ct", _scaled("model.layers.0.self_attn.v_proj.weight_global_scale", 0.5), None,
+                            "fused group model.layers.0.self_attn.{q_proj,k_proj,v_proj} has 2 different"),
+    "an expert without its activation scale": ("w4a4", _drop(f"{E0}.down_proj.input_global_scale"), None,
+                                               f"{E0}.down_proj: W4A4 layer without an activation scale"),
+    "a NaN activation scale": ("w4a4", _set(f"{E0}.gate_proj.input_global_scale", float("nan")), None,
+                               f"{E0}.gate_proj.input_global_scale: activation scale [nan] is not finite"),
+    "a zero global scale": ("ct", _set("model.layers.0.self_attn.o_proj.weight_global_scale", 0.0), None,
+                            "model.layers.0.self_attn.o_proj: global scale [0.0] is not finite and positive"),
+    "the ignore list misses a kept linear": ("ct", None, lambda c: c["quantization_config"]["ignore"].remove("lm_head"),
+                                             "quantization_config.ignore misses 1 kept 2-D weight(s), e.g. lm_head"),
+    "the ignore list names a quantized linear": ("ct", None, lambda c: c["quantization_config"]["ignore"].append(
+        f"{E0}.down_proj"), f"quantization_config.ignore names 1 quantized weight(s), e.g. {E0}.down_proj"),
+    "a quantized router": ("router", None, None, "model.layers.0.mlp.gate: a MoE router stored in FP4"),
+    "block scales of the wrong shape": ("ct", lambda t: t.__setitem__(f"{E0}.down_proj.weight_scale",
+                                                                       t[f"{E0}.down_proj.weight_scale"][:, :1].clone()),
+                                        None, f"{E0}.down_proj: scale shape [64, 1], expected [64, 2]"),
+    "a NaN block scale": ("ct", lambda t: t[f"{E0}.down_proj.weight_scale"].view(torch.uint8).__setitem__(
+        (0, 0), 0x7F), None, f"{E0}.down_proj: block scale is NaN (0x7F)"),
+}
+
+
+@pytest.mark.parametrize("plant", list(FOREIGN_PLANTS))
+def test_each_engine_breaking_problem_of_a_foreign_checkpoint_is_named(foreign_ct, tmp_path, plant) -> None:
+    which, edit_t, edit_c, says = FOREIGN_PLANTS[plant]
+    dst = _planted(foreign_ct[which], tmp_path / "bad", edit_t, edit_c)
+    r = inspect_checkpoint(str(dst), check_files=True)
+    assert r["verdict"] == "failed"
+    hits = [p for p in r["checks"]["problems"] if says in p]
+    assert len(hits) == 1, r["checks"]["problems"]
+
+
+def test_a_foreign_checkpoint_fails_with_exit_6_one_line_per_problem(foreign_ct, tmp_path) -> None:
+    def two(t):
+        _scaled(f"{E0}.up_proj.weight_global_scale", 2.0)(t)
+        _drop(f"{E0}.down_proj.input_global_scale")(t)
+
+    dst = _planted(foreign_ct["w4a4"], tmp_path / "bad", two)
+    r = CliRunner().invoke(main, ["inspect", str(dst)])
+    assert r.exit_code == 6
+    lines = [ln.strip() for ln in r.output.splitlines() if ln.strip().startswith("- ")]
+    assert len(lines) == 2 and any(f"{E0}.{{gate_proj,up_proj}}" in ln for ln in lines) and \
+        any(f"{E0}.down_proj" in ln for ln in lines), r.output
+
+
+def test_verify_a_foreign_checkpoint_against_its_unquantized_source(foreign_ct) -> None:
+    r = inspect_checkpoint(str(foreign_ct["ct"]), verify=str(foreign_ct["bf16"]))
+    assert r["verdict"] == "ok", r["checks"]["problems"] + r["verify"]["problems"]
+    overall = r["verify"]["overall"]
+    assert overall["layers"] == r["quantized"] and 0 < overall["worst_rel_error"] < DEFAULT_MAX_ERROR
+
+
+def test_a_modelopt_w4a4_checkpoint_without_an_experts_input_scale_fails(tmp_path) -> None:
+    """A ModelOpt W4A4 MoE checkpoint (our ModelOpt writer, manifest and card removed: what another tool ships):
+    clean, it passes; an expert with no ``input_scale`` (vLLM #45212: NaN) and a bf16 ``weight_scale_2`` fail."""
+    from tests import zoo
+
+    src = zoo.build("qwen3_moe", tmp_path / "bf16")
+    mo = tmp_path / "mo"
+    convert(src, mo, ConvertConfig(device="cpu", format="modelopt", activations="nvfp4", activation_scale="constant"))
+    (mo / "fp4convert.json").unlink()
+    (mo / "README.md").unlink()
+    for name in ("hf_quant_config.json", "config.json"):  # as ModelOpt itself names its checkpoints
+        cfg = json.loads((mo / name).read_text())
+        (cfg.get("quantization_config") or cfg)["producer"] = {"name": "modelopt", "version": "0.37.0"}
+        (mo / name).write_text(json.dumps(cfg))
+    r = inspect_checkpoint(str(mo))
+    assert r["verdict"] == "ok" and r["format"] == "modelopt", r["checks"]["problems"]
+    bad = _planted(mo, tmp_path / "bad", _drop(f"{E0}.gate_proj.input_scale"))
+    problems = inspect_checkpoint(str(bad))["checks"]["problems"]
+    assert problems == [f"{E0}.gate_proj: W4A4 layer without an activation scale ({E0}.gate_proj.input_scale); "
+                        "engines would run it with an uninitialised scale"]
+
+    def bf16(t):
+        t[f"{E0}.down_proj.weight_scale_2"] = t[f"{E0}.down_proj.weight_scale_2"].to(torch.bfloat16)
+
+    problems = inspect_checkpoint(str(_planted(mo, tmp_path / "bf16s2", bf16)))["checks"]["problems"]
+    assert problems == [f"{E0}.down_proj: global scale is BF16, engines expect F32"]
