@@ -132,12 +132,10 @@ def check_runnable(source: Source, config: ConvertConfig) -> None:
         raise PlanError(f"{root}: no tokenizer (tokenizer.json / tokenizer.model / vocab.json); {what} needs one "
                         f"to tokenize or generate its samples ({other})")
     vocab = vocab_size(root, config_vocab(cfg)) if iw == "random" else None
-    if text and config.calibration_data is not None and not Path(config.calibration_data).is_file():
-        raise PlanError(f"--calibration-data {config.calibration_data}: no such file")
     if text and config.calibration_data is not None:
         from fp4convert.calibrate.samples import read_texts
 
-        read_texts(Path(config.calibration_data))  # empty, binary, not UTF-8, JSON lines of the wrong shape
+        read_texts(Path(config.calibration_data))  # missing, not a regular file, empty, binary, not UTF-8, broken JSON lines
     check_definition(source, cfg, other, vocab, self_generated=text and config.calibration_data is None)
 
 
