@@ -77,7 +77,7 @@ def verify_lines(v: dict) -> list[str]:
         if "error" in e:
             lines.append(f"    {m}: {e['error']}")
         else:
-            flag = "  FAILS" if judge.over(e) else ""
+            flag = "".join(f"  > {limit}" for limit in judge.over(e))
             lines.append(f"    {m:<44} rel.err {e['rel_error']:.4f}  SNR {e['snr_db']:5.1f} dB  "
                          f"{e['vs_rtn']:5.2f} x rtn {e['rtn_rel_error']:.4f}{flag}")
     o = v["overall"]
@@ -127,7 +127,7 @@ def write_plot(report: dict, path: str) -> str:
         else:
             fig, ax = plt.subplots(figsize=(10, max(3, 0.18 * len(bars))))
             ax.barh([m for m, _ in bars][::-1], [e for _, e in bars][::-1])
-            ax.axvline(limit, color="red", linestyle="--", label=f"threshold {limit:g}")
+            ax.axvline(limit, color="red", linestyle="--", label=f"threshold {limit}")
             ax.set_xlabel(label)
             ax.legend()
             fig.tight_layout()
@@ -158,4 +158,4 @@ def _html(report: dict, v: dict, bars: list[tuple[str, float]], limit: float, la
             f"<h3>{escape(report['path'])}: {report['scheme']} ({report['format']}) against {escape(v['source'])}</h3>"
             f"<p>{escape(label)}; mean rel.err {o.get('mean_rel_error', 0):.4f}, worst {o.get('worst_rel_error', 0):.4f} "
             f"({escape(str(o.get('worst_layer')))}), SNR {o.get('snr_db', 0):.1f} dB; criterion: "
-            f"{escape(v.get('criterion', ''))} (threshold dashed)</p>" + "".join(svg))
+            f"{escape(v.get('criterion', ''))}; threshold {limit} (dashed)</p>" + "".join(svg))

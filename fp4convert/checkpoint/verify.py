@@ -116,9 +116,25 @@ class Criterion:
             parts.append(f"rel.err <= {self.max_ratio:g} x round-to-nearest's")
         return " and ".join(parts)
 
-    def over(self, layer: dict) -> bool:
-        return (self.max_error is not None and layer["rel_error"] > self.max_error) or \
-            (self.max_ratio is not None and layer["vs_rtn"] > self.max_ratio)
+    def over(self, layer: dict) -> list[str]:
+        """The limits a measured layer exceeds ("max-error", "max-ratio"; [] when it passes)."""
+        return [name for name, limit, value in (("max-error", self.max_error, layer["rel_error"]),
+                                                ("max-ratio", self.max_ratio, layer["vs_rtn"]))
+                if limit is not None and value > limit]
+
+    def problems(self, measured: dict[str, dict]) -> list[str]:
+        """One line per limit some layers exceed, naming the worst of them."""
+        out = []
+        for name, key in (("max-error", "rel_error"), ("max-ratio", "vs_rtn")):
+            over = sorted((k for k, v in measured.items() if name in self.over(v)), key=lambda k: -measured[k][key])
+            if not over:
+                continue
+            w = measured[over[0]]
+            limit = self.max_error if name == "max-error" else self.max_ratio
+            why = "" if name == "max-error" else f" (x round-to-nearest's error on the same weights; {self.method} output)"
+            out.append(f"{len(over)} layer(s) exceed --{name} {limit:g}{why}: worst {over[0]} rel.err "
+                       f"{w['rel_error']:.4f}, {w['vs_rtn']:.2f} x round-to-nearest's {w['rtn_rel_error']:.4f}")
+        return out
 
 
 def criterion(manifest: dict | None, max_error: float | None = None, max_ratio: float | None = None) -> Criterion:
@@ -169,12 +185,7 @@ def verify_against(source: Source, layout: CheckpointLayout, src: str, *, max_er
     measured = {k: v for k, v in layers.items() if "rel_error" in v}
     overall = _overall(measured, *sums) if measured else None
     if measured:
-        over = sorted((k for k, v in measured.items() if judge.over(v)), key=lambda k: -measured[k]["vs_rtn"])
-        if over:
-            w = measured[over[0]]
-            problems.append(f"{len(over)} layer(s) fail --verify's criterion for {judge.method} output "
-                            f"({judge.describe()}): worst {over[0]} rel.err {w['rel_error']:.4f}, "
-                            f"{w['vs_rtn']:.2f} x round-to-nearest's {w['rtn_rel_error']:.4f}")
+        problems += judge.problems(measured)
     elif layout.modules:
         problems.append("--verify compared no layer")
     return {**base, "fingerprint": fingerprint, "layers": layers, "overall": overall, "problems": problems,
