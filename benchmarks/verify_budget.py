@@ -169,9 +169,10 @@ def measure(name: str, src: Path, data: Path, settings: list[str], samples: int,
     return out
 
 
-def oneshot(src: Path, data: Path, samples: int, seq_len: int) -> dict:
+def oneshot(src: Path, data: Path, samples: int, seq_len: int, layers: set[int] | None = None) -> dict:
     """Per linear of the decoder layers, GPTQ's relative weight error over round-to-nearest's, weight-only and
-    W4A4 (NVFP4, the defaults' rule ``mse``, act-order, dampening 0.01), Hessians from the float model."""
+    W4A4 (NVFP4, the defaults' rule ``mse``, act-order, dampening 0.01), Hessians from the float model.
+    ``layers``: only these decoder layers' linears (None: all)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fp4convert.calibrate.samples import file_tokens
@@ -180,7 +181,8 @@ def oneshot(src: Path, data: Path, samples: int, seq_len: int) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     tokens = file_tokens(AutoTokenizer.from_pretrained(str(src)), data, samples, seq_len)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n}
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n
+               and (layers is None or int(n.split(".layers.", 1)[1].split(".", 1)[0]) in layers)}
     amax = {n: torch.zeros((), dtype=torch.float32) for n in linears}
     stats: dict[str, list] = {n: [0, None, None, None] for n in linears}  # tokens, H, H~, C
 
@@ -234,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--device", default="cpu", help="where the conversions run (cpu, cuda)")
     ap.add_argument("--oneshot", action="store_true", help="the estimate without conversions (see above)")
+    ap.add_argument("--layers", default="", help="--oneshot: only these decoder layers (comma-separated)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     settings = [s for s in args.settings.split(",") if s]
@@ -258,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             models["smollm2-135m"] = export_checkpoint("smollm2-135m")
         for name, src in models.items():
             if args.oneshot:
-                result["models"][name] = {"oneshot": oneshot(src, data, args.samples, args.seq_len)}
+                only = {int(x) for x in args.layers.split(",") if x} or None
+                result["models"][name] = {"oneshot": oneshot(src, data, args.samples, args.seq_len, only)}
                 continue
             result["models"][name] = measure(name, src, data, settings, args.samples, args.seq_len, work, args.device)
     if args.json:

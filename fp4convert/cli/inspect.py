@@ -29,8 +29,9 @@ from fp4convert.errors import InspectFailed
                    "Given, it judges any output (a calibrated one too).")
 @click.option("--max-ratio", type=click.FloatRange(min=0.0, min_open=True), default=None, show_default=False,
               help="With --verify: fail when a layer's relative error exceeds this many times round-to-nearest's on "
-                   "the same weights (recomputed from SRC) [default for a calibrated method's output: GPTQ 2.0, "
-                   "GPTQ W4A4 4.0; GPTQ's layers measured up to ~1.6 and ~3.3, a wrong layer 5-17; README].")
+                   "the same weights (recomputed from SRC) [default for a calibrated method's output: GPTQ 2.5, "
+                   "GPTQ W4A4 5.0; GPTQ's worst layers measured 1.8 and 3.6, a layer from the wrong tensor 12-17, "
+                   "one twice its source 5.6-6.7; docs/numerics.md]. Given, it judges any output.")
 @click.option("--plot", "plot_path", metavar="FILE", default=None,
               help="With --verify: write a per-layer error chart (FILE.png needs matplotlib; else an HTML report).")
 @revision_option

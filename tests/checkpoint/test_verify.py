@@ -5,7 +5,6 @@ accepts"). A GPTQ checkpoint made at the defaults passes; a broken layer still f
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
