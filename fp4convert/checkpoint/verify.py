@@ -7,7 +7,7 @@ same weights (``rtn_rel_error``: the data-free quantizer run here on the source,
 scheme, rotation, scale rule and fused-group global scale), and their ratio ``vs_rtn``. Round-to-nearest
 output is judged by the error itself (``--max-error``); a calibrated method (GPTQ) trades weight error for
 output error by design, so its output is judged by the ratio (``--max-ratio``, a budget per method
-measured on real models: docs/numerics.md "What --verify accepts").
+measured on real models: docs/numerics.md "What inspect --verify accepts of a GPTQ checkpoint").
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 DEFAULT_MAX_ERROR = 0.25  # round-to-nearest: the measurements behind it are in checkpoint/inspect.py
 # A calibrated method's layer fails when its error exceeds round-to-nearest's on the same weights by more
 # than this factor, (method, W4A4) -> budget. Measured by benchmarks/verify_budget.py (docs/numerics.md
-# "What --verify accepts"): the worst layer of GPTQ at the defaults, and what a broken layer gives.
+# "What inspect --verify accepts of a GPTQ checkpoint"): the worst layer of GPTQ at the defaults, and what a
+# broken layer gives.
 RATIO_BUDGETS: dict[tuple[str, bool], float] = {("gptq", False): 2.5, ("gptq", True): 5.0}
 OK, FAILED, NOT_QUANTIZED = "ok", "failed", "not quantized"
 

@@ -1,7 +1,7 @@
 """``inspect --verify`` judges each output by a criterion that fits how its weights were rounded (issue 45):
 round-to-nearest by the error itself, a calibrated method (GPTQ) by its error over round-to-nearest's on the
-same weights, recomputed from the source (fp4convert/checkpoint/verify.py, docs/numerics.md "What --verify
-accepts"). A GPTQ checkpoint made at the defaults passes; a broken layer still fails."""
+same weights, recomputed from the source (fp4convert/checkpoint/verify.py, docs/numerics.md "What inspect
+--verify accepts of a GPTQ checkpoint"). A GPTQ checkpoint made at the defaults passes; a broken layer still fails."""
 
 from __future__ import annotations
 
