@@ -50,9 +50,15 @@ def resident_budget(device) -> int:
 
 
 def read_texts(path: Path) -> list[str]:
-    """A calibration file: JSON lines with a ``text`` field, or plain text (one document)."""
+    """A calibration file: JSON lines with a ``text`` field, or plain text (one document).
+
+    It is JSON lines when most of its non-empty lines start with ``{``; then every line must be a JSON
+    object with a string ``text`` (the broken ones are named by their line numbers in the file: a
+    JSON-lines file with a few damaged lines is refused, not read as plain text full of JSON syntax).
+    Only a regular file is read (a FIFO, a device or a folder is named as such; a pipe's data can be
+    read only once, and the run reads the file more than once)."""
     path = Path(path)
-    data = path.read_bytes()
+    data = _regular_bytes(path)
     if not data.strip():
         raise PlanError(f"--calibration-data {path}: the file is empty; give a text or JSON-lines file")
     nul = data.find(bytes(1))
@@ -64,22 +70,46 @@ def read_texts(path: Path) -> list[str]:
     except UnicodeDecodeError as exc:
         raise PlanError(f"--calibration-data {path}: not UTF-8 (byte {exc.start}: {exc.reason}); convert it to UTF-8 "
                         "text") from None
-    lines = [ln for ln in raw.splitlines() if ln.strip()]
-    if lines and all(ln.lstrip().startswith("{") for ln in lines):
-        texts = []
-        for i, ln in enumerate(lines, 1):
-            try:
-                obj = json.loads(ln)
-            except json.JSONDecodeError as exc:
-                raise PlanError(f"{path}:{i}: not a JSON line ({exc.msg}); give JSON lines with a 'text' field or "
-                                "plain text") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise PlanError(f"{path}:{i}: a JSON line without a string 'text' field")
-            texts.append(obj["text"])
-        if not any(t.strip() for t in texts):
-            raise PlanError(f"{path}: every JSON line's 'text' is empty; give calibration text")
-        return texts
-    return [raw]
+    lines = [(n, ln) for n, ln in enumerate(raw.splitlines(), 1) if ln.strip()]
+    if 2 * sum(ln.lstrip().startswith("{") for _, ln in lines) <= len(lines):
+        return [raw]
+    texts, broken = [], []
+    for n, ln in lines:
+        try:
+            obj = json.loads(ln)
+        except json.JSONDecodeError as exc:
+            broken.append((n, f"not a JSON line ({exc.msg})"))
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            broken.append((n, "no string 'text' field"))
+            continue
+        texts.append(obj["text"])
+    if broken:
+        named = "; ".join(f"line {n}: {why}" for n, why in broken[:5]) + (
+            f"; and {len(broken) - 5} more" if len(broken) > 5 else "")
+        raise PlanError(f"--calibration-data {path}: {len(broken)} of its {len(lines)} JSON lines are broken ({named}); "
+                        "fix or remove them (each line a JSON object with a string 'text' field), or give plain text")
+    if not any(t.strip() for t in texts):
+        raise PlanError(f"--calibration-data {path}: every JSON line's 'text' is empty; give calibration text")
+    return texts
+
+
+def _regular_bytes(path: Path) -> bytes:
+    """The file's bytes, refusing what is not a regular file by what it is (never blocking on a FIFO)."""
+    from fp4convert.storage.reads import NotRegularFile, open_regular
+
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        raise PlanError(f"--calibration-data {path}: no such file") from None
+    except NotRegularFile as exc:
+        kind = (exc.strerror or "").split(",")[0] or "not a regular file"
+        raise PlanError(f"--calibration-data {path}: {kind}, not a regular file; give a text or JSON-lines file "
+                        "(the data is read more than once: save a pipe's output to a file first)") from None
+    except OSError as exc:
+        raise PlanError(f"--calibration-data {path}: cannot read it ({exc.strerror or exc})") from None
+    with open(fd, "rb") as f:
+        return f.read()
 
 
 def tokenizer_digest(root: Path) -> str:

@@ -31,7 +31,7 @@ from fp4convert.checkpoint.layout import (
     read_global,
     read_layout,
 )
-from fp4convert.checkpoint.verify import DEFAULT_MAX_ERROR, FAILED, NOT_QUANTIZED, OK, add_total, verify_against
+from fp4convert.checkpoint.verify import FAILED, NOT_QUANTIZED, OK, add_total, natural_key, verify_against
 from fp4convert.formats import OUTPUT_FORMATS, all_formats, get_format, quantized_tensor_names
 from fp4convert.formats.base import read_json
 from fp4convert.numerics.scheme import get_scheme
@@ -92,7 +92,7 @@ def _guess_layout(source: Source, layout: CheckpointLayout) -> CheckpointLayout 
 # ---------------------------------------------------------------------------------------------
 
 def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: str | None = None,
-                       revision: str | None = None, max_error: float = DEFAULT_MAX_ERROR,
+                       revision: str | None = None, max_error: float | None = None, max_ratio: float | None = None,
                        verify_revision: str | None = None, token: str | None = None, progress: bool = False) -> dict:
     """Everything ``fp4convert inspect`` reports, as a dict (``ok`` is True only for a sound quantized checkpoint).
 
@@ -100,11 +100,12 @@ def inspect_checkpoint(path_or_repo: str, *, check_files: bool = False, verify: 
     --check-files, the layers of --verify), in bytes, their totals added as they become known."""
     with progress_bar(0, "inspect", progress) as bar:
         return _report(path_or_repo, check_files=check_files, verify=verify, revision=revision, max_error=max_error,
-                       verify_revision=verify_revision, token=token, progress=bar if progress else None)
+                       max_ratio=max_ratio, verify_revision=verify_revision, token=token,
+                       progress=bar if progress else None)
 
 
 def _report(path_or_repo: str, *, check_files: bool = False, verify: str | None = None,
-            revision: str | None = None, max_error: float = DEFAULT_MAX_ERROR,
+            revision: str | None = None, max_error: float | None = None, max_ratio: float | None = None,
             verify_revision: str | None = None, token: str | None = None, progress=None) -> dict:
     """:func:`inspect_checkpoint`'s report; ``progress``: an object with ``total`` and ``update(n)`` (the
     display) that the long parts advance in bytes; their totals are added to ``total`` when known."""
@@ -173,8 +174,8 @@ def _report(path_or_repo: str, *, check_files: bool = False, verify: str | None 
         "checksums": checksums,
     }
     if verify:
-        v = verify_against(source, layout, verify, max_error=max_error, revision=verify_revision, token=token,
-                           progress=progress)
+        v = verify_against(source, layout, verify, max_error=max_error, max_ratio=max_ratio, revision=verify_revision,
+                           token=token, progress=progress)
         report["verify"] = v
         problems += v["problems"]
     if not layout.quantized:
@@ -446,7 +447,7 @@ def _summary(source: Source, layout: CheckpointLayout, globals_: dict[str, float
         "params": q_params + kept_params,
         "bits_per_param_quantized": round(8 * q_bytes / q_params, 4) if q_params else None,
         "bits_per_param": round(8 * (q_bytes + kept_bytes) / (q_params + kept_params), 4) if q_params + kept_params else None,
-        "layers": dict(sorted(layers.items(), key=lambda kv: _natural(kv[0]))),
+        "layers": dict(sorted(layers.items(), key=lambda kv: natural_key(kv[0]))),
         "global_scales": globals_,
     }
 
@@ -483,11 +484,3 @@ def describe_input_weights(w: dict) -> str:
     return (f"per-channel input mean squares on {what}; {w.get('weighted')} matrices weighted"
             + (f", {len(unweighted)} unweighted" if unweighted else "")
             + (f"; sha256 {str(w['sha256'])[:12]}" if w.get("sha256") else ""))
-
-
-def _natural(s: str) -> list:
-    # numbers compare by length, then digits: int() of a 5000-digit layer number in a crafted tensor name
-    # raises ValueError (Python's int-string limit), and a plain int would not compare with the other parts
-    return [(len(t.lstrip("0")), t.lstrip("0")) if i % 2 else t for i, t in enumerate(re.split(r"(\d+)", s))]
-
-

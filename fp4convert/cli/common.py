@@ -17,6 +17,7 @@ import click
 from tqdm import tqdm
 
 from fp4convert.errors import STDOUT_CLOSED, FP4ConvertError, Interrupted, RankFailed
+from fp4convert.storage.names import MANIFEST_NAME
 
 log = logging.getLogger("fp4convert")
 
@@ -138,11 +139,24 @@ def library_errors(fn: Callable) -> Callable:
             click.echo(f"Error: {' '.join(str(err).split())}", err=True)
             sys.exit(err.exit_code)
         finally:
+            command_over()
             teardown_logging()
             if main_thread:
                 signal.signal(signal.SIGTERM, old_term)
 
     return wrapper
+
+
+def command_over() -> None:
+    """The program's command has ended (its outputs complete, or its error printed): from here to the exit,
+    Ctrl-C is ignored, as there is nothing left to stop but the interpreter's teardown (a Ctrl-C there
+    killed the process without a word, exit 130, after a complete run). Only in the program itself
+    (:func:`program_started`): a command invoked in-process leaves the caller's handlers alone."""
+    import signal
+    import threading
+
+    if _program and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def stdout_closed() -> None:
@@ -157,13 +171,81 @@ def stdout_closed() -> None:
     os._exit(STDOUT_CLOSED) if rank() > 0 else sys.exit(STDOUT_CLOSED)
 
 
-# What Ctrl-C (or SIGTERM) means for each command: only the writing ones keep finished shards for --resume.
+# What Ctrl-C (or SIGTERM) means for each command that writes nothing.
 INTERRUPTED = {
-    "quantize": "interrupted; finished shards are kept: run the same command with --resume to continue",
-    "export": "interrupted; finished shards are kept: run the same export with --resume to continue",
     "inspect": "interrupted; inspect writes nothing: run it again",
     "push": "interrupted; run the same push again: only what is missing is uploaded",
 }
+_AGAIN = {"quantize": "the same command", "export": "the same export"}
+
+
+def interrupted_message(command: str, dst: str | None) -> str:
+    """What a Ctrl-C (or SIGTERM) left, in words: for the writing commands (quantize, export) what DST holds
+    now (read from its progress records and manifest, as ``--resume`` will), so the hint fits it: finished
+    shards kept for ``--resume``, a run that finished nothing yet, nothing written at all, a complete output."""
+    if command not in _AGAIN:
+        return INTERRUPTED.get(command, "interrupted")
+    again = _AGAIN[command]
+    kept, recorded, complete = _dst_state(dst)
+    if kept:
+        return f"interrupted; {kept} finished shard(s) kept in {dst}: run {again} with --resume to continue"
+    if recorded:
+        return f"interrupted before any shard was finished: run {again} with --resume to start it again"
+    if complete:
+        return (f"interrupted; {dst} holds a complete output (its {MANIFEST_NAME} is there): nothing to resume; "
+                f"run {again} again if it was to be replaced")
+    return f"interrupted before anything was written to {dst}: run {again} again"
+
+
+def interrupted_after(dst: str, push_repo: str | None = None) -> str:
+    """A Ctrl-C once the conversion had finished (while pushing or printing the summary)."""
+    if push_repo:
+        return (f"interrupted while pushing to {push_repo}; {dst} is complete: run `fp4convert push {dst} {push_repo}` "
+                "to finish the upload (only what is missing is sent)")
+    return f"interrupted after the conversion had finished: {dst} is complete"
+
+
+def _dst_state(dst: str | None) -> tuple[int, bool, bool]:
+    """(finished shards an interrupted run's progress records list that are on disk, whether such a record is
+    there, whether a finished output's manifest is there) for DST; nothing when DST cannot be read."""
+    from pathlib import Path
+
+    from fp4convert.output.record import progress_records, read_record
+    from fp4convert.storage.names import SHARD_PATTERN
+
+    if not dst or not os.path.isdir(dst):
+        return 0, False, False
+    root = Path(dst)
+    try:
+        paths = progress_records(root)
+        shards: set[str] = set()
+        for path in paths:
+            rec, _ = read_record(path, "progress")
+            shards |= {f for f in (rec or {}).get("files", {}) if SHARD_PATTERN.match(f) and (root / f).is_file()}
+        return len(shards), bool(paths), os.path.isfile(root / MANIFEST_NAME)
+    except Exception:  # noqa: BLE001 - a hint must not hide the interruption itself
+        return 0, False, False
+
+
+_program: list[float] = []  # when this process started (monotonic), set by the program's entry point
+
+
+def program_started() -> None:
+    """Called by the console script: the summary's time then counts from the process's start (Python's
+    start-up and the imports included), not from the command's."""
+    import time
+
+    from fp4convert.timing import process_age
+
+    _program[:] = [time.monotonic() - (process_age() or 0.0)]
+
+
+def program_seconds(command_started: float) -> float:
+    """The run's whole wall time: since the process started (the program), else since the command did (a
+    command invoked in-process, e.g. by a test)."""
+    import time
+
+    return time.monotonic() - (_program[0] if _program else command_started)
 
 
 def classify(exc: BaseException, src: str | None, dst: str | None, command: str = "quantize") -> FP4ConvertError:
@@ -173,7 +255,7 @@ def classify(exc: BaseException, src: str | None, dst: str | None, command: str 
     if isinstance(exc, FP4ConvertError):
         return exc
     if isinstance(exc, KeyboardInterrupt):
-        return Interrupted(INTERRUPTED.get(command, "interrupted"))
+        return Interrupted(interrupted_message(command, dst))
     if isinstance(exc, RuntimeError) and str(exc).startswith("Symlink loop from "):  # pathlib.resolve()
         from fp4convert.errors import OutputError, SourceError
 

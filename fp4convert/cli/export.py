@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import json
+import time
 
 import click
 
-from fp4convert.cli.common import library_errors, rank, setup_logging, warn_serving
+from fp4convert.cli.common import (
+    command_over,
+    interrupted_after,
+    library_errors,
+    program_seconds,
+    rank,
+    setup_logging,
+    warn_serving,
+)
 from fp4convert.cli.options import (
     EXIT_CODE_HELP,
     output_options,
@@ -15,6 +24,7 @@ from fp4convert.cli.options import (
 )
 from fp4convert.config import ConvertConfig, human_bytes, parse_size
 from fp4convert.formats import OUTPUT_FORMATS
+from fp4convert.output.describe import loading_hint
 
 
 @click.command(epilog=EXIT_CODE_HELP)
@@ -33,6 +43,7 @@ def export(src, dst, fmt, max_shard_size, overwrite, resume, verify_source, quie
     Example:
       fp4convert export qwen3-native qwen3-ct --format compressed-tensors
     """
+    started = time.monotonic()
     from fp4convert.checkpoint.export import export as run_export
 
     config = ConvertConfig(format=fmt, max_shard_size=parse_size(max_shard_size), overwrite=overwrite, resume=resume,
@@ -43,8 +54,18 @@ def export(src, dst, fmt, max_shard_size, overwrite, resume, verify_source, quie
     result = run_export(src, dst, config, progress=not (quiet or as_json))
     if rank() > 0:
         return
-    if push_repo:
-        push_folder(dst, push_repo, private, token, quiet)
+    try:  # the export is complete: a Ctrl-C from here on says so
+        if push_repo:
+            push_folder(dst, push_repo, private, token, quiet)
+        command_over()  # only the summary is left: a Ctrl-C now would stop nothing
+        _report(result, dst, fmt, quiet, as_json, program_seconds(started))
+    except KeyboardInterrupt:
+        from fp4convert.errors import Interrupted
+
+        raise Interrupted(interrupted_after(dst, push_repo)) from None
+
+
+def _report(result, dst: str, fmt: str, quiet: bool, as_json: bool, seconds: float) -> None:
     s = result.to_json()
     rotate = result.plan.config.rotate
     if as_json:
@@ -53,5 +74,6 @@ def export(src, dst, fmt, max_shard_size, overwrite, resume, verify_source, quie
         return
     if not quiet:
         click.echo(f"{dst}: {s['quantized']} quantized weights and {s['kept']} other tensors as {fmt}, "
-                   f"{human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s); {s['wall_s']:.1f} s")
+                   f"{human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s); {seconds:.1f} s")
+        click.echo(loading_hint(fmt, result.plan.config.scheme, dst))
     warn_serving(fmt, rotate)

@@ -11,6 +11,7 @@ import sys
 
 import click
 
+from fp4convert.cli.common import command_over, program_started
 from fp4convert.cli.export import export
 from fp4convert.cli.inspect import inspect
 from fp4convert.cli.options import EXIT_CODE_HELP
@@ -26,12 +27,19 @@ def entry() -> None:
     once stdout, stderr and the logs are flushed): tearing down the CUDA context and the pinned pool's
     mappings costs ~0.25 s on the H100 machine, 10% of converting a 3 GB MoE, for nothing, since the
     kernel reclaims both and every output file is closed and synced by then. Anything else (torch loaded,
-    torchrun) exits normally: torch and torch.distributed register exit handlers."""
+    torchrun) exits normally: torch and torch.distributed register exit handlers.
+
+    Once the command has ended, Ctrl-C is ignored (``common.command_over``): what is left is the
+    interpreter's teardown (torch's takes up to a second), which restores the default handlers as it goes,
+    so a Ctrl-C there killed the process silently (exit 130 after a complete run) or printed a teardown
+    traceback."""
+    program_started()
     try:
         main(prog_name="fp4convert")
         code: object = 0
     except SystemExit as exc:
         code = exc.code
+    command_over()
     if isinstance(code, int) and "fp4convert.kernels.cuda.runtime" in sys.modules and "torch" not in sys.modules \
             and not int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         import logging

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from dataclasses import dataclass
 
 import click
 
-from fp4convert.cli.common import library_errors, log, rank, setup_logging, warn_serving
+from fp4convert.cli.common import (
+    command_over,
+    interrupted_after,
+    library_errors,
+    log,
+    program_seconds,
+    rank,
+    setup_logging,
+    warn_serving,
+)
 from fp4convert.cli.options import (
     EXIT_CODE_HELP,
     SCALE_RULES,
@@ -24,7 +35,7 @@ from fp4convert.cli.options import (
 from fp4convert.config import ConvertConfig, human_bytes, parse_size
 from fp4convert.formats import DEFAULT_FORMAT, OUTPUT_FORMATS
 from fp4convert.numerics.scheme import ROTATIONS, SCHEMES
-from fp4convert.output.describe import run_note
+from fp4convert.output.describe import loading_hint, run_note
 from fp4convert.quantizer.backend import backend_names
 
 
@@ -71,10 +82,7 @@ from fp4convert.quantizer.backend import backend_names
 @method_options
 @activation_options
 @library_errors
-def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, max_shard_size, ignore, only,
-             allow_nothing_quantized, allow_no_config, revision, cache_dir, delete_source_shards, dry_run, base_model,
-             requantize, kept_dtype, overwrite, resume, verify_source, quiet, as_json, push_repo, private, token,
-             rounding, activation) -> None:
+def quantize(src: str, dst: str, **options) -> None:
     """Quantize checkpoint SRC (a local folder or a Hub repo id) into folder DST.
 
     \b
@@ -84,90 +92,138 @@ def quantize(src, dst, scheme, rotate, scale_rule, fmt, device, lanes, backend, 
     from fp4convert import timing
 
     ages = {"cli_start": timing.process_age()}  # where a run's seconds outside convert() go (--json)
-    from fp4convert.checkpoint.export import plan_relayout, relayout
-    from fp4convert.errors import PlanError
-    from fp4convert.run.convert import convert, plan_conversion, start_early
-    from fp4convert.run.runner import plan_warnings
+    started = time.monotonic()
+    from fp4convert.run.convert import start_early
     from fp4convert.source.open import open_source
 
-    config = ConvertConfig(
-        scheme=scheme, rotate=rotate, scale_rule=scale_rule, format=fmt, ignore=tuple(ignore), only=tuple(only),
-        max_shard_size=parse_size(max_shard_size), device=device, overwrite=overwrite, resume=resume,
-        revision=revision, verify_source=verify_source, lanes=lanes, backend=backend,
-        allow_no_config=allow_no_config, base_model=base_model, kept_dtype=kept_dtype,
-        **activation, **rounding,
-    )
-    dry_run_out = True
-    if rank() > 0:  # torchrun: one voice (rank 0); the others only report their own errors
-        quiet, as_json, dry_run_out = True, False, False
-    if delete_source_shards and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    config = config_from_options(options)
+    out = Voice.of(options)
+    if options["delete_source_shards"] and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         from fp4convert.errors import ConfigError
 
         raise ConfigError("--delete-source-shards cannot be used under torchrun (another rank may still read a "
                           "shard); convert with one process, or keep the source shards")
-    setup_logging(quiet, status=not as_json)
-    if not dry_run:
+    setup_logging(out.quiet, status=not out.as_json)
+    if not options["dry_run"]:
         start_early(config)  # the GPU starts while the source is opened and planned
-    source = open_source(src, revision, token=token, cache_dir=cache_dir)
+    source = open_source(src, config.revision, token=options["token"], cache_dir=options["cache_dir"])
+    result = _plan_and_convert(source, dst, config, options, out, ages)
+    if result is None or rank() > 0:
+        return
+    try:  # the conversion is complete: a Ctrl-C from here on says so
+        if options["push_repo"]:
+            push_folder(dst, options["push_repo"], options["private"], options["token"], out.quiet)
+        command_over()  # only the summary is left: a Ctrl-C now would stop nothing
+        ages["summary"] = timing.process_age()
+        _report(result, dst, config, out, ages, program_seconds(started))
+    except KeyboardInterrupt:
+        from fp4convert.errors import Interrupted
+
+        raise Interrupted(interrupted_after(dst, options["push_repo"])) from None
+
+
+def config_from_options(options: dict) -> ConvertConfig:
+    """The command line's options as the frozen settings of the run (what the library takes)."""
+    return ConvertConfig(
+        scheme=options["scheme"], rotate=options["rotate"], scale_rule=options["scale_rule"], format=options["fmt"],
+        ignore=tuple(options["ignore"]), only=tuple(options["only"]),
+        max_shard_size=parse_size(options["max_shard_size"]), device=options["device"],
+        overwrite=options["overwrite"], resume=options["resume"], revision=options["revision"],
+        verify_source=options["verify_source"], lanes=options["lanes"], backend=options["backend"],
+        allow_no_config=options["allow_no_config"], base_model=options["base_model"],
+        kept_dtype=options["kept_dtype"], **options["activation"], **options["rounding"],
+    )
+
+
+@dataclass(frozen=True)
+class Voice:
+    """What this process prints: ``quiet`` (errors only), ``as_json`` (the result on stdout), ``plan`` (a
+    dry run's plan). Under torchrun only rank 0 speaks; the others report their own errors only."""
+
+    quiet: bool
+    as_json: bool
+    plan: bool = True
+
+    @classmethod
+    def of(cls, options: dict) -> Voice:
+        if rank() > 0:
+            return cls(True, False, False)
+        return cls(options["quiet"], options["as_json"])
+
+
+def _plan_and_convert(source, dst: str, config: ConvertConfig, options: dict, out: Voice, ages: dict):
+    """Plan, then print the plan (``--dry-run``: None) or convert (the result)."""
+    from fp4convert import timing
+    from fp4convert.checkpoint.export import plan_relayout, relayout
+    from fp4convert.errors import PlanError
+    from fp4convert.run.convert import convert, plan_conversion
+    from fp4convert.run.runner import plan_warnings
+
     # An FP4 source is re-laid, not quantized again (issue 44; fp4convert.checkpoint.export), unless --requantize.
+    requantize = options["requantize"]
     relaid = None if requantize else plan_relayout(source, config)
-    planned = relaid or plan_conversion(source, config, fetch_ahead=not dry_run, requantize=requantize)
+    planned = relaid or plan_conversion(source, config, fetch_ahead=not options["dry_run"], requantize=requantize)
     try:  # a Hub source is downloading since planning: stopped on any refusal before convert() owns it
         plan = planned[1]
-        nothing = plan.summary()["quantized"] == 0 and not allow_nothing_quantized
-        if dry_run:
-            if not dry_run_out:
-                return
-            if as_json:
-                click.echo(json.dumps(plan.to_json(), indent=2))
-            else:
-                print_plan(plan, quiet)
-            warn_serving(fmt, rotate)
-            if nothing:
-                raise PlanError("the plan quantizes no tensor (see the warnings); pass --allow-nothing-quantized "
-                                "to write an unquantized copy anyway")
-            return
+        nothing = plan.summary()["quantized"] == 0 and not options["allow_nothing_quantized"]
+        if options["dry_run"]:
+            _dry_run(plan, config, out, nothing)
+            return None
         if nothing:
             for w in plan_warnings(plan):
                 log.warning("warning: %s", w)
             raise PlanError("the plan quantizes no tensor: check --only / --ignore and the layer names "
                             "(--dry-run shows every decision); --allow-nothing-quantized writes the copy anyway")
         ages["convert_start"] = timing.process_age()
-        result = convert(source, dst, config, progress=not (quiet or as_json),
-                         delete_source_shards=delete_source_shards, plan=planned) if relaid is None else \
-            relayout(relaid, dst, progress=not (quiet or as_json), delete_source_shards=delete_source_shards)
+        progress, delete = not (out.quiet or out.as_json), options["delete_source_shards"]
+        if relaid is not None:
+            return relayout(relaid, dst, progress=progress, delete_source_shards=delete)
+        return convert(source, dst, config, progress=progress, delete_source_shards=delete, plan=planned)
     except BaseException:
         source.stop_prefetch()
         raise
-    if rank() > 0:
+
+
+def _dry_run(plan, config: ConvertConfig, out: Voice, nothing: bool) -> None:
+    from fp4convert.errors import PlanError
+
+    if not out.plan:
         return
-    if push_repo:
-        push_folder(dst, push_repo, private, token, quiet)
-    if as_json:
-        ages["summary"] = timing.process_age()
-        s = result.to_json()
-        warn_serving(fmt, rotate, s.setdefault("warnings", []))
+    if out.as_json:
+        click.echo(json.dumps(plan.to_json(), indent=2))
+    else:
+        print_plan(plan, out.quiet)
+    warn_serving(config.format, config.rotate)
+    if nothing:
+        raise PlanError("the plan quantizes no tensor (see the warnings); pass --allow-nothing-quantized "
+                        "to write an unquantized copy anyway")
+
+
+def _report(result, dst: str, config: ConvertConfig, out: Voice, ages: dict, seconds: float) -> None:
+    """The run's summary: --json's object, or one line and how to load what was written (nothing with -q
+    but the serving warning)."""
+    s = result.to_json()
+    if out.as_json:
+        warn_serving(config.format, config.rotate, s.setdefault("warnings", []))
         if None not in ages.values():
             s["process_s"] = {k: round(v, 3) for k, v in ages.items()}
         click.echo(json.dumps(s, indent=2))
         return
-    s = result.to_json()
-    if quiet:
-        warn_serving(fmt, rotate)
+    if out.quiet:
+        warn_serving(config.format, config.rotate)
         return
     click.echo(
-        f"{dst}: {s['quantized']} tensors quantized ({scheme}{', had16' if rotate else ''}"
-        f"{run_note(activation.get('activations'), activation.get('activation_scale'))}), {s['kept']} kept; "
+        f"{dst}: {s['quantized']} tensors quantized ({config.scheme}{', had16' if config.rotate else ''}"
+        f"{run_note(config.activations, config.activation_scale)}), {s['kept']} kept; "
         f"{human_bytes(s['bytes_in'])} -> {human_bytes(s['bytes_out'])} in {s['shards_out']} shard(s), "
         f"{s['bits_per_param']} bits/param ({s['bits_per_param_quantized']} in quantized layers); "
-        f"{s['wall_s']:.1f} s, peak memory {human_bytes(s['peak_rss_bytes'])}"
+        f"{seconds:.1f} s, peak memory {human_bytes(s['peak_rss_bytes'])}"
         + (f"; reused {len(s['reused_files'])} finished shard(s)" if s["reused_files"] else "")
     )
+    click.echo(loading_hint(config.format, config.scheme, dst))
     for w in s.get("warnings", []):
         click.echo(f"warning: {w}", err=True)
-    warn_serving(fmt, rotate)
-
-
+    warn_serving(config.format, config.rotate)
 
 
 def print_plan(plan, quiet: bool = False) -> None:

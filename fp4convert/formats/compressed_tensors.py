@@ -130,9 +130,10 @@ class CompressedTensorsFormat(OutputFormat):
             "",
             "```python",
             "import torch",
-            f"from transformers import {auto}, CompressedTensorsConfig",
-            f'model = {auto}.from_pretrained("{repo}", dtype=torch.bfloat16,',
-            "    quantization_config=CompressedTensorsConfig(dequantize=True))",
+            f"from transformers import AutoConfig, {auto}",
+            f'config = AutoConfig.from_pretrained("{repo}")',
+            'config.quantization_config["dequantize"] = True  # plain Linear layers holding the FP4 values',
+            f'model = {auto}.from_pretrained("{repo}", config=config, dtype=torch.bfloat16)',
             "```",
         ]
         if activations is not None:

@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 
 from fp4convert.formats import get_format
-from fp4convert.numerics.scheme import get_scheme
+from fp4convert.numerics.scheme import Scheme, get_scheme
 from fp4convert.output.describe import activations_of, describe_activations, describe_method
 from fp4convert.storage.names import (
     CARD_NAME,  # noqa: F401 - re-exported (names.py states it)
@@ -262,14 +262,8 @@ def build_card(manifest: dict, original: str | None, repo_hint: str | None = Non
 
     data = ModelCardData(base_model=base, library_name=get_format(fmt).card_library, tags=tags,
                          base_model_relation="quantized" if base else None, **kept_meta)
-    if s.global_scale:
-        scale_desc = f"an E4M3 scale per {s.block_size} weights and an fp32 global scale per matrix"
-    else:
-        scale_desc = f"a power-of-two (UE8M0) scale per {s.block_size} weights"
-    kept = kept_modules(manifest)
-    excluded = ", ".join(f"`{_name(m)}`" for m in kept[:40]) or "none"
-    if len(kept) > 40:
-        excluded += f" and {len(kept) - 40} more (see `fp4convert.json`)"
+    scale_desc = _scale_text(s)
+    excluded = _excluded_text(manifest)
     repo = valid_repo_id(repo_hint) or PLACEHOLDER
     folder = _name(str(source_desc.get("path") or "model").rsplit("/", 1)[-1])
     named = _OF.search(original or "") if original_is_ours and origin is None else None
@@ -317,6 +311,22 @@ def build_card(manifest: dict, original: str | None, repo_hint: str | None = Non
         text += f"\n{ORIGINAL_HEADING}\n\n{kept_body}\n"
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n{text}")
     return str(card)
+
+
+def _scale_text(s: Scheme) -> str:
+    """What a scheme's scales are, in the card's table."""
+    if s.global_scale:
+        return f"an E4M3 scale per {s.block_size} weights and an fp32 global scale per matrix"
+    return f"a power-of-two (UE8M0) scale per {s.block_size} weights"
+
+
+def _excluded_text(manifest: dict) -> str:
+    """The kept 2-D weights as the card lists them (the first 40, then a count)."""
+    kept = kept_modules(manifest)
+    excluded = ", ".join(f"`{_name(m)}`" for m in kept[:40]) or "none"
+    if len(kept) > 40:
+        excluded += f" and {len(kept) - 40} more (see `fp4convert.json`)"
+    return excluded
 
 
 def _name_text(s: str) -> str:

@@ -49,9 +49,9 @@ def describe_activations(a: dict | None) -> str:
 
 
 def describe_method(manifest: dict | None) -> str:
-    """How the weights were rounded and their scales chosen, as far as data goes: data-free, measured input
-    weights, or a calibrated method (the manifest's ``method`` record: its own description and the
-    calibration data it ran on)."""
+    """How the weights were rounded and their scales chosen, as far as data goes: round-to-nearest (data-free,
+    or its scales weighted by measured input weights), or a calibrated method (the manifest's ``method``
+    record: its own description and the calibration data it ran on)."""
     g = (manifest or {}).get("method")
     if isinstance(g, dict) and isinstance(g.get("description"), str) and "calibration" not in g:
         return g["description"]  # a record of no calibration pass (a re-layout of another tool's checkpoint)
@@ -63,11 +63,13 @@ def describe_method(manifest: dict | None) -> str:
         return f"calibrated method {g['method']}"
     rec = ((manifest or {}).get("identity") or {}).get("input_weights")
     if not isinstance(rec, dict):
-        return "data-free (no calibration set)"
+        return "round-to-nearest, data-free (no calibration set)"
     tokens = f"{rec.get('samples', '?')} x {rec.get('seq_len', '?')} tokens"
     if rec.get("source") == "random":
-        return f"scales weighted by per-channel input mean squares measured on seeded random token ids ({tokens})"
-    return f"scales weighted by per-channel input mean squares measured on calibration data ({_data(rec.get('data'))}, {tokens})"
+        return ("round-to-nearest, scales weighted by per-channel input mean squares measured on seeded random "
+                f"token ids ({tokens})")
+    return ("round-to-nearest, scales weighted by per-channel input mean squares measured on calibration data "
+            f"({_data(rec.get('data'))}, {tokens})")
 
 
 def run_note(activations: str | None, activation_scale: str | None) -> str:
@@ -78,3 +80,22 @@ def run_note(activations: str | None, activation_scale: str | None) -> str:
         return ", W4A4 with dynamic activation scales"
     return ", W4A4 with constant activation scales, no calibration" if activation_scale == "constant" else \
         ", W4A4 with calibrated activation scales"
+
+
+def loading_hint(fmt: str, scheme: str, dst: str) -> str:
+    """How to load what a run wrote, in one line (the run's summary): the native layout is read by no
+    engine or library until ``fp4convert export`` re-lays it out (into the formats that hold ``scheme``);
+    the others name who reads them (the format's facts; the card's "Serving" section has the commands)."""
+    from fp4convert.formats import all_formats, get_format
+    from fp4convert.storage.names import CARD_NAME
+
+    f = get_format(fmt)
+    card = f"{dst}/{CARD_NAME}"
+    if f.described_by_manifest:
+        targets = [o.name for o in all_formats() if not o.described_by_manifest and scheme in o.schemes]
+        more = "".join(f" (or --format {t})" for t in targets[1:])
+        return (f"load: nothing loads the {fmt} layout as is; re-lay it out first (lossless, no source needed): "
+                f"fp4convert export {dst} OUT --format {targets[0]}{more}; {card} (Serving) says what reads each")
+    if f.transformers_loads:
+        return f"load: transformers' from_pretrained or an engine, as {card} shows (Serving)"
+    return f"load: an engine, as {card} shows (Serving); transformers does not read this format"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,54 @@ def src(tmp_path_factory) -> Path:
 def test_quantize_matches_the_library(src, tmp_path) -> None:
     r = run("quantize", src, tmp_path / "cli", "--device", "cpu", "--max-shard-size", "6KB")
     assert r.exit_code == 0, r.output
-    line = r.stdout.strip().splitlines()[-1]
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"{tmp_path / 'cli'}: "))
     assert "14 tensors quantized (nvfp4)" in line and "bits/param" in line and "peak memory" in line
     assert "shard(s)" in line and " s, " in line
     convert(src, tmp_path / "lib", ConvertConfig(device="cpu", max_shard_size=6000))
     assert ck.all_files(tmp_path / "cli") == ck.all_files(tmp_path / "lib")
+
+
+@pytest.mark.parametrize("fmt,says", [
+    ("fp4convert", "nothing loads the fp4convert layout as is"),
+    ("compressed-tensors", "load: transformers' from_pretrained or an engine"),
+    ("modelopt", "transformers does not read this format"),
+])
+def test_the_summary_says_how_to_load_the_output(src, tmp_path, fmt, says) -> None:
+    """The default (native) output is loadable by nothing as is: the summary says so and gives the export
+    command, which works as printed; the engine formats say who reads them."""
+    dst = tmp_path / "q"
+    r = run("quantize", src, dst, "--device", "cpu", "--format", fmt)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    load = lines[lines.index(next(ln for ln in lines if ln.startswith(f"{dst}: "))) + 1]
+    assert load.startswith("load: ") and says in load and f"{dst}/README.md" in load, load
+    if fmt == "fp4convert":
+        command = load.split("needed): ", 1)[1].split(" (or ", 1)[0]
+        assert command == f"fp4convert export {dst} OUT --format compressed-tensors", command
+        out = tmp_path / "exported"
+        r = run(*command.replace("OUT", str(out)).split()[1:])
+        assert r.exit_code == 0 and (out / "fp4convert.json").exists(), r.output
+        assert "load: transformers' from_pretrained" in r.stdout
+    assert run("quantize", src, tmp_path / "quiet", "--device", "cpu", "--format", fmt, "-q").stdout == ""
+
+
+def test_the_summary_time_is_the_whole_run(src, tmp_path) -> None:
+    """The time in the summary counts from the process's start: a program whose start-up took a second
+    (here a sleep before the command runs) says so (it said the conversion's own 0.1 s)."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys, time; time.sleep(1.5); from fp4convert.cli.main import entry; "
+            "sys.argv = ['fp4convert'] + sys.argv[1:]; entry()")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code, "quantize", str(src), str(tmp_path / "q"), "--device", "cpu"],
+                       capture_output=True, text=True, timeout=300)
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"{tmp_path / 'q'}: "))
+    said = float(re.search(r"; ([0-9.]+) s, peak memory", line).group(1))
+    assert 1.5 <= said <= wall + 0.05, (said, wall, line)
 
 
 def test_options_reach_the_settings(src, tmp_path) -> None:
@@ -323,7 +367,9 @@ def test_ctrl_c_exits_130_with_a_resume_hint(src, tmp_path, monkeypatch) -> None
     monkeypatch.setattr(conv, "quantize", interrupted)
     r = run("quantize", src, dst, "--device", "cpu", "--max-shard-size", "6KB", "-q")
     assert len(calls) >= steps // 2 + 1  # (another lane may start one more step before the stop reaches it)
-    assert_error(r, 130, "interrupted", "--resume")
+    assert_error(r, 130, "interrupted", "finished shard(s) kept in", "--resume")
+    kept = int(re.search(r"interrupted; (\d+) finished shard\(s\) kept", r.stderr).group(1))
+    assert kept == sum(1 for f in dst.glob("model-*.safetensors")) > 0
     assert "Aborted" not in r.output
     assert not (dst / "fp4convert.json").exists() and not list(dst.glob("*.partial"))
     monkeypatch.setattr(conv, "quantize", real)
@@ -331,6 +377,90 @@ def test_ctrl_c_exits_130_with_a_resume_hint(src, tmp_path, monkeypatch) -> None
     assert r.exit_code == 0 and "reused" in r.stdout, r.output
     run("quantize", src, tmp_path / "clean", "--device", "cpu", "--max-shard-size", "6KB", "-q")
     assert ck.all_files(dst) == ck.all_files(tmp_path / "clean")
+
+
+def test_ctrl_c_says_what_it_left(src, tmp_path, monkeypatch) -> None:
+    """The Ctrl-C message fits what exists: nothing yet (run it again, no finished shards to promise), a
+    complete output (interrupted while pushing it or printing the summary, or before an --overwrite began).
+    Finished shards kept for --resume: test_ctrl_c_exits_130_with_a_resume_hint."""
+    import fp4convert.cli.quantize as cli_quantize
+    import fp4convert.run.convert as conv
+    import fp4convert.run.work as work
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    dst = tmp_path / "q"
+    with monkeypatch.context() as m:
+        m.setattr(conv, "plan_conversion", stop)
+        r = run("quantize", src, dst, "--device", "cpu")
+    assert_error(r, 130, f"interrupted before anything was written to {dst}: run the same command again")
+    assert "--resume" not in r.stderr and "kept" not in r.stderr and not dst.exists()
+    with monkeypatch.context() as m:  # at the first unit: the run leaves nothing behind, and says so
+        m.setattr(work, "quantize", stop)
+        r = run("quantize", src, dst, "--device", "cpu")
+    assert_error(r, 130, f"interrupted before anything was written to {dst}: run the same command again")
+    r = run("quantize", src, dst, "--device", "cpu", "-q")  # the advice works as given
+    assert r.exit_code == 0 and (dst / "fp4convert.json").exists(), r.output
+    done = tmp_path / "done"
+    with monkeypatch.context() as m:
+        m.setattr(cli_quantize, "loading_hint", stop)  # while the summary is printed
+        r = run("quantize", src, done, "--device", "cpu")
+    assert_error(r, 130, f"interrupted after the conversion had finished: {done} is complete")
+    assert inspect_ok(done)
+    with monkeypatch.context() as m:
+        m.setattr(cli_quantize, "push_folder", stop)
+        r = run("quantize", src, tmp_path / "pushed", "--device", "cpu", "--push-to-hub", "me/model")
+    assert_error(r, 130, "interrupted while pushing to me/model", "is complete",
+                 f"fp4convert push {tmp_path / 'pushed'} me/model")
+    r = run("quantize", src, done, "--device", "cpu", "--overwrite")  # DST holds a complete output meanwhile
+    with monkeypatch.context() as m:
+        m.setattr(conv, "plan_conversion", stop)
+        r = run("quantize", src, done, "--device", "cpu", "--overwrite")
+    assert_error(r, 130, f"{done} holds a complete output", "nothing to resume")
+
+
+def inspect_ok(dst) -> bool:
+    from fp4convert.checkpoint.inspect import inspect_checkpoint
+
+    return inspect_checkpoint(str(dst))["ok"]
+
+
+def test_ctrl_c_after_the_run_in_a_real_process(src, tmp_path) -> None:
+    """A Ctrl-C once the summary is out: the output is complete and the process exits 0 without a word. It
+    exited 130 without a word (or printed a traceback): the interpreter's teardown (torch's, up to a second)
+    resets the handlers to the defaults and the signal killed it. The program now ignores Ctrl-C once its
+    command is over; a command run in-process (CliRunner here) leaves the caller's handler alone."""
+    import signal
+    import subprocess
+    import sys
+
+    before = signal.getsignal(signal.SIGINT)
+    assert run("quantize", src, tmp_path / "inproc", "--device", "cpu", "-q").exit_code == 0
+    assert signal.getsignal(signal.SIGINT) is before
+    code = ("import signal, sys\nfrom fp4convert.cli.main import entry\nsys.argv = ['fp4convert'] + sys.argv[1:]\n"
+            "try:\n    entry()\nexcept SystemExit as e:\n    print('after', e.code, signal.getsignal(signal.SIGINT) is "
+            "signal.SIG_IGN)\n")
+    # (torch loaded, --backend cpu: a torch-free run ends with os._exit, without the interpreter's teardown)
+    r = subprocess.run([sys.executable, "-c", code, "quantize", str(src), str(tmp_path / "q"), "--device", "cpu", "-q",
+                        "--backend", "cpu"], capture_output=True, text=True, timeout=300)
+    assert r.stdout.splitlines()[-1] == "after 0 True", (r.stdout, r.stderr)
+    for attempt in range(3):  # and the symptom itself, with torch's teardown (--backend cpu)
+        dst = tmp_path / f"torch{attempt}"
+        proc = subprocess.Popen([sys.executable, "-m", "fp4convert", "quantize", str(src), str(dst), "--device", "cpu",
+                                 "--backend", "cpu"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline().decode()  # the summary: the command is over
+            assert line.startswith(f"{dst}: "), line
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0 and b"Traceback" not in err, (proc.returncode, err)
+        assert inspect_ok(dst)
 
 
 def test_sigint_in_a_real_process(tmp_path) -> None:
@@ -551,7 +681,7 @@ def test_ctrl_c_in_inspect_and_export_gives_their_own_hint(src, tmp_path, monkey
     else:
         monkeypatch.setattr(exp, "verify_files", interrupt)
         r = run("export", native, tmp_path / "ct", "--format", "compressed-tensors")
-        assert_error(r, 130, "interrupted", "same export with --resume")
+        assert_error(r, 130, "interrupted before anything was written", "run the same export again")
 
 
 def _pipe(cmd: str, src: Path, *args: str):

@@ -216,3 +216,41 @@ def test_re_rendering_our_own_card_keeps_the_model_it_named(src, tmp_path) -> No
     m = json.loads((ct / "fp4convert.json").read_text())
     again = build_card(m, text, repo_hint="me/m", base_model=None, original_is_ours=True)
     assert "quantization of `tiny-base`" in again and "native" not in split_card(again)[1].split(END)[0]
+
+
+def test_the_cards_loading_snippet_loads_without_a_warning(src, tmp_path) -> None:
+    """The compressed-tensors card's transformers snippet, run as a reader would (the folder's path in place
+    of the repo id): the model loads, its linears hold the dequantized weights, and transformers says
+    nothing (passing ``quantization_config=`` made it warn about a duplicate quantization_config)."""
+    import logging
+    import re
+    import warnings
+
+    import torch
+    from safetensors.torch import load_file
+
+    from fp4convert.kernels.tensor import QuantizedTensor, dequantize
+
+    dst = tmp_path / "ct"
+    convert(src, dst, ConvertConfig(device="cpu", format="compressed-tensors"))
+    section = card(dst)[1].split(START, 1)[1].split(END, 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1).replace(PLACEHOLDER, str(dst))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scope: dict = {}
+            exec(code, scope)  # noqa: S102 - the card's own snippet
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    said = [str(w.message) for w in caught] + [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert not [s for s in said if "quantization_config" in s or "quantization" in s.lower()], said
+    t = load_file(str(dst / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    q = QuantizedTensor(t[name + "_packed"], t[name + "_scale"], t[name + "_global_scale"].reshape(()), "nvfp4",
+                        None, "linear", "4over6")
+    got = dict(scope["model"].named_parameters())[name]
+    assert got.dtype == torch.bfloat16 and torch.equal(got, dequantize(q, torch.bfloat16))

@@ -40,20 +40,21 @@ def src(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def outputs(src, tmp_path_factory) -> dict[str, tuple[Path, str]]:
+def outputs(src, tmp_path_factory) -> dict[str, tuple[Path, str, str]]:
     out = {}
     for kind, options, *_ in KINDS:
         dst = tmp_path_factory.mktemp("describe") / kind
         r = CliRunner().invoke(main, ["quantize", str(src), str(dst), "--device", "cpu", *options])
         assert r.exit_code == 0, r.output
-        summary = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"{dst}: "))
-        out[kind] = (dst, summary)
+        lines = r.stdout.splitlines()
+        at = next(i for i, ln in enumerate(lines) if ln.startswith(f"{dst}: "))
+        out[kind] = (dst, lines[at], lines[at + 1])  # the summary, and how to load what was written
     return out
 
 
 @pytest.mark.parametrize("kind,options,w4a4,scales,suffix", KINDS, ids=[k[0] for k in KINDS])
 def test_summary_card_and_inspect_say_what_the_output_is(outputs, kind, options, w4a4, scales, suffix):
-    dst, summary = outputs[kind]
+    dst, summary, load = outputs[kind]
     manifest = json.loads((dst / "fp4convert.json").read_text())
     keeps = sum(1 for rec in manifest["tensors"].values() if rec["action"] == "keep")
     # the run's summary line
@@ -61,6 +62,12 @@ def test_summary_card_and_inspect_say_what_the_output_is(outputs, kind, options,
     if w4a4:
         assert f"W4A4 with {scales} activation scales" in summary, summary
     assert f", {keeps} kept;" in summary, summary
+    # how to load it: the native layout only after an export; the others say whether transformers reads them
+    assert load.startswith("load: ") and f"{dst}/README.md" in load, load
+    if kind == "native":
+        assert f"fp4convert export {dst} OUT --format compressed-tensors" in load, load
+    else:
+        assert "fp4convert export" not in load and ("from_pretrained" in load) == kind.startswith("ct-"), load
     # the card
     meta, body = split_card((dst / "README.md").read_text())
     section = body.split(START, 1)[1]
@@ -97,6 +104,9 @@ def test_summary_card_and_inspect_say_what_the_output_is(outputs, kind, options,
     text = CliRunner().invoke(main, ["inspect", str(dst)]).stdout
     line = next(ln for ln in text.splitlines() if ln.startswith("  activations: "))
     assert line.startswith("  activations: W4A4") == w4a4, line
+    weights = next(ln for ln in text.splitlines() if ln.startswith("  weights: "))  # for data-free outputs too
+    assert weights.startswith("  weights: round-to-nearest, "), weights
+    assert ("input mean squares measured on calibration data" in weights) == (scales == "calibrated"), weights
 
 
 def _names(dst: Path) -> list[str]:
