@@ -7,7 +7,7 @@ outputs from the engine-rounded inputs), so its weight error is larger than roun
 a weight-space threshold made for round-to-nearest fails it. ``inspect --verify`` recomputes
 round-to-nearest from the source (the checkpoint's scheme, rotation, scale rule and fused-group global
 scale: the bytes a data-free conversion writes) and judges a calibrated layer by the ratio of the two
-relative errors (fp4convert/checkpoint/verify.py ``RATIO_BUDGETS``). This script measures that ratio:
+relative errors (the method module's ``RATIO_BUDGET``, read by fp4convert/checkpoint/verify.py). This script measures that ratio:
 
 - for every setting (``--settings``): the conversion at the command line's defaults for that setting, its
   ``inspect --verify`` report, and per setting the largest, 99th-percentile and median ``vs_rtn``;

@@ -30,11 +30,9 @@ if TYPE_CHECKING:
     from fp4convert.kernels.tensor import Rotation
 
 DEFAULT_MAX_ERROR = 0.25  # round-to-nearest: the measurements behind it are in checkpoint/inspect.py
-# A calibrated method's layer fails when its error exceeds round-to-nearest's on the same weights by more
-# than this factor, (method, W4A4) -> budget. Measured by benchmarks/verify_budget.py (docs/numerics.md
-# "What inspect --verify accepts of a GPTQ checkpoint"): the worst layer of GPTQ at the defaults, and what a
-# broken layer gives.
-RATIO_BUDGETS: dict[tuple[str, bool], float] = {("gptq", False): 2.5, ("gptq", True): 5.0}
+# A calibrated method's layer fails when its error exceeds round-to-nearest's on the same weights by more than its
+# method's budget (the method module's ``RATIO_BUDGET``, fp4convert/calibrate/methods/; docs/numerics.md "What
+# inspect --verify accepts of a GPTQ checkpoint"); a method this version does not know gets the largest one.
 OK, FAILED, NOT_QUANTIZED = "ok", "failed", "not quantized"
 
 
@@ -141,15 +139,31 @@ class Criterion:
 def criterion(manifest: dict | None, max_error: float | None = None, max_ratio: float | None = None) -> Criterion:
     """The criterion for a checkpoint: what was asked (``max_error`` / ``max_ratio``, either or both), else
     the method's own: round-to-nearest by its error (``DEFAULT_MAX_ERROR``), a calibrated method by its
-    ratio budget (``RATIO_BUDGETS``; a method with no measured budget gets the largest one)."""
+    ratio budget (:func:`ratio_budget`)."""
+    from fp4convert.config import RTN
+
     rec = (manifest or {}).get("method")
-    method = rec["method"] if isinstance(rec, dict) and isinstance(rec.get("method"), str) else "rtn"
+    calibrated = isinstance(rec, dict) and isinstance(rec.get("method"), str)
+    method = rec["method"] if calibrated else RTN
     w4a4 = isinstance((manifest or {}).get("activations"), dict)
     if max_error is not None or max_ratio is not None:
         return Criterion(method, w4a4, max_error, max_ratio)
-    if method == "rtn":
+    if not calibrated:
         return Criterion(method, w4a4, DEFAULT_MAX_ERROR, None)
-    return Criterion(method, w4a4, None, RATIO_BUDGETS.get((method, w4a4), max(RATIO_BUDGETS.values())))
+    return Criterion(method, w4a4, None, ratio_budget(method, w4a4))
+
+
+def ratio_budget(method: str, w4a4: bool) -> float:
+    """A calibrated method's verify budget (its module's ``RATIO_BUDGET``: W4A4 -> the factor over round-to-nearest's
+    error); a method this version does not know gets the largest budget any method has."""
+    from fp4convert.calibrate.methods import get_method, method_names
+
+    budgets = {n: getattr(get_method(n), "RATIO_BUDGET", {}) for n in method_names()}
+    own = budgets.get(method, {})
+    return own.get(w4a4, max((b for bs in budgets.values() for b in bs.values()), default=DEFAULT_RATIO))
+
+
+DEFAULT_RATIO = 5.0  # (a method that states no budget at all)
 
 
 def natural_key(s: str) -> list:

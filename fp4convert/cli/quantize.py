@@ -193,6 +193,7 @@ def _dry_run(plan, config: ConvertConfig, out: Voice, nothing: bool) -> None:
         click.echo(json.dumps(plan.to_json(), indent=2))
     else:
         print_plan(plan, out.quiet)
+        print_calibration(plan, config)
     warn_serving(config.format, config.rotate)
     if nothing:
         raise PlanError("the plan quantizes no tensor (see the warnings); pass --allow-nothing-quantized "
@@ -244,3 +245,20 @@ def print_plan(plan, quiet: bool = False) -> None:
         f"{human_bytes(s['bytes_in'])} -> {human_bytes(s['bytes_out'])} projected in {s['shards_out']} shard(s); "
         f"{s['bits_per_param']} bits/param ({s['bits_per_param_quantized']} in quantized layers)"
     )
+
+
+def print_calibration(plan, config: ConvertConfig) -> None:
+    """A dry run of a calibrated recipe: what the calibration will do and a rough time (measured on this machine)."""
+    cal = plan.calibration
+    if cal is None or not cal.runs_model:
+        return
+    from fp4convert.calibrate.estimate import plan_lines
+
+    device = config.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    for line in plan_lines(cal, plan, device):
+        click.echo(f"calibration: {line}")
+

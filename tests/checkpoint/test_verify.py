@@ -14,7 +14,8 @@ import torch
 from click.testing import CliRunner
 
 from fp4convert.checkpoint.inspect import inspect_checkpoint
-from fp4convert.checkpoint.verify import DEFAULT_MAX_ERROR, RATIO_BUDGETS, Criterion, criterion
+from fp4convert.calibrate.methods.gptq import GPTQ as GPTQ_METHOD
+from fp4convert.checkpoint.verify import DEFAULT_MAX_ERROR, Criterion, criterion
 from fp4convert.cli.main import main
 from tests import checkpoints as ck
 from tests import zoo
@@ -55,10 +56,10 @@ def test_criterion_follows_the_manifests_method():
     assert criterion(None) == Criterion("rtn", False, DEFAULT_MAX_ERROR, None)  # no manifest: as before
     assert criterion({"settings": {}}) == Criterion("rtn", False, 0.25, None)
     gptq = {"method": {"method": "gptq"}}
-    assert criterion(gptq) == Criterion("gptq", False, None, RATIO_BUDGETS[("gptq", False)])
+    assert criterion(gptq) == Criterion("gptq", False, None, GPTQ_METHOD.RATIO_BUDGET[False])
     assert criterion({**gptq, "activations": {"scheme": "nvfp4"}}) == \
-        Criterion("gptq", True, None, RATIO_BUDGETS[("gptq", True)])
-    assert criterion({"method": {"method": "future"}}).max_ratio == max(RATIO_BUDGETS.values())
+        Criterion("gptq", True, None, GPTQ_METHOD.RATIO_BUDGET[True])
+    assert criterion({"method": {"method": "future"}}).max_ratio == max(GPTQ_METHOD.RATIO_BUDGET.values())
     assert criterion(gptq, max_error=0.3) == Criterion("gptq", False, 0.3, None)  # asked: only what is asked
     assert criterion(None, max_ratio=1.5) == Criterion("rtn", False, None, 1.5)
     assert criterion(gptq, 0.3, 1.5).describe() == "rel.err <= 0.3 and rel.err <= 1.5 x round-to-nearest's"
@@ -88,7 +89,7 @@ def test_gptq_at_the_defaults_passes(outputs, model, name):
     r = inspect_checkpoint(str(outputs[name]), verify=str(src))
     v = r["verify"]
     assert r["ok"], r["checks"]["problems"]
-    budget = RATIO_BUDGETS[("gptq", name.endswith("w4a4"))]
+    budget = GPTQ_METHOD.RATIO_BUDGET[name.endswith("w4a4")]
     assert v["method"] == "gptq" and v["max_ratio"] == budget and v["max_error"] is None
     ratios = [e["vs_rtn"] for e in v["layers"].values()]
     assert 1.05 < min(ratios) and max(ratios) <= budget, ratios
@@ -209,4 +210,4 @@ def test_plot_shows_what_is_judged(outputs, model, tmp_path):
     r = run("inspect", outputs["gptq"], "--verify", src, "--plot", out)
     assert r.exit_code == 0, r.output
     html = out.read_text()
-    assert "relative error / round-to-nearest" in html and f"threshold {RATIO_BUDGETS[('gptq', False)]}" in html
+    assert "relative error / round-to-nearest" in html and f"threshold {GPTQ_METHOD.RATIO_BUDGET[False]}" in html

@@ -159,6 +159,10 @@ class GPTQ:
     Settings = GPTQSettings
     hessian = True
     squares = False
+    # inspect --verify: a layer fails when its error exceeds round-to-nearest's on the same weights by more than
+    # this factor (W4A4 -> budget): about 1.4x over the worst layer measured at the defaults (benchmarks/
+    # verify_budget.py; docs/numerics.md "What inspect --verify accepts of a GPTQ checkpoint")
+    RATIO_BUDGET = {False: 2.5, True: 5.0}
 
     def __init__(self, lm: LayerwiseModel, plan: Plan, config: ConvertConfig, settings: GPTQSettings,
                  inputs: dict[str, str], store: Store) -> None:
