@@ -144,7 +144,7 @@ def criterion(manifest: dict | None, max_error: float | None = None, max_ratio: 
 
     rec = (manifest or {}).get("method")
     calibrated = isinstance(rec, dict) and isinstance(rec.get("method"), str)
-    method = rec["method"] if calibrated else RTN
+    method = rec["method"] if calibrated and rec is not None else RTN
     w4a4 = isinstance((manifest or {}).get("activations"), dict)
     if max_error is not None or max_ratio is not None:
         return Criterion(method, w4a4, max_error, max_ratio)
