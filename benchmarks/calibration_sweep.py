@@ -78,7 +78,8 @@ def gptq_pass(path: str, tokens, store_dir: Path) -> dict:
     import torch
 
     from fp4convert import calibrate
-    from fp4convert.calibrate.methods.gptq import GPTQ, block_decisions
+    from fp4convert.calibrate.methods.gptq import GPTQ
+    from fp4convert.calibrate.steps import block_decisions
     from fp4convert.calibrate.store import Store
     from fp4convert.config import ConvertConfig
     from fp4convert.run.convert import plan_conversion

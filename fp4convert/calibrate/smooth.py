@@ -98,7 +98,6 @@ def smooth_block(lm: LayerwiseModel, visit: Visit, decisions: list[Decision], ob
     inputs' per-channel amax and the outputs' change are every rank's)."""
     import torch
 
-    from fp4convert.calibrate.weights import matrix_view
     from fp4convert.storage.safetensors import torch_dtypes
 
     reads = visit.reads
@@ -124,7 +123,7 @@ def smooth_block(lm: LayerwiseModel, visit: Visit, decisions: list[Decision], ob
             continue
         mats = [dm for n in names for dm in readers[n]]
         x_amax = _everyone_max(torch.stack([t.abs().amax(0) for _, t in o.tokens]).amax(0), group)
-        w_amax = torch.stack([matrix_view(reads[d.info.name], m).abs().amax(0) for d, m in mats]).amax(0)
+        w_amax = torch.stack([m.view(reads[d.info.name]).abs().amax(0) for d, m in mats]).amax(0)
         dtype = torch_dtypes()[lm.infos[key].dtype]
         got = fold(modules[norm[len(visit.prefix):]], reads[key], scales(x_amax, w_amax, alpha), dtype)
         if got is None:
@@ -135,7 +134,7 @@ def smooth_block(lm: LayerwiseModel, visit: Visit, decisions: list[Decision], ob
         out[key] = new.to(dtype).cpu()
         for d, m in mats:
             t = changed.setdefault(d.info.name, reads[d.info.name].clone())
-            matrix_view(t, m).mul_(eff.to(t.device))
+            m.view(t).mul_(eff.to(t.device))
         held.append((o, eff))
     if not changed:
         return {}, {}

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     import torch
 
     from fp4convert.calibrate.experts import ExpertStack
-    from fp4convert.plan.types import Matrix
     from fp4convert.source.source import Source
 
 log = logging.getLogger(__name__)
@@ -424,10 +423,6 @@ class BlockWeights:
 
     # -- running ------------------------------------------------------------------------------------
 
-    def block_keys(self, i: int) -> list[str]:
-        """The checkpoint keys that load block ``i``."""
-        return self._keys_under(f"{self.layers_name}.{i}.")
-
     def read_fp32(self, name: str) -> torch.Tensor:
         """Checkpoint tensor ``name`` as fp32 on the run's device (a plain read; not read ahead)."""
         import torch
@@ -445,17 +440,6 @@ class BlockWeights:
     def total_bytes(self) -> int:
         """The fp32 bytes of every weight the model loads (what :meth:`whole` holds when resident)."""
         return sum(4 * numel(self.infos[k]) for k in self.keymap)
-
-
-def matrix_view(t: torch.Tensor, m: Matrix) -> torch.Tensor:
-    """The ``[N, K]`` matrix ``m`` of its on-disk tensor ``t``, as a view (writes go into ``t``): expert
-    ``m.expert`` of a 3-D stack, transposed where the checkpoint stores in-features first, rows ``m.rows``."""
-    v = t if m.expert is None else t[m.expert]
-    if m.transpose:
-        v = v.transpose(-1, -2)
-    if m.rows is not None:
-        v = v[m.rows[0]:m.rows[1]:m.rows[2]]
-    return v
 
 
 def _done(value):

@@ -39,6 +39,16 @@ class Matrix:
         return cls(d["module"], tuple(d["shape"]), d.get("group"), d.get("expert"),
                    tuple(d["rows"]) if d.get("rows") else None, bool(d.get("transpose")))
 
+    def view(self, t):
+        """This ``[N, K]`` matrix of its on-disk tensor ``t`` (a torch tensor), as a view (writes go into ``t``): expert
+        :attr:`expert` of a 3-D stack, transposed where the checkpoint stores in-features first, rows :attr:`rows`."""
+        v = t if self.expert is None else t[self.expert]
+        if self.transpose:
+            v = v.transpose(-1, -2)
+        if self.rows is not None:
+            v = v[self.rows[0]:self.rows[1]:self.rows[2]]
+        return v
+
 
 @dataclass(frozen=True)
 class Decision:

@@ -26,17 +26,17 @@ cannot observe) is left to the data-free quantizer, and listed in the record.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 from fp4convert import timing
 from fp4convert.calibrate import act_rounding
 from fp4convert.calibrate.methods import Option
+from fp4convert.calibrate.sharing import exchange, merged, owner_ranks
 from fp4convert.calibrate.stats import Observers
+from fp4convert.calibrate.steps import block_decisions, input_names, steps
 from fp4convert.calibrate.store import Store
 from fp4convert.calibrate.tail import HEAD, outside_names
-from fp4convert.calibrate.weights import matrix_view
 from fp4convert.errors import ConfigError
 from fp4convert.plan.types import QUANTIZE
 
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from fp4convert.calibrate.resume import Checkpoint
     from fp4convert.config import ConvertConfig, Recipe
     from fp4convert.plan.planner import Plan
-    from fp4convert.plan.types import Decision, Matrix
+    from fp4convert.plan.types import Decision
 
 log = logging.getLogger(__name__)
 
@@ -134,22 +134,6 @@ class GPTQSettings:
         if self.smooth:
             out["smooth"] = self.smooth
         return out
-
-
-def block_decisions(lm: LayerwiseModel, plan: Plan) -> dict[int, list[Decision]]:
-    """Block index -> the plan's quantized decisions whose tensor loads into that block."""
-    out: dict[int, list[Decision]] = {}
-    head = lm.layers_name + "."
-    for d in plan.decisions:
-        if d.action != QUANTIZE:
-            continue
-        got = lm.keymap.get(d.info.name)
-        if got is None or not got[0].startswith(head):
-            continue
-        index = got[0][len(head):].split(".", 1)[0]
-        if index.isdigit():
-            out.setdefault(int(index), []).append(d)
-    return out
 
 
 class GPTQ:
@@ -246,7 +230,7 @@ class GPTQ:
         streamed = {k: st for st in visit.stacks.values() for ks in st.keys.values() for k in ks}
         experts = [d for d in decisions if d.info.name in streamed]
         decisions = [d for d in decisions if d.info.name not in streamed]
-        steps = self.steps(visit.prefix, decisions, observers) if self.settings.true_sequential else [decisions]
+        order = steps(visit.prefix, decisions, observers, self.inputs) if self.settings.true_sequential else [decisions]
         smoothed: dict[str, torch.Tensor] = {}
         if self.settings.smooth:
             from fp4convert.calibrate.smooth import smooth_block
@@ -260,14 +244,14 @@ class GPTQ:
         made: list = []
         hooks: list = []
         acts = self.config.activations
-        for k, step in enumerate(steps):
+        for k, step in enumerate(order):
             if k:
-                names = self.input_names(visit.prefix, step, observers)
+                names = input_names(visit.prefix, step, observers, self.inputs)
                 observers.drop(names)
                 assert visit.again is not None  # (every block visit has it; the tail visit has no steps)
                 with timing.timed("gptq_again"):
                     visit.again(names, outputs=False)
-            names = self.input_names(visit.prefix, step, observers)
+            names = input_names(visit.prefix, step, observers, self.inputs)
             observers.gather(self.lm.group, names, sums=False)  # (the amax: W4A4 rounds by every rank's)
             act_rounding.round_hessians(step, observers, self.inputs, acts)
             observers.gather(self.lm.group, names)  # (every rank's sums, added chunk by chunk)
@@ -288,54 +272,6 @@ class GPTQ:
                 with timing.timed("gptq_experts"):
                     self.quantize_stack(visit, stack, [d for d in experts if streamed[d.info.name] is stack], observers)
         return hooks
-
-    def steps(self, prefix: str, decisions: list[Decision], observers: Observers) -> list[list[Decision]]:
-        """True-sequential steps: the decisions grouped by what their input feeds, in the order the block's
-        forward first fed it (the observers' insertion order): q/k/v, o, gate/up, down in a Llama block.
-        An input is known by the matrices it feeds, their names with the numbers inside the block made
-        wildcards, so every expert's down projection is one step (not one run of the block per expert).
-        A fused group (one global scale) stays in its first member's step; a matrix whose input was never
-        seen goes to the first step (its round-to-nearest fallback needs no input)."""
-        first: dict[int, int] = {}
-        for pos, (n, o) in enumerate(observers.items()):
-            if n.startswith(prefix):
-                first.setdefault(id(o), pos)
-
-        def wild(module: str) -> str:
-            return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", module[len(prefix):] if module.startswith(prefix) else module)
-
-        def observer(m: Matrix):
-            return observers.get(self.inputs.get(m.module, ""))
-
-        feeds: dict[int, set[str]] = {}
-        for d in decisions:
-            for m in d.matrices:
-                if (o := observer(m)) is not None:
-                    feeds.setdefault(id(o), set()).add(wild(m.module))
-        at_kind: dict[frozenset, int] = {}
-        for oid, kinds in feeds.items():
-            key = frozenset(kinds)
-            at_kind[key] = min(at_kind.get(key, first.get(oid, -1)), first.get(oid, -1))
-
-        def position(m: Matrix) -> int:
-            o = observer(m)
-            return at_kind[frozenset(feeds[id(o)])] if o is not None else -1
-
-        group_at: dict[str, int] = {}
-        for d in decisions:
-            for m in d.matrices:
-                g = m.group or d.group or m.module
-                group_at[g] = min(group_at.get(g, position(m)), position(m))
-        at: dict[int, list[Decision]] = {}
-        for d in decisions:
-            at.setdefault(min(group_at[m.group or d.group or m.module] for m in d.matrices), []).append(d)
-        return [at[k] for k in sorted(at)]
-
-    def input_names(self, prefix: str, step: list[Decision], observers: Observers) -> set[str]:
-        """Every name under which the block observed the inputs of ``step`` (shared inputs have several)."""
-        objs = {id(o) for d in step for m in d.matrices
-                if (o := observers.get(self.inputs.get(m.module, ""))) is not None}
-        return {n for n, o in observers.items() if n.startswith(prefix) and id(o) in objs}
 
     def quantize_outside(self, index: int, observers: Observers) -> None:
         """GPTQ of the quantized matrices outside the blocks whose every input was observed (stored as
@@ -404,7 +340,7 @@ class GPTQ:
                             obs.cross_matrix())
                 if p.damp != self.settings.damp:
                     self.damped[m.module] = p.damp
-                w = matrix_view(disk[d.info.name], m)
+                w = m.view(disk[d.info.name])
                 mats.append((d, m, gptq.target(ref.had16(w) if self.config.rotate == "had16" else w, p), p))
         return mats
 
@@ -437,41 +373,14 @@ class GPTQ:
                 raise type(exc)(f"{m.module} (GPTQ, block {index}): {exc}") from exc
         group = self.lm.group
         if group is not None and group.distributed:  # (every rank takes part in the exchange, even one that swept all)
-            results.update(self.gathered(results, mats, amax))
+            results.update(exchange(group, results, mats, amax, self.scheme.name, self.scheme.global_scale))
         made = []
         for i, (d, m, w, p) in enumerate(mats):
             res, group_amax = results[i], amax[m.group or d.group or m.module]
             made.append((m.module, res, group_amax))
             deq = ref.inverse_had16(res.dequantized) if self.config.rotate == "had16" else res.dequantized
-            matrix_view(disk[d.info.name], m).copy_(deq)
+            m.view(disk[d.info.name]).copy_(deq)
         return made
-
-    def gathered(self, mine: dict, mats: list, amax: dict) -> dict:
-        """The other ranks' sweeps of ``mats`` (torchrun: each rank sweeps its share, :func:`owner_ranks`), as the
-        results their stored bytes decode to exactly (:func:`~fp4convert.calibrate.experts.dequantized`)."""
-        import torch
-
-        from fp4convert.calibrate.experts import Quantized, dequantized
-        from fp4convert.numerics import gptq
-
-        group = self.lm.group
-        payload = {i: (r.packed.cpu(), r.scale.view(torch.uint8).cpu(), r.damp) for i, r in mine.items()}
-        out = {}
-        for got in group.gather(payload):
-            for i, (packed, scale, damp) in got.items():
-                if i in mine or i in out:
-                    continue
-                d, m, w, _p = mats[i]
-                a = amax[m.group or d.group or m.module] if self.scheme.global_scale else None
-                packed, scale = packed.to(w.device), scale.to(w.device)
-                values = dequantized(Quantized(packed, scale, None if a is None else float(a)), self.scheme.name, None)
-                gs = None
-                if a is not None:
-                    from fp4convert.numerics import reference as ref
-
-                    gs = ref.global_scale(a.to(torch.float32))
-                out[i] = gptq.Result(packed, scale.view(torch.float8_e4m3fn) if gs is not None else scale, gs, values, damp)
-        return out
 
     def quantize_stack(self, visit: Visit, stack: ExpertStack, decisions: list[Decision], observers: Observers) -> None:
         """GPTQ of a streamed expert stack's experts, a group at a time (docs/numerics.md "GPTQ", "Experts"): each
@@ -507,25 +416,14 @@ class GPTQ:
             rotate = self.config.rotate
             if not self.settings.true_sequential:  # (down on the gate/up as they were)
                 down_obs = down_observers(stack, first, last, inputs, rotate, note)
-            made = self.sweep_experts(visit.index, gate_up, self.merged(input_observers(inputs, rotate)), stack)
+            made = self.sweep_experts(visit.index, gate_up, merged(self.lm.group, input_observers(inputs, rotate), rotate), stack)
             if self.settings.true_sequential:  # (down on the quantized gate/up's outputs)
                 down_obs = down_observers(stack, first, last, inputs, rotate, note)
-            made += self.sweep_experts(visit.index, down, self.merged(down_obs), stack)
+            made += self.sweep_experts(visit.index, down, merged(self.lm.group, down_obs, rotate), stack)
             self.keep(visit.index, made, part=part)
             del inputs, down_obs
             stack.release()
         visit.reloaded = True  # (the block runs again: its experts now read their quantized weights)
-
-    def merged(self, per_expert: dict) -> dict:
-        """Expert -> Observer with every torchrun rank's sums (one process: as they are)."""
-        group = self.lm.group
-        if group is None or not group.distributed:
-            return per_expert
-        tmp = Observers(hessian=True, rotate=self.config.rotate)
-        for e, o in per_expert.items():
-            tmp[str(e)] = o
-        tmp.gather(group, [str(e) for e in per_expert])
-        return {int(n): o for n, o in tmp.items()}
 
     def sweep_experts(self, index: int, decisions: list[Decision], observers: dict, stack: ExpertStack) -> list:
         """GPTQ of these experts' matrices (``observers``: expert -> the Observer of its matrices' input); their
@@ -561,31 +459,6 @@ class GPTQ:
                 **({"experts": {"policy": EXPERT_POLICY, **dict(sorted(self.experts.items()))}} if self.experts else {}),
                 "description": f"GPTQ (each column's rounding error compensated on calibration tokens{w4a4}; "
                                f"dampening {s.damp}{order}; run on {device})"}
-
-
-class _Owners(list):
-    rank = 0
-
-
-def owner_ranks(mats: list, group) -> _Owners:
-    """Which torchrun rank sweeps each of ``mats``: a fused group's members together (they share a global scale),
-    greedy by cost (N x K^2, the lazy update) to the least loaded rank, ties to the lower rank and the earlier
-    matrix; deterministic from the matrices alone, so every rank computes the same split. One process: its own."""
-    owners = _Owners([0] * len(mats))
-    if group is None or not group.distributed:
-        return owners
-    owners.rank = group.rank
-    by_group: dict[str, list[int]] = {}
-    for i, (d, m, _w, _p) in enumerate(mats):
-        by_group.setdefault(m.group or d.group or m.module, []).append(i)
-    cost = {g: sum(int(mats[i][2].shape[0]) * int(mats[i][2].shape[1]) ** 2 for i in idx) for g, idx in by_group.items()}
-    load = [0] * group.size
-    for g in sorted(by_group, key=lambda g: (-cost[g], by_group[g][0])):
-        r = min(range(group.size), key=lambda r: (load[r], r))
-        load[r] += cost[g]
-        for i in by_group[g]:
-            owners[i] = r
-    return owners
 
 
 METHOD = GPTQ
