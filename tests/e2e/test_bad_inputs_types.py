@@ -310,13 +310,20 @@ def test_pickle_weights_say_how_to_convert(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_export_of_an_engine_format_output_says_what_it_is(outputs, tmp_path):
-    """The folder has an fp4convert.json: the message must not say export wants one."""
-    for fmt in ("compressed-tensors", "modelopt"):
-        line = one_error(run("export", outputs[fmt], tmp_path / fmt, "--format", "modelopt"), 2, fmt,
-                         "native format only")
-        assert "a folder with fp4convert.json" not in line
-        assert not (tmp_path / fmt).exists()
+def test_an_engine_format_output_re_lays_into_the_other_engine_format_byte_for_byte(outputs, tmp_path):
+    """An engine-format output (it has an fp4convert.json) re-lays into the other engine format: once refused as
+    'native format only', now the tensors equal a direct ``quantize --format`` of the same source."""
+    from safetensors.torch import load_file
+
+    for fmt, target in (("compressed-tensors", "modelopt"), ("modelopt", "compressed-tensors")):
+        r = run("export", outputs[fmt], tmp_path / fmt, "--format", target, "-q")
+        assert r.exit_code == 0, r.output
+        got = load_file(tmp_path / fmt / "model.safetensors")
+        want = load_file(outputs[target] / "model.safetensors")
+        assert got.keys() == want.keys()
+        for name in want:
+            assert got[name].dtype == want[name].dtype, (fmt, name)
+            assert torch.equal(got[name].reshape(-1).view(torch.uint8), want[name].reshape(-1).view(torch.uint8)), (fmt, name)
 
 
 def test_a_layer_number_of_5000_digits_is_a_name_not_an_error(tmp_path):

@@ -199,16 +199,6 @@ def test_export_equals_direct_conversion(tmp_path: Path, fmt: str, scheme: str) 
     assert report["ok"] and report["format"] == fmt
 
 
-def test_export_refuses_non_native(tmp_path: Path) -> None:
-    from fp4convert.errors import ConfigError
-
-    ct = tmp_path / "ct"
-    convert(str(EXAMPLE), ct, ConvertConfig(format="compressed-tensors"))
-    with pytest.raises(ConfigError, match="native format"):
-        export(str(ct), tmp_path / "x", ConvertConfig(format="modelopt"))
-    shutil.rmtree(ct)
-
-
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
 def test_an_fp32_model_in_compressed_tensors_loads_with_a_plain_from_pretrained(tmp_path, scheme) -> None:
     """Issue 23 item 17: compressed-tensors decompresses FP4 weights to bf16, so an fp32 model's output
