@@ -38,7 +38,7 @@ def cpu_sweep(w1: torch.Tensor, u1: torch.Tensor, scheme: str, rule: str, amax: 
     ok = (lib is not None and w1.device.type == "cpu" and u1.device.type == "cpu" and w1.dtype == torch.float32
           and u1.dtype == torch.float32 and w1.dim() == 2 and tuple(u1.shape) == (w1.shape[1], w1.shape[1])
           and w1.shape[1] % sch.block_size == 0 and (amax is not None or not sch.global_scale))
-    if not ok:
+    if lib is None or not ok:
         return gptq.sweep_batch(w1, u1, scheme, rule, amax, iw)
     gs = None
     if sch.global_scale:
