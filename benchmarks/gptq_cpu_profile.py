@@ -52,7 +52,12 @@ def _bench_module(name: str):
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    here = str(Path(__file__).resolve().parent)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        while here in sys.path:  # (accuracy_w4a4.py puts it there to import accuracy.py)
+            sys.path.remove(here)
     return mod
 
 
