@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from fp4convert.quantizer.backend import InputWeight
 
 
+DEFER_BYTES = 256 << 20  # CPU batches kept per input before their X^T X is summed (Observer.pending)
+
+
 def bf16_ceil(x: float) -> float:
     """The smallest bf16 value >= x (x finite, >= 0)."""
     import struct
@@ -45,6 +48,14 @@ class Observer:
     ``keep`` (GPTQ with W4A4): the inputs themselves are kept (the Hessian is not summed yet): the
     engine's rounding of an input needs the amax of every token first, so :meth:`asymmetric` takes the
     Hessian of the rounded inputs and their cross term once the block has run.
+
+    On the CPU each batch's ``X^T X`` is taken when the Hessian is first read (:attr:`xtx`), not when the
+    batch arrives: the batches wait in :attr:`pending` (up to :data:`DEFER_BYTES` per input, then they are
+    summed), and are summed then in the order they came, so the sum is the same bits. An input whose
+    Hessian nobody reads costs no matmul: GPTQ's true-sequential pass drops the Hessians its block's first
+    run took of the later steps' inputs, observed again before their step (on SmolLM2-135M 12 of a block's
+    26 G fp64 multiply-adds, benchmarks/gptq_cpu_profile.md), and a linear GPTQ does not quantize is observed
+    too.
     """
 
     squares: bool = False
@@ -54,11 +65,25 @@ class Observer:
     keep: bool = False
     amax: torch.Tensor | None = None
     sum_sq: torch.Tensor | None = None
-    xtx: torch.Tensor | None = None
+    _xtx: torch.Tensor | None = None  # the X^T X summed so far (read it as xtx: that sums the pending ones first)
     cross: torch.Tensor | None = None
     kept: list = field(default_factory=list)
+    pending: list = field(default_factory=list)  # CPU: batches [n, K] whose X^T X is not in xtx yet
     count: int = 0
     shapes: set = field(default_factory=set)
+
+    @property
+    def xtx(self) -> torch.Tensor | None:
+        """The ``X^T X`` sum (fp64), the pending batches summed into it first, in the order they came."""
+        for x in self.pending:
+            h = _gram(x, x)
+            self._xtx = h if self._xtx is None else self._xtx.add_(h)
+        self.pending = []
+        return self._xtx
+
+    @xtx.setter
+    def xtx(self, value: torch.Tensor | None) -> None:
+        self._xtx = value
 
     def add(self, x: torch.Tensor) -> None:
         """Take one batch of inputs ``[..., K]`` (any leading shape; rows are tokens)."""
@@ -86,6 +111,10 @@ class Observer:
             self.sum_sq = sq if self.sum_sq is None else self.sum_sq + sq
         if self.hessian and self.keep:
             self.kept.append(flat.clone())
+        elif self.hessian and not flat.is_cuda:
+            self.pending.append(flat.clone())  # (its own copy: the model may reuse the input's memory)
+            if sum(t.numel() * t.element_size() for t in self.pending) > DEFER_BYTES:
+                _ = self.xtx  # (summed now: memory stays bounded)
         elif self.hessian:
             h = _gram(flat, flat)
             self.xtx = h if self.xtx is None else self.xtx.add_(h)
@@ -134,6 +163,7 @@ class Observer:
         """Forget the Hessian-sized statistics (the amax stays: W4A4 records it)."""
         self.xtx = self.cross = None
         self.kept = []
+        self.pending = []
 
 
 def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
