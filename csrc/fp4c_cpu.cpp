@@ -63,7 +63,7 @@
 #endif
 #define FP4C_INLINE inline __attribute__((always_inline))
 
-#define FP4C_CPU_ABI 2
+#define FP4C_CPU_ABI 3
 
 namespace {
 
@@ -73,7 +73,7 @@ namespace {
 
 enum Dtype : int { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 enum Scheme : int { NVFP4 = 0, MXFP4 = 1 };
-enum Status : int { OK = 0, BAD_ARGUMENT = 1, UNKNOWN_RULE = 2, NEGATIVE_SCALE = 3 };
+enum Status : int { OK = 0, BAD_ARGUMENT = 1, UNKNOWN_RULE = 2, NEGATIVE_SCALE = 3, NONFINITE = 4 };
 
 constexpr int L = 16;                       // blocks per tile (one AVX-512 vector, two AVX2 vectors)
 constexpr int64_t JOB_ELEMS = int64_t(1) << 16;  // elements per unit of work a thread takes at a time
@@ -232,11 +232,20 @@ FP4C_INLINE float error_term(float v, float r, float d) {
   return e * e;
 }
 
+// With input weights c (element i's weight, the same for every lane; GPTQ's sweep): the reference's
+// sq = (e * e) * c_i, summed alike (0 + sq is sq: sq is +0, positive or NaN).
 template <int BS, bool WEIGHTED>
-FP4C_INLINE void block_error(const Tile<BS>& t, const float* r, const float* d, float* err) {
-  for (int lane = 0; lane < L; ++lane) err[lane] = error_term<BS, WEIGHTED>(t.v[0][lane], r[lane], d[lane]);
-  for (int i = 1; i < BS; ++i)  // (a forced full unroll here was slower and tripled the build time)
-    for (int lane = 0; lane < L; ++lane) err[lane] = err[lane] + error_term<BS, WEIGHTED>(t.v[i][lane], r[lane], d[lane]);
+FP4C_INLINE void block_error(const Tile<BS>& t, const float* r, const float* d, const float* c, float* err) {
+  if (c == nullptr) {
+    for (int lane = 0; lane < L; ++lane) err[lane] = error_term<BS, WEIGHTED>(t.v[0][lane], r[lane], d[lane]);
+    for (int i = 1; i < BS; ++i)  // (a forced full unroll here was slower and tripled the build time)
+      for (int lane = 0; lane < L; ++lane) err[lane] = err[lane] + error_term<BS, WEIGHTED>(t.v[i][lane], r[lane], d[lane]);
+    return;
+  }
+  for (int lane = 0; lane < L; ++lane) err[lane] = error_term<BS, WEIGHTED>(t.v[0][lane], r[lane], d[lane]) * c[0];
+  for (int i = 1; i < BS; ++i)
+    for (int lane = 0; lane < L; ++lane)
+      err[lane] = err[lane] + error_term<BS, WEIGHTED>(t.v[i][lane], r[lane], d[lane]) * c[i];
 }
 
 // reference.e2m1_encode(v * r) and pack_nibbles: element 2j in the low nibble of byte j of a block.
@@ -287,12 +296,13 @@ FP4C_INLINE void nvfp4_context(Ctx& c, float gs) {
 FP4C_INLINE uint32_t nvfp4_b6(float gs, uint32_t bmax) { return e4m3_encode((gs * bits_as<float>(bmax)) / 6.0f); }
 FP4C_INLINE uint32_t nvfp4_b4(float gs, uint32_t bmax) { return e4m3_encode((gs * bits_as<float>(bmax)) / 4.0f); }
 
-// A rule's signature: (tile, context) -> each block's scale byte and element multiplier r.
+// A rule's signature: (tile, context, input weights of the block's elements or null) -> each block's
+// scale byte and element multiplier r. The rules without a search ignore the weights.
 template <int BS>
-using ChooseFn = void (*)(const Tile<BS>&, const Ctx&, uint8_t* byte, float* r);
+using ChooseFn = void (*)(const Tile<BS>&, const Ctx&, uint8_t* byte, float* r, const float* c);
 
 // NVFP4 max: b6.
-FP4C_CLONES void choose_nvfp4_max(const Tile<16>& t, const Ctx& c, uint8_t* byte, float* r) {
+FP4C_CLONES void choose_nvfp4_max(const Tile<16>& t, const Ctx& c, uint8_t* byte, float* r, const float*) {
   for (int lane = 0; lane < L; ++lane) {
     const uint32_t b6 = nvfp4_b6(c.gs, t.bmax[lane]);
     byte[lane] = uint8_t(b6);
@@ -301,7 +311,7 @@ FP4C_CLONES void choose_nvfp4_max(const Tile<16>& t, const Ctx& c, uint8_t* byte
 }
 
 // NVFP4 4over6: b4 when its error is strictly lower than b6's.
-FP4C_CLONES void choose_nvfp4_4over6(const Tile<16>& t, const Ctx& c, uint8_t* byte, float* r) {
+FP4C_CLONES void choose_nvfp4_4over6(const Tile<16>& t, const Ctx& c, uint8_t* byte, float* r, const float* w) {
   alignas(64) uint32_t b6[L], b4[L];
   alignas(64) float r6[L], d6[L], r4[L], d4[L], e6[L], e4[L];
   for (int lane = 0; lane < L; ++lane) {
@@ -312,8 +322,8 @@ FP4C_CLONES void choose_nvfp4_4over6(const Tile<16>& t, const Ctx& c, uint8_t* b
     r6[lane] = c.r[b6[lane]], d6[lane] = c.d[b6[lane]];
     r4[lane] = c.r[b4[lane]], d4[lane] = c.d[b4[lane]];
   }
-  block_error<16, false>(t, r6, d6, e6);
-  block_error<16, false>(t, r4, d4, e4);
+  block_error<16, false>(t, r6, d6, w, e6);
+  block_error<16, false>(t, r4, d4, w, e4);
   for (int lane = 0; lane < L; ++lane) {
     const bool four = e4[lane] < e6[lane];  // ties keep the /6 scale
     byte[lane] = uint8_t(four ? b4[lane] : b6[lane]);
@@ -324,7 +334,7 @@ FP4C_CLONES void choose_nvfp4_4over6(const Tile<16>& t, const Ctx& c, uint8_t* b
 // NVFP4 mse / wmse: the lowest (weighted) error among b6, b4 and b6 - 1 (byte 0 stays 0); among
 // equal errors the larger byte.
 template <bool WEIGHTED>
-FP4C_INLINE void nvfp4_mse(const Tile<16>& t, const Ctx& c, uint8_t* byte, float* r) {
+FP4C_INLINE void nvfp4_mse(const Tile<16>& t, const Ctx& c, uint8_t* byte, float* r, const float* w) {
   alignas(64) uint32_t b6[L], b4[L], best[L], cand[L];
   alignas(64) float rr[L], dd[L], err[L], best_err[L];
   for (int lane = 0; lane < L; ++lane) {
@@ -333,11 +343,11 @@ FP4C_INLINE void nvfp4_mse(const Tile<16>& t, const Ctx& c, uint8_t* byte, float
     best[lane] = b6[lane];
   }
   for (int lane = 0; lane < L; ++lane) rr[lane] = c.r[best[lane]], dd[lane] = c.d[best[lane]];
-  block_error<16, WEIGHTED>(t, rr, dd, best_err);
+  block_error<16, WEIGHTED>(t, rr, dd, w, best_err);
   for (int k = 0; k < 2; ++k) {  // b4, then b6 - 1: the winner does not depend on this order
     for (int lane = 0; lane < L; ++lane) cand[lane] = k == 0 ? b4[lane] : (b6[lane] > 0 ? b6[lane] - 1 : 0);
     for (int lane = 0; lane < L; ++lane) rr[lane] = c.r[cand[lane]], dd[lane] = c.d[cand[lane]];
-    block_error<16, WEIGHTED>(t, rr, dd, err);
+    block_error<16, WEIGHTED>(t, rr, dd, w, err);
     for (int lane = 0; lane < L; ++lane) {
       const bool take = err[lane] < best_err[lane] || (err[lane] == best_err[lane] && cand[lane] > best[lane]);
       best[lane] = take ? cand[lane] : best[lane];
@@ -350,11 +360,11 @@ FP4C_INLINE void nvfp4_mse(const Tile<16>& t, const Ctx& c, uint8_t* byte, float
   }
 }
 
-FP4C_CLONES void choose_nvfp4_mse(const Tile<16>& t, const Ctx& c, uint8_t* byte, float* r) {
-  nvfp4_mse<false>(t, c, byte, r);
+FP4C_CLONES void choose_nvfp4_mse(const Tile<16>& t, const Ctx& c, uint8_t* byte, float* r, const float* w) {
+  nvfp4_mse<false>(t, c, byte, r, w);
 }
-FP4C_CLONES void choose_nvfp4_wmse(const Tile<16>& t, const Ctx& c, uint8_t* byte, float* r) {
-  nvfp4_mse<true>(t, c, byte, r);
+FP4C_CLONES void choose_nvfp4_wmse(const Tile<16>& t, const Ctx& c, uint8_t* byte, float* r, const float* w) {
+  nvfp4_mse<true>(t, c, byte, r, w);
 }
 
 // reference.e8m0_encode_from_bmax (MXFP4 floor rule): clamp(exponent_field(bmax) - 2, 0, 254).
@@ -364,7 +374,7 @@ FP4C_INLINE uint32_t mxfp4_floor_exp(uint32_t bmax) {
 }
 
 // MXFP4 floor.
-FP4C_CLONES void choose_mxfp4_floor(const Tile<32>& t, const Ctx&, uint8_t* byte, float* r) {
+FP4C_CLONES void choose_mxfp4_floor(const Tile<32>& t, const Ctx&, uint8_t* byte, float* r, const float*) {
   for (int lane = 0; lane < L; ++lane) {
     const uint32_t e = mxfp4_floor_exp(t.bmax[lane]);
     byte[lane] = uint8_t(e);
@@ -373,7 +383,7 @@ FP4C_CLONES void choose_mxfp4_floor(const Tile<32>& t, const Ctx&, uint8_t* byte
 }
 
 // MXFP4 rceil: e + 1 (at most 254) when bmax * 2^(127 - e) > 6.
-FP4C_CLONES void choose_mxfp4_rceil(const Tile<32>& t, const Ctx&, uint8_t* byte, float* r) {
+FP4C_CLONES void choose_mxfp4_rceil(const Tile<32>& t, const Ctx&, uint8_t* byte, float* r, const float*) {
   for (int lane = 0; lane < L; ++lane) {
     uint32_t e = mxfp4_floor_exp(t.bmax[lane]);
     if (bits_as<float>(t.bmax[lane]) * pow2i(127 - int(e)) > 6.0f) e = e < 254 ? e + 1 : 254;
@@ -384,7 +394,7 @@ FP4C_CLONES void choose_mxfp4_rceil(const Tile<32>& t, const Ctx&, uint8_t* byte
 
 // MXFP4 mse / wmse: e + 1 (at most 254) when its (weighted) error is strictly lower than e's.
 template <bool WEIGHTED>
-FP4C_INLINE void mxfp4_mse(const Tile<32>& t, const Ctx&, uint8_t* byte, float* r) {
+FP4C_INLINE void mxfp4_mse(const Tile<32>& t, const Ctx&, uint8_t* byte, float* r, const float* w) {
   alignas(64) uint32_t e[L], up[L];
   alignas(64) float r0[L], d0[L], r1[L], d1[L], e0[L], e1[L];
   for (int lane = 0; lane < L; ++lane) {
@@ -393,8 +403,8 @@ FP4C_INLINE void mxfp4_mse(const Tile<32>& t, const Ctx&, uint8_t* byte, float* 
     r0[lane] = pow2i(127 - int(e[lane])), d0[lane] = pow2i(int(e[lane]) - 127);
     r1[lane] = pow2i(127 - int(up[lane])), d1[lane] = pow2i(int(up[lane]) - 127);
   }
-  block_error<32, WEIGHTED>(t, r0, d0, e0);
-  block_error<32, WEIGHTED>(t, r1, d1, e1);
+  block_error<32, WEIGHTED>(t, r0, d0, w, e0);
+  block_error<32, WEIGHTED>(t, r1, d1, w, e1);
   for (int lane = 0; lane < L; ++lane) {
     const bool u = e1[lane] < e0[lane];  // ties keep the floor exponent
     byte[lane] = uint8_t(u ? up[lane] : e[lane]);
@@ -402,11 +412,11 @@ FP4C_INLINE void mxfp4_mse(const Tile<32>& t, const Ctx&, uint8_t* byte, float* 
   }
 }
 
-FP4C_CLONES void choose_mxfp4_mse(const Tile<32>& t, const Ctx& c, uint8_t* byte, float* r) {
-  mxfp4_mse<false>(t, c, byte, r);
+FP4C_CLONES void choose_mxfp4_mse(const Tile<32>& t, const Ctx& c, uint8_t* byte, float* r, const float* w) {
+  mxfp4_mse<false>(t, c, byte, r, w);
 }
-FP4C_CLONES void choose_mxfp4_wmse(const Tile<32>& t, const Ctx& c, uint8_t* byte, float* r) {
-  mxfp4_mse<true>(t, c, byte, r);
+FP4C_CLONES void choose_mxfp4_wmse(const Tile<32>& t, const Ctx& c, uint8_t* byte, float* r, const float* w) {
+  mxfp4_mse<true>(t, c, byte, r, w);
 }
 
 // The rules in fp4convert.reference.SCALE_RULES' order (the rule code is the index). A new rule: its
@@ -852,7 +862,7 @@ bool quantize_blocks(const Problem& p, const Ctx& ctx, ChooseFn<BS> choose, Step
 #ifdef FP4C_SCALAR_RULES
     (void)step;
     alignas(64) float r[L];
-    choose(t, ctx, byte, r);
+    choose(t, ctx, byte, r, nullptr);
     encode_tile(t, r, p.packed + (base + g) * (BS / 2), n);
 #else
     (void)choose;
@@ -1071,6 +1081,104 @@ FP4C_CLONES bool nonfinite_range(const unsigned char* x, int64_t n, int dtype) {
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// GPTQ's in-batch sweep (fp4convert/numerics/gptq.py sweep_batch; csrc/fp4c_gptq.cu on a GPU)
+// ------------------------------------------------------------------------------------------------
+//
+// The rows of a column batch are independent (every row's update reads the same factor U), so a tile
+// holds L rows of the batch, transposed: wv[k * L + lane] is column k of row `lane`, and each step of
+// the reference (one torch operation over the rows) is one operation across the lanes, in the
+// reference's order: at a scale block's first column, every row's scale from the block's columns as
+// they are then (the scalar rules' choose_* function, the input weights those columns' diag(H)); the
+// column's codes E2M1(w * r) (the predicate sum: a NaN gets code 0 with its sign bit, as in the
+// reference), its values q = value(code) * d, its errors e = (w - q) / U[i][i]; then the batch's later
+// columns w_k = w_k - U[i][k] * e (one multiply, one subtract: the reference's two operations; no FMA
+// under -ffp-contract=off), a vector loop over the lanes for each k. That update is the sweep's cost:
+// N * B^2 / 2 multiply-subtracts per batch.
+
+constexpr float E2M1_SIGNED[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                   -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+struct SweepProblem {
+  const float* w;   // [n, b] row-major (read only)
+  const float* u;   // [b, b] row-major: the batch's block of the upper factor
+  const float* iw;  // [b] input weights of the search rules' error, or null
+  int scheme;
+  int64_t n;
+  int b;
+  uint8_t* codes;   // [n, b]
+  uint8_t* scales;  // [n, b / bs]
+  float* values;    // [n, b]
+  float* errors;    // [n, b]
+};
+
+// Rows [row0, row0 + n) (n <= L; lanes >= n are zeros, computed, never stored); `buf` holds 3 * b * L
+// floats. Returns whether a block was non-finite where its scale is chosen (the reference raises
+// there; nothing after it is meaningful).
+template <int BS>
+FP4C_INLINE bool sweep_rows(const SweepProblem& p, const Ctx& ctx, ChooseFn<BS> choose, int64_t row0, int n,
+                            float* buf) {
+  const int b = p.b;
+  float* wv = buf;          // [b][L] the row's columns as the sweep updates them
+  float* qv = buf + b * L;  // [b][L] values
+  float* ev = qv + b * L;   // [b][L] errors
+  alignas(64) uint8_t cv[L];
+  for (int lane = 0; lane < L; ++lane) {
+    const float* src = p.w + (row0 + lane) * b;
+    for (int k = 0; k < b; ++k) wv[k * L + lane] = lane < n ? src[k] : 0.0f;
+  }
+  Tile<BS> t;
+  alignas(64) uint8_t byte[L];
+  alignas(64) float r[L], d[L], e[L];
+  for (int i = 0; i < b; ++i) {
+    float* wi = wv + i * L;
+    if (i % BS == 0) {
+      for (int j = 0; j < BS; ++j)
+        for (int lane = 0; lane < L; ++lane) t.v[j][lane] = wi[j * L + lane];
+      block_max<BS>(t);
+      uint32_t worst = 0;
+      for (int lane = 0; lane < n; ++lane) worst = std::max(worst, t.bmax[lane]);
+      if (worst >= 0x7F800000u) return true;
+      choose(t, ctx, byte, r, p.iw != nullptr ? p.iw + i : nullptr);
+      for (int lane = 0; lane < L; ++lane) d[lane] = p.scheme == NVFP4 ? ctx.d[byte[lane]] : pow2i(int(byte[lane]) - 127);
+      for (int lane = 0; lane < n; ++lane) p.scales[(row0 + lane) * (b / BS) + i / BS] = byte[lane];
+    }
+    const float uii = p.u[int64_t(i) * b + i];
+    for (int lane = 0; lane < L; ++lane) {
+      const float x = wi[lane];
+      const uint32_t code = e2m1_spec(x * r[lane]);
+      const float q = E2M1_SIGNED[code] * d[lane];
+      e[lane] = (x - q) / uii;
+      qv[i * L + lane] = q;
+      ev[i * L + lane] = e[lane];
+      cv[lane] = uint8_t(code);
+    }
+    for (int lane = 0; lane < n; ++lane) p.codes[(row0 + lane) * b + i] = cv[lane];
+    const float* ui = p.u + int64_t(i) * b;
+    for (int k = i + 1; k < b; ++k) {
+      const float uk = ui[k];
+      float* wk = wv + k * L;
+      for (int lane = 0; lane < L; ++lane) wk[lane] = wk[lane] - uk * e[lane];
+    }
+  }
+  for (int lane = 0; lane < n; ++lane) {
+    float* qo = p.values + (row0 + lane) * b;
+    float* eo = p.errors + (row0 + lane) * b;
+    for (int k = 0; k < b; ++k) {
+      qo[k] = qv[k * L + lane];
+      eo[k] = ev[k * L + lane];
+    }
+  }
+  return false;
+}
+
+FP4C_CLONES bool sweep_rows16(const SweepProblem& p, const Ctx& ctx, int rule, int64_t row0, int n, float* buf) {
+  return sweep_rows<16>(p, ctx, NVFP4_RULES[rule], row0, n, buf);
+}
+FP4C_CLONES bool sweep_rows32(const SweepProblem& p, const Ctx& ctx, int rule, int64_t row0, int n, float* buf) {
+  return sweep_rows<32>(p, ctx, MXFP4_RULES[rule], row0, n, buf);
+}
+
 }  // namespace
 
 extern "C" {
@@ -1208,6 +1316,37 @@ int64_t fp4c_cpu_e2m1_selftest(int threads, uint32_t* first) {
     total += bad[size_t(j)];
   }
   return total;
+}
+
+// GPTQ's sweep of one column batch (fp4convert/numerics/gptq.py sweep_batch; the same arguments as
+// csrc/fp4c_gptq.cu's fp4c_gptq_sweep, with the global scale instead of the amax): w [n, b] fp32, u [b, b]
+// fp32, iw [b] fp32 or null (the search rules' input weights), gs (NVFP4: reference.global_scale of the
+// matrix's amax; unused for MXFP4); out: codes [n, b] uint8, scales [n, b / bs] uint8 (E4M3 / E8M0),
+// values and errors [n, b] fp32. NONFINITE (outputs undefined) when a block holds NaN/Inf where its scale
+// is chosen, where the reference raises. Rows are split over `threads` threads in tiles of L rows.
+int fp4c_cpu_gptq_sweep(const float* w, const float* u, const float* iw, float gs, int scheme, int rule, int64_t n,
+                        int b, uint8_t* codes, uint8_t* scales, float* values, float* errors, int threads) {
+  if (scheme != NVFP4 && scheme != MXFP4) return BAD_ARGUMENT;
+  if (!has_rule(scheme, rule)) return UNKNOWN_RULE;
+  const int bs = scheme == NVFP4 ? 16 : 32;
+  if (n < 0 || b <= 0 || b % bs || (n > 0 && (!w || !u || !codes || !scales || !values || !errors)))
+    return BAD_ARGUMENT;
+  if (scheme == NVFP4 && !(gs >= 0.0f)) return NEGATIVE_SCALE;
+  Ctx ctx;
+  if (scheme == NVFP4) nvfp4_context(ctx, gs);
+  const SweepProblem p{w, u, iw, scheme, n, b, codes, scales, values, errors};
+  const int64_t tiles = (n + L - 1) / L;
+  std::atomic<bool> bad(false);
+  parallel_jobs(tiles, threads, [&](int64_t j) {
+    thread_local std::vector<float> buf;
+    buf.resize(size_t(3) * size_t(b) * L);
+    const int64_t row0 = j * L;
+    const int rows = int(std::min<int64_t>(L, n - row0));
+    const bool f = scheme == NVFP4 ? sweep_rows16(p, ctx, rule, row0, rows, buf.data())
+                                   : sweep_rows32(p, ctx, rule, row0, rows, buf.data());
+    if (f) bad.store(true, std::memory_order_relaxed);
+  });
+  return bad.load() ? NONFINITE : OK;
 }
 
 }  // extern "C"

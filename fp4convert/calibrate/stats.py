@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from fp4convert.quantizer.backend import InputWeight
 
 
+DEFER_BYTES = 256 << 20  # CPU batches held per input before their X^T X is summed (Observer.pending)
+
 def bf16_ceil(x: float) -> float:
     """The smallest bf16 value >= x (x finite, >= 0)."""
     import struct
@@ -45,6 +47,14 @@ class Observer:
     ``keep_tokens`` (GPTQ with W4A4): the inputs themselves are held in :attr:`tokens` (the Hessian is not
     summed yet): the engine's rounding of an input needs the amax of every token first, so :meth:`asymmetric`
     takes the Hessian of the rounded inputs and their cross term once the block has run.
+
+    On the CPU each batch's ``X^T X`` is taken when the Hessian is first read (:meth:`flush`), not when the
+    batch arrives: the batches wait in :attr:`pending` (up to :data:`DEFER_BYTES` per input, then they are
+    summed), and are summed then in the order they came, each into its chunk's sum, so the sums are the same
+    bits. An input whose Hessian nobody reads costs no matmul: GPTQ's true-sequential pass drops the Hessians
+    its block's first run took of the later steps' inputs, observed again before their step (on SmolLM2-135M
+    12 of a block's 26 G fp64 multiply-adds, docs/numerics.md "Cost"), and a linear GPTQ does not quantize is
+    observed too.
     """
 
     squares: bool = False
@@ -58,6 +68,7 @@ class Observer:
     # result is the same however the chunks are spread over ranks (one chunk: exactly the running sum)
     parts: dict = field(default_factory=dict)  # "xtx" | "sq" | "cross" -> {chunk: fp64 sum}
     tokens: list = field(default_factory=list)  # (chunk, the inputs held [n, K]) when keep_tokens
+    pending: list = field(default_factory=list)  # CPU: (chunk, batch [n, K]) whose X^T X is not in parts yet
     count: int = 0
     shapes: set = field(default_factory=set)
     merged: bool = False  # the ranks' sums gathered (gather adds them once)
@@ -66,8 +77,16 @@ class Observer:
         got = self.parts.setdefault(kind, {})
         got[chunk] = t if chunk not in got else got[chunk].add_(t)
 
+    def flush(self) -> None:
+        """Sum the pending batches' ``X^T X`` into their chunks' sums, in the order the batches came."""
+        for chunk, x in self.pending:
+            self._add("xtx", chunk, _gram(x, x))
+        self.pending = []
+
     def total(self, kind: str) -> torch.Tensor | None:
         """The sum of ``kind`` over every chunk, the chunks added in their order (None: nothing)."""
+        if kind == "xtx":
+            self.flush()
         got = self.parts.get(kind)
         if not got:
             return None
@@ -114,6 +133,10 @@ class Observer:
             self._add("sq", chunk, (x2 * x2).sum(0))
         if self.hessian and self.keep_tokens:
             self.tokens.append((chunk, flat.clone()))
+        elif self.hessian and not flat.is_cuda:
+            self.pending.append((chunk, flat.clone()))  # (its own copy: the model may reuse the input's memory)
+            if sum(t.numel() * t.element_size() for _, t in self.pending) > DEFER_BYTES:
+                self.flush()  # (memory stays bounded)
         elif self.hessian:
             self._add("xtx", chunk, _gram(flat, flat))
         self.count += flat.shape[0]
@@ -163,6 +186,7 @@ class Observer:
         self.parts.pop("xtx", None)
         self.parts.pop("cross", None)
         self.tokens = []
+        self.pending = []
 
 
 def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -279,6 +303,8 @@ class Observers(dict):
             if o is None:
                 continue
             send_sums = sums and not o.merged
+            if send_sums:
+                o.flush()
             mine[n] = {"amax": None if o.amax is None else o.amax.cpu(),
                        "count": o.count if send_sums else None, "shapes": sorted(o.shapes),
                        "parts": {k: {c: t.cpu() for c, t in v.items()} for k, v in o.parts.items()} if send_sums else None}

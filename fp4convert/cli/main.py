@@ -33,6 +33,7 @@ def entry() -> None:
     interpreter's teardown (torch's takes up to a second), which restores the default handlers as it goes,
     so a Ctrl-C there killed the process silently (exit 130 after a complete run) or printed a teardown
     traceback."""
+    quiet_openmp()
     program_started()
     try:
         main(prog_name="fp4convert")
@@ -52,6 +53,19 @@ def entry() -> None:
                 pass
         os._exit(code)
     sys.exit(code)
+
+
+def quiet_openmp() -> None:
+    """OpenMP threads that sleep at a barrier instead of spinning (``OMP_WAIT_POLICY=PASSIVE`` unless the
+    environment sets a policy), before torch loads its OpenMP runtime (which reads it once).
+
+    torch's CPU operations run on OpenMP threads that spin after each parallel region by default. On a
+    machine whose cores other work also uses (shared, or more threads than cores), a spinning thread
+    holds the core its partner needs, so every small operation waits for a scheduler slice: on the
+    2-core machine under a load of 8, a 1536 x 448 matmul took 78 ms instead of 6 ms, a cholesky_inverse
+    of 1536 x 1536 13.5 s instead of 0.35 s, and GPTQ of SmolLM2-135M 920 s instead of 360 s
+    (BENCHMARKS.md, issue 45). The thread count, and so every result, is the same either way."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=EXIT_CODE_HELP)

@@ -39,7 +39,7 @@ log = logging.getLogger("fp4convert.kernels.cpu")
 
 SOURCE = "fp4c_cpu.cpp"
 LIB_NAME = "libfp4convert_cpu.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 # IEEE fp32 exactly as written (docs/numerics.md): no fast math, no FMA contraction, no reassociation.
 # -fno-trapping-math only lets the vectoriser turn the selects on float compares (min(y, 6), ...) into
 # blends: it assumes nobody reads the FP exception flags, and changes no value. -fPIC -shared for a
@@ -47,8 +47,8 @@ ABI_VERSION = 2
 CXX_FLAGS = ("-O3", "-std=c++17", "-fno-fast-math", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
              "-fPIC", "-shared", "-pthread")
 SCHEMES = {"nvfp4": 0, "mxfp4": 1}
-# Status codes of fp4c_cpu_quantize / fp4c_cpu_amax.
-OK, BAD_ARGUMENT, UNKNOWN_RULE, NEGATIVE_SCALE = 0, 1, 2, 3
+# Status codes of fp4c_cpu_quantize / fp4c_cpu_amax / fp4c_cpu_gptq_sweep.
+OK, BAD_ARGUMENT, UNKNOWN_RULE, NEGATIVE_SCALE, NONFINITE = 0, 1, 2, 3, 4
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded library, or None once it proved unavailable
@@ -107,6 +107,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     lib.fp4c_cpu_nonfinite.argtypes = [c_ptr, c_i64, c_int, c_int]
     lib.fp4c_cpu_memcpy.restype = c_int
     lib.fp4c_cpu_memcpy.argtypes = [c_ptr, c_ptr, c_i64, c_int]
+    lib.fp4c_cpu_gptq_sweep.restype = c_int
+    lib.fp4c_cpu_gptq_sweep.argtypes = [c_ptr, c_ptr, c_ptr, ctypes.c_float, c_int, c_int, c_i64, c_int, c_ptr, c_ptr,
+                                        c_ptr, c_ptr, c_int]
     lib.fp4c_cpu_e2m1_selftest.restype = c_i64
     lib.fp4c_cpu_e2m1_selftest.argtypes = [c_int, ctypes.POINTER(ctypes.c_uint32)]
     return lib
@@ -224,6 +227,34 @@ def quantize(
     if fmt == "nvfp4":
         scale = scale.view(torch.float8_e4m3fn)
     return packed, scale, flags.view(torch.bool)
+
+
+def gptq_sweep(lib: ctypes.CDLL, w1: torch.Tensor, u1: torch.Tensor, scheme: str, rule: str, gs: float | None,
+               iw: torch.Tensor | None, threads: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """GPTQ's in-batch sweep of one column batch (``fp4c_cpu_gptq_sweep``): ``w1`` [N, B] and ``u1`` [B, B]
+    fp32 (not changed), ``gs`` the NVFP4 global scale (None for MXFP4), ``iw`` [B] fp32 or None; returns
+    (codes [N, B], scale bytes [N, B/bs], values [N, B], errors [N, B]), or None where a block holds
+    NaN/Inf when its scale is chosen (the caller raises the reference's error)."""
+    import torch
+
+    scheme_ = get_scheme(scheme)
+    n, b = w1.shape
+    w = w1.contiguous()
+    u = u1.contiguous()
+    c = None if iw is None else iw.to(torch.float32).contiguous()
+    codes = torch.empty(n, b, dtype=torch.uint8)
+    scales = torch.empty(n, b // scheme_.block_size, dtype=torch.uint8)
+    values = torch.empty(n, b, dtype=torch.float32)
+    errors = torch.empty(n, b, dtype=torch.float32)
+    status = lib.fp4c_cpu_gptq_sweep(_ptr(w), _ptr(u), _ptr(c) if c is not None else None, float(gs or 0.0),
+                                     SCHEMES[scheme], scheme_.rule(rule).code, n, b, _ptr(codes), _ptr(scales),
+                                     _ptr(values), _ptr(errors), _threads(threads))
+    if status == NONFINITE:
+        return None
+    if status != OK:
+        raise RuntimeError(f"internal: fp4c_cpu_gptq_sweep returned {status} for {tuple(w1.shape)} {scheme} {rule}")
+    return codes, scales, values, errors
 
 
 def e2m1_selftest(lib: ctypes.CDLL, threads: int | None = None) -> tuple[int, int]:

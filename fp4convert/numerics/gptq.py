@@ -8,8 +8,9 @@ what is minimised. Here each FP4 block's scale is chosen by the scale rule from 
 the same E2M1 rounding the data-free quantizer does (:mod:`fp4convert.numerics.reference`): the FP4
 step is bit-exact everywhere; what is not is the float arithmetic of the Hessian's factorization and
 of the lazy batch update (a matmul), which differ between devices and libraries. On one device the
-run is deterministic, and the fast path (``csrc/fp4c_gptq.cu``, the in-block sweep) gives the bytes
-this module gives on that device.
+run is deterministic, and the fast paths of the in-batch sweep (``csrc/fp4c_gptq.cu`` on a GPU,
+``fp4c_cpu_gptq_sweep`` in ``csrc/fp4c_cpu.cpp`` on the CPU; :mod:`fp4convert.kernels.gptq` picks one)
+give the bytes this module gives on that device. What each step costs: docs/numerics.md "GPTQ", "Cost".
 
 The order of operations (docs/numerics.md "GPTQ"):
 
@@ -172,9 +173,9 @@ def choose_scales(scheme: str, cols: torch.Tensor, rule: str, amax: torch.Tensor
     return Scales(ref.pow2_f32(127 - ei), ref.pow2_f32(ei - 127), e[:, 0])
 
 
-# The in-batch sweep: (w1 [N, B] fp32 (updated in place), u1 [B, B], first column index, scheme, rule,
-# amax, input weights of the batch's columns or None) -> (codes uint8 [N, B], scale bytes [N, B/bs],
-# values [N, B], errors [N, B]).
+# The in-batch sweep: (w1 [N, B] fp32 (the caller's copy: a sweep may change it), u1 [B, B], scheme, rule,
+# amax, input weights of the batch's columns or None) -> (codes uint8 [N, B], scale bytes [N, B/bs], values
+# [N, B], errors [N, B]).
 Sweep = Callable[[torch.Tensor, torch.Tensor, str, str, "torch.Tensor | None", "torch.Tensor | None"],
                  tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -214,7 +215,8 @@ def quantize(w: torch.Tensor, prepared: Prepared, scheme: str, rule: str | None 
     """GPTQ of ``w`` [N, K] (already rotated when the checkpoint is) against ``prepared`` (its input's
     Hessian, rotated alike). ``global_amax`` (NVFP4): the fused group's amax of the weights before the
     sweep (default: this matrix's own); ``rule``: the scale rule (None: the scheme's default).
-    ``sweep``: the in-batch step (this module's, or the CUDA kernel's, which gives the same bytes)."""
+    ``sweep``: the in-batch step (this module's, or a kernel's, which gives the same bytes:
+    :func:`fp4convert.kernels.gptq.sweep_for`)."""
     from fp4convert.numerics.scheme import SCHEMES
 
     sch = SCHEMES[scheme]

@@ -5,7 +5,7 @@ For each block of the model (:meth:`~fp4convert.calibrate.layerwise.LayerwiseMod
 on the calibration samples with every linear input's Hessian ``X^T X / n`` observed (inputs shared by
 q/k/v or gate/up observed once; a 3-D expert stack's gate/up input from every token, each expert's
 down input from every token sent through that expert); then every quantized matrix of the block is
-quantized by GPTQ (:mod:`fp4convert.numerics.gptq`; the in-batch sweep on the CUDA kernel on a GPU),
+quantized by GPTQ (:mod:`fp4convert.numerics.gptq`; the in-batch sweep on the device's kernel),
 each fused group's global scale fixed from its weights before the sweep; the block is loaded again with
 the dequantized result and runs again, so the next block is calibrated on the outputs of the blocks
 already quantized. With true-sequential (``--true-sequential``), the block's matrices are quantized one
@@ -169,14 +169,10 @@ class GPTQ:
         return self._unseen
 
     def sweep_fn(self):
-        """The in-batch sweep: the CUDA kernel on a GPU (same bytes as the reference there), else the reference."""
-        from fp4convert.numerics import gptq
+        """The in-batch sweep: the device's kernel (same bytes as the reference there), else the reference."""
+        from fp4convert.kernels.gptq import sweep_for
 
-        if self.lm.device.type == "cuda" and self.settings.block <= 384:  # (the kernel's shared memory)
-            from fp4convert.kernels.cuda.ops import gptq_sweep
-
-            return gptq_sweep
-        return gptq.sweep_batch
+        return sweep_for(self.lm.device, self.settings.block)
 
     def state(self) -> dict:
         return {"damped": self.damped, "unseen": self._unseen, "smoothed": self.smoothed, "experts": self.experts}
