@@ -194,19 +194,26 @@ class LayerwiseModel(BlockWeights):
                     reads = self.load_block(i, keep_reads=keep_reads, stream=stream_experts)
                 self.read_ahead(i + 1)
                 fed: dict[str, str] = {}
-                outs, taps = self._observed_run(i, block, prefix, calls[i], hs, reps[i], observers, fed)
+                seen: list[dict[str, int]] = []
+                outs, taps = self._observed_run(i, block, prefix, calls[i], hs, reps[i], observers, fed, seen)
+                # the inputs every micro-batch's block call feeds exactly once: a rerun that wants only these (and
+                # not the outputs) stops there (a linear called twice, or an expert not reached, runs to the end)
+                once = frozenset(n for n in seen[0] if all(c.get(n) == 1 for c in seen)) \
+                    if seen and reps[i] == 1 else frozenset()
                 for t in taps:
                     if t.routed is not None:
                         never += [f"{t.name}.{e}" for e in (t.routed == 0).nonzero().flatten().tolist()]
 
                 def again(names: Collection[str], outputs: bool = True, _i=i, _block=block, _prefix=prefix,
-                          _hs=hs) -> list:
+                          _hs=hs, _once=once) -> list:
                     observers.only = set(names)
                     idle = [] if outputs else list(self.stacks.get(_i, {}).values())
                     for st in idle:
                         st.idle = True  # (its output is not wanted: nothing observed comes after a block's experts)
+                    stop = None if outputs or not names or not set(names) <= _once else frozenset(names)
                     try:
-                        return self._observed_run(_i, _block, _prefix, calls[_i], _hs, reps[_i], observers)[0]
+                        return self._observed_run(_i, _block, _prefix, calls[_i], _hs, reps[_i], observers,
+                                                  stop=stop)[0]
                     finally:
                         observers.only = None
                         for st in idle:
@@ -242,11 +249,16 @@ class LayerwiseModel(BlockWeights):
             yield Visit(len(self.layers), "", tail=True)
 
     def _observed_run(self, i: int, block, prefix: str, calls: list, hs: list, reps: int,
-                      observers: Observers, fed: dict[str, str] | None = None) -> tuple[list, list]:
+                      observers: Observers, fed: dict[str, str] | None = None, seen: list[dict[str, int]] | None = None,
+                      stop: frozenset[str] | None = None) -> tuple[list, list]:
         """Block ``i`` on every micro-batch with its linears' (and expert stacks') inputs observed: its
         outputs and the expert taps (their routing counts). ``fed``: filled with each linear input's
-        norm (:attr:`Visit.fed`; "" where some call's input was not a norm's output). A streamed expert stack
-        records its calls anew when every input is observed, or its path is among those observed alone."""
+        norm (:attr:`Visit.fed`; "" where some call's input was not a norm's output). ``seen``: filled with how
+        many times each linear was called, per micro-batch. ``stop``: inputs each micro-batch's call feeds once; the call ends
+        as soon as all of them are observed (the rest of the block would compute outputs nobody reads: the
+        observed inputs are the same tensors, so the statistics are the same bits; no outputs are returned).
+        A streamed expert stack records its calls anew when every input is observed, or its path is among
+        those observed alone."""
         import torch
         from transformers.pytorch_utils import Conv1D
 
@@ -254,11 +266,19 @@ class LayerwiseModel(BlockWeights):
         taps = []
         last: list = [None]  # (norm name, its latest output)
 
+        waiting: set[str] = set()
+
         def linear_in(name: str, x) -> None:
             if fed is not None:
                 got = last[0][0] if last[0] is not None and last[0][1] is x else ""
                 fed[name] = got if fed.get(name, got) == got else ""
+            if seen is not None:
+                seen[-1][name] = seen[-1].get(name, 0) + 1
             observers.add(name, x)
+            if stop is not None:
+                waiting.discard(name)
+                if not waiting:
+                    raise _Enough
 
         stacks = {p: st for p, st in self.stacks.get(i, {}).items() if observers.only is None or p in observers.only}
         for st in stacks.values():
@@ -275,7 +295,10 @@ class LayerwiseModel(BlockWeights):
                 taps.append(ExpertTap(prefix + n, m, observers))
         self._observing = observers
         try:
-            outs = self._run_block(i, block, calls, hs, reps)
+            before = (lambda: seen.append({})) if seen is not None else None
+            if stop is not None:
+                before = lambda: waiting.update(stop)  # noqa: E731
+            outs = self._run_block(i, block, calls, hs, reps, before=before)
         finally:
             self._observing = None
             for hd in handles:
@@ -286,9 +309,11 @@ class LayerwiseModel(BlockWeights):
                 st.recording = False
         return outs, taps
 
-    def _run_block(self, i: int, block, calls: list, hs: list, reps: int = 1) -> list:
+    def _run_block(self, i: int, block, calls: list, hs: list, reps: int = 1, before=None) -> list:
         """Block ``i`` on every micro-batch: its ``reps`` calls per micro-batch in order, each on the one
-        before's output (a block the forward runs several times over), the first on ``hs``."""
+        before's output (a block the forward runs several times over), the first on ``hs``. ``before``: called
+        before each micro-batch; a micro-batch whose call raises :class:`_Enough` (its observer has what it
+        wanted) gives no output, and the returned list is empty."""
         import torch
 
         outs = []
@@ -299,11 +324,16 @@ class LayerwiseModel(BlockWeights):
                     observers.chunk = self._chunks[k]
                 for st in self.stacks.get(i, {}).values():
                     st.chunk = self._chunks[k]
+                if before is not None:
+                    before()
                 h = hs[k]
-                for r in range(reps):
-                    a, kw = calls[k * reps + r]
-                    args, kw = replace_hidden(block, a, kw, h)
-                    h = self.run_layer(i, args, kw)
+                try:
+                    for r in range(reps):
+                        a, kw = calls[k * reps + r]
+                        args, kw = replace_hidden(block, a, kw, h)
+                        h = self.run_layer(i, args, kw)
+                except _Enough:
+                    continue
                 outs.append(h)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # (the time above is the GPU's, not the launches')
@@ -374,6 +404,10 @@ class LayerwiseModel(BlockWeights):
                 else:
                     self._free_params([(f"{h}.{n}", p) for n, p in head.named_parameters()])
             self.free_outside()
+
+
+class _Enough(Exception):
+    """Raised from an input's hook when a rerun has observed every input it wanted: the block call ends there."""
 
 
 def share(samples: int, micro_batch: int, group=None) -> list[int]:

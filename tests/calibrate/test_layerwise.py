@@ -410,3 +410,40 @@ def test_a_visited_block_runs_again_observing_only_the_inputs_named(tmp_path):
             assert torch.equal(obs[n].amax, a) and torch.equal(obs[n].sum_sq, sq) and obs[n].count == count, n
     assert q_proj in obs and obs.only is None
     visits.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_rerun_without_outputs_stops_once_its_inputs_are_observed(tmp_path, family):
+    """Visit.again(names, outputs=False) (GPTQ's true-sequential reruns): each micro-batch's block call ends once
+    every named input is observed, the rest of the block is not run, and the statistics are the same bits as a
+    rerun to the end. An input a call feeds other than once (an expert the router may skip) runs to the end."""
+    src = zoo.build(family, tmp_path / family)
+    lm = calibrate.LayerwiseModel(open_source(str(src)), torch.device("cpu"))
+    tokens = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(2))
+    obs = calibrate.Observers(hessian=True)
+    visits = lm.blocks(tokens, obs, micro_batch=2, progress=False)
+    visit = next(visits)
+    block = lm.layers[visit.index]
+    ran: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda *_a, _n=n: ran.append(_n)) for n, m in block.named_modules() if n]
+    o_proj = visit.prefix + "self_attn.o_proj"
+    for outputs in (True, False):
+        ran.clear()
+        obs.drop([o_proj])
+        got = visit.again([o_proj], outputs=outputs)
+        assert obs[o_proj].count == 4 * 16 and len(got) == (2 if outputs else 0)
+        if outputs:
+            full, full_ran = obs[o_proj].xtx.clone(), list(ran)
+        else:
+            assert torch.equal(obs[o_proj].xtx, full)
+            assert ran == [n for n in full_ran[:full_ran.index("self_attn.o_proj") + 1]] * 2  # (each micro-batch)
+            assert len(ran) < len(full_ran)
+    if family == "qwen3_moe":  # an expert's input: the router decides whether a call feeds it, so no early stop
+        expert = next(n for n in obs if ":down:" in n)
+        ran.clear()
+        obs.drop([expert])
+        visit.again([expert], outputs=False)
+        assert ran == full_ran
+    for h in hooks:
+        h.remove()
+    visits.close()
