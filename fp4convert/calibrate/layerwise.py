@@ -406,8 +406,9 @@ class LayerwiseModel(BlockWeights):
             self.free_outside()
 
 
-class _Enough(Exception):
-    """Raised from an input's hook when a rerun has observed every input it wanted: the block call ends there."""
+class _Enough(BaseException):
+    """Raised from an input's hook when a rerun has observed every input it wanted: the block call ends there (a
+    signal, not an error: a BaseException, so no ``except Exception`` in a model's forward swallows it)."""
 
 
 def share(samples: int, micro_batch: int, group=None) -> list[int]:

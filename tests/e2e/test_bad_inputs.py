@@ -90,8 +90,14 @@ def expect(r, code: int, *words: str) -> str:
 def interrupted(c: Ctx, dst: Path, *extra, src: Path | None = None) -> None:
     """An in-process run stopped by Ctrl-C once a shard is finished: exit 130, DST resumable."""
     real = work.quantize
+    calls: list[int] = []
 
     def stop(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:  # (6 KB shards: the first ones are handed to the writer by now; under load the
+            deadline = time.monotonic() + 30  # quantize calls can outrun it, and the run would end unstopped)
+            while not list(dst.glob("*.safetensors")) and time.monotonic() < deadline:
+                time.sleep(0.01)
         if list(dst.glob("*.safetensors")):
             raise KeyboardInterrupt
         return real(*a, **k)
