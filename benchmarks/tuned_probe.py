@@ -80,6 +80,7 @@ class Settings:
     best: str = "batch"  # "batch": the step with the lowest batch loss; "last": the last parameters
     guard: bool = True
     seed: int = 0
+    init: str = "rtn"  # "gptq": start from GPTQ's codes (act-order, damp 0.01) on the block's inputs Xq
 
     @property
     def rate(self) -> float:
@@ -158,15 +159,19 @@ def linears(layer: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     return {n: m for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def input_squares(layer, x: torch.Tensor, kw: dict, micro: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(the block's outputs on x, each linear's mean input square per channel, fp64 summed -> fp32)."""
+def input_stats(layer, x: torch.Tensor, kw: dict, micro: int, hessians: bool = False):
+    """(the block's outputs on x, each linear's mean input square per channel (fp64 sums -> fp32), and with
+    ``hessians`` each linear's X^T X / n (fp64))."""
     sums: dict[str, torch.Tensor] = {}
+    xtx: dict[str, torch.Tensor] = {}
     count: dict[str, int] = {}
     hooks = []
     for n, m in linears(layer).items():
         def hook(_m, args, _n=n):
             a = args[0].detach().reshape(-1, args[0].shape[-1]).double()
             sums[_n] = sums.get(_n, 0) + (a * a).sum(0)
+            if hessians:
+                xtx[_n] = xtx.get(_n, 0) + a.T @ a
             count[_n] = count.get(_n, 0) + a.shape[0]
         hooks.append(m.register_forward_pre_hook(hook))
     try:
@@ -175,11 +180,44 @@ def input_squares(layer, x: torch.Tensor, kw: dict, micro: int) -> tuple[torch.T
     finally:
         for h in hooks:
             h.remove()
-    return y, {n: (sums[n] / count[n]).float() for n in sums}
+    return y, {n: (sums[n] / count[n]).float() for n in sums}, {n: xtx[n] / count[n] for n in xtx}
 
 
-def starts(layer, st: Settings, squares: dict[str, torch.Tensor]) -> dict[str, tuned.Start]:
-    """Each linear's start: the rule's scale bytes (input-weighted if asked), NVFP4's group amax shared."""
+def gptq_start(w: torch.Tensor, h: torch.Tensor, st: Settings, amax) -> tuple[torch.Tensor, tuned.Start]:
+    """GPTQ (act-order, damp 0.01, rule ``st.rule`` or mse) of ``w`` on Hessian ``h``, as (the sweep's values
+    before each column's rounding, the start of its scale bytes): tuned with zero offsets, that source and
+    start give GPTQ's codes (a reconstructed value whose code differs at a tie is replaced by its decode)."""
+    from fp4convert.numerics import gptq
+
+    bs = SCHEMES[st.scheme].block_size
+    p = gptq.prepare(h.to(w.device), gptq.DAMP, bs)
+    cols: list[torch.Tensor] = []
+
+    def record(w1, u1, scheme, rule, am, iw):
+        c, b, vals, errs = gptq.sweep_batch(w1, u1, scheme, rule, am, iw)
+        cols.append(vals + errs * torch.diagonal(u1)[None, :])  # the value rounded, up to a rounding of e * u
+        return c, b, vals, errs
+
+    res = gptq.quantize(w, p, st.scheme, st.rule or "mse", amax, gptq.BLOCK, record)
+    wc = torch.cat(cols, 1)
+    if p.perm is not None:
+        wc = wc[:, torch.argsort(p.perm)]
+    s = tuned.Start(st.scheme, res.scale.view(torch.uint8), res.gs)
+    same = tuned.quantize(wc, s).packed == res.packed
+    wc = torch.where(ref_unpack(same), wc, res.dequantized)
+    assert torch.equal(tuned.quantize(wc, s).packed, res.packed)
+    return wc, s
+
+
+def ref_unpack(same_bytes: torch.Tensor) -> torch.Tensor:
+    """Per element: whether its packed byte was the same (both nibbles of a byte share the verdict)."""
+    return same_bytes.repeat_interleave(2, dim=-1)
+
+
+def starts(layer, st: Settings, squares: dict[str, torch.Tensor],
+           hess: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuned.Start]]:
+    """Each linear's source values and start: the weights and the rule's scale bytes (input-weighted if asked),
+    or GPTQ's (``st.init`` "gptq"); NVFP4's group amax shared."""
     lins = linears(layer)
     amax: dict[str, torch.Tensor] = {}
     if SCHEMES[st.scheme].global_scale:
@@ -187,12 +225,16 @@ def starts(layer, st: Settings, squares: dict[str, torch.Tensor]) -> dict[str, t
             key = next((n.replace(p, "+".join(g)) for g in FUSED for p in g if n.endswith(p)), n)
             a = m.weight.detach().float().abs().amax()
             amax[key] = torch.maximum(amax[key], a) if key in amax else a
-    out = {}
+    out, src = {}, {}
     for n, m in lins.items():
         key = next((n.replace(p, "+".join(g)) for g in FUSED for p in g if n.endswith(p)), n)
+        w = m.weight.detach().float()
+        if st.init == "gptq":
+            src[n], out[n] = gptq_start(w, hess[n], st, amax.get(key))
+            continue
         iw = squares.get(n) if st.start_weights == "inputs" else None
-        out[n] = tuned.start(m.weight.detach().float(), st.scheme, st.rule, amax.get(key), iw)
-    return out
+        src[n], out[n] = w, tuned.start(w, st.scheme, st.rule, amax.get(key), iw)
+    return src, out
 
 
 def block_loss(layer, x, y, kw, micro, w: dict, s: dict, v: dict, t: dict | None, unit: str) -> torch.Tensor:
@@ -201,10 +243,10 @@ def block_loss(layer, x, y, kw, micro, w: dict, s: dict, v: dict, t: dict | None
     return ((out - y) ** 2).mean()
 
 
-def tune_block(layer, xq: torch.Tensor, y: torch.Tensor, kw: dict, micro: int, st: Settings,
+def tune_block(layer, xq: torch.Tensor, y: torch.Tensor, kw: dict, micro: int, st: Settings, w: dict[str, torch.Tensor],
                s: dict[str, tuned.Start], gen: torch.Generator) -> tuple[dict, dict | None, dict]:
-    """The signed-gradient loop of one block (steps 4-5 of the module docstring): the kept (v, t) and a record."""
-    w = {n: m.weight.detach().float() for n, m in linears(layer).items()}
+    """The signed-gradient loop of one block (steps 4-5 of the module docstring) from the sources ``w`` and starts
+    ``s``: the kept (v, t) and a record."""
     dev = xq.device
     v = {n: torch.zeros_like(w[n], requires_grad=True) for n in w}
     t = {n: torch.zeros(s[n].scale.shape, device=dev, requires_grad=True) for n in w} if st.scale_lr else None
@@ -273,16 +315,16 @@ def quantize_model(bench: acc.Bench, tokens: torch.Tensor, st: Settings, device:
         xf = xq.clone() if st.target == "fp" else None
         for i, layer in enumerate(layers):
             t0 = time.time()
-            y, squares = input_squares(layer, xq, kws[i], micro)
+            y, squares, hess = input_stats(layer, xq, kws[i], micro, st.init == "gptq")
             if xf is not None:
                 with torch.no_grad():
                     y = xf = run_block(layer, xf, kws[i], micro)
-            s = starts(layer, st, squares)
-            kv, kt, rec = tune_block(layer, xq, y, kws[i], micro, st, s, gen)
+            src, s = starts(layer, st, squares, hess)
+            kv, kt, rec = tune_block(layer, xq, y, kws[i], micro, st, src, s, gen)
             moved = 0
             with torch.no_grad():
                 for n, m in linears(layer).items():
-                    res = tuned.quantize(m.weight.detach().float(), s[n], kv[n], None if kt is None else kt[n], st.unit)
+                    res = tuned.quantize(src[n], s[n], kv[n], None if kt is None else kt[n], st.unit)
                     moved += int((tuned.scale_bytes(s[n], None if kt is None else kt[n]) != s[n].scale).sum())
                     m.weight.copy_(res.dequantized.to(m.weight.dtype))
                     out[f"model.layers.{i}.{n}.weight"] = res.dequantized.cpu()
@@ -334,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--best", default="batch", choices=["batch", "last"])
     p.add_argument("--no-guard", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default="rtn", choices=["rtn", "gptq"], help="start from the rule's rounding or GPTQ's")
     p.add_argument("--data-free", action="store_true", help="only the data-free start (a harness check)")
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--calib-len", type=int, default=256)
@@ -352,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     st = Settings(a.scheme, a.rule, a.start_weights, a.iters, a.lr, a.scale_lr, a.batch, a.unit, a.target, a.best,
-                  not a.no_guard, a.seed)
+                  not a.no_guard, a.seed, a.init)
     t0 = time.time()
     bench = acc.load_bench(a.model, a.tokens, 512, 4, Path(a.cache), threads=a.threads)
     _, _, tokens = agptq.calibration(bench.checkpoint, Path(a.cache) / a.model / "tuned", a.samples, a.calib_len)
