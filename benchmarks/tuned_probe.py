@@ -54,6 +54,7 @@ HERE = Path(__file__).resolve().parent
 # benchmarks/kernels.py would shadow the ``kernels`` package transformers imports (hub kernels): import it first
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 import transformers.activations  # noqa: E402,F401
+
 sys.path.insert(0, str(ROOT))
 from fp4convert.numerics import tuned  # noqa: E402
 from fp4convert.numerics.scheme import SCHEMES  # noqa: E402
@@ -299,10 +300,38 @@ def block_flops(layer, tokens: int, seq: int, config) -> float:
     return 3.0 * (2.0 * tokens * params + 4.0 * tokens * seq * heads * head_dim)
 
 
-def quantize_model(bench: acc.Bench, tokens: torch.Tensor, st: Settings, device: torch.device,
-                   micro: int = 8) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Every block's linears tuned in model order (the module docstring's steps); returns the dequantized
-    weights (checkpoint names) and one record per block. The model's weights are put back at the end."""
+def finish_block(layer, src: dict, s: dict, kv: dict, kt: dict | None, st: Settings,
+                 held: tuple[torch.Tensor, dict] | None) -> tuple[dict[str, torch.Tensor], dict, torch.Tensor | None]:
+    """The block's final weights (dequantized, module-relative names), a record (scale bytes moved; on the
+    held-out stream, the start's and the tuned weights' output MSE against the unquantized block), and the
+    held-out stream's next inputs."""
+    final, first = {}, {}
+    moved = 0
+    with torch.no_grad():
+        for n in src:
+            tn = None if kt is None else kt[n]
+            final[n] = tuned.quantize(src[n], s[n], kv[n], tn, st.unit).dequantized
+            first[n] = tuned.quantize(src[n], s[n]).dequantized
+            moved += int((tuned.scale_bytes(s[n], tn) != s[n].scale).sum())
+        rec: dict = {"scales_moved": moved}
+        nxt = None
+        if held is not None:
+            xh, kwh = held
+            micro = xh.shape[0]
+            yh = run_block(layer, xh, kwh, micro)
+            y0 = run_block(layer, xh, kwh, micro, {f"{n}.weight": w for n, w in first.items()})
+            nxt = run_block(layer, xh, kwh, micro, {f"{n}.weight": w for n, w in final.items()})
+            rec.update(heldout_start_loss=((y0 - yh) ** 2).mean().item(), heldout_tuned_loss=((nxt - yh) ** 2).mean().item())
+    return final, rec, nxt
+
+
+def quantize_model(bench: acc.Bench, tokens: torch.Tensor, st: Settings, device: torch.device, micro: int = 8,
+                   max_blocks: int | None = None, heldout: bool = True) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Every block's linears tuned in model order (the module docstring's steps; the first ``max_blocks`` only,
+    if given); returns the dequantized weights (checkpoint names) and one record per block. With ``heldout``,
+    the evaluation text runs through the quantized blocks beside the calibration samples, and each block's
+    output error on it is recorded for the start and the tuned weights (does the tuning generalise?). The
+    model's weights are put back at the end."""
     model = bench.model.to(device)
     model.requires_grad_(False)
     layers = model.model.layers
@@ -312,8 +341,9 @@ def quantize_model(bench: acc.Bench, tokens: torch.Tensor, st: Settings, device:
     records = []
     try:
         xq, kws = capture(model, layers, tokens.to(device), micro)
+        xh, kwh = capture(model, layers, bench.ids.to(device), bench.ids.shape[0]) if heldout else (None, None)
         xf = xq.clone() if st.target == "fp" else None
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(layers[:max_blocks]):
             t0 = time.time()
             y, squares, hess = input_stats(layer, xq, kws[i], micro, st.init == "gptq")
             if xf is not None:
@@ -321,17 +351,15 @@ def quantize_model(bench: acc.Bench, tokens: torch.Tensor, st: Settings, device:
                     y = xf = run_block(layer, xf, kws[i], micro)
             src, s = starts(layer, st, squares, hess)
             kv, kt, rec = tune_block(layer, xq, y, kws[i], micro, st, src, s, gen)
-            moved = 0
+            final, more, xh = finish_block(layer, src, s, kv, kt, st, None if xh is None else (xh, kwh[i]))
             with torch.no_grad():
                 for n, m in linears(layer).items():
-                    res = tuned.quantize(src[n], s[n], kv[n], None if kt is None else kt[n], st.unit)
-                    moved += int((tuned.scale_bytes(s[n], None if kt is None else kt[n]) != s[n].scale).sum())
-                    m.weight.copy_(res.dequantized.to(m.weight.dtype))
-                    out[f"model.layers.{i}.{n}.weight"] = res.dequantized.cpu()
+                    m.weight.copy_(final[n].to(m.weight.dtype))
+                    out[f"model.layers.{i}.{n}.weight"] = final[n].cpu()
                 xq = run_block(layer, xq, kws[i], micro)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            rec.update(block=i, seconds=round(time.time() - t0, 2), scales_moved=moved,
+            rec.update(more, block=i, seconds=round(time.time() - t0, 2),
                        step_gflop=round(block_flops(layer, st.batch * tokens.shape[1], tokens.shape[1], model.config) / 1e9, 2))
             records.append(rec)
             log.info("block %d: %s", i, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in rec.items()})
@@ -378,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default="rtn", choices=["rtn", "gptq"], help="start from the rule's rounding or GPTQ's")
     p.add_argument("--data-free", action="store_true", help="only the data-free start (a harness check)")
+    p.add_argument("--blocks", type=int, help="tune only the first N blocks and record their losses (no KL): a proxy")
+    p.add_argument("--no-heldout", action="store_true", help="do not carry the evaluation text's stream (per-block held-out losses)")
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--calib-len", type=int, default=256)
     p.add_argument("--tokens", type=int, default=2048, help="held-out tokens scored (accuracy_gptq's default)")
@@ -404,10 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.data_free:
         weights, records = data_free(bench, st), []
     else:
-        weights, records = quantize_model(bench, tokens, st, device)
+        weights, records = quantize_model(bench, tokens, st, device, max_blocks=a.blocks, heldout=not a.no_heldout)
     calib_s = time.time() - t1
-    row = {"settings": asdict(st), "data_free": a.data_free, "calibrate_s": round(calib_s, 1),
-           **acc.evaluate(bench, weights), "weight_rel_mse": acc.weight_mse(bench, weights), "blocks": records}
+    row = {"settings": asdict(st), "data_free": a.data_free, "calibrate_s": round(calib_s, 1), "blocks_tuned": a.blocks,
+           **(acc.evaluate(bench, weights) if a.blocks is None else {}), "weight_rel_mse": acc.weight_mse(bench, weights),
+           "blocks": records}
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     row.update(command=" ".join(["python", "benchmarks/tuned_probe.py", *(argv if argv is not None else sys.argv[1:])]),
                commit=head, date=datetime.date.today().isoformat(), wall_s=round(time.time() - t0, 1),
@@ -420,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     prev["rows"].append(row)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(prev, indent=1) + "\n")
-    log.info("KL %.4f ppl %.3f top-1 %.4f (%s)", row["kl"], row["ppl"], row["top1"], json.dumps(asdict(st)))
+    if "kl" in row:
+        log.info("KL %.4f ppl %.3f top-1 %.4f (%s)", row["kl"], row["ppl"], row["top1"], json.dumps(asdict(st)))
     return 0
 
 
