@@ -238,32 +238,40 @@ def starts(layer, st: Settings, squares: dict[str, torch.Tensor],
     return src, out
 
 
-def block_loss(layer, x, y, kw, micro, w: dict, s: dict, v: dict, t: dict | None, unit: str) -> torch.Tensor:
+def block_loss(layer, x, y, kw, micro, w: dict, s: dict, v: dict, t: dict | None, unit: str,
+               per_sample: bool = False) -> torch.Tensor:
+    """The block's output MSE against ``y`` with the stand-in weights (one value, or one per sample)."""
     weights = {f"{n}.weight": tuned.fake_quantize(w[n], s[n], v[n], None if t is None else t[n], unit) for n in w}
     out = run_block(layer, x, kw, micro, weights)
-    return ((out - y) ** 2).mean()
+    return ((out - y) ** 2).mean(dim=(1, 2)) if per_sample else ((out - y) ** 2).mean()
 
 
 def tune_block(layer, xq: torch.Tensor, y: torch.Tensor, kw: dict, micro: int, st: Settings, w: dict[str, torch.Tensor],
                s: dict[str, tuned.Start], gen: torch.Generator) -> tuple[dict, dict | None, dict]:
     """The signed-gradient loop of one block (steps 4-5 of the module docstring) from the sources ``w`` and starts
-    ``s``: the kept (v, t) and a record."""
+    ``s``: the kept (v, t) and a record. A step's score is its batch loss over the start's loss on the same
+    samples (measured once, per sample, before the loop): batches differ in difficulty, so raw batch losses
+    would keep the step that drew the easiest batch."""
     dev = xq.device
     v = {n: torch.zeros_like(w[n], requires_grad=True) for n in w}
     t = {n: torch.zeros(s[n].scale.shape, device=dev, requires_grad=True) for n in w} if st.scale_lr else None
     params = list(v.values()) + (list(t.values()) if t else [])
-    best = (float("inf"), -1, None)
+    zero = {n: torch.zeros_like(w[n]) for n in w}
+    with torch.no_grad():
+        base = block_loss(layer, xq, y, kw, micro, w, s, zero, None, st.unit, per_sample=True)
+    best = (1.0, -1, (zero, None))  # the start itself scores 1
     order: list[int] = []
-    losses = []
+    trace = []
     for i in range(st.iters):
         if len(order) < st.batch:
             order = torch.randperm(xq.shape[0], generator=gen).tolist()
         idx, order = order[:st.batch], order[st.batch:]
         loss = block_loss(layer, xq[idx], y[idx], kw, micro, w, s, v, t, st.unit)
-        losses.append(loss.item())
-        if st.best == "batch" and losses[-1] < best[0]:
-            best = (losses[-1], i, ({n: p.detach().clone() for n, p in v.items()},
-                                    {n: p.detach().clone() for n, p in t.items()} if t else None))
+        score = loss.item() / base[idx].mean().item()
+        trace.append(round(score, 4))
+        if st.best == "batch" and score < best[0]:
+            best = (score, i, ({n: p.detach().clone() for n, p in v.items()},
+                               {n: p.detach().clone() for n, p in t.items()} if t else None))
         for p in params:
             p.grad = None
         loss.backward()
@@ -271,18 +279,16 @@ def tune_block(layer, xq: torch.Tensor, y: torch.Tensor, kw: dict, micro: int, s
             tuned.signed_step(p, p.grad, tuned.learning_rate(st.rate, i, st.iters), tuned.OFFSET_LIMIT)
         for p in (t or {}).values():
             tuned.signed_step(p, p.grad, tuned.learning_rate(st.scale_lr, i, st.iters), tuned.SCALE_LIMIT)
-    if best[2] is None:
+    if st.best == "last":
         best = (float("nan"), st.iters, ({n: p.detach() for n, p in v.items()},
                                          {n: p.detach() for n, p in t.items()} if t else None))
     kv, kt = best[2]
-    rec = {"first_batch_loss": losses[0] if losses else None, "best_batch_loss": best[0], "best_iter": best[1]}
-    if st.guard:
+    rec = {"best_score": best[0], "best_iter": best[1], "scores": trace, "start_loss": base.mean().item()}
+    if st.guard and best[1] >= 0:
         with torch.no_grad():
-            zero = {n: torch.zeros_like(w[n]) for n in w}
-            l0 = block_loss(layer, xq, y, kw, micro, w, s, zero, None, st.unit).item()
             l1 = block_loss(layer, xq, y, kw, micro, w, s, kv, kt, st.unit).item()
-        rec.update(start_loss=l0, tuned_loss=l1, kept="tuned" if l1 < l0 else "start")
-        if l1 >= l0:
+        rec.update(tuned_loss=l1, kept="tuned" if l1 < rec["start_loss"] else "start")
+        if l1 >= rec["start_loss"]:
             kv, kt = zero, None
     return kv, kt, rec
 
