@@ -82,6 +82,7 @@ class Settings:
     guard: bool = True
     seed: int = 0
     init: str = "rtn"  # "gptq": start from GPTQ's codes (act-order, damp 0.01) on the block's inputs Xq
+    fallback: str = "none"  # "gptq": also GPTQ each block; keep it where its calibration loss is lower
 
     @property
     def rate(self) -> float:
@@ -215,10 +216,11 @@ def ref_unpack(same_bytes: torch.Tensor) -> torch.Tensor:
     return same_bytes.repeat_interleave(2, dim=-1)
 
 
-def starts(layer, st: Settings, squares: dict[str, torch.Tensor],
-           hess: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuned.Start]]:
+def starts(layer, st: Settings, squares: dict[str, torch.Tensor], hess: dict[str, torch.Tensor],
+           init: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, tuned.Start]]:
     """Each linear's source values and start: the weights and the rule's scale bytes (input-weighted if asked),
-    or GPTQ's (``st.init`` "gptq"); NVFP4's group amax shared."""
+    or GPTQ's (``init``, default ``st.init``, "gptq"); NVFP4's group amax shared."""
+    init = init or st.init
     lins = linears(layer)
     amax: dict[str, torch.Tensor] = {}
     if SCHEMES[st.scheme].global_scale:
@@ -230,7 +232,7 @@ def starts(layer, st: Settings, squares: dict[str, torch.Tensor],
     for n, m in lins.items():
         key = next((n.replace(p, "+".join(g)) for g in FUSED for p in g if n.endswith(p)), n)
         w = m.weight.detach().float()
-        if st.init == "gptq":
+        if init == "gptq":
             src[n], out[n] = gptq_start(w, hess[n], st, amax.get(key))
             continue
         iw = squares.get(n) if st.start_weights == "inputs" else None
@@ -306,29 +308,47 @@ def block_flops(layer, tokens: int, seq: int, config) -> float:
     return 3.0 * (2.0 * tokens * params + 4.0 * tokens * seq * heads * head_dim)
 
 
-def finish_block(layer, src: dict, s: dict, kv: dict, kt: dict | None, st: Settings,
-                 held: tuple[torch.Tensor, dict] | None) -> tuple[dict[str, torch.Tensor], dict, torch.Tensor | None]:
-    """The block's final weights (dequantized, module-relative names), a record (scale bytes moved; on the
-    held-out stream, the start's and the tuned weights' output MSE against the unquantized block), and the
-    held-out stream's next inputs."""
-    final, first = {}, {}
+def candidates(src: dict, s: dict, kv: dict, kt: dict | None, st: Settings) -> tuple[dict[str, dict], int]:
+    """The block's decoded weights from its start ("start") and from the tuned (v, t) ("tuned"), module-relative
+    names; and how many scale bytes the moves changed."""
+    out: dict[str, dict] = {"start": {}, "tuned": {}}
     moved = 0
     with torch.no_grad():
         for n in src:
             tn = None if kt is None else kt[n]
-            final[n] = tuned.quantize(src[n], s[n], kv[n], tn, st.unit).dequantized
-            first[n] = tuned.quantize(src[n], s[n]).dequantized
+            out["tuned"][n] = tuned.quantize(src[n], s[n], kv[n], tn, st.unit).dequantized
+            out["start"][n] = tuned.quantize(src[n], s[n]).dequantized
             moved += int((tuned.scale_bytes(s[n], tn) != s[n].scale).sum())
-        rec: dict = {"scales_moved": moved}
-        nxt = None
-        if held is not None:
-            xh, kwh = held
-            micro = xh.shape[0]
-            yh = run_block(layer, xh, kwh, micro)
-            y0 = run_block(layer, xh, kwh, micro, {f"{n}.weight": w for n, w in first.items()})
-            nxt = run_block(layer, xh, kwh, micro, {f"{n}.weight": w for n, w in final.items()})
-            rec.update(heldout_start_loss=((y0 - yh) ** 2).mean().item(), heldout_tuned_loss=((nxt - yh) ** 2).mean().item())
-    return final, rec, nxt
+    return out, moved
+
+
+def heldout_losses(layer, cands: dict[str, dict], keep: str, held: tuple[torch.Tensor, dict]) -> tuple[dict, torch.Tensor]:
+    """Each candidate's output MSE against the unquantized block on the held-out stream, and the kept one's outputs
+    (the held-out stream's next inputs)."""
+    xh, kwh = held
+    micro = xh.shape[0]
+    rec, nxt = {}, None
+    with torch.no_grad():
+        yh = run_block(layer, xh, kwh, micro)
+        for name, ws in cands.items():
+            out = run_block(layer, xh, kwh, micro, {f"{n}.weight": w for n, w in ws.items()})
+            rec[f"heldout_{name}_loss"] = ((out - yh) ** 2).mean().item()
+            if name == keep:
+                nxt = out
+    assert nxt is not None
+    return rec, nxt
+
+
+def gptq_fallback(layer, xq, y, kw, micro, st: Settings, squares, hess, cands: dict, rec: dict) -> str:
+    """GPTQ of the block on the same inputs beside the tuned result (``st.fallback`` "gptq"): its weights join the
+    candidates, its calibration loss the record; returns the candidate kept (the lowest calibration loss)."""
+    gsrc, gs = starts(layer, st, squares, hess, init="gptq")
+    zero = {n: torch.zeros_like(gsrc[n]) for n in gsrc}
+    with torch.no_grad():
+        rec["gptq_loss"] = block_loss(layer, xq, y, kw, micro, gsrc, gs, zero, None, st.unit).item()
+        cands["gptq"] = {n: tuned.quantize(gsrc[n], gs[n]).dequantized for n in gsrc}
+    mine = rec.get("tuned_loss", rec["start_loss"]) if rec.get("kept", "tuned") == "tuned" else rec["start_loss"]
+    return "gptq" if rec["gptq_loss"] < mine else rec.get("kept", "tuned")
 
 
 def quantize_model(bench: acc.Bench, tokens: torch.Tensor, st: Settings, device: torch.device, micro: int = 8,
@@ -351,13 +371,20 @@ def quantize_model(bench: acc.Bench, tokens: torch.Tensor, st: Settings, device:
         xf = xq.clone() if st.target == "fp" else None
         for i, layer in enumerate(layers[:max_blocks]):
             t0 = time.time()
-            y, squares, hess = input_stats(layer, xq, kws[i], micro, st.init == "gptq")
+            y, squares, hess = input_stats(layer, xq, kws[i], micro, "gptq" in (st.init, st.fallback))
             if xf is not None:
                 with torch.no_grad():
                     y = xf = run_block(layer, xf, kws[i], micro)
             src, s = starts(layer, st, squares, hess)
             kv, kt, rec = tune_block(layer, xq, y, kws[i], micro, st, src, s, gen)
-            final, more, xh = finish_block(layer, src, s, kv, kt, st, None if xh is None else (xh, kwh[i]))
+            cands, rec["scales_moved"] = candidates(src, s, kv, kt, st)
+            keep = rec.get("kept", "tuned")
+            if st.fallback == "gptq":
+                keep = rec["kept"] = gptq_fallback(layer, xq, y, kws[i], micro, st, squares, hess, cands, rec)
+            final = cands[keep]
+            if xh is not None:
+                more, xh = heldout_losses(layer, cands, keep, (xh, kwh[i]))
+                rec.update(more)
             with torch.no_grad():
                 for n, m in linears(layer).items():
                     m.weight.copy_(final[n].to(m.weight.dtype))
@@ -365,7 +392,7 @@ def quantize_model(bench: acc.Bench, tokens: torch.Tensor, st: Settings, device:
                 xq = run_block(layer, xq, kws[i], micro)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            rec.update(more, block=i, seconds=round(time.time() - t0, 2),
+            rec.update(block=i, seconds=round(time.time() - t0, 2),
                        step_gflop=round(block_flops(layer, st.batch * tokens.shape[1], tokens.shape[1], model.config) / 1e9, 2))
             records.append(rec)
             log.info("block %d: %s", i, {k: (round(v, 6) if isinstance(v, float) else v) for k, v in rec.items()})
@@ -411,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-guard", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default="rtn", choices=["rtn", "gptq"], help="start from the rule's rounding or GPTQ's")
+    p.add_argument("--fallback", default="none", choices=["none", "gptq"], help="GPTQ each block too; keep the lower loss")
     p.add_argument("--data-free", action="store_true", help="only the data-free start (a harness check)")
     p.add_argument("--blocks", type=int, help="tune only the first N blocks and record their losses (no KL): a proxy")
     p.add_argument("--no-heldout", action="store_true", help="do not carry the evaluation text's stream (per-block held-out losses)")
@@ -431,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     st = Settings(a.scheme, a.rule, a.start_weights, a.iters, a.lr, a.scale_lr, a.batch, a.unit, a.target, a.best,
-                  not a.no_guard, a.seed, a.init)
+                  not a.no_guard, a.seed, a.init, a.fallback)
     t0 = time.time()
     bench = acc.load_bench(a.model, a.tokens, 512, 4, Path(a.cache), threads=a.threads)
     _, _, tokens = agptq.calibration(bench.checkpoint, Path(a.cache) / a.model / "tuned", a.samples, a.calib_len)
