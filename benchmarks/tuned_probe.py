@@ -83,6 +83,8 @@ class Settings:
     seed: int = 0
     init: str = "rtn"  # "gptq": start from GPTQ's codes (act-order, damp 0.01) on the block's inputs Xq
     fallback: str = "none"  # "gptq": also GPTQ each block; keep it where its calibration loss is lower
+    norm_iters: int = 0  # then the block's norm gains tuned (signed steps, relative) with the linears fixed
+    norm_lr: float = 0.002
 
     @property
     def rate(self) -> float:
@@ -308,6 +310,60 @@ def block_flops(layer, tokens: int, seq: int, config) -> float:
     return 3.0 * (2.0 * tokens * params + 4.0 * tokens * seq * heads * head_dim)
 
 
+def norms(layer) -> dict[str, torch.nn.Module]:
+    """The block's normalisation modules with a gain (RMSNorm / LayerNorm weights, q/k norms included)."""
+    return {n: m for n, m in layer.named_modules()
+            if "norm" in type(m).__name__.lower() and isinstance(getattr(m, "weight", None), torch.Tensor)}
+
+
+def tune_norms(layer, xq, y, kw, micro, st: Settings, lin: dict[str, torch.Tensor], gen: torch.Generator):
+    """The block's norm gains tuned against the target with the quantized linears ``lin`` fixed (AutoRound's norm
+    tuning, after the rounding): each gain g (as the module applies it, ``w`` or Gemma's ``1 + w``) becomes
+    ``g * (1 + u)``, ``u`` per channel by signed steps in [-0.5, 0.5], scored and kept as in :func:`tune_block`.
+    Returns (the new norm weights in their dtype, module-relative names, or None if the start is kept; a record)."""
+    mods = norms(layer)
+    w0 = {n: m.weight.detach().float().clone() for n, m in mods.items()}
+    with torch.no_grad():  # the effective gain per channel: the module's output on a vector of ones (rms 1)
+        gain = {n: m(torch.ones(1, w0[n].numel(), device=xq.device, dtype=m.weight.dtype)).float()[0] for n, m in mods.items()}
+    u = {n: torch.zeros_like(w0[n], requires_grad=True) for n in mods}
+    fixed = {f"{n}.weight": w for n, w in lin.items()}
+
+    def loss_of(idx, per_sample=False):
+        ws = {**fixed, **{f"{n}.weight": w0[n] + u[n] * gain[n] for n in mods}}
+        out = run_block(layer, xq[idx], kw, micro, ws)
+        return ((out - y[idx]) ** 2).mean(dim=(1, 2)) if per_sample else ((out - y[idx]) ** 2).mean()
+
+    everything = list(range(xq.shape[0]))
+    with torch.no_grad():
+        base = loss_of(everything, per_sample=True)
+    best = (1.0, -1, None)
+    order: list[int] = []
+    for i in range(st.norm_iters):
+        if len(order) < st.batch:
+            order = torch.randperm(xq.shape[0], generator=gen).tolist()
+        idx, order = order[:st.batch], order[st.batch:]
+        loss = loss_of(idx)
+        score = loss.item() / base[idx].mean().item()
+        if score < best[0]:
+            best = (score, i, {n: p.detach().clone() for n, p in u.items()})
+        for p in u.values():
+            p.grad = None
+        loss.backward()
+        for p in u.values():
+            tuned.signed_step(p, p.grad, tuned.learning_rate(st.norm_lr, i, st.norm_iters), 0.5)
+    rec = {"norm_best_score": best[0], "norm_best_iter": best[1], "norm_start_loss": base.mean().item()}
+    if best[2] is None:
+        return None, rec
+    with torch.no_grad():
+        for n in mods:
+            u[n].copy_(best[2][n])
+        new = {n: (w0[n] + u[n] * gain[n]).to(mods[n].weight.dtype) for n in mods}
+        ws = {**fixed, **{f"{n}.weight": w for n, w in new.items()}}
+        after = ((run_block(layer, xq, kw, micro, ws) - y) ** 2).mean().item()
+    rec.update(norm_loss=after)
+    return (new if after < rec["norm_start_loss"] else None), rec
+
+
 def candidates(src: dict, s: dict, kv: dict, kt: dict | None, st: Settings) -> tuple[dict[str, dict], int]:
     """The block's decoded weights from its start ("start") and from the tuned (v, t) ("tuned"), module-relative
     names; and how many scale bytes the moves changed."""
@@ -382,13 +438,20 @@ def quantize_model(bench: acc.Bench, tokens: torch.Tensor, st: Settings, device:
             if st.fallback == "gptq":
                 keep = rec["kept"] = gptq_fallback(layer, xq, y, kws[i], micro, st, squares, hess, cands, rec)
             final = cands[keep]
+            if st.norm_iters:
+                new, nrec = tune_norms(layer, xq, y, kws[i], micro, st, final, gen)
+                rec.update(nrec)
+                if new is not None:
+                    keep = "norms"
+                    final = cands[keep] = {**final, **new}
             if xh is not None:
                 more, xh = heldout_losses(layer, cands, keep, (xh, kwh[i]))
                 rec.update(more)
             with torch.no_grad():
-                for n, m in linears(layer).items():
-                    m.weight.copy_(final[n].to(m.weight.dtype))
-                    out[f"model.layers.{i}.{n}.weight"] = final[n].cpu()
+                mods = {**linears(layer), **norms(layer)}
+                for n, w in final.items():
+                    mods[n].weight.copy_(w.to(mods[n].weight.dtype))
+                    out[f"model.layers.{i}.{n}.weight"] = w.float().cpu()
                 xq = run_block(layer, xq, kws[i], micro)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -439,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default="rtn", choices=["rtn", "gptq"], help="start from the rule's rounding or GPTQ's")
     p.add_argument("--fallback", default="none", choices=["none", "gptq"], help="GPTQ each block too; keep the lower loss")
+    p.add_argument("--norm-iters", type=int, default=0, help="then tune the block's norm gains this many steps (0: not)")
+    p.add_argument("--norm-lr", type=float, default=0.002)
     p.add_argument("--data-free", action="store_true", help="only the data-free start (a harness check)")
     p.add_argument("--blocks", type=int, help="tune only the first N blocks and record their losses (no KL): a proxy")
     p.add_argument("--no-heldout", action="store_true", help="do not carry the evaluation text's stream (per-block held-out losses)")
@@ -459,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     st = Settings(a.scheme, a.rule, a.start_weights, a.iters, a.lr, a.scale_lr, a.batch, a.unit, a.target, a.best,
-                  not a.no_guard, a.seed, a.init, a.fallback)
+                  not a.no_guard, a.seed, a.init, a.fallback, a.norm_iters, a.norm_lr)
     t0 = time.time()
     bench = acc.load_bench(a.model, a.tokens, 512, 4, Path(a.cache), threads=a.threads)
     _, _, tokens = agptq.calibration(bench.checkpoint, Path(a.cache) / a.model / "tuned", a.samples, a.calib_len)
