@@ -170,6 +170,17 @@ def quantize(w: torch.Tensor, s: Start, v: torch.Tensor | None = None, t: torch.
     return Result(packed, byte, None, deq)
 
 
+def e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    """The value of ``E2M1(y)`` for finite fp32 ``y``: ``reference.e2m1_decode(reference.e2m1_encode(y))`` bit for bit
+    (-0.0 included), in fewer operations for the stand-in's every step: ``|y|`` divided by its grid step (a power
+    of two: exact), rounded half to even, multiplied back (exact), capped at 6, given ``y``'s sign bit. The ties
+    go where the encoder sends them (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4);
+    the final bytes use the encoder itself."""
+    a = y.abs()
+    step = grid_step(a)
+    return torch.copysign(torch.clamp(torch.round(a / step) * step, max=ref.E2M1_MAX), y)
+
+
 def _ste(value: torch.Tensor, through: torch.Tensor) -> torch.Tensor:
     """``value`` exactly (a -0.0 included), with the gradient of ``through``: ``value - (through' - through)``,
     where ``through' - through`` is +0.0 and subtracting +0.0 changes no fp32 value."""
@@ -192,8 +203,7 @@ def fake_quantize(w: torch.Tensor, s: Start, v: torch.Tensor | None, t: torch.Te
     if v is not None:
         o = _offsets(y, v.to(_F32).reshape(blocks.shape), unit)
         y = _ste(_offset_values(y.detach(), o.detach()), y + o)
-    q = ref.e2m1_decode(ref.e2m1_encode(y.detach()))
-    q = _ste(q, torch.clamp(y, -ref.E2M1_MAX, ref.E2M1_MAX))
+    q = _ste(e2m1_round(y.detach()), torch.clamp(y, -ref.E2M1_MAX, ref.E2M1_MAX))
     return (q * d[..., None]).reshape(w.shape)
 
 

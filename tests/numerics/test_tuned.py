@@ -200,6 +200,23 @@ def test_the_stand_ins_values_are_exactly_the_final_decode(scheme, rule, unit):
         assert torch.equal(torch.signbit(fq.detach()), torch.signbit(final))
 
 
+def test_the_stand_ins_e2m1_rounding_is_the_encoders_on_every_kind_of_value():
+    """e2m1_round (the stand-in's rounding) against the reference's encode + decode, bit for bit: fresh random fp32
+    bit patterns over every binade (subnormals, huge values), every E2M1 midpoint and grid value with its
+    neighbouring fp32 values on both sides, and both zeros."""
+    g = torch.Generator().manual_seed(oracle.fresh_seed())
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    y = bits.view(torch.float32)
+    y = y[torch.isfinite(y)]
+    marks = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0])
+    near = torch.cat([torch.nextafter(marks, torch.full_like(marks, -1.0)), marks, torch.nextafter(marks, torch.full_like(marks, 9.0))])
+    y = torch.cat([y, near, -near, torch.tensor([0.0, -0.0])])
+    want = ref.e2m1_decode(ref.e2m1_encode(y))
+    got = tuned.e2m1_round(y)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
 def test_the_gradients_are_the_straight_through_estimators():
     """d w_hat / d v = d * step inside [-6, 6] and 0 where the offset value saturates; d w_hat / d t summed over
     a block = ln 2 * sum(c * (w_hat - x)) for a loss sum(c * w_hat) (the decode step's and the encode
