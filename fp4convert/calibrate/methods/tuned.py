@@ -263,9 +263,8 @@ class Tuned(GPTQ):
         if final or not self.tuning.from_gptq:  # (GPTQ's pass left the block loaded with its start)
             with timing.timed("tuned_reload"):
                 self._reload(visit, decisions, made)
-        rec["seconds"] = round(time.perf_counter() - t0, 3)
-        self.blocks_done[str(visit.index)] = rec
-        log.info("tuned: block %d: %s", visit.index, rec)
+        self.blocks_done[str(visit.index)] = rec  # (no time in it: the manifest's bytes do not depend on the clock)
+        log.info("tuned: block %d took %.2f s: %s", visit.index, time.perf_counter() - t0, rec)
         return hooks
 
     def _calls(self, visit: Visit) -> list:
