@@ -55,6 +55,8 @@ def command(a: argparse.Namespace, method: str, checkpoint: Path, dst: Path, tex
         return cmd
     cmd += ["--method", method, "--calibration-data", str(text), "--calibration-samples", str(a.samples),
             "--calibration-seq-len", str(a.calib_len)]
+    if a.blocks:  # (a proxy for choosing settings: the first blocks quantized, the rest run as they are)
+        cmd += ["--only", "re:\\.layers\\.(" + "|".join(str(i) for i in range(a.blocks)) + ")\\."]
     if method == "tuned":
         for flag, value in (("--tuned-iters", a.iters), ("--tuned-lr", a.lr), ("--tuned-scale-lr", a.scale_lr),
                             ("--tuned-batch", a.batch), ("--tuned-seed", a.seed)):
@@ -87,9 +89,10 @@ def peers(model: str, scheme: str) -> dict[str, dict]:
             for r in rows if r.get("setting") == scheme and "kl" in r and (r["method"] in ("llmc-gptq", "gptq"))}
 
 
-def measure(a: argparse.Namespace, method: str, bench: acc.Bench, work: Path, text: Path) -> dict:
+def measure(a: argparse.Namespace, method: str, checkpoint: Path, bench: acc.Bench | None, work: Path, text: Path
+            ) -> dict:
     dst = work / f"fp4c-{a.scheme}-{method}"
-    cmd = command(a, method, bench.checkpoint, dst, text)
+    cmd = command(a, method, checkpoint, dst, text)
     load0 = os.getloadavg()[0]
     secs = convert(cmd, work / f"{dst.name}.log")
     manifest = json.loads((dst / "fp4convert.json").read_text())
@@ -106,6 +109,8 @@ def measure(a: argparse.Namespace, method: str, bench: acc.Bench, work: Path, te
         row["start_loss_sum"] = sum(b.get("start_loss", 0.0) for b in blocks.values())
         row["kept_loss_sum"] = sum(b["tuned_loss"] if b.get("kept") == "tuned" else b.get("start_loss", 0.0)
                                    for b in blocks.values())
+    if bench is None:
+        return row
     t = time.time()
     acc.check_loaders(dst, bench.linears)
     w = acc.decode_compressed_tensors(dst, bench.linears)
@@ -125,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, help="--tuned-seed")
     p.add_argument("--start", choices=["gptq", "rtn"], help="--tuned-start-gptq / --tuned-start-rtn")
     p.add_argument("--also", nargs="*", default=[], choices=["gptq", "rtn"], help="also measure these methods")
+    p.add_argument("--blocks", type=int, help="quantize only the first N blocks and record their calibration losses "
+                   "(start and kept), no KL: the proxy the defaults were chosen on")
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--calib-len", type=int, default=256)
     p.add_argument("--tokens", type=int, default=2048, help="held-out tokens scored (accuracy_gptq's default)")
@@ -139,17 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = acc.export_checkpoint(a.model, cache)
     work = cache / a.model / "tuned"
     text, _, tokens = agptq.calibration(checkpoint, work, a.samples, a.calib_len)
-    bench = acc.load_bench(a.model, a.tokens, 512, 4, cache, threads=a.threads)
+    bench = None if a.blocks else acc.load_bench(a.model, a.tokens, 512, 4, cache, threads=a.threads)
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
     path = Path(a.json)
     result = json.loads(path.read_text()) if path.exists() else {
-        "model": a.model, "scheme": a.scheme, "base_ppl": bench.base_ppl, "tokens": int(bench.ids.numel()),
+        "model": a.model, "scheme": a.scheme, **({"base_ppl": bench.base_ppl, "tokens": int(bench.ids.numel())} if bench
+                                                 else {}),
         "calibration": {"samples": int(tokens.shape[0]), "seq_len": int(tokens.shape[1])}, "rows": []}
     result["peers"] = peers(a.model, a.scheme)
     for method in ["tuned", *a.also]:
-        row = measure(a, method, bench, work, text)
-        for spec, peer in result["peers"].items():
+        row = measure(a, method, checkpoint, bench, work, text)
+        for spec, peer in result["peers"].items() if "kl" in row else ():
             row[f"kl_vs_{spec.replace(':', '_')}"] = round(row["kl"] / peer["kl"], 4)
         row.update(commit=head, date=datetime.date.today().isoformat(),
                    device=(torch.cuda.get_device_name() if a.device == "cuda" else
@@ -158,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"].append(row)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1) + "\n")
-        log.info("%s: KL %.4f ppl %.3f top-1 %.4f (%.0f s)", method, row["kl"], row["ppl"], row["top1"], row["convert_s"])
+        if "kl" in row:
+            log.info("%s: KL %.4f ppl %.3f top-1 %.4f (%.0f s)", method, row["kl"], row["ppl"], row["top1"], row["convert_s"])
+        else:
+            log.info("%s: blocks' calibration loss %.6f -> %.6f (%.0f s)", method, row.get("start_loss_sum", 0.0),
+                     row.get("kept_loss_sum", 0.0), row["convert_s"])
     log.info("done in %.0f s", time.time() - t0)
     return 0
 

@@ -178,3 +178,31 @@ def test_defaults_and_identity():
     rtn = ConvertConfig(method=settings("tuned", from_gptq=False, iters=0)).identity()["method"]
     assert rtn["start"] == "rtn" and "gptq" not in rtn and rtn["lr"] == 1.0
     assert c.rule == "mse" and c.input_weight_source == "none"
+
+
+def test_a_tensor_of_row_slices_is_tuned_whole_only_when_they_tile_it():
+    """A fused tensor cut into row slices (q/k/v in one tensor) is put together in row order; slices that leave a gap,
+    overlap, stride or cut experts are not (those matrices keep their start)."""
+    from fp4convert.calibrate.methods.tuned import _row_order
+    from fp4convert.plan.types import Matrix
+
+    q, k, v = (Matrix(n, (4, 8), rows=r) for n, r in (("q", (0, 4, 1)), ("k", (4, 6, 1)), ("v", (6, 8, 1))))
+    assert _row_order([v, q, k], (8, 8)) == [q, k, v]
+    assert _row_order([Matrix("w", (8, 8))], (8, 8)) == [Matrix("w", (8, 8))]
+    assert _row_order([q, v], (8, 8)) is None  # (a gap)
+    assert _row_order([q, k], (8, 8)) is None  # (rows left over)
+    assert _row_order([q, Matrix("k", (4, 8), rows=(2, 6, 1)), v], (8, 8)) is None
+    assert _row_order([Matrix("e", (4, 8), expert=0)], (2, 4, 8)) is None
+    assert _row_order([Matrix("s", (4, 8), rows=(0, 8, 2))], (8, 8)) is None
+
+
+def test_a_recorded_call_is_cut_to_the_samples_drawn():
+    """Tensors of two or more dimensions led by the micro-batch are indexed; a 1-D tensor of that length (a cache
+    position over as many tokens) and other values stay as recorded."""
+    from fp4convert.calibrate.methods.tuned import _take
+
+    h, mask, pos = torch.randn(4, 3, 2), torch.randn(4, 1, 3, 3), torch.arange(4)
+    (args, kw) = _take(((h,), {"attention_mask": mask, "cache_position": pos, "position_embeddings": (h, h),
+                               "flag": True}), [3, 1], 4)
+    assert torch.equal(args[0], h[[3, 1]]) and torch.equal(kw["attention_mask"], mask[[3, 1]])
+    assert kw["cache_position"] is pos and kw["flag"] is True and torch.equal(kw["position_embeddings"][1], h[[3, 1]])

@@ -2,21 +2,14 @@
 "Tuned rounding"): its settings (:class:`TunedSettings`, with their command-line options), its pass
 (:class:`Tuned`) and its record.
 
-For each block of the model, in order, on the outputs of the blocks already quantized (the quantized stream):
-
-1. the block's outputs with its weights as read are the target (the runner's observed run, :attr:`Visit.outputs`);
-   its recorded calls are taken again (one more forward, nothing observed);
-2. the start of every quantized matrix: GPTQ's bytes (the default; ``--method gptq``'s pass at its defaults for a
-   weight-only recipe, run through :class:`~fp4convert.calibrate.methods.gptq.GPTQ` itself, so with no tuning the
-   bytes are ``--method gptq``'s) or round-to-nearest's under the recipe's scale rule (``--tuned-start-rtn``);
-3. signed gradient descent on per-weight rounding offsets and (``--tuned-scale-lr``) per-block scale moves, the
-   block run with the differentiable stand-in of :func:`fp4convert.numerics.tuned.fake_quantize` (its values are
-   exactly the weights the bytes decode to) on ``--tuned-batch`` samples a step, against the target, the best step
-   kept;
-4. guard: the kept step and the start are scored on every calibration sample; the start stays unless the
-   tuned weights are strictly better. So a block's calibration loss is never above its start's (GPTQ's by default);
-5. the final bytes by :func:`fp4convert.numerics.tuned.quantize` (the contract's encoder), into the store; the
-   block is loaded with their decode and run again for the next block's inputs.
+For each block of the model, in order, on the outputs of the blocks already quantized: the target is the block's
+outputs with its weights as read (:attr:`Visit.outputs`); the start is GPTQ's bytes (the default: ``--method gptq``'s
+pass at its weight-only defaults, run by :class:`~fp4convert.calibrate.methods.gptq.GPTQ` itself) or round-to-
+nearest's (``--tuned-start-rtn``); signed gradient descent moves per-weight rounding offsets (and, with
+``--tuned-scale-lr``, per-block scale bytes) through the stand-in :func:`fp4convert.numerics.tuned.fake_quantize`
+(its values are the weights the bytes decode to), the best step kept; the guard keeps the start unless the tuned
+weights' loss on every sample is lower (so no block ends above its start's calibration loss); the final bytes come
+from :func:`fp4convert.numerics.tuned.quantize` (the contract's encoder) and the block is loaded with their decode.
 
 GPTQ's work (Hessians, the sweep, true-sequential, the linears outside the blocks) is :class:`GPTQ`'s, inherited:
 this module adds the tuning after it. Weight-only: ``--activations`` and ``--rotate`` are refused (the stand-in
@@ -162,7 +155,7 @@ class Tuned(GPTQ):
         self.blocks_done: dict[str, dict] = {}  # block index -> what its tuning did
         self._pending: list | None = None  # a visited block's GPTQ bytes, held back while it is tuned
         self._sources: dict[str, tuple[torch.Tensor, Start]] = {}  # module -> GPTQ's start (values, scale bytes)
-        self._sweep: Callable | None = None  # GPTQ's sweep, recording (quantize_targets)
+        self._sweep: Callable | None = None
 
     def state(self) -> dict:
         return {**super().state(), "tuned": self.blocks_done}
@@ -197,7 +190,7 @@ class Tuned(GPTQ):
         if self.tuning.from_gptq:
             super().quantize_outside(index, observers)
 
-    def sweep_fn(self):
+    def sweep_fn(self):  # (GPTQ's, recording while quantize_targets runs)
         return self._sweep if self._sweep is not None else super().sweep_fn()
 
     def keep(self, index: int, made: list, changed: dict[str, torch.Tensor] | None = None, part: int = 0) -> None:
@@ -255,7 +248,7 @@ class Tuned(GPTQ):
         else:
             made, starts = self._rtn_starts(visit, decisions)
         params, fixed = self._params(visit, decisions, starts, calls)
-        rec: dict = {"matrices": len(made), "start_kept": sorted(fixed)} if fixed else {"matrices": len(made)}
+        rec: dict = {"matrices": len(made), **({"start_kept": sorted(fixed)} if fixed else {})}
         with timing.timed("tuned_tune"), torch.enable_grad():
             final = self._tune(visit, params, calls, rec) if params and self.tuning.iters else {}
         made = [(module, final.get(module, res), a) for module, res, a in made]
@@ -379,8 +372,7 @@ class Tuned(GPTQ):
             rec["kept"] = "start"
             return {}
         rec["kept"] = "tuned"
-        out = {}
-        moved = 0
+        out, moved = {}, 0
         for p in params:
             for mod, w, st in p.mats:
                 out[mod] = tuned.quantize(w, st, kv[mod], None if kt is None else kt[mod])
@@ -467,13 +459,8 @@ def _row_order(mats: list[Matrix], shape: tuple) -> list[Matrix] | None:
         return None
     rows = int(shape[1] if mats[0].transpose else shape[0])
     order = sorted(mats, key=lambda m: m.rows[0])  # type: ignore[index]
-    at = 0
-    for m in order:
-        assert m.rows is not None
-        if m.rows[0] != at:
-            return None
-        at = m.rows[1]
-    return order if at == rows else None
+    bounds = [0, *(m.rows[1] for m in order)]  # type: ignore[index]
+    return order if all(m.rows[0] == b for m, b in zip(order, bounds)) and bounds[-1] == rows else None  # type: ignore[index]
 
 
 def _take(call: tuple, js: list[int], n: int) -> tuple:
