@@ -20,7 +20,7 @@ from tests.calibrate.test_calibrate import TEXT, add_tokenizer
 from tests.calibrate.test_gptq import _tensors, cli, kl, logits, quantize
 from tests.calibrate.test_resume import _model, _run
 
-FAST = ("--tuned-iters", "12", "--tuned-batch", "2")
+FAST = ("--tuned-iters", "12", "--tuned-batch", "2", "--tuned-lr", "0.05")  # (a tiny model from few steps)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_tuning_lowers_each_blocks_loss_or_keeps_the_start_and_the_output_loads(
     round-to-nearest some block is tuned, and the checkpoint (loaded by transformers + compressed-tensors) is
     closer to the model on the calibration text than the start's; its bytes differ from the start's."""
     common = ("--scheme", scheme, "--format", "compressed-tensors", "--method", "tuned", f"--tuned-start-{start}")
-    m = quantize(src, tmp_path / "tuned", text, *common, "--tuned-iters", "12", "--tuned-batch", "2")
+    m = quantize(src, tmp_path / "tuned", text, *common, *FAST)
     quantize(src, tmp_path / "start", text, *common, "--tuned-iters", "0")
     blocks = m["method"]["blocks"]
     assert set(blocks) == {"0", "1"}
@@ -86,8 +86,7 @@ def test_tuning_lowers_each_blocks_loss_or_keeps_the_start_and_the_output_loads(
 def test_the_same_run_writes_the_same_bytes(tmp_path, src, text):
     """Deterministic on one device: the same settings and seed twice (scale moves on), every file the same; another
     seed draws other samples."""
-    args = ("--method", "tuned", "--tuned-start-rtn", "--tuned-scale-lr", "0.02", "--tuned-iters", "12",
-            "--tuned-batch", "2")
+    args = ("--method", "tuned", "--tuned-start-rtn", "--tuned-scale-lr", "0.02", *FAST)
     a = quantize(src, tmp_path / "a", text, *args)
     quantize(src, tmp_path / "b", text, *args)
     assert a["method"]["blocks_tuned"] >= 1 and any(b.get("scales_moved") for b in a["method"]["blocks"].values())
@@ -163,20 +162,20 @@ def test_its_options_belong_to_it_on_the_command_line(tmp_path):
 
 
 def test_defaults_and_identity():
-    """The resolved defaults (GPTQ start, the offsets' rate 1 / iters, scales fixed) and what decides the bytes: the
-    start's GPTQ settings are --method gptq's weight-only defaults."""
+    """The resolved defaults (GPTQ start, the measured steps, samples and rate, scales fixed) and what decides the
+    bytes: the start's GPTQ settings are --method gptq's weight-only defaults."""
     from fp4convert.calibrate.methods.gptq import GPTQSettings
-    from fp4convert.calibrate.methods.tuned import BATCH, ITERS, start_gptq
+    from fp4convert.calibrate.methods.tuned import BATCH, ITERS, LR, start_gptq
 
     c = ConvertConfig(method=settings("tuned"))
     s = c.method_settings
-    assert (s.iters, s.lr, s.scale_lr, s.batch, s.from_gptq, s.seed) == (ITERS, 1.0 / ITERS, 0.0, BATCH, True, 0)
+    assert (s.iters, s.lr, s.scale_lr, s.batch, s.from_gptq, s.seed) == (ITERS, LR, 0.0, BATCH, True, 0)
     assert start_gptq() == GPTQSettings().resolved(ConvertConfig(method=settings("gptq")))
-    assert c.identity()["method"] == {"name": "tuned", "iters": ITERS, "lr": 1.0 / ITERS, "scale_lr": 0.0,
+    assert c.identity()["method"] == {"name": "tuned", "iters": ITERS, "lr": LR, "scale_lr": 0.0,
                                       "batch": BATCH, "seed": 0, "start": "gptq", "gptq": start_gptq().identity(),
                                       "calibration": c.identity()["method"]["calibration"]}
     rtn = ConvertConfig(method=settings("tuned", from_gptq=False, iters=0)).identity()["method"]
-    assert rtn["start"] == "rtn" and "gptq" not in rtn and rtn["lr"] == 1.0
+    assert rtn["start"] == "rtn" and "gptq" not in rtn and rtn["iters"] == 0
     assert c.rule == "mse" and c.input_weight_source == "none"
 
 

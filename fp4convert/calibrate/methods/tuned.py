@@ -46,8 +46,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ITERS = 200  # signed-gradient steps per block (AutoRound's default; not measured here, see BENCHMARKS.md)
-BATCH = 8  # calibration samples per step (AutoRound's default)
+# The defaults, measured on SmolLM2-135M MXFP4A16's first 4 blocks from GPTQ's start (their summed calibration loss,
+# GPTQ's 0.073; benchmarks/results/cpu2_20261207_tuned_defaults_smollm2-135m_mxfp4_4blocks.json): 50 steps of 4 samples
+# at rate 0.02 (AutoRound's 1 / iters) 0.070, 0.005 0.060, 0.002 0.057, 0.001 0.056, 0.0005 0.058; 8 samples at 0.005
+# 0.056; 100 steps at 0.002 0.058 (no better than 50); from round-to-nearest's start (50 steps, 0.02) 0.102
+ITERS = 50  # signed-gradient steps per block
+BATCH = 4  # calibration samples per step
+LR = 0.001  # the offsets' rate in E2M1 grid steps (from GPTQ's start, far below AutoRound's 1 / iters)
 
 
 def start_gptq() -> GPTQSettings:
@@ -62,7 +67,7 @@ class TunedSettings:
 
     name: ClassVar[str] = "tuned"
     iters: int = ITERS  # steps per block (0: the start's bytes)
-    lr: float | None = None  # offsets' rate in E2M1 grid steps, decaying linearly to 0; None: 1 / iters
+    lr: float = LR  # offsets' rate in E2M1 grid steps, decaying linearly to 0
     scale_lr: float = 0.0  # scale moves' rate in octaves (0: the start's scale bytes stay)
     batch: int = BATCH  # samples per step
     from_gptq: bool | None = None  # None: on (start from GPTQ's bytes); off: from round-to-nearest's
@@ -70,17 +75,18 @@ class TunedSettings:
 
     options: ClassVar[tuple[Option, ...]] = (
         Option("iters", "--tuned-iters", int,
-               f"--method tuned: signed-gradient steps per block; 0 keeps the start's bytes [default: {ITERS}].", low=0),
+               f"--method tuned: signed-gradient steps per block; 0 keeps the start's bytes [default: {ITERS}; measured].",
+               low=0),
         Option("lr", "--tuned-lr", float,
                "--method tuned: the rounding offsets' learning rate in E2M1 grid steps, decaying linearly to 0 "
-               "(an offset travels at most lr * (iters + 1) / 2) [default: 1 / iters].", low=0.0, low_open=True,
+               f"(an offset travels at most lr * (iters + 1) / 2) [default: {LR}; measured].", low=0.0, low_open=True,
                high=1.0),
         Option("scale_lr", "--tuned-scale-lr", float,
                "--method tuned: the block scales' learning rate in octaves (scales move by whole bytes: one E8M0 "
                "exponent, or an eighth of an octave in E4M3); 0 keeps the start's scales [default: 0].",
                low=0.0, high=1.0),
         Option("batch", "--tuned-batch", int,
-               f"--method tuned: calibration samples per step [default: {BATCH}].", low=1),
+               f"--method tuned: calibration samples per step [default: {BATCH}; measured].", low=1),
         Option("from_gptq", "--tuned-start-gptq/--tuned-start-rtn", bool,
                "--method tuned: start each block from GPTQ's bytes (then the tuned block's calibration loss is never "
                "above GPTQ's) or from round-to-nearest's [default: GPTQ]."),
@@ -97,7 +103,7 @@ class TunedSettings:
                               "--rotate, or use --method gptq (MR-GPTQ with --rotate had16)")
         if not isinstance(self.iters, int) or self.iters < 0:
             raise ConfigError(f"--tuned-iters {self.iters!r}: give the steps per block, 0 or more (e.g. {ITERS})")
-        if self.lr is not None and not (isinstance(self.lr, (int, float)) and 0.0 < self.lr <= 1.0):
+        if not (isinstance(self.lr, (int, float)) and 0.0 < self.lr <= 1.0):
             raise ConfigError(f"--tuned-lr {self.lr!r}: give a rate in (0, 1] grid steps, e.g. 0.005")
         if not (isinstance(self.scale_lr, (int, float)) and 0.0 <= self.scale_lr <= 1.0):
             raise ConfigError(f"--tuned-scale-lr {self.scale_lr!r}: give a rate in [0, 1] octaves (0: scales stay)")
@@ -107,10 +113,9 @@ class TunedSettings:
             raise ConfigError(f"--tuned-seed {self.seed!r}: give a seed, 0 or more")
 
     def resolved(self, recipe: Recipe) -> TunedSettings:
-        """The settings in effect: the offsets' rate 1 / iters (AutoRound's: an offset can travel half a grid step,
-        to the start's neighbour code and no further), the GPTQ start."""
-        return replace(self, lr=float(self.lr) if self.lr is not None else 1.0 / max(self.iters, 1),
-                       scale_lr=float(self.scale_lr), from_gptq=True if self.from_gptq is None else self.from_gptq)
+        """The settings in effect: the GPTQ start unless asked otherwise; the rates as floats."""
+        return replace(self, lr=float(self.lr), scale_lr=float(self.scale_lr),
+                       from_gptq=True if self.from_gptq is None else self.from_gptq)
 
     def identity(self) -> dict:
         """The settings that decide the bytes (resolved): the manifest's and --resume's record."""
@@ -165,9 +170,8 @@ class Tuned(GPTQ):
         self.blocks_done = dict(state.get("tuned", {}))
 
     def clock(self, tokens: torch.Tensor):
-        """The blocks' time estimate: GPTQ's arithmetic (with the GPTQ start) and the tuning's, each step a forward
-        and a backward (3x a forward) of the block's quantized matrices on ``batch`` samples, and three forwards
-        on every sample (the calls taken again, the start's and the kept step's losses)."""
+        """The blocks' time estimate: GPTQ's arithmetic (GPTQ start) and the tuning's, each step 3x a forward on
+        ``batch`` samples, and three forwards on every sample (the calls again, the start's and the kept losses)."""
         from fp4convert.calibrate.estimate import BlockClock, block_work
 
         n, seq = int(tokens.shape[0]), int(tokens.shape[1])
@@ -185,8 +189,7 @@ class Tuned(GPTQ):
         super().run(tokens, observers, head, micro_batch, progress, checkpoint)
 
     def quantize_outside(self, index: int, observers: Observers) -> None:
-        """The linears outside the blocks: GPTQ's (the start; no block runs them to tune against), or with the
-        round-to-nearest start left to the data-free quantizer."""
+        """The linears outside the blocks keep the start: GPTQ's, or the data-free quantizer's (no block to tune on)."""
         if self.tuning.from_gptq:
             super().quantize_outside(index, observers)
 
@@ -234,9 +237,7 @@ class Tuned(GPTQ):
         store and the block loaded with their decode."""
         import torch
 
-        t0 = time.perf_counter()
-        calls = self._calls(visit)
-        hooks: list = []
+        t0, calls, hooks = time.perf_counter(), self._calls(visit), []
         if self.tuning.from_gptq:
             made, self._pending, self._sources = [], [], {}
             try:
@@ -322,7 +323,6 @@ class Tuned(GPTQ):
         from fp4convert.numerics import tuned
 
         s = self.tuning
-        assert s.lr is not None
         dev = self.lm.device
         v = {mod: torch.zeros_like(w, requires_grad=True) for p in params for mod, w, _s in p.mats}
         t = {mod: torch.zeros(st.scale.shape, device=dev, requires_grad=True)
