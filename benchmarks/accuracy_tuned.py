@@ -10,12 +10,17 @@ accuracy_gptq's recorded rows (``--peers``, its JSON), not run again (its venv i
 
 Each row records the command, the conversion's seconds and the tuning's per block (the manifest's ``method.blocks``:
 the start's and the tuned calibration loss of every block, which one was kept, its seconds), KL / perplexity /
-top-1, and the ratios to the peers' KL. On the CPU the defaults (200 steps of 8 samples a block) take hours for
-SmolLM2-135M; ``--iters`` / ``--batch`` cut them (say so where the figure is quoted). On a GPU, the defaults:
+top-1, and the ratios to the peers' KL. ``--blocks N`` quantizes the first N blocks only and records their
+calibration losses (no KL): the proxy the defaults were chosen on. The device runs (one H100 or H200; the
+models come from the cache of benchmarks/accuracy.py, prepared as accuracy_gptq's docstring says), at the
+defaults, each with our GPTQ beside it on the same card:
 
-    python benchmarks/accuracy_tuned.py --model smollm2-135m --scheme mxfp4 --device cuda --also gptq \\
-        --json benchmarks/results/h100_<date>_accuracy_tuned_smollm2-135m.json
-    (and --scheme nvfp4; --model gemma3-270m with both)
+    for m in smollm2-135m gemma3-270m; do for s in mxfp4 nvfp4; do
+        python benchmarks/accuracy_tuned.py --model $m --scheme $s --device cuda --also gptq \
+            --json benchmarks/results/h100_<date>_accuracy_tuned_${m}_${s}.json; done; done
+
+Each row's ``block_s`` is the cost per block (GPTQ's start, the calls taken again, the tuning, the guard, the
+reload), from the conversion's log.
 """
 
 from __future__ import annotations
