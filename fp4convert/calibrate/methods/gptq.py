@@ -198,7 +198,7 @@ class GPTQ:
         observers.keep_tokens = act_rounding.rounded_inputs(self.lm, self.plan, self.inputs, self.config.activations)
         try:
             for visit in self.lm.blocks(tokens, observers, head=head or HEAD in outside, micro_batch=micro_batch,
-                                        progress=progress, desc="gptq: blocks", outside=outside, keep_reads=True,
+                                        progress=progress, desc=f"{self.name}: blocks", outside=outside, keep_reads=True,
                                         stream_experts=True, checkpoint=checkpoint, clock=self.clock(tokens)):
                 if visit.tail:
                     tail = True
