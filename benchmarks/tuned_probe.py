@@ -8,7 +8,7 @@ converters quantize) with the arithmetic of :mod:`fp4convert.numerics.tuned`, an
 windows of the standard library's docstrings), so the figures sit beside that benchmark's rows
 (``benchmarks/results/cpu2_2026112*_accuracy_gptq_*.json``: fp4convert GPTQ and llm-compressor's GPTQ).
 
-The algorithm (docs/tuned-draft.md), per block in model order:
+The algorithm (docs/numerics.md "Tuned rounding"), per block in model order:
 
 1. the block's inputs are the outputs of the blocks already quantized (the quantized stream, ``Xq``); with
    ``--target fp`` the unquantized model's own stream ``Xf`` is carried beside it (AutoRound's target);
