@@ -42,6 +42,22 @@ def _run(src: Path, dst: Path, text: Path, *extra):
                                      "--max-shard-size", "40kB", *extra])
 
 
+def loading(mp, stop_at: int | None = None) -> list[int]:
+    """Patch the block loader through ``mp``: a Ctrl-C when block ``stop_at`` loads, and the list of the blocks
+    loaded (returned; filled as the run goes)."""
+    real = layerwise.LayerwiseModel.load_block
+    loaded: list[int] = []
+
+    def load(self, i, *a, **kw):
+        if i == stop_at:
+            raise KeyboardInterrupt
+        loaded.append(i)
+        return real(self, i, *a, **kw)
+
+    mp.setattr(layerwise.LayerwiseModel, "load_block", load)
+    return loaded
+
+
 ROWS = {
     "gptq": ("llama", ("--method", "gptq")),
     "gptq-moe": ("qwen3_moe", ("--method", "gptq")),
@@ -64,26 +80,13 @@ def test_an_interrupted_calibration_resumes_at_the_block_it_stopped_in(tmp_path,
         r = _run(src, tmp_path / "whole", text, *extra)
     assert r.exit_code == 0, r.output
 
-    real = layerwise.LayerwiseModel.load_block
-    loaded: list[int] = []
-
-    def stop_at_2(self, i, *a, **kw):
-        if i == 2:
-            raise KeyboardInterrupt
-        return real(self, i, *a, **kw)
-
     with monkeypatch.context() as mp:
-        mp.setattr(layerwise.LayerwiseModel, "load_block", stop_at_2)
+        loading(mp, stop_at=2)
         r = _run(src, tmp_path / "out", text, *extra)
     assert r.exit_code == 130 and "--resume" in r.output and "kept" in r.output, r.output
     assert not any((tmp_path / "out").glob("*.safetensors"))
-
-    def watch(self, i, *a, **kw):
-        loaded.append(i)
-        return real(self, i, *a, **kw)
-
     with monkeypatch.context() as mp:
-        mp.setattr(layerwise.LayerwiseModel, "load_block", watch)
+        loaded = loading(mp)
         r = _run(src, tmp_path / "out", text, *extra, "--resume")
     assert r.exit_code == 0, r.output
     assert loaded and min(loaded) == 2, loaded  # blocks 0 and 1 were not run again
@@ -95,24 +98,11 @@ def test_without_resume_an_interrupted_pass_starts_over(tmp_path, monkeypatch):
     src = _model(tmp_path / "src", "llama")
     text = tmp_path / "t.txt"
     text.write_text(TEXT)
-    real = layerwise.LayerwiseModel.load_block
-
-    def stop_at_2(self, i, *a, **kw):
-        if i == 2:
-            raise KeyboardInterrupt
-        return real(self, i, *a, **kw)
-
     with monkeypatch.context() as mp:
-        mp.setattr(layerwise.LayerwiseModel, "load_block", stop_at_2)
+        loading(mp, stop_at=2)
         assert _run(src, tmp_path / "out", text, "--method", "gptq").exit_code == 130
-    loaded: list[int] = []
-
-    def watch(self, i, *a, **kw):
-        loaded.append(i)
-        return real(self, i, *a, **kw)
-
     with monkeypatch.context() as mp:
-        mp.setattr(layerwise.LayerwiseModel, "load_block", watch)
+        loaded = loading(mp)
         r = _run(src, tmp_path / "out", text, "--method", "gptq", "--overwrite")
     assert r.exit_code == 0, r.output
     assert min(loaded) == 0

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4convert.calibrate import layerwise
 from fp4convert.calibrate.methods import settings
 from fp4convert.config import ConvertConfig
 from fp4convert.errors import ConfigError
@@ -18,7 +17,7 @@ from tests import checkpoints as ck
 from tests import zoo
 from tests.calibrate.test_calibrate import TEXT, add_tokenizer
 from tests.calibrate.test_gptq import _tensors, cli, kl, logits, quantize
-from tests.calibrate.test_resume import _model, _run
+from tests.calibrate.test_resume import _model, _run, loading
 
 FAST = ("--tuned-iters", "12", "--tuned-batch", "2", "--tuned-lr", "0.05")  # (a tiny model from few steps)
 
@@ -107,25 +106,12 @@ def test_an_interrupted_pass_resumes_to_the_bytes_of_an_uninterrupted_one(tmp_pa
         mp.setenv("FP4CONVERT_CALIBRATION_CACHE", str(tmp_path / "other-cache"))
         r = _run(src, tmp_path / "whole", data, *extra)
     assert r.exit_code == 0, r.output
-    real = layerwise.LayerwiseModel.load_block
-
-    def stop_at_2(self, i, *a, **kw):
-        if i == 2:
-            raise KeyboardInterrupt
-        return real(self, i, *a, **kw)
-
     with monkeypatch.context() as mp:
-        mp.setattr(layerwise.LayerwiseModel, "load_block", stop_at_2)
+        loading(mp, stop_at=2)
         r = _run(src, tmp_path / "out", data, *extra)
     assert r.exit_code == 130 and "--resume" in r.output, r.output
-    loaded: list[int] = []
-
-    def watch(self, i, *a, **kw):
-        loaded.append(i)
-        return real(self, i, *a, **kw)
-
     with monkeypatch.context() as mp:
-        mp.setattr(layerwise.LayerwiseModel, "load_block", watch)
+        loaded = loading(mp)
         r = _run(src, tmp_path / "out", data, *extra, "--resume")
     assert r.exit_code == 0, r.output
     assert loaded and min(loaded) == 2, loaded
