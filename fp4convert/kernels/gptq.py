@@ -5,7 +5,7 @@ batch one column at a time; the reference does it as a Python loop of torch oper
 (about twenty per column, a search rule's scale choice a few hundred per scale block), which on a CPU
 is almost all of a block's GPTQ time (benchmarks/gptq_cpu_profile.md). The compiled kernels do the same
 operations in the same order: ``csrc/fp4c_gptq.cu`` on a GPU, ``fp4c_cpu_gptq_sweep`` in
-``csrc/fp4c_cpu.cpp`` on the CPU (tests/kernels/test_cpu_gptq_sweep.py compares it with the reference
+``csrc/fp4c_cpu.cpp`` on the CPU (tests/kernels/test_cpu_kernel_gptq.py compares it with the reference
 byte for byte). :func:`sweep_for` picks one; every one has :data:`~fp4convert.numerics.gptq.Sweep`'s
 signature.
 """
